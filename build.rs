@@ -1,0 +1,36 @@
+//! Compiles the kubelet's v1beta1 device-plugin API with protox (pure Rust),
+//! so a fresh machine needs no system `protoc`.
+//!
+//! Two passes over the same file:
+//! - `wire/`: every message, both clients and servers. The kubelet side (the
+//!   simulator, `inspect`, tests) and the plugin's registration client use it.
+//! - `plugin/`: only the DevicePlugin server, with every message taken from
+//!   the first pass except `ListAndWatchResponse`, which is the plugin's own
+//!   lazily encoded device list. A list of 160,000 devices would otherwise be
+//!   160,000 heap strings held for the life of the stream.
+use std::path::PathBuf;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    println!("cargo:rerun-if-changed=proto/api.proto");
+    let out = PathBuf::from(std::env::var("OUT_DIR")?);
+    let fds = protox::compile(["proto/api.proto"], ["proto"])?;
+
+    let wire = out.join("wire");
+    std::fs::create_dir_all(&wire)?;
+    tonic_prost_build::configure()
+        .out_dir(&wire)
+        .compile_fds(fds.clone())?;
+
+    let plugin = out.join("plugin");
+    std::fs::create_dir_all(&plugin)?;
+    tonic_prost_build::configure()
+        .out_dir(&plugin)
+        .build_client(false)
+        .extern_path(
+            ".v1beta1.ListAndWatchResponse",
+            "crate::device::DeviceListMessage",
+        )
+        .extern_path(".v1beta1", "crate::api")
+        .compile_fds(fds)?;
+    Ok(())
+}

@@ -1,0 +1,448 @@
+//! The TOML config (SPEC §5): schema, defaults and validation.
+//!
+//! Every key has a default, so an empty file is a valid config. Unknown keys
+//! are refused by serde; every other rule is checked in [`Config::validate`]
+//! so that the message names the key and says what would be accepted.
+//! The 4 MiB ListAndWatch check needs the real GPUs and lives in
+//! `device::plan`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::device::Resource;
+
+/// The config a node runs when nothing else is said: the in-cluster default.
+pub const DEFAULT_TOML: &str = include_str!("../config/gpu-device-plugin.toml");
+/// The config `demo` runs: the same daemon on mock GPUs.
+pub const DEMO_TOML: &str = include_str!("../config/demo.toml");
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("config is not valid TOML for this plugin: {0}")]
+    Parse(String),
+    #[error("config key `{key}`: {reason}")]
+    Invalid { key: String, reason: String },
+}
+
+fn invalid(key: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.into(),
+        reason: reason.into(),
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub resource_domain: String,
+    pub device_plugin_dir: PathBuf,
+    pub resources: Vec<Resource>,
+    pub memory_unit_mib: u64,
+    pub cores_per_gpu: u32,
+    pub pod_matching: bool,
+    /// Empty means "take `$NODE_NAME`", resolved by [`Config::from_toml`].
+    pub node_name: String,
+    pub log_format: LogFormat,
+    pub devices: Devices,
+    pub allocate: AllocateExtras,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            resource_domain: "doslab.io".into(),
+            device_plugin_dir: "/var/lib/kubelet/device-plugins".into(),
+            resources: vec![Resource::GpuMemory, Resource::GpuCore, Resource::GpuCount],
+            memory_unit_mib: 1,
+            cores_per_gpu: 100,
+            pod_matching: true,
+            node_name: String::new(),
+            log_format: LogFormat::Text,
+            devices: Devices::default(),
+            allocate: AllocateExtras::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Devices {
+    pub backend: Backend,
+    pub mock: Vec<MockGpu>,
+}
+
+impl Default for Devices {
+    fn default() -> Self {
+        Devices {
+            backend: Backend::Nvml,
+            mock: Vec::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    Nvml,
+    Mock,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MockGpu {
+    pub uuid: String,
+    pub memory_mib: u64,
+    #[serde(default)]
+    pub numa_node: Option<u32>,
+}
+
+/// What operators add to every Allocate response (SPEC §4).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AllocateExtras {
+    pub envs: BTreeMap<String, String>,
+    pub mounts: Vec<MountConfig>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MountConfig {
+    pub host_path: PathBuf,
+    pub container_path: PathBuf,
+    #[serde(default)]
+    pub read_only: bool,
+}
+
+/// Envs the plugin computes per allocation; an operator value would make a
+/// container's limits lie, so the config may not set them.
+const RESERVED_ENVS: &[&str] = &[
+    "NVIDIA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_MEMORY_LIMIT_0",
+    "CUDA_DEVICE_SM_LIMIT",
+];
+
+impl Config {
+    /// Reads and validates a config file; `node_name` falls back to `$NODE_NAME`.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Config::from_toml(&text, std::env::var("NODE_NAME").ok())
+    }
+
+    /// Parses and validates; `env_node_name` is `$NODE_NAME`, passed in so
+    /// tests do not depend on the environment.
+    pub fn from_toml(text: &str, env_node_name: Option<String>) -> Result<Config, ConfigError> {
+        let mut config: Config =
+            toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        if config.node_name.is_empty() {
+            config.node_name = env_node_name.unwrap_or_default();
+        }
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_domain()?;
+        if self.device_plugin_dir.as_os_str().is_empty() {
+            return Err(invalid(
+                "device_plugin_dir",
+                "is empty; the kubelet's is /var/lib/kubelet/device-plugins",
+            ));
+        }
+        self.validate_resources()?;
+        if self.memory_unit_mib == 0 {
+            return Err(invalid(
+                "memory_unit_mib",
+                "must be at least 1 (MiB per gpu-memory device)",
+            ));
+        }
+        if self.cores_per_gpu == 0 || self.cores_per_gpu > 100 || 100 % self.cores_per_gpu != 0 {
+            return Err(invalid(
+                "cores_per_gpu",
+                format!(
+                    "is {}; it must divide 100 (1, 2, 4, 5, 10, 20, 25, 50 or 100) so that \
+                     every grant is a whole percent for CUDA_DEVICE_SM_LIMIT",
+                    self.cores_per_gpu
+                ),
+            ));
+        }
+        if self.pod_matching && self.node_name.is_empty() {
+            return Err(invalid(
+                "node_name",
+                "is empty and $NODE_NAME is not set; pod_matching needs the node's name \
+                 (set NODE_NAME from the downward API, or pod_matching = false)",
+            ));
+        }
+        self.validate_devices()?;
+        self.validate_allocate()
+    }
+
+    fn validate_domain(&self) -> Result<(), ConfigError> {
+        let d = &self.resource_domain;
+        let ok_chars = d
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.');
+        if d.is_empty() || d.len() > 253 || !ok_chars || d.starts_with(['-', '.']) {
+            return Err(invalid(
+                "resource_domain",
+                format!("{d:?} is not a DNS subdomain (lowercase letters, digits, '-', '.')"),
+            ));
+        }
+        // The kubelet refuses any resource name containing "kubernetes.io/".
+        if format!("{d}/").contains("kubernetes.io/") {
+            return Err(invalid(
+                "resource_domain",
+                format!("{d:?} is reserved by Kubernetes; use your own domain"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn validate_resources(&self) -> Result<(), ConfigError> {
+        if self.resources.is_empty() {
+            return Err(invalid(
+                "resources",
+                "is empty; enable at least one of \"gpu-memory\", \"gpu-core\", \"gpu-count\"",
+            ));
+        }
+        for (i, r) in self.resources.iter().enumerate() {
+            if self.resources[..i].contains(r) {
+                return Err(invalid(
+                    "resources",
+                    format!("lists {:?} twice", r.name()),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_devices(&self) -> Result<(), ConfigError> {
+        let mock = &self.devices.mock;
+        match self.devices.backend {
+            Backend::Nvml if !mock.is_empty() => {
+                return Err(invalid(
+                    "devices.mock",
+                    "is only read with devices.backend = \"mock\"; remove it or switch backend",
+                ));
+            }
+            Backend::Mock if mock.is_empty() => {
+                return Err(invalid(
+                    "devices.mock",
+                    "backend is \"mock\" but no [[devices.mock]] GPU is listed",
+                ));
+            }
+            _ => {}
+        }
+        for (i, gpu) in mock.iter().enumerate() {
+            let key = format!("devices.mock[{i}].uuid");
+            crate::device::validate_uuid(&gpu.uuid).map_err(|reason| invalid(&key, reason))?;
+            if mock[..i].iter().any(|g| g.uuid == gpu.uuid) {
+                return Err(invalid(key, format!("{:?} is listed twice", gpu.uuid)));
+            }
+            if gpu.memory_mib == 0 {
+                return Err(invalid(
+                    format!("devices.mock[{i}].memory_mib"),
+                    "must be at least 1",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_allocate(&self) -> Result<(), ConfigError> {
+        let own_envs = self
+            .resources
+            .iter()
+            .map(|r| self.amount_env(*r))
+            .collect::<Vec<_>>();
+        for key in self.allocate.envs.keys() {
+            let valid = !key.is_empty()
+                && !key.starts_with(|c: char| c.is_ascii_digit())
+                && key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            if !valid {
+                return Err(invalid(
+                    format!("allocate.envs.{key}"),
+                    "is not an environment variable name ([A-Za-z_][A-Za-z0-9_]*)",
+                ));
+            }
+            if RESERVED_ENVS.contains(&key.as_str()) || own_envs.contains(key) {
+                return Err(invalid(
+                    format!("allocate.envs.{key}"),
+                    "is set by the plugin from each allocation; remove it",
+                ));
+            }
+        }
+        for (i, m) in self.allocate.mounts.iter().enumerate() {
+            for (name, p) in [("host_path", &m.host_path), ("container_path", &m.container_path)] {
+                if !p.is_absolute() {
+                    return Err(invalid(
+                        format!("allocate.mounts[{i}].{name}"),
+                        format!("{} is not an absolute path", p.display()),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `doslab.io/gpu-memory`.
+    pub fn resource_name(&self, r: Resource) -> String {
+        format!("{}/{}", self.resource_domain, r.name())
+    }
+
+    /// The env carrying a grant's amount, e.g. `DOSLAB_IO_GPU_MEMORY`.
+    pub fn amount_env(&self, r: Resource) -> String {
+        format!("{}/{}", self.resource_domain, r.name())
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() {
+                    c.to_ascii_uppercase()
+                } else {
+                    '_'
+                }
+            })
+            .collect()
+    }
+
+    /// The socket file a resource's plugin serves on, inside `device_plugin_dir`.
+    pub fn endpoint(&self, r: Resource) -> String {
+        format!("{}-{}.sock", self.resource_domain, r.name())
+    }
+
+    pub fn kubelet_socket(&self) -> PathBuf {
+        self.device_plugin_dir.join("kubelet.sock")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::from_toml(text, Some("node-a".into()))
+    }
+
+    fn err_of(text: &str) -> String {
+        parse(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn empty_file_gives_the_documented_defaults() {
+        let c = parse("").unwrap();
+        assert_eq!(c.resource_domain, "doslab.io");
+        assert_eq!(
+            c.device_plugin_dir,
+            PathBuf::from("/var/lib/kubelet/device-plugins")
+        );
+        assert_eq!(
+            c.resources,
+            vec![Resource::GpuMemory, Resource::GpuCore, Resource::GpuCount]
+        );
+        assert_eq!(c.memory_unit_mib, 1);
+        assert_eq!(c.cores_per_gpu, 100);
+        assert!(c.pod_matching);
+        assert_eq!(c.node_name, "node-a");
+        assert_eq!(c.devices.backend, Backend::Nvml);
+    }
+
+    #[test]
+    fn shipped_configs_are_valid() {
+        parse(DEFAULT_TOML).unwrap();
+        let demo = parse(DEMO_TOML).unwrap();
+        assert_eq!(demo.devices.backend, Backend::Mock);
+        let local = include_str!("../config/local-mock.toml");
+        parse(local).unwrap();
+    }
+
+    #[test]
+    fn explicit_node_name_beats_the_environment() {
+        let c = parse("node_name = \"n1\"").unwrap();
+        assert_eq!(c.node_name, "n1");
+    }
+
+    #[test]
+    fn unknown_keys_are_named() {
+        assert!(err_of("memory_unit = 2").contains("memory_unit"));
+        assert!(err_of("[devices]\nbakend = \"mock\"").contains("bakend"));
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        assert!(err_of("memory_unit_mib = 0").contains("memory_unit_mib"));
+        assert!(err_of("cores_per_gpu = 30").contains("cores_per_gpu"));
+        assert!(err_of("cores_per_gpu = 200").contains("cores_per_gpu"));
+        assert!(err_of("resources = []").contains("resources"));
+        assert!(err_of("resources = [\"gpu-core\", \"gpu-core\"]").contains("twice"));
+        assert!(err_of("resources = [\"gpu-mem\"]").contains("gpu-mem"));
+        assert!(err_of("resource_domain = \"Doslab.IO\"").contains("resource_domain"));
+        assert!(err_of("resource_domain = \"kubernetes.io\"").contains("reserved"));
+        assert!(err_of("resource_domain = \"x.kubernetes.io\"").contains("reserved"));
+        assert!(err_of("device_plugin_dir = \"\"").contains("device_plugin_dir"));
+        assert!(err_of("[devices]\nbackend = \"cuda\"").contains("cuda"));
+    }
+
+    #[test]
+    fn pod_matching_needs_a_node_name() {
+        let e = Config::from_toml("", None).unwrap_err().to_string();
+        assert!(e.contains("node_name") && e.contains("NODE_NAME"), "{e}");
+        Config::from_toml("pod_matching = false", None).unwrap();
+    }
+
+    #[test]
+    fn mock_devices_are_checked() {
+        assert!(err_of("[devices]\nbackend = \"mock\"").contains("devices.mock"));
+        let nvml_with_mock = "[[devices.mock]]\nuuid = \"GPU-a\"\nmemory_mib = 10";
+        assert!(err_of(nvml_with_mock).contains("devices.mock"));
+        let dup = "[devices]\nbackend = \"mock\"\n[[devices.mock]]\nuuid = \"GPU-a\"\nmemory_mib = 10\n[[devices.mock]]\nuuid = \"GPU-a\"\nmemory_mib = 10";
+        assert!(err_of(dup).contains("devices.mock[1].uuid"));
+        let zero = "[devices]\nbackend = \"mock\"\n[[devices.mock]]\nuuid = \"GPU-a\"\nmemory_mib = 0";
+        assert!(err_of(zero).contains("devices.mock[0].memory_mib"));
+        let long = format!(
+            "[devices]\nbackend = \"mock\"\n[[devices.mock]]\nuuid = \"{}\"\nmemory_mib = 1",
+            "a".repeat(64)
+        );
+        assert!(err_of(&long).contains("devices.mock[0].uuid"));
+    }
+
+    #[test]
+    fn operator_envs_and_mounts_are_checked() {
+        let ok = "[allocate]\nenvs = { NVIDIA_DRIVER_CAPABILITIES = \"all\", FOO_1 = \"x\" }\n[[allocate.mounts]]\nhost_path = \"/a\"\ncontainer_path = \"/b\"";
+        let c = parse(ok).unwrap();
+        assert_eq!(c.allocate.envs["FOO_1"], "x");
+        assert!(err_of("[allocate]\nenvs = { \"1X\" = \"y\" }").contains("allocate.envs.1X"));
+        assert!(
+            err_of("[allocate]\nenvs = { NVIDIA_VISIBLE_DEVICES = \"all\" }")
+                .contains("set by the plugin")
+        );
+        assert!(
+            err_of("[allocate]\nenvs = { DOSLAB_IO_GPU_CORE = \"5\" }")
+                .contains("set by the plugin")
+        );
+        let rel = "[[allocate.mounts]]\nhost_path = \"a\"\ncontainer_path = \"/b\"";
+        assert!(err_of(rel).contains("allocate.mounts[0].host_path"));
+    }
+
+    #[test]
+    fn derived_names() {
+        let c = parse("resource_domain = \"example.com\"").unwrap();
+        assert_eq!(c.resource_name(Resource::GpuCore), "example.com/gpu-core");
+        assert_eq!(c.amount_env(Resource::GpuMemory), "EXAMPLE_COM_GPU_MEMORY");
+        assert_eq!(c.endpoint(Resource::GpuCount), "example.com-gpu-count.sock");
+    }
+}

@@ -1,0 +1,100 @@
+//! Where GPUs come from: NVML on a real node, the config's list on the mock
+//! backend. NVML is loaded at run time (nvml-wrapper uses libloading), so a
+//! machine without the driver gets an error here, never a failed start-up
+//! link. Callers run [`discover`] off the async threads: NVML blocks.
+
+use nvml_wrapper::Nvml;
+
+use super::Gpu;
+use crate::config::{Backend, Config};
+
+#[derive(Debug, thiserror::Error)]
+pub enum DiscoverError {
+    #[error(
+        "cannot load NVML ({0}); is the NVIDIA driver installed and libnvidia-ml.so.1 visible \
+         to this container? Without a GPU, use devices.backend = \"mock\""
+    )]
+    Load(String),
+    #[error("NVML call {call} failed: {source}")]
+    Nvml {
+        call: &'static str,
+        source: nvml_wrapper::error::NvmlError,
+    },
+}
+
+pub fn discover(config: &Config) -> Result<Vec<Gpu>, DiscoverError> {
+    match config.devices.backend {
+        Backend::Mock => Ok(config
+            .devices
+            .mock
+            .iter()
+            .zip(0..)
+            .map(|(m, index)| Gpu {
+                uuid: m.uuid.clone(),
+                memory_mib: m.memory_mib,
+                index,
+                numa_node: m.numa_node,
+            })
+            .collect()),
+        Backend::Nvml => discover_nvml(),
+    }
+}
+
+fn discover_nvml() -> Result<Vec<Gpu>, DiscoverError> {
+    let nvml = Nvml::init().map_err(|e| DiscoverError::Load(e.to_string()))?;
+    let call = |call: &'static str| move |source| DiscoverError::Nvml { call, source };
+    let count = nvml.device_count().map_err(call("nvmlDeviceGetCount"))?;
+    (0..count)
+        .map(|i| {
+            let d = nvml
+                .device_by_index(i)
+                .map_err(call("nvmlDeviceGetHandleByIndex"))?;
+            let memory = d.memory_info().map_err(call("nvmlDeviceGetMemoryInfo"))?;
+            // Older drivers lack nvmlDeviceGetNumaNodeId; sysfs knows too.
+            let numa_node = d.numa_node_id().ok().or_else(|| {
+                let bus = d.pci_info().ok()?.bus_id.to_lowercase();
+                sysfs_numa_node(&bus)
+            });
+            Ok(Gpu {
+                uuid: d.uuid().map_err(call("nvmlDeviceGetUUID"))?,
+                memory_mib: memory.total / (1024 * 1024),
+                index: i,
+                numa_node,
+            })
+        })
+        .collect()
+}
+
+/// NVML's bus ID has an 8-digit domain; sysfs uses 4 (`0000:3b:00.0`).
+fn sysfs_numa_node(nvml_bus_id: &str) -> Option<u32> {
+    let short = nvml_bus_id.get(4..)?;
+    let text = std::fs::read_to_string(format!("/sys/bus/pci/devices/{short}/numa_node")).ok()?;
+    // -1 means the platform has no NUMA information.
+    text.trim().parse::<i64>().ok().and_then(|n| u32::try_from(n).ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mock_backend_lists_the_configured_gpus_in_order() {
+        let c = Config::from_toml(crate::config::DEMO_TOML, None).unwrap();
+        let gpus = discover(&c).unwrap();
+        assert_eq!(gpus.len(), c.devices.mock.len());
+        for (i, (g, m)) in gpus.iter().zip(&c.devices.mock).enumerate() {
+            assert_eq!((g.uuid.as_str(), g.memory_mib, g.index as usize), (m.uuid.as_str(), m.memory_mib, i));
+        }
+    }
+
+    #[test]
+    fn nvml_absence_is_a_clear_error() {
+        // These test machines have no driver; on a GPU machine this proves nothing.
+        if Nvml::init().is_ok() {
+            return;
+        }
+        let c = Config::from_toml("pod_matching = false", None).unwrap();
+        let e = discover(&c).unwrap_err().to_string();
+        assert!(e.contains("NVML") && e.contains("mock"), "{e}");
+    }
+}

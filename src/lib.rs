@@ -1,0 +1,15 @@
+//! gpu-device-plugin: a Kubernetes device plugin that shares NVIDIA GPUs by
+//! memory and compute. See the README for the design; `main.rs` is the CLI.
+
+pub mod config;
+pub mod device;
+
+/// The kubelet's v1beta1 device-plugin API (messages, clients, servers).
+pub mod api {
+    include!(concat!(env!("OUT_DIR"), "/wire/v1beta1.rs"));
+
+    /// The DevicePlugin server over our lazily encoded ListAndWatch list.
+    pub mod lazy {
+        include!(concat!(env!("OUT_DIR"), "/plugin/v1beta1.rs"));
+    }
+}
