@@ -223,10 +223,7 @@ impl Config {
         }
         for (i, r) in self.resources.iter().enumerate() {
             if self.resources[..i].contains(r) {
-                return Err(invalid(
-                    "resources",
-                    format!("lists {:?} twice", r.name()),
-                ));
+                return Err(invalid("resources", format!("lists {:?} twice", r.name())));
             }
         }
         Ok(())
@@ -289,7 +286,10 @@ impl Config {
             }
         }
         for (i, m) in self.allocate.mounts.iter().enumerate() {
-            for (name, p) in [("host_path", &m.host_path), ("container_path", &m.container_path)] {
+            for (name, p) in [
+                ("host_path", &m.host_path),
+                ("container_path", &m.container_path),
+            ] {
                 if !p.is_absolute() {
                     return Err(invalid(
                         format!("allocate.mounts[{i}].{name}"),
@@ -411,7 +411,8 @@ mod tests {
         assert!(err_of(nvml_with_mock).contains("devices.mock"));
         let dup = "[devices]\nbackend = \"mock\"\n[[devices.mock]]\nuuid = \"GPU-a\"\nmemory_mib = 10\n[[devices.mock]]\nuuid = \"GPU-a\"\nmemory_mib = 10";
         assert!(err_of(dup).contains("devices.mock[1].uuid"));
-        let zero = "[devices]\nbackend = \"mock\"\n[[devices.mock]]\nuuid = \"GPU-a\"\nmemory_mib = 0";
+        let zero =
+            "[devices]\nbackend = \"mock\"\n[[devices.mock]]\nuuid = \"GPU-a\"\nmemory_mib = 0";
         assert!(err_of(zero).contains("devices.mock[0].memory_mib"));
         let long = format!(
             "[devices]\nbackend = \"mock\"\n[[devices.mock]]\nuuid = \"{}\"\nmemory_mib = 1",

@@ -1,8 +1,14 @@
 //! gpu-device-plugin: a Kubernetes device plugin that shares NVIDIA GPUs by
 //! memory and compute. See the README for the design; `main.rs` is the CLI.
 
+pub mod app;
 pub mod config;
+pub mod demo;
 pub mod device;
+pub mod kubelet_sim;
+pub mod plugin;
+pub mod supervisor;
+pub mod uds;
 
 /// The kubelet's v1beta1 device-plugin API (messages, clients, servers).
 pub mod api {

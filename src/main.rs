@@ -1,1 +1,104 @@
-fn main() {}
+//! The command line: run the daemon, the demo, or check a config.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use futures::StreamExt;
+use gpu_device_plugin::config::{Config, LogFormat};
+use gpu_device_plugin::{app, demo};
+use signal_hook::consts::{SIGINT, SIGTERM};
+use tracing_subscriber::EnvFilter;
+
+#[derive(Parser)]
+#[command(
+    version,
+    about = "Kubernetes device plugin sharing NVIDIA GPUs by memory and compute"
+)]
+struct Cli {
+    /// The TOML config; without one the built-in in-cluster default is used.
+    #[arg(long, global = true)]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the daemon (the default).
+    Run,
+    /// Run the daemon on mock GPUs against a built-in kubelet simulator.
+    Demo,
+    /// Validate a config and print the device plan.
+    CheckConfig,
+}
+
+fn init_logging(format: LogFormat, default_level: &str) {
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
+    }
+}
+
+fn load(path: Option<&PathBuf>) -> anyhow::Result<Config> {
+    match path {
+        Some(p) => Config::load(p).with_context(|| format!("config {}", p.display())),
+        None => Ok(Config::from_toml(
+            gpu_device_plugin::config::DEFAULT_TOML,
+            std::env::var("NODE_NAME").ok(),
+        )?),
+    }
+}
+
+/// Resolves on the first SIGTERM or SIGINT.
+async fn terminated() {
+    match signal_hook_tokio::Signals::new([SIGTERM, SIGINT]) {
+        Ok(mut signals) => {
+            if let Some(sig) = signals.next().await {
+                tracing::info!(signal = sig, "signal received");
+            }
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "cannot install signal handlers; stopping only on Ctrl-C");
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command.unwrap_or(Command::Run) {
+        Command::Run => {
+            let config = load(cli.config.as_ref())?;
+            init_logging(config.log_format, "info");
+            app::run(config, terminated()).await?;
+        }
+        Command::Demo => {
+            init_logging(LogFormat::Text, "warn");
+            print!("{}", demo::run().await?);
+        }
+        Command::CheckConfig => {
+            let config = load(cli.config.as_ref())?;
+            let plan = app::plan(&config).await?;
+            println!("config OK");
+            for m in plan.models() {
+                let bytes = m.worst_case_wire_len();
+                println!(
+                    "  {:<24} {:>9} devices  ListAndWatch up to {} bytes ({:.1}% of the kubelet's 4 MiB)",
+                    config.resource_name(m.resource()),
+                    m.device_count(),
+                    bytes,
+                    100.0 * bytes as f64
+                        / gpu_device_plugin::device::KUBELET_MAX_MESSAGE_BYTES as f64
+                );
+            }
+        }
+    }
+    Ok(())
+}

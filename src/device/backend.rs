@@ -70,7 +70,10 @@ fn sysfs_numa_node(nvml_bus_id: &str) -> Option<u32> {
     let short = nvml_bus_id.get(4..)?;
     let text = std::fs::read_to_string(format!("/sys/bus/pci/devices/{short}/numa_node")).ok()?;
     // -1 means the platform has no NUMA information.
-    text.trim().parse::<i64>().ok().and_then(|n| u32::try_from(n).ok())
+    text.trim()
+        .parse::<i64>()
+        .ok()
+        .and_then(|n| u32::try_from(n).ok())
 }
 
 #[cfg(test)]
@@ -83,7 +86,10 @@ mod tests {
         let gpus = discover(&c).unwrap();
         assert_eq!(gpus.len(), c.devices.mock.len());
         for (i, (g, m)) in gpus.iter().zip(&c.devices.mock).enumerate() {
-            assert_eq!((g.uuid.as_str(), g.memory_mib, g.index as usize), (m.uuid.as_str(), m.memory_mib, i));
+            assert_eq!(
+                (g.uuid.as_str(), g.memory_mib, g.index as usize),
+                (m.uuid.as_str(), m.memory_mib, i)
+            );
         }
     }
 

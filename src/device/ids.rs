@@ -149,7 +149,11 @@ mod tests {
     fn ids_round_trip_and_are_short() {
         let u = uuids(8);
         let tags = Tags::new(u.iter().map(String::as_str)).unwrap();
-        assert!(tags.len() <= 3, "8 GPUs need at most 3 tag chars, got {}", tags.len());
+        assert!(
+            tags.len() <= 3,
+            "8 GPUs need at most 3 tag chars, got {}",
+            tags.len()
+        );
         let mut buf = [0u8; MAX_ID_LEN];
         for gpu in 0..8 {
             for index in [0, 1, 35, 36, 1295, 1296, 81_919, u32::MAX] {
@@ -169,7 +173,12 @@ mod tests {
         // A fixed UUID always gets the same tag: IDs survive restarts.
         let one = Tags::new(["GPU-8d1b5a2c-0000-4000-8000-00000000abcd"]).unwrap();
         assert_eq!(one.len(), 1);
-        assert_eq!(one.tag(0), Tags::new(["GPU-8d1b5a2c-0000-4000-8000-00000000abcd"]).unwrap().tag(0));
+        assert_eq!(
+            one.tag(0),
+            Tags::new(["GPU-8d1b5a2c-0000-4000-8000-00000000abcd"])
+                .unwrap()
+                .tag(0)
+        );
     }
 
     #[test]
@@ -192,7 +201,11 @@ mod tests {
         let tag = tags.tag(0).to_owned();
         assert_eq!(tags.decode(&format!("{tag}05")), None, "leading zero");
         assert_eq!(tags.decode(&format!("{tag}5")), Some((0, 5)));
-        assert_eq!(tags.decode(&id.to_uppercase()).filter(|_| id != id.to_uppercase()), None);
+        assert_eq!(
+            tags.decode(&id.to_uppercase())
+                .filter(|_| id != id.to_uppercase()),
+            None
+        );
         assert_eq!(tags.decode(&tag), None, "tag alone");
         assert_eq!(tags.decode(""), None);
         assert_eq!(tags.decode(&format!("{tag}zzzzzzzz")), None, "too long");

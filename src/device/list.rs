@@ -7,11 +7,11 @@
 
 use std::sync::Arc;
 
-use prost::bytes::{Buf, BufMut};
-use prost::encoding::{encode_key, encode_varint, skip_field, DecodeContext, WireType};
 use prost::DecodeError;
+use prost::bytes::{Buf, BufMut};
+use prost::encoding::{DecodeContext, WireType, encode_key, encode_varint, skip_field};
 
-use super::model::{device_len, numa_len, topology_len, DeviceModel, HEALTHY, UNHEALTHY};
+use super::model::{DeviceModel, HEALTHY, UNHEALTHY, device_len, numa_len, topology_len};
 
 /// One ListAndWatch message: every device of a model with its GPU's health,
 /// or the empty list a stopping plugin sends.
@@ -99,9 +99,7 @@ impl prost::Message for DeviceListMessage {
     }
 
     fn encoded_len(&self) -> usize {
-        self.inner
-            .as_ref()
-            .map_or(0, |(m, h)| m.wire_len(|g| h[g]))
+        self.inner.as_ref().map_or(0, |(m, h)| m.wire_len(|g| h[g]))
     }
 
     fn clear(&mut self) {
@@ -119,14 +117,23 @@ mod tests {
 
     #[test]
     fn bytes_equal_the_generated_encoding_and_decode() {
-        let gpus = vec![gpu(0, 2_000, Some(0)), gpu(1, 1_300, Some(200)), gpu(2, 40, None)];
+        let gpus = vec![
+            gpu(0, 2_000, Some(0)),
+            gpu(1, 1_300, Some(200)),
+            gpu(2, 40, None),
+        ];
         let plan = Plan::new(&config(&Resource::ALL, 1), gpus).unwrap();
         for m in plan.models() {
             let healthy: Arc<[bool]> = vec![true, false, true].into();
             let lazy = DeviceListMessage::new(m.clone(), healthy.clone());
             let bytes = lazy.encode_to_vec();
             assert_eq!(bytes.len(), lazy.encoded_len());
-            assert_eq!(bytes, eager_list(m, &healthy).encode_to_vec(), "{}", m.resource());
+            assert_eq!(
+                bytes,
+                eager_list(m, &healthy).encode_to_vec(),
+                "{}",
+                m.resource()
+            );
             let back = api::ListAndWatchResponse::decode(bytes.as_slice()).unwrap();
             assert_eq!(back.devices.len() as u64, m.device_count());
             assert_eq!(

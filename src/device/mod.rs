@@ -8,7 +8,7 @@ mod list;
 mod model;
 pub mod packing;
 
-pub use backend::{discover, DiscoverError};
+pub use backend::{DiscoverError, discover};
 pub use ids::validate_uuid;
 pub use list::DeviceListMessage;
 pub use model::{DeviceModel, DeviceRef, IdError, KUBELET_MAX_MESSAGE_BYTES, Plan, PlanError};

@@ -1,12 +1,12 @@
 //! The devices of one resource over a node's GPUs, and the plan of all
 //! enabled resources, refused when a list would not fit the kubelet's 4 MiB.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use prost::encoding::encoded_len_varint;
 
-use super::ids::{index_len, Tags, MAX_ID_LEN};
+use super::ids::{MAX_ID_LEN, Tags, index_len};
 use super::{Gpu, Resource};
 use crate::config::Config;
 
@@ -47,7 +47,9 @@ impl DeviceModel {
         let (units, unit_amount): (Vec<u32>, u64) = match resource {
             Resource::GpuMemory => (
                 gpus.iter()
-                    .map(|g| u32::try_from(g.memory_mib / config.memory_unit_mib).unwrap_or(u32::MAX))
+                    .map(|g| {
+                        u32::try_from(g.memory_mib / config.memory_unit_mib).unwrap_or(u32::MAX)
+                    })
                     .collect(),
                 config.memory_unit_mib,
             ),
@@ -124,14 +126,22 @@ impl DeviceModel {
     }
 
     /// Decodes a request's IDs; unknown or repeated IDs are refused by name.
+    /// GetPreferredAllocation sends every free ID, so repeats are found with
+    /// one bit per device rather than a hash set.
     pub fn decode_all(&self, ids: &[String]) -> Result<Vec<DeviceRef>, IdError> {
-        let mut seen = HashSet::with_capacity(ids.len());
+        let mut seen: Vec<Vec<u64>> = self
+            .units
+            .iter()
+            .map(|u| vec![0; (*u as usize).div_ceil(64)])
+            .collect();
         ids.iter()
             .map(|id| {
                 let d = self.decode(id)?;
-                if !seen.insert(d) {
+                let (word, bit) = (d.unit as usize / 64, 1u64 << (d.unit % 64));
+                if seen[d.gpu][word] & bit != 0 {
                     return Err(IdError::Duplicate(id.clone()));
                 }
+                seen[d.gpu][word] |= bit;
                 Ok(d)
             })
             .collect()
@@ -367,19 +377,35 @@ pub(crate) mod tests {
     fn device_counts_follow_the_units() {
         let gpus = vec![gpu(0, 16_384, Some(0)), gpu(1, 8_000, Some(1))];
         let plan = Plan::new(&config(&Resource::ALL, 2), gpus).unwrap();
-        assert_eq!(plan.model(Resource::GpuMemory).unwrap().device_count(), 8_192 + 4_000);
+        assert_eq!(
+            plan.model(Resource::GpuMemory).unwrap().device_count(),
+            8_192 + 4_000
+        );
         assert_eq!(plan.model(Resource::GpuCore).unwrap().device_count(), 200);
         assert_eq!(plan.model(Resource::GpuCount).unwrap().device_count(), 2);
     }
 
     #[test]
     fn wire_len_matches_prost_exactly() {
-        let gpus = vec![gpu(0, 3_000, Some(0)), gpu(1, 2_000, Some(3)), gpu(2, 50, None)];
+        let gpus = vec![
+            gpu(0, 3_000, Some(0)),
+            gpu(1, 2_000, Some(3)),
+            gpu(2, 50, None),
+        ];
         let plan = Plan::new(&config(&Resource::ALL, 1), gpus).unwrap();
         for m in plan.models() {
-            for healthy in [[true, true, true], [true, false, true], [false, false, false]] {
+            for healthy in [
+                [true, true, true],
+                [true, false, true],
+                [false, false, false],
+            ] {
                 let eager = eager_list(m, &healthy);
-                assert_eq!(m.wire_len(|g| healthy[g]), eager.encoded_len(), "{}", m.resource());
+                assert_eq!(
+                    m.wire_len(|g| healthy[g]),
+                    eager.encoded_len(),
+                    "{}",
+                    m.resource()
+                );
             }
         }
     }
@@ -410,7 +436,12 @@ pub(crate) mod tests {
         assert_eq!(m.decode(&past_end), Err(IdError::Unknown(past_end.clone())));
         let dup = vec![first.clone(), first.clone()];
         assert_eq!(m.decode_all(&dup), Err(IdError::Duplicate(first)));
-        assert!(m.decode_all(&["nope".into()]).unwrap_err().to_string().contains("\"nope\""));
+        assert!(
+            m.decode_all(&["nope".into()])
+                .unwrap_err()
+                .to_string()
+                .contains("\"nope\"")
+        );
     }
 
     #[test]
@@ -436,7 +467,10 @@ pub(crate) mod tests {
 
     #[test]
     fn no_gpus_and_duplicate_uuids_are_refused() {
-        assert_eq!(Plan::new(&config(&Resource::ALL, 1), vec![]).unwrap_err(), PlanError::NoGpus);
+        assert_eq!(
+            Plan::new(&config(&Resource::ALL, 1), vec![]).unwrap_err(),
+            PlanError::NoGpus
+        );
         let g = gpu(0, 10, None);
         let err = Plan::new(&config(&Resource::ALL, 1), vec![g.clone(), g.clone()]).unwrap_err();
         assert_eq!(err, PlanError::DuplicateUuid(g.uuid));

@@ -38,7 +38,10 @@ pub fn shared(
                 .iter()
                 .filter(|(_, u)| u.len() >= size)
                 .min_by_key(|(gpu, u)| (u.len(), **gpu));
-            let roomiest = || free.iter().max_by_key(|(gpu, u)| (u.len(), std::cmp::Reverse(**gpu)));
+            let roomiest = || {
+                free.iter()
+                    .max_by_key(|(gpu, u)| (u.len(), std::cmp::Reverse(**gpu)))
+            };
             best_fit.or_else(roomiest).map(|(gpu, _)| *gpu)
         }),
     };
@@ -163,7 +166,10 @@ mod tests {
     #[test]
     fn whole_packs_onto_one_numa_node() {
         let numa = |g: usize| Some(if g < 4 { 0 } else { 1 });
-        let avail: Vec<DeviceRef> = [0, 1, 4, 5, 6].iter().map(|&gpu| DeviceRef { gpu, unit: 0 }).collect();
+        let avail: Vec<DeviceRef> = [0, 1, 4, 5, 6]
+            .iter()
+            .map(|&gpu| DeviceRef { gpu, unit: 0 })
+            .collect();
         // Two GPUs fit node 0 exactly: take them, keep node 1's three together.
         let got = whole(&avail, &[], 2, numa);
         assert_eq!(gpus_of(&got), vec![0, 1]);

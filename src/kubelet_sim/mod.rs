@@ -1,0 +1,287 @@
+//! A kubelet stand-in for the demo and the tests, behaving as SPEC §2 says
+//! the real one does: Register dials the plugin back (10 s) and opens
+//! ListAndWatch before it returns; each list replaces the device set; a
+//! message over 4 MiB fails the stream; an ended stream marks every device
+//! unhealthy and is never reopened; an older stream that ends after a
+//! re-registration drops the new client too (kubernetes#121994); admission
+//! asks GetPreferredAllocation, keeps valid IDs, fills the shortfall itself,
+//! then calls Allocate.
+
+mod registration;
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinHandle;
+use tonic::transport::Channel;
+
+use crate::api::device_plugin_client::DevicePluginClient;
+use crate::api::registration_server::RegistrationServer;
+use crate::api::{
+    AllocateRequest, ContainerAllocateRequest, ContainerAllocateResponse,
+    ContainerPreferredAllocationRequest, DevicePluginOptions, PreferredAllocationRequest,
+};
+
+/// The kubelet's gRPC receive limit.
+pub const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+
+/// What the kubelet knows of one resource.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ResourceView {
+    pub registrations: u32,
+    pub stream_open: bool,
+    pub devices: usize,
+    pub healthy: usize,
+    pub messages: u64,
+    pub last_message_bytes: usize,
+    pub stream_error: Option<String>,
+}
+
+/// One resource's grant in an admitted container.
+#[derive(Debug, Clone)]
+pub struct Grant {
+    pub resource: String,
+    pub device_ids: Vec<String>,
+    pub response: ContainerAllocateResponse,
+}
+
+struct Endpoint {
+    generation: u64,
+    client: DevicePluginClient<Channel>,
+    options: DevicePluginOptions,
+    /// ID → healthy.
+    devices: BTreeMap<String, bool>,
+    allocated: BTreeSet<String>,
+    view: ResourceView,
+}
+
+#[derive(Default)]
+struct SimState {
+    endpoints: BTreeMap<String, Endpoint>,
+    generations: u64,
+}
+
+struct Shared {
+    state: Mutex<SimState>,
+    /// Bumped on every change, so waiters wake.
+    version: watch::Sender<u64>,
+}
+
+impl Shared {
+    fn update<T>(&self, f: impl FnOnce(&mut SimState) -> T) -> T {
+        let out = f(&mut self.state.lock().expect("kubelet sim lock poisoned"));
+        self.version.send_modify(|v| *v += 1);
+        out
+    }
+}
+
+pub struct KubeletSim {
+    socket: PathBuf,
+    shared: Arc<Shared>,
+    server: Option<(oneshot::Sender<()>, JoinHandle<()>)>,
+}
+
+impl KubeletSim {
+    /// Starts serving `<dir>/kubelet.sock`.
+    pub fn start(dir: &Path) -> std::io::Result<KubeletSim> {
+        let socket = dir.join("kubelet.sock");
+        let incoming = crate::uds::bind(&socket)?;
+        let shared = Arc::new(Shared {
+            state: Mutex::new(SimState::default()),
+            version: watch::channel(0).0,
+        });
+        let service = registration::RegistrationService {
+            dir: dir.to_owned(),
+            shared: shared.clone(),
+        };
+        let routes = tonic::service::Routes::new(RegistrationServer::new(service));
+        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            let stopped = async {
+                let _ = stop_rx.await;
+            };
+            if let Err(e) = crate::uds::serve(routes, incoming, stopped).await {
+                tracing::error!(error = %e, "kubelet simulator server failed");
+            }
+        });
+        Ok(KubeletSim {
+            socket,
+            shared,
+            server: Some((stop_tx, task)),
+        })
+    }
+
+    /// What the kubelet knows, per resource name.
+    pub fn snapshot(&self) -> BTreeMap<String, ResourceView> {
+        let state = self.shared.state.lock().expect("kubelet sim lock poisoned");
+        state
+            .endpoints
+            .iter()
+            .map(|(name, e)| (name.clone(), e.view.clone()))
+            .collect()
+    }
+
+    /// Waits until `done(snapshot)` holds; false on timeout.
+    pub async fn wait_until(
+        &self,
+        timeout: Duration,
+        done: impl Fn(&BTreeMap<String, ResourceView>) -> bool,
+    ) -> bool {
+        let mut rx = self.shared.version.subscribe();
+        tokio::time::timeout(timeout, async {
+            loop {
+                if done(&self.snapshot()) {
+                    return;
+                }
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            }
+        })
+        .await
+        .is_ok()
+    }
+
+    /// The client the kubelet holds for a resource, for raw calls.
+    pub fn client(&self, resource: &str) -> Option<DevicePluginClient<Channel>> {
+        let state = self.shared.state.lock().expect("kubelet sim lock poisoned");
+        state.endpoints.get(resource).map(|e| e.client.clone())
+    }
+
+    /// Healthy, unallocated device IDs of a resource.
+    pub fn free_devices(&self, resource: &str) -> Vec<String> {
+        let state = self.shared.state.lock().expect("kubelet sim lock poisoned");
+        state.endpoints.get(resource).map_or_else(Vec::new, |e| {
+            e.devices
+                .iter()
+                .filter(|(id, healthy)| **healthy && !e.allocated.contains(*id))
+                .map(|(id, _)| id.clone())
+                .collect()
+        })
+    }
+
+    /// Admits one container asking `amount` devices of each resource, in the
+    /// order given, as the kubelet's device manager does. On any failure the
+    /// container's devices are released and the error text returned.
+    pub async fn admit(&self, requests: &[(&str, usize)]) -> Result<Vec<Grant>, String> {
+        let mut grants: Vec<Grant> = Vec::new();
+        for (resource, amount) in requests {
+            match self.admit_one(resource, *amount).await {
+                Ok(g) => grants.push(g),
+                Err(e) => {
+                    self.shared.update(|s| {
+                        for g in &grants {
+                            if let Some(ep) = s.endpoints.get_mut(&g.resource) {
+                                for id in &g.device_ids {
+                                    ep.allocated.remove(id);
+                                }
+                            }
+                        }
+                    });
+                    return Err(e);
+                }
+            }
+        }
+        Ok(grants)
+    }
+
+    async fn admit_one(&self, resource: &str, amount: usize) -> Result<Grant, String> {
+        let (mut client, options) = {
+            let state = self.shared.state.lock().expect("kubelet sim lock poisoned");
+            let e = state
+                .endpoints
+                .get(resource)
+                .ok_or_else(|| format!("unknown resource {resource}"))?;
+            (e.client.clone(), e.options)
+        };
+        let free = self.free_devices(resource);
+        if free.len() < amount {
+            return Err(format!(
+                "insufficient {resource}: requested {amount}, available {}",
+                free.len()
+            ));
+        }
+        let mut chosen: Vec<String> = Vec::with_capacity(amount);
+        let mut taken: HashSet<String> = HashSet::with_capacity(amount);
+        if options.get_preferred_allocation_available {
+            let request = PreferredAllocationRequest {
+                container_requests: vec![ContainerPreferredAllocationRequest {
+                    available_device_i_ds: free.clone(),
+                    must_include_device_i_ds: vec![],
+                    allocation_size: amount as i32,
+                }],
+            };
+            let hint = client
+                .get_preferred_allocation(request)
+                .await
+                .map_err(|s| format!("GetPreferredAllocation: {}", s.message()))?
+                .into_inner();
+            let free_set: HashSet<&String> = free.iter().collect();
+            for id in hint
+                .container_responses
+                .into_iter()
+                .flat_map(|r| r.device_i_ds)
+            {
+                if chosen.len() < amount && free_set.contains(&id) && taken.insert(id.clone()) {
+                    chosen.push(id);
+                }
+            }
+        }
+        // The hint is only a hint: fill any shortfall from the free list.
+        for id in free {
+            if chosen.len() >= amount {
+                break;
+            }
+            if taken.insert(id.clone()) {
+                chosen.push(id);
+            }
+        }
+        let request = AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest {
+                devices_ids: chosen.clone(),
+            }],
+        };
+        let mut response = client
+            .allocate(request)
+            .await
+            .map_err(|s| format!("UnexpectedAdmissionError: {}", s.message()))?
+            .into_inner();
+        let response = response
+            .container_responses
+            .pop()
+            .ok_or("Allocate returned no container response")?;
+        self.shared.update(|s| {
+            if let Some(e) = s.endpoints.get_mut(resource) {
+                e.allocated.extend(chosen.iter().cloned());
+            }
+        });
+        Ok(Grant {
+            resource: resource.to_owned(),
+            device_ids: chosen,
+            response,
+        })
+    }
+
+    /// Stops serving and removes `kubelet.sock`.
+    pub async fn stop(mut self) {
+        if let Some((stop, task)) = self.server.take() {
+            let _ = stop.send(());
+            let _ = task.await;
+        }
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+/// The container's envs as the kubelet merges them: first value wins.
+pub fn merged_envs(grants: &[Grant]) -> BTreeMap<String, String> {
+    let mut envs = BTreeMap::new();
+    for g in grants {
+        for (k, v) in &g.response.envs {
+            envs.entry(k.clone()).or_insert_with(|| v.clone());
+        }
+    }
+    envs
+}

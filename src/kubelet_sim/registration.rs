@@ -1,0 +1,171 @@
+//! The simulator's Registration service and the ListAndWatch reader it
+//! starts for each registered plugin.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use prost::Message;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::{Endpoint, MAX_MESSAGE_BYTES, ResourceView, Shared};
+use crate::api::device_plugin_client::DevicePluginClient;
+use crate::api::registration_server::Registration;
+use crate::api::{Empty, ListAndWatchResponse, RegisterRequest};
+
+pub struct RegistrationService {
+    pub dir: PathBuf,
+    pub shared: Arc<Shared>,
+}
+
+/// The kubelet's rule for an extended resource name.
+pub fn validate_resource_name(name: &str) -> Result<(), String> {
+    let Some((_, short)) = name.split_once('/') else {
+        return Err(format!("resource name {name:?} has no '/'"));
+    };
+    if name.contains("kubernetes.io/") {
+        return Err(format!(
+            "resource name {name:?} is in the kubernetes.io namespace"
+        ));
+    }
+    let ok = !short.is_empty()
+        && short.len() <= 63
+        && short
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        && short.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && short.ends_with(|c: char| c.is_ascii_alphanumeric());
+    if !ok {
+        return Err(format!("resource name {name:?} is not a qualified name"));
+    }
+    Ok(())
+}
+
+#[tonic::async_trait]
+impl Registration for RegistrationService {
+    async fn register(&self, request: Request<RegisterRequest>) -> Result<Response<Empty>, Status> {
+        let r = request.into_inner();
+        if r.version != crate::plugin::API_VERSION {
+            return Err(Status::unknown(format!(
+                "invalid version {:?}, expected {}",
+                r.version,
+                crate::plugin::API_VERSION
+            )));
+        }
+        validate_resource_name(&r.resource_name).map_err(Status::unknown)?;
+        let path = self.dir.join(&r.endpoint);
+        let dial = |e: &dyn std::fmt::Display| {
+            Status::unknown(format!(
+                "failed to dial device plugin {}: {e}",
+                path.display()
+            ))
+        };
+        let channel = crate::uds::connect(&path, Duration::from_secs(10))
+            .await
+            .map_err(|e| dial(&e))?;
+        let mut client =
+            DevicePluginClient::new(channel).max_decoding_message_size(MAX_MESSAGE_BYTES);
+        let options = client
+            .get_device_plugin_options(Empty {})
+            .await
+            .map_err(|e| dial(&e))?
+            .into_inner();
+        let stream = client
+            .list_and_watch(Empty {})
+            .await
+            .map_err(|e| dial(&e))?
+            .into_inner();
+        let name = r.resource_name.clone();
+        let generation = self.shared.update(|s| {
+            s.generations += 1;
+            let generation = s.generations;
+            let registrations = s.endpoints.get(&name).map_or(0, |e| e.view.registrations);
+            s.endpoints.insert(
+                name.clone(),
+                Endpoint {
+                    generation,
+                    client,
+                    options,
+                    devices: Default::default(),
+                    allocated: Default::default(),
+                    view: ResourceView {
+                        registrations: registrations + 1,
+                        stream_open: true,
+                        ..Default::default()
+                    },
+                },
+            );
+            generation
+        });
+        tokio::spawn(read_stream(self.shared.clone(), name, generation, stream));
+        Ok(Response::new(Empty {}))
+    }
+}
+
+async fn read_stream(
+    shared: Arc<Shared>,
+    name: String,
+    generation: u64,
+    mut stream: Streaming<ListAndWatchResponse>,
+) {
+    let error = loop {
+        match stream.message().await {
+            Ok(Some(list)) => shared.update(|s| {
+                let Some(e) = s
+                    .endpoints
+                    .get_mut(&name)
+                    .filter(|e| e.generation == generation)
+                else {
+                    return;
+                };
+                e.view.last_message_bytes = list.encoded_len();
+                e.view.messages += 1;
+                e.devices = list
+                    .devices
+                    .into_iter()
+                    .map(|d| {
+                        let healthy = d.health == "Healthy";
+                        (d.id, healthy)
+                    })
+                    .collect();
+                e.view.devices = e.devices.len();
+                e.view.healthy = e.devices.values().filter(|h| **h).count();
+            }),
+            Ok(None) => break None,
+            Err(status) => break Some(format!("{:?}: {}", status.code(), status.message())),
+        }
+    };
+    shared.update(|s| {
+        let Some(e) = s.endpoints.get_mut(&name) else {
+            return;
+        };
+        // Ending an older stream after a newer registration drops the newer
+        // client too: the kubelet looks endpoints up by resource name.
+        let dropped_newer = e.generation > generation;
+        for healthy in e.devices.values_mut() {
+            *healthy = false;
+        }
+        e.view.healthy = 0;
+        e.view.stream_open = false;
+        e.view.stream_error = if dropped_newer {
+            Some("dropped by an older stream's end (kubernetes#121994)".into())
+        } else {
+            error
+        };
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resource_names_follow_the_kubelet_rules() {
+        assert!(validate_resource_name("doslab.io/gpu-memory").is_ok());
+        assert!(validate_resource_name("gpu-memory").is_err());
+        assert!(validate_resource_name("kubernetes.io/gpu").is_err());
+        assert!(validate_resource_name("doslab.io/").is_err());
+        assert!(validate_resource_name(&format!("doslab.io/{}", "a".repeat(64))).is_err());
+        assert!(validate_resource_name("doslab.io/gpu memory").is_err());
+    }
+}

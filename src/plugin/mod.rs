@@ -1,0 +1,12 @@
+//! One plugin per enabled resource: an actor that owns the resource's socket
+//! and tonic server, registers with the kubelet, and streams device lists.
+
+mod actor;
+pub mod allocate;
+mod pairing;
+mod registration;
+pub mod service;
+
+pub use actor::{PluginActor, PluginArgs, PluginMsg};
+pub use pairing::LastShared;
+pub use registration::API_VERSION;

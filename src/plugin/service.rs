@@ -1,0 +1,172 @@
+//! The DevicePlugin gRPC service: a thin adapter from tonic to the device
+//! model, packing and Allocate logic. The plugin actor owns its lifecycle.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures::Stream;
+use tokio::sync::watch;
+use tonic::{Request, Response, Status};
+
+use super::allocate::{ResponseTemplate, container_response};
+use super::pairing::LastShared;
+use crate::api::lazy::device_plugin_server::DevicePlugin;
+use crate::api::{
+    AllocateRequest, AllocateResponse, ContainerPreferredAllocationResponse, DevicePluginOptions,
+    Empty, PreStartContainerRequest, PreStartContainerResponse, PreferredAllocationRequest,
+    PreferredAllocationResponse,
+};
+use crate::device::{DeviceListMessage, DeviceModel, Resource, packing};
+
+/// What ListAndWatch streams: the current list, and whether it is the last
+/// one of this stream (the plugin is stopping or re-registering).
+#[derive(Debug, Clone, Default)]
+pub struct StreamItem {
+    pub list: DeviceListMessage,
+    pub last: bool,
+}
+
+pub fn options() -> DevicePluginOptions {
+    DevicePluginOptions {
+        pre_start_required: false,
+        get_preferred_allocation_available: true,
+    }
+}
+
+pub struct DevicePluginService {
+    model: Arc<DeviceModel>,
+    template: Arc<ResponseTemplate>,
+    lists: watch::Receiver<StreamItem>,
+    pairing: LastShared,
+}
+
+impl DevicePluginService {
+    pub fn new(
+        model: Arc<DeviceModel>,
+        template: Arc<ResponseTemplate>,
+        lists: watch::Receiver<StreamItem>,
+        pairing: LastShared,
+    ) -> Self {
+        DevicePluginService {
+            model,
+            template,
+            lists,
+            pairing,
+        }
+    }
+
+    fn resource(&self) -> Resource {
+        self.model.resource()
+    }
+}
+
+fn invalid(resource: Resource, e: impl std::fmt::Display) -> Status {
+    Status::invalid_argument(format!("{resource}: {e}"))
+}
+
+#[tonic::async_trait]
+impl DevicePlugin for DevicePluginService {
+    async fn get_device_plugin_options(
+        &self,
+        _: Request<Empty>,
+    ) -> Result<Response<DevicePluginOptions>, Status> {
+        Ok(Response::new(options()))
+    }
+
+    type ListAndWatchStream =
+        Pin<Box<dyn Stream<Item = Result<DeviceListMessage, Status>> + Send + 'static>>;
+
+    async fn list_and_watch(
+        &self,
+        _: Request<Empty>,
+    ) -> Result<Response<Self::ListAndWatchStream>, Status> {
+        let resource = self.resource();
+        tracing::info!(%resource, "ListAndWatch stream opened");
+        // (receiver, first, done): the first item is the current list.
+        let stream = futures::stream::unfold(
+            (self.lists.clone(), true, false),
+            move |(mut rx, first, done)| async move {
+                if done || (!first && rx.changed().await.is_err()) {
+                    tracing::info!(%resource, "ListAndWatch stream ended");
+                    return None;
+                }
+                let item = rx.borrow_and_update().clone();
+                tracing::debug!(%resource, devices = item.list.device_count(), "ListAndWatch send");
+                Some((Ok(item.list), (rx, false, item.last)))
+            },
+        );
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn get_preferred_allocation(
+        &self,
+        request: Request<PreferredAllocationRequest>,
+    ) -> Result<Response<PreferredAllocationResponse>, Status> {
+        let resource = self.resource();
+        let mut container_responses = Vec::new();
+        for req in request.into_inner().container_requests {
+            let available = self
+                .model
+                .decode_all(&req.available_device_i_ds)
+                .map_err(|e| invalid(resource, e))?;
+            let must = self
+                .model
+                .decode_all(&req.must_include_device_i_ds)
+                .map_err(|e| invalid(resource, e))?;
+            let size = usize::try_from(req.allocation_size).map_err(|_| {
+                invalid(resource, format!("allocation size {}", req.allocation_size))
+            })?;
+            let chosen = match resource {
+                Resource::GpuCount => {
+                    packing::whole(&available, &must, size, |g| self.model.gpus()[g].numa_node)
+                }
+                shared => {
+                    packing::shared(&available, &must, size, self.pairing.partner_gpu(shared))
+                }
+            };
+            tracing::debug!(%resource, available = available.len(), size, "GetPreferredAllocation");
+            container_responses.push(ContainerPreferredAllocationResponse {
+                device_i_ds: chosen.into_iter().map(|d| self.model.id(d)).collect(),
+            });
+        }
+        Ok(Response::new(PreferredAllocationResponse {
+            container_responses,
+        }))
+    }
+
+    async fn allocate(
+        &self,
+        request: Request<AllocateRequest>,
+    ) -> Result<Response<AllocateResponse>, Status> {
+        let resource = self.resource();
+        let mut container_responses = Vec::new();
+        for req in request.into_inner().container_requests {
+            let devices = self
+                .model
+                .decode_all(&req.devices_ids)
+                .map_err(|e| invalid(resource, e))?;
+            let response = container_response(&self.model, &devices, &self.template)
+                .map_err(|e| invalid(resource, e))?;
+            if let (Some(d), true) = (devices.first(), resource != Resource::GpuCount) {
+                self.pairing.note(resource, d.gpu);
+            }
+            tracing::info!(
+                %resource,
+                devices = devices.len(),
+                gpus = %response.envs.get("NVIDIA_VISIBLE_DEVICES").map_or("", String::as_str),
+                "Allocate"
+            );
+            container_responses.push(response);
+        }
+        Ok(Response::new(AllocateResponse {
+            container_responses,
+        }))
+    }
+
+    async fn pre_start_container(
+        &self,
+        _: Request<PreStartContainerRequest>,
+    ) -> Result<Response<PreStartContainerResponse>, Status> {
+        Ok(Response::new(PreStartContainerResponse {}))
+    }
+}
