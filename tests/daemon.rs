@@ -1,0 +1,333 @@
+//! The real binary against the kubelet simulator: registration, device
+//! lists, preferred allocations, Allocate, bad input, and a clean stop.
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use gpu_device_plugin::api::{
+    AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest,
+    PreferredAllocationRequest, RegisterRequest,
+};
+use gpu_device_plugin::kubelet_sim::merged_envs;
+use support::*;
+use tonic::Code;
+
+const GPU_A: &str = "GPU-aaaaaaaa-0000-4000-8000-000000000001";
+const GPU_B: &str = "GPU-bbbbbbbb-0000-4000-8000-000000000002";
+const MEM: &str = "doslab.io/gpu-memory";
+const CORE: &str = "doslab.io/gpu-core";
+const COUNT: &str = "doslab.io/gpu-count";
+
+/// Two GPUs of 4 GiB and 2 GiB: 6144 memory devices, 200 core, 2 count.
+const LISTED: &[(&str, usize)] = &[(MEM, 6144), (CORE, 200), (COUNT, 2)];
+
+async fn started() -> (tempfile::TempDir, Daemon, KubeletSim) {
+    let dir = tempfile::tempdir().unwrap();
+    let toml = mock_config(dir.path(), "", &[(GPU_A, 4096), (GPU_B, 2048)]);
+    let daemon = Daemon::start(dir.path(), &toml);
+    let kubelet = KubeletSim::start(dir.path()).unwrap();
+    let ok = kubelet.wait_until(WAIT, all_listed(LISTED)).await;
+    assert!(ok, "{:?}\n{}", kubelet.snapshot(), daemon.log_text());
+    (dir, daemon, kubelet)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registers_all_three_resources_with_every_device_healthy() {
+    let (_dir, daemon, kubelet) = started().await;
+    let snap = kubelet.snapshot();
+    for (name, _) in LISTED {
+        assert_eq!(snap[*name].registrations, 1, "{name}");
+        assert!(snap[*name].stream_error.is_none());
+    }
+    // Short IDs: 2 tag chars at most for two GPUs, so < 20 bytes a device.
+    let mem = &snap[MEM];
+    assert!(mem.last_message_bytes < 20 * mem.devices, "{mem:?}");
+    assert!(daemon.log_text().contains("registered with the kubelet"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waits_for_a_kubelet_that_is_not_there_yet() {
+    let dir = tempfile::tempdir().unwrap();
+    let toml = mock_config(dir.path(), "", &[(GPU_A, 4096), (GPU_B, 2048)]);
+    let daemon = Daemon::start(dir.path(), &toml);
+    // Long enough for several failed attempts and their backoff.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        plugin_sockets(dir.path()).len(),
+        3,
+        "plugins serve before any kubelet"
+    );
+    let kubelet = KubeletSim::start(dir.path()).unwrap();
+    let ok = kubelet.wait_until(WAIT, all_listed(LISTED)).await;
+    assert!(ok, "{:?}\n{}", kubelet.snapshot(), daemon.log_text());
+    let log = daemon.log_text();
+    assert_eq!(
+        log.matches("waiting for the kubelet").count(),
+        3,
+        "said once per resource:\n{log}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_ids_are_the_same_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let toml = mock_config(dir.path(), "", &[(GPU_A, 4096), (GPU_B, 2048)]);
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        let mut daemon = Daemon::start(dir.path(), &toml);
+        let kubelet = KubeletSim::start(dir.path()).unwrap();
+        assert!(kubelet.wait_until(WAIT, all_listed(LISTED)).await);
+        // IDs are unique within a resource; memory and core IDs may coincide.
+        let set: BTreeSet<(&str, String)> = LISTED
+            .iter()
+            .flat_map(|(n, _)| kubelet.free_devices(n).into_iter().map(|id| (*n, id)))
+            .collect();
+        ids.push(set);
+        daemon.signal(libc::SIGTERM);
+        assert!(daemon.wait_exit(Duration::from_secs(5)).unwrap().success());
+        kubelet.stop().await;
+    }
+    assert_eq!(ids[0].len(), 6144 + 200 + 2);
+    assert_eq!(ids[0], ids[1]);
+    assert!(ids[0].iter().all(|(_, id)| id.len() <= 63));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn preferred_allocation_takes_one_gpu_best_fit() {
+    let (_dir, _daemon, kubelet) = started().await;
+    // GPU B (2 GiB) is the tighter fit for 1 GiB; 3 GiB only fits GPU A.
+    for (size, uuid) in [(1024, GPU_B), (3072, GPU_A)] {
+        let grants = kubelet.admit(&[(MEM, size)]).await.unwrap();
+        assert_eq!(grants[0].device_ids.len(), size);
+        let envs = merged_envs(&grants);
+        assert_eq!(envs["NVIDIA_VISIBLE_DEVICES"], uuid, "size {size}");
+    }
+    // The free IDs now span both GPUs; the hint must still be one GPU.
+    let mut client = kubelet.client(MEM).unwrap();
+    let free = kubelet.free_devices(MEM);
+    let reply = client
+        .get_preferred_allocation(PreferredAllocationRequest {
+            container_requests: vec![ContainerPreferredAllocationRequest {
+                available_device_i_ds: free,
+                must_include_device_i_ds: vec![],
+                allocation_size: 900,
+            }],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let ids = reply.container_responses[0].device_i_ds.clone();
+    assert_eq!(ids.len(), 900);
+    let grant = client
+        .allocate(AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest { devices_ids: ids }],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!grant.container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"].contains(','));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn must_include_ids_are_kept_in_the_hint() {
+    let (_dir, _daemon, kubelet) = started().await;
+    let mut client = kubelet.client(CORE).unwrap();
+    let free = kubelet.free_devices(CORE);
+    let must = vec![free[150].clone(), free[151].clone()];
+    let reply = client
+        .get_preferred_allocation(PreferredAllocationRequest {
+            container_requests: vec![ContainerPreferredAllocationRequest {
+                available_device_i_ds: free,
+                must_include_device_i_ds: must.clone(),
+                allocation_size: 10,
+            }],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let ids = &reply.container_responses[0].device_i_ds;
+    assert_eq!(ids.len(), 10);
+    assert!(must.iter().all(|m| ids.contains(m)));
+    assert_eq!(ids.iter().collect::<BTreeSet<_>>().len(), 10, "no repeats");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_container_gets_the_envs_of_spec_4() {
+    let (_dir, _daemon, kubelet) = started().await;
+    let grants = kubelet.admit(&[(CORE, 25), (MEM, 1500)]).await.unwrap();
+    let envs = merged_envs(&grants);
+    let gpu = envs["NVIDIA_VISIBLE_DEVICES"].clone();
+    assert!(gpu == GPU_A || gpu == GPU_B, "{gpu}");
+    assert_eq!(envs["NVIDIA_DRIVER_CAPABILITIES"], "compute,utility");
+    assert_eq!(envs["DOSLAB_IO_GPU_MEMORY"], "1500");
+    assert_eq!(envs["CUDA_DEVICE_MEMORY_LIMIT_0"], "1500m");
+    assert_eq!(envs["DOSLAB_IO_GPU_CORE"], "25");
+    assert_eq!(envs["CUDA_DEVICE_SM_LIMIT"], "25");
+    // Both shared resources of the container are on one GPU.
+    for g in &grants {
+        assert_eq!(
+            g.response.envs["NVIDIA_VISIBLE_DEVICES"], gpu,
+            "{}",
+            g.resource
+        );
+    }
+    let whole = kubelet.admit(&[(COUNT, 2)]).await.unwrap();
+    let uuids: BTreeSet<&str> = whole[0].response.envs["NVIDIA_VISIBLE_DEVICES"]
+        .split(',')
+        .collect();
+    assert_eq!(uuids, BTreeSet::from([GPU_A, GPU_B]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_duplicate_and_split_ids_are_refused_by_name() {
+    let (_dir, _daemon, kubelet) = started().await;
+    let mut client = kubelet.client(MEM).unwrap();
+    let free = kubelet.free_devices(MEM);
+    let allocate = |ids: Vec<String>| AllocateRequest {
+        container_requests: vec![ContainerAllocateRequest { devices_ids: ids }],
+    };
+    let e = client
+        .allocate(allocate(vec![free[0].clone(), "bogus-7".into()]))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert!(e.message().contains("\"bogus-7\""), "{}", e.message());
+    let e = client
+        .allocate(allocate(vec![free[3].clone(), free[3].clone()]))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert!(
+        e.message().contains("twice") && e.message().contains(&free[3]),
+        "{}",
+        e.message()
+    );
+    // The first and last free IDs are on different GPUs.
+    let e = client
+        .allocate(allocate(vec![
+            free[0].clone(),
+            free[free.len() - 1].clone(),
+        ]))
+        .await
+        .unwrap_err();
+    assert!(
+        e.message().contains(GPU_A) && e.message().contains(GPU_B),
+        "{}",
+        e.message()
+    );
+    let e = client
+        .get_preferred_allocation(PreferredAllocationRequest {
+            container_requests: vec![ContainerPreferredAllocationRequest {
+                available_device_i_ds: vec!["nope".into()],
+                must_include_device_i_ds: vec![],
+                allocation_size: 1,
+            }],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert!(e.message().contains("\"nope\""));
+    // Nothing was lost: a good request still works.
+    assert!(kubelet.admit(&[(MEM, 10)]).await.is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn huge_preferred_allocation_requests_are_accepted() {
+    let dir = tempfile::tempdir().unwrap();
+    let toml = mock_config(
+        dir.path(),
+        "resources = [\"gpu-memory\"]",
+        &[(GPU_A, 81920), (GPU_B, 81920)],
+    );
+    let daemon = Daemon::start(dir.path(), &toml);
+    let kubelet = KubeletSim::start(dir.path()).unwrap();
+    let ok = kubelet
+        .wait_until(WAIT, all_listed(&[(MEM, 163_840)]))
+        .await;
+    assert!(ok, "{:?}\n{}", kubelet.snapshot(), daemon.log_text());
+    let free = kubelet.free_devices(MEM);
+    let one = ContainerPreferredAllocationRequest {
+        available_device_i_ds: free,
+        must_include_device_i_ds: vec![],
+        allocation_size: 40_000,
+    };
+    // Three containers' worth: well over gRPC's default 4 MiB.
+    let request = PreferredAllocationRequest {
+        container_requests: vec![one.clone(), one.clone(), one],
+    };
+    let reply = kubelet
+        .client(MEM)
+        .unwrap()
+        .get_preferred_allocation(request)
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(reply.container_responses.len(), 3);
+    assert!(
+        reply
+            .container_responses
+            .iter()
+            .all(|r| r.device_i_ds.len() == 40_000)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_sends_empty_lists_removes_sockets_and_exits_0() {
+    let (dir, mut daemon, kubelet) = started().await;
+    daemon.signal(libc::SIGTERM);
+    let status = daemon
+        .wait_exit(Duration::from_secs(5))
+        .expect("exit within 5 s");
+    assert!(status.success(), "{status:?}\n{}", daemon.log_text());
+    let emptied = kubelet
+        .wait_until(WAIT, |s| {
+            LISTED
+                .iter()
+                .all(|(n, _)| s.get(*n).is_some_and(|v| !v.stream_open))
+        })
+        .await;
+    assert!(emptied, "{:?}", kubelet.snapshot());
+    let snap = kubelet.snapshot();
+    for (name, _) in LISTED {
+        let v = &snap[*name];
+        assert_eq!(v.devices, 0, "{name}: the last list was empty");
+        assert!(v.stream_error.is_none(), "{name}: {:?}", v.stream_error);
+    }
+    assert!(plugin_sockets(dir.path()).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kubelet_stand_in_refuses_a_plugin_that_is_not_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let kubelet = KubeletSim::start(dir.path()).unwrap();
+    let channel =
+        gpu_device_plugin::uds::connect(&dir.path().join("kubelet.sock"), Duration::from_secs(2))
+            .await
+            .unwrap();
+    let mut client = gpu_device_plugin::api::registration_client::RegistrationClient::new(channel);
+    let register = |endpoint: &str, name: &str, version: &str| RegisterRequest {
+        version: version.into(),
+        endpoint: endpoint.into(),
+        resource_name: name.into(),
+        options: None,
+    };
+    let e = client
+        .register(register("nobody.sock", MEM, "v1beta1"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Unknown);
+    assert!(e.message().contains("failed to dial"), "{}", e.message());
+    let e = client
+        .register(register("x.sock", "kubernetes.io/gpu", "v1beta1"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Unknown);
+    let e = client
+        .register(register("x.sock", MEM, "v1alpha"))
+        .await
+        .unwrap_err();
+    assert!(e.message().contains("version"));
+    assert!(kubelet.snapshot().is_empty());
+}

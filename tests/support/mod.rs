@@ -1,0 +1,117 @@
+//! Test support: the real binary as a child process in a temporary
+//! device-plugin directory, beside the library's kubelet simulator.
+
+#![allow(dead_code, unused_imports)] // each test file uses its own part of this module
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+pub use gpu_device_plugin::kubelet_sim::{KubeletSim, ResourceView};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_gpu-device-plugin");
+pub const WAIT: Duration = Duration::from_secs(20);
+
+/// A mock config of `gpus` (uuid, MiB) in `dir`, as TOML.
+pub fn mock_config(dir: &Path, extra: &str, gpus: &[(&str, u64)]) -> String {
+    let mut toml = format!(
+        "device_plugin_dir = {:?}\npod_matching = false\n{extra}\n[devices]\nbackend = \"mock\"\n",
+        dir.display().to_string()
+    );
+    for (uuid, mib) in gpus {
+        toml.push_str(&format!(
+            "[[devices.mock]]\nuuid = \"{uuid}\"\nmemory_mib = {mib}\n"
+        ));
+    }
+    toml
+}
+
+pub struct Daemon {
+    pub child: Child,
+    pub log: PathBuf,
+    pub config: PathBuf,
+}
+
+impl Daemon {
+    /// Starts the binary on `toml`, written next to its log in `work`.
+    pub fn start(work: &Path, toml: &str) -> Daemon {
+        let config = work.join("config.toml");
+        std::fs::write(&config, toml).unwrap();
+        let log = work.join("daemon.log");
+        let child = Command::new(BIN)
+            .arg("--config")
+            .arg(&config)
+            .env("RUST_LOG", "debug")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        Daemon { child, log, config }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn signal(&self, sig: i32) {
+        let rc = unsafe { libc::kill(self.child.id() as i32, sig) };
+        assert_eq!(rc, 0, "kill failed");
+    }
+
+    /// Waits for the process to exit, killing it after `timeout`.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let start = Instant::now();
+        while start.elapsed() < timeout {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        None
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs the binary to completion with `args`; returns (status, stdout, stderr).
+pub fn run_to_end(args: &[&str], env: &[(&str, &str)]) -> (ExitStatus, String, String) {
+    let out = Command::new(BIN)
+        .args(args)
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    (
+        out.status,
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// True when every name in `names` is registered, streaming and listing
+/// `devices[i]` healthy devices.
+pub fn all_listed<'a>(
+    names: &'a [(&'a str, usize)],
+) -> impl Fn(&std::collections::BTreeMap<String, ResourceView>) -> bool + 'a {
+    move |s| {
+        names.iter().all(|(n, count)| {
+            s.get(*n)
+                .is_some_and(|v| v.stream_open && v.devices == *count && v.healthy == *count)
+        })
+    }
+}
+
+/// Plugin socket files left in `dir` (everything but kubelet.sock).
+pub fn plugin_sockets(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".sock") && n != "kubelet.sock")
+        .collect()
+}
