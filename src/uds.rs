@@ -37,6 +37,8 @@ pub fn bind(path: &Path) -> std::io::Result<UnixListenerStream> {
     Ok(UnixListenerStream::new(UnixListener::bind(path)?))
 }
 
+const RECEIVE_WINDOW: u32 = 16 * 1024 * 1024;
+
 /// Serves `router` on `incoming` until `shutdown` resolves.
 pub async fn serve(
     router: tonic::service::Routes,
@@ -44,6 +46,10 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), tonic::transport::Error> {
     tonic::transport::Server::builder()
+        // GetPreferredAllocation requests run to megabytes; HTTP/2's default
+        // 64 KiB window would cost a round trip per 64 KiB.
+        .initial_stream_window_size(Some(RECEIVE_WINDOW))
+        .initial_connection_window_size(Some(RECEIVE_WINDOW))
         .add_routes(router)
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await

@@ -116,24 +116,42 @@ impl Tags {
 
     /// Splits an ID into (GPU position, unit index); `None` if it is not one
     /// of ours or not in canonical form (so no two strings name one device).
-    pub fn decode(&self, id: &str) -> Option<(usize, u32)> {
-        let bytes = id.as_bytes();
-        if bytes.len() <= self.len || bytes.len() > self.len + MAX_INDEX_LEN {
+    /// Hot: GetPreferredAllocation decodes every free ID of the node.
+    pub fn decode(&self, id: &[u8]) -> Option<(usize, u32)> {
+        if id.len() <= self.len || id.len() > self.len + MAX_INDEX_LEN {
             return None;
         }
-        let (tag, idx) = bytes.split_at(self.len);
-        let gpu = (0..self.tags.len()).find(|g| self.tag(*g).as_bytes() == tag)?;
+        let (tag, idx) = id.split_at(self.len);
+        let gpu = self
+            .tags
+            .iter()
+            .position(|t| &t[MAX_TAG_LEN - self.len..] == tag)?;
         if idx.len() > 1 && idx[0] == b'0' {
             return None;
         }
         let mut v: u64 = 0;
-        for c in idx {
-            let d = ALPHABET.iter().position(|a| a == c)? as u64;
-            v = v * 36 + d;
+        for &c in idx {
+            let d = DIGIT[c as usize];
+            if d == NOT_A_DIGIT {
+                return None;
+            }
+            v = v * 36 + u64::from(d);
         }
         Some((gpu, u32::try_from(v).ok()?))
     }
 }
+
+const NOT_A_DIGIT: u8 = u8::MAX;
+/// Byte → base-36 digit value, or NOT_A_DIGIT.
+const DIGIT: [u8; 256] = {
+    let mut table = [NOT_A_DIGIT; 256];
+    let mut i = 0;
+    while i < ALPHABET.len() {
+        table[ALPHABET[i] as usize] = i as u8;
+        i += 1;
+    }
+    table
+};
 
 #[cfg(test)]
 mod tests {
@@ -159,7 +177,7 @@ mod tests {
             for index in [0, 1, 35, 36, 1295, 1296, 81_919, u32::MAX] {
                 let id = tags.encode(gpu, index, &mut buf).to_owned();
                 assert_eq!(id.len(), tags.len() + index_len(index));
-                assert_eq!(tags.decode(&id), Some((gpu, index)), "{id}");
+                assert_eq!(tags.decode(id.as_bytes()), Some((gpu, index)), "{id}");
             }
         }
     }
@@ -199,17 +217,25 @@ mod tests {
         let mut buf = [0u8; MAX_ID_LEN];
         let id = tags.encode(0, 5, &mut buf).to_owned();
         let tag = tags.tag(0).to_owned();
-        assert_eq!(tags.decode(&format!("{tag}05")), None, "leading zero");
-        assert_eq!(tags.decode(&format!("{tag}5")), Some((0, 5)));
         assert_eq!(
-            tags.decode(&id.to_uppercase())
+            tags.decode(format!("{tag}05").as_bytes()),
+            None,
+            "leading zero"
+        );
+        assert_eq!(tags.decode(format!("{tag}5").as_bytes()), Some((0, 5)));
+        assert_eq!(
+            tags.decode(id.to_uppercase().as_bytes())
                 .filter(|_| id != id.to_uppercase()),
             None
         );
-        assert_eq!(tags.decode(&tag), None, "tag alone");
-        assert_eq!(tags.decode(""), None);
-        assert_eq!(tags.decode(&format!("{tag}zzzzzzzz")), None, "too long");
-        assert_eq!(tags.decode(&format!("{tag}-1")), None);
+        assert_eq!(tags.decode(tag.as_bytes()), None, "tag alone");
+        assert_eq!(tags.decode(b""), None);
+        assert_eq!(
+            tags.decode(format!("{tag}zzzzzzzz").as_bytes()),
+            None,
+            "too long"
+        );
+        assert_eq!(tags.decode(format!("{tag}-1").as_bytes()), None);
     }
 
     #[test]

@@ -110,11 +110,11 @@ impl DeviceModel {
         self.tags.encode(d.gpu, d.unit, &mut buf).to_owned()
     }
 
-    pub fn decode(&self, id: &str) -> Result<DeviceRef, IdError> {
+    pub fn decode(&self, id: &[u8]) -> Result<DeviceRef, IdError> {
         let found = if self.resource == Resource::GpuCount {
             self.gpus
                 .iter()
-                .position(|g| g.uuid == id)
+                .position(|g| g.uuid.as_bytes() == id)
                 .map(|gpu| DeviceRef { gpu, unit: 0 })
         } else {
             self.tags
@@ -122,29 +122,32 @@ impl DeviceModel {
                 .filter(|(gpu, unit)| *unit < self.units[*gpu])
                 .map(|(gpu, unit)| DeviceRef { gpu, unit })
         };
-        found.ok_or_else(|| IdError::Unknown(id.to_owned()))
+        found.ok_or_else(|| IdError::Unknown(String::from_utf8_lossy(id).into_owned()))
     }
 
     /// Decodes a request's IDs; unknown or repeated IDs are refused by name.
     /// GetPreferredAllocation sends every free ID, so repeats are found with
     /// one bit per device rather than a hash set.
-    pub fn decode_all(&self, ids: &[String]) -> Result<Vec<DeviceRef>, IdError> {
+    pub fn decode_all<'a>(
+        &self,
+        ids: impl ExactSizeIterator<Item = &'a [u8]>,
+    ) -> Result<Vec<DeviceRef>, IdError> {
         let mut seen: Vec<Vec<u64>> = self
             .units
             .iter()
             .map(|u| vec![0; (*u as usize).div_ceil(64)])
             .collect();
-        ids.iter()
-            .map(|id| {
-                let d = self.decode(id)?;
-                let (word, bit) = (d.unit as usize / 64, 1u64 << (d.unit % 64));
-                if seen[d.gpu][word] & bit != 0 {
-                    return Err(IdError::Duplicate(id.clone()));
-                }
-                seen[d.gpu][word] |= bit;
-                Ok(d)
-            })
-            .collect()
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            let d = self.decode(id)?;
+            let (word, bit) = (d.unit as usize / 64, 1u64 << (d.unit % 64));
+            if seen[d.gpu][word] & bit != 0 {
+                return Err(IdError::Duplicate(String::from_utf8_lossy(id).into_owned()));
+            }
+            seen[d.gpu][word] |= bit;
+            out.push(d);
+        }
+        Ok(out)
     }
 
     /// NUMA node advertised in the Topology field. Only whole GPUs carry it:
@@ -417,7 +420,7 @@ pub(crate) mod tests {
         for m in plan.models() {
             let mut n = 0;
             m.for_each_id(|gpu, id| {
-                let d = m.decode(id).unwrap();
+                let d = m.decode(id.as_bytes()).unwrap();
                 assert_eq!(d.gpu, gpu);
                 assert_eq!(m.id(d), id);
                 assert!(id.len() <= 63);
@@ -433,11 +436,17 @@ pub(crate) mod tests {
         let m = plan.model(Resource::GpuCore).unwrap();
         let first = m.id(DeviceRef { gpu: 0, unit: 0 });
         let past_end = m.id(DeviceRef { gpu: 0, unit: 100 });
-        assert_eq!(m.decode(&past_end), Err(IdError::Unknown(past_end.clone())));
-        let dup = vec![first.clone(), first.clone()];
-        assert_eq!(m.decode_all(&dup), Err(IdError::Duplicate(first)));
+        assert_eq!(
+            m.decode(past_end.as_bytes()),
+            Err(IdError::Unknown(past_end.clone()))
+        );
+        let dup = [first.clone(), first.clone()];
+        assert_eq!(
+            m.decode_all(dup.iter().map(|s| s.as_bytes())),
+            Err(IdError::Duplicate(first))
+        );
         assert!(
-            m.decode_all(&["nope".into()])
+            m.decode_all(std::iter::once(&b"nope"[..]))
                 .unwrap_err()
                 .to_string()
                 .contains("\"nope\"")

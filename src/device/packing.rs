@@ -9,13 +9,15 @@ use std::collections::BTreeMap;
 
 use super::DeviceRef;
 
-/// Free units of each GPU, in ascending unit order.
-fn by_gpu(available: &[DeviceRef]) -> BTreeMap<usize, Vec<u32>> {
-    let mut m: BTreeMap<usize, Vec<u32>> = BTreeMap::new();
+/// Free units of each GPU (indexed by GPU position), in ascending order.
+/// A Vec, not a map: it is filled once per free device of the node.
+fn by_gpu(available: &[DeviceRef]) -> Vec<Vec<u32>> {
+    let gpus = available.iter().map(|d| d.gpu + 1).max().unwrap_or(0);
+    let mut m: Vec<Vec<u32>> = vec![Vec::new(); gpus];
     for d in available {
-        m.entry(d.gpu).or_default().push(d.unit);
+        m[d.gpu].push(d.unit);
     }
-    for units in m.values_mut() {
+    for units in &mut m {
         units.sort_unstable();
     }
     m
@@ -30,23 +32,20 @@ pub fn shared(
     prefer: Option<usize>,
 ) -> Vec<DeviceRef> {
     let free = by_gpu(available);
-    let fits = |gpu: &usize| free.get(gpu).is_some_and(|u| u.len() >= size);
+    let fits = |gpu: &usize| free.get(*gpu).is_some_and(|u| u.len() >= size);
     let target = match must.first() {
         Some(d) => Some(d.gpu),
         None => prefer.filter(fits).or_else(|| {
-            let best_fit = free
-                .iter()
+            let with_free = || free.iter().enumerate().filter(|(_, u)| !u.is_empty());
+            let best_fit = with_free()
                 .filter(|(_, u)| u.len() >= size)
-                .min_by_key(|(gpu, u)| (u.len(), **gpu));
-            let roomiest = || {
-                free.iter()
-                    .max_by_key(|(gpu, u)| (u.len(), std::cmp::Reverse(**gpu)))
-            };
-            best_fit.or_else(roomiest).map(|(gpu, _)| *gpu)
+                .min_by_key(|(gpu, u)| (u.len(), *gpu));
+            let roomiest = || with_free().max_by_key(|(gpu, u)| (u.len(), std::cmp::Reverse(*gpu)));
+            best_fit.or_else(roomiest).map(|(gpu, _)| gpu)
         }),
     };
     let mut out = must.to_vec();
-    if let Some(units) = target.and_then(|g| free.get(&g).map(|u| (g, u))) {
+    if let Some(units) = target.and_then(|g| free.get(g).map(|u| (g, u))) {
         let (gpu, units) = units;
         out.extend(
             units

@@ -5,6 +5,7 @@ mod actor;
 pub mod allocate;
 mod pairing;
 mod registration;
+pub mod request;
 pub mod service;
 
 pub use actor::{PluginActor, PluginArgs, PluginMsg};

@@ -10,11 +10,11 @@ use tonic::{Request, Response, Status};
 
 use super::allocate::{ResponseTemplate, container_response};
 use super::pairing::LastShared;
+use super::request::PreferredRequest;
 use crate::api::lazy::device_plugin_server::DevicePlugin;
 use crate::api::{
     AllocateRequest, AllocateResponse, ContainerPreferredAllocationResponse, DevicePluginOptions,
-    Empty, PreStartContainerRequest, PreStartContainerResponse, PreferredAllocationRequest,
-    PreferredAllocationResponse,
+    Empty, PreStartContainerRequest, PreStartContainerResponse, PreferredAllocationResponse,
 };
 use crate::device::{DeviceListMessage, DeviceModel, Resource, packing};
 
@@ -100,22 +100,21 @@ impl DevicePlugin for DevicePluginService {
 
     async fn get_preferred_allocation(
         &self,
-        request: Request<PreferredAllocationRequest>,
+        request: Request<PreferredRequest>,
     ) -> Result<Response<PreferredAllocationResponse>, Status> {
         let resource = self.resource();
         let mut container_responses = Vec::new();
-        for req in request.into_inner().container_requests {
+        for req in request.into_inner().containers {
             let available = self
                 .model
-                .decode_all(&req.available_device_i_ds)
+                .decode_all(req.available.iter())
                 .map_err(|e| invalid(resource, e))?;
             let must = self
                 .model
-                .decode_all(&req.must_include_device_i_ds)
+                .decode_all(req.must_include.iter())
                 .map_err(|e| invalid(resource, e))?;
-            let size = usize::try_from(req.allocation_size).map_err(|_| {
-                invalid(resource, format!("allocation size {}", req.allocation_size))
-            })?;
+            let size = usize::try_from(req.size)
+                .map_err(|_| invalid(resource, format!("allocation size {}", req.size)))?;
             let chosen = match resource {
                 Resource::GpuCount => {
                     packing::whole(&available, &must, size, |g| self.model.gpus()[g].numa_node)
@@ -143,7 +142,7 @@ impl DevicePlugin for DevicePluginService {
         for req in request.into_inner().container_requests {
             let devices = self
                 .model
-                .decode_all(&req.devices_ids)
+                .decode_all(req.devices_ids.iter().map(|id| id.as_bytes()))
                 .map_err(|e| invalid(resource, e))?;
             let response = container_response(&self.model, &devices, &self.template)
                 .map_err(|e| invalid(resource, e))?;

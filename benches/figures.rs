@@ -1,0 +1,213 @@
+//! `cargo bench`: prints the figures the README quotes. Nothing here
+//! asserts a time; the machines are noisy, the numbers are for reading.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use gpu_device_plugin::api::{ContainerPreferredAllocationRequest, PreferredAllocationRequest};
+use gpu_device_plugin::config::Config;
+use gpu_device_plugin::device::{Gpu, KUBELET_MAX_MESSAGE_BYTES, Plan, Resource};
+use gpu_device_plugin::kubelet_sim::{KubeletSim, ResourceView};
+
+const BIN: &str = env!("CARGO_BIN_EXE_gpu-device-plugin");
+const GIB80: u64 = 81_920;
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+fn report(name: &str, mut samples: Vec<Duration>) {
+    samples.sort();
+    println!(
+        "{name}: n={} p50={:.2} ms p99={:.2} ms max={:.2} ms",
+        samples.len(),
+        percentile(&samples, 0.5).as_secs_f64() * 1e3,
+        percentile(&samples, 0.99).as_secs_f64() * 1e3,
+        samples[samples.len() - 1].as_secs_f64() * 1e3,
+    );
+}
+
+fn gpus(n: u32) -> Vec<Gpu> {
+    (0..n)
+        .map(|i| Gpu {
+            uuid: format!("GPU-{i:08x}-5b0c-4c8d-a1e6-2f4b8d9c0e11"),
+            memory_mib: GIB80,
+            index: i,
+            numa_node: Some(i / 4),
+        })
+        .collect()
+}
+
+fn wire_figures() {
+    let config = Config {
+        pod_matching: false,
+        ..Config::default()
+    };
+    let plan = Plan::new(&config, gpus(2)).unwrap();
+    let m = plan.model(Resource::GpuMemory).unwrap();
+    let healthy = m.wire_len(|_| true);
+    let worst = m.worst_case_wire_len();
+    println!(
+        "ListAndWatch, 2 x 80 GB at 1 MiB: {} devices, {} bytes healthy ({:.2} B/device), {} bytes all unhealthy ({:.2} B/device), limit {}",
+        m.device_count(),
+        healthy,
+        healthy as f64 / m.device_count() as f64,
+        worst,
+        worst as f64 / m.device_count() as f64,
+        KUBELET_MAX_MESSAGE_BYTES
+    );
+    let most = (1..=16)
+        .take_while(|n| Plan::new(&config, gpus(*n)).is_ok())
+        .last()
+        .unwrap_or(0);
+    let per = worst as f64 / m.device_count() as f64;
+    println!(
+        "largest node at 1 MiB units: {most} x 80 GB GPUs; about {:.0} GiB of GPU memory in all",
+        KUBELET_MAX_MESSAGE_BYTES as f64 / per / 1024.0
+    );
+    let err = Plan::new(&config, gpus(8)).unwrap_err();
+    println!("8 x 80 GB at 1 MiB: {err}");
+}
+
+fn mock_toml(dir: &Path, gpus: u32) -> String {
+    let mut t = format!(
+        "device_plugin_dir = {:?}\npod_matching = false\n[devices]\nbackend = \"mock\"\n",
+        dir.display().to_string()
+    );
+    for i in 0..gpus {
+        t.push_str(&format!(
+            "[[devices.mock]]\nuuid = \"GPU-{i:08x}-5b0c-4c8d-a1e6-2f4b8d9c0e11\"\nmemory_mib = {GIB80}\n"
+        ));
+    }
+    t
+}
+
+fn spawn(dir: &Path, toml: &str) -> Child {
+    let config = dir.join("config.toml");
+    std::fs::write(&config, toml).unwrap();
+    Command::new(BIN)
+        .arg("--config")
+        .arg(&config)
+        .env("RUST_LOG", "warn")
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+fn stop(mut child: Child) {
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let _ = child.wait();
+}
+
+fn listed(
+    names: &[String],
+) -> impl Fn(&std::collections::BTreeMap<String, ResourceView>) -> bool + '_ {
+    |s| {
+        names
+            .iter()
+            .all(|n| s.get(n).is_some_and(|v| v.stream_open && v.healthy > 0))
+    }
+}
+
+fn names() -> Vec<String> {
+    ["gpu-memory", "gpu-core", "gpu-count"]
+        .iter()
+        .map(|r| format!("doslab.io/{r}"))
+        .collect()
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+async fn startup_and_memory() {
+    let names = names();
+    let mut samples = Vec::new();
+    let mut rss = Vec::new();
+    for _ in 0..20 {
+        let dir = tempfile::tempdir().unwrap();
+        let kubelet = KubeletSim::start(dir.path()).unwrap();
+        let t = Instant::now();
+        let child = spawn(dir.path(), &mock_toml(dir.path(), 2));
+        assert!(
+            kubelet
+                .wait_until(Duration::from_secs(20), listed(&names))
+                .await
+        );
+        samples.push(t.elapsed());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        rss.push(rss_kib(child.id()));
+        stop(child);
+        kubelet.stop().await;
+    }
+    report(
+        "start to all three resources registered and listed (2 x 80 GB mock)",
+        samples,
+    );
+    rss.sort();
+    println!(
+        "idle daemon resident memory (2 x 80 GB mock, 163,840 gpu-memory devices): median {:.1} MiB, max {:.1} MiB",
+        rss[rss.len() / 2] as f64 / 1024.0,
+        rss[rss.len() - 1] as f64 / 1024.0
+    );
+}
+
+async fn preferred_allocation_latency() {
+    let dir = tempfile::tempdir().unwrap();
+    let kubelet = KubeletSim::start(dir.path()).unwrap();
+    let child = spawn(dir.path(), &mock_toml(dir.path(), 2));
+    let names = names();
+    assert!(
+        kubelet
+            .wait_until(Duration::from_secs(20), listed(&names))
+            .await
+    );
+    let mut free = kubelet.free_devices(&names[0]);
+    free.truncate(160_000);
+    let mut client = kubelet.client(&names[0]).unwrap();
+    let request = PreferredAllocationRequest {
+        container_requests: vec![ContainerPreferredAllocationRequest {
+            available_device_i_ds: free,
+            must_include_device_i_ds: vec![],
+            allocation_size: 20_000,
+        }],
+    };
+    let mut samples = Vec::new();
+    for i in 0..220 {
+        let request = request.clone();
+        let t = Instant::now();
+        let reply = client.get_preferred_allocation(request).await.unwrap();
+        if i >= 20 {
+            samples.push(t.elapsed());
+        }
+        assert_eq!(
+            reply.into_inner().container_responses[0].device_i_ds.len(),
+            20_000
+        );
+    }
+    report(
+        "GetPreferredAllocation, 160,000 available IDs, real socket",
+        samples,
+    );
+    stop(child);
+    kubelet.stop().await;
+}
+
+fn main() {
+    // `cargo bench` passes --bench; `cargo test --benches` passes nothing.
+    wire_figures();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        startup_and_memory().await;
+        preferred_allocation_latency().await;
+    });
+}
