@@ -10,17 +10,35 @@ use std::collections::BTreeMap;
 use super::DeviceRef;
 
 /// Free units of each GPU (indexed by GPU position), in ascending order.
-/// A Vec, not a map: it is filled once per free device of the node.
+/// The kubelet lists IDs in string order, not unit order, so the units go
+/// through a bitset: linear, where a sort of 160,000 units was not.
 fn by_gpu(available: &[DeviceRef]) -> Vec<Vec<u32>> {
     let gpus = available.iter().map(|d| d.gpu + 1).max().unwrap_or(0);
-    let mut m: Vec<Vec<u32>> = vec![Vec::new(); gpus];
+    let mut bits: Vec<Vec<u64>> = vec![Vec::new(); gpus];
+    let mut counts = vec![0usize; gpus];
     for d in available {
-        m[d.gpu].push(d.unit);
+        let word = d.unit as usize / 64;
+        let b = &mut bits[d.gpu];
+        if b.len() <= word {
+            b.resize(word + 1, 0);
+        }
+        b[word] |= 1 << (d.unit % 64);
+        counts[d.gpu] += 1;
     }
-    for units in &mut m {
-        units.sort_unstable();
-    }
-    m
+    bits.iter()
+        .zip(counts)
+        .map(|(words, count)| {
+            let mut units = Vec::with_capacity(count);
+            for (w, &word) in words.iter().enumerate() {
+                let mut rest = word;
+                while rest != 0 {
+                    units.push((w * 64) as u32 + rest.trailing_zeros());
+                    rest &= rest - 1;
+                }
+            }
+            units
+        })
+        .collect()
 }
 
 /// `size` units from one GPU, `must` included. `prefer`, when given, is the
