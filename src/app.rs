@@ -1,15 +1,16 @@
 //! The daemon: discover GPUs, plan the devices, run the actor tree until
-//! `shutdown` resolves, then stop it cleanly. `main` passes a signal future,
-//! the demo and tests pass their own.
+//! told to stop, reloading the config when told to. `main` turns signals
+//! into [`Control`]s; the demo passes its own.
 
-use std::future::Future;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use futures::{Stream, StreamExt};
 use ractor::Actor;
 
-use crate::config::Config;
+use crate::config::{Config, ConfigError};
 use crate::device::{DiscoverError, Plan, PlanError, discover};
-use crate::supervisor::{Supervisor, SupervisorArgs};
+use crate::supervisor::{Supervisor, SupervisorArgs, SupervisorMsg};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
@@ -31,23 +32,41 @@ pub async fn plan(config: &Config) -> Result<Plan, RunError> {
     Ok(Plan::new(config, gpus)?)
 }
 
-/// Runs the daemon until `shutdown` resolves.
-pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), RunError> {
+/// What the daemon is told while it runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Control {
+    /// Re-read the config file; a bad one is logged and the old one kept.
+    Reload,
+    Stop,
+}
+
+/// Runs the daemon until `controls` says stop or ends. `source` is the file
+/// `config` came from, re-read on `Reload`.
+pub async fn run(
+    config: Config,
+    source: Option<PathBuf>,
+    mut controls: impl Stream<Item = Control> + Unpin,
+) -> Result<(), RunError> {
     let plan = plan(&config).await?;
     for gpu in plan.gpus() {
         tracing::info!(uuid = %gpu.uuid, index = gpu.index, memory_mib = gpu.memory_mib, numa_node = ?gpu.numa_node, "GPU");
     }
-    if config.pod_matching {
-        tracing::warn!(
-            "pod_matching = true, but this build has no pod matcher yet: Allocate derives \
-             each container's GPU from its device IDs, as with pod_matching = false"
-        );
-    }
+    warn_about_pod_matching(&config);
     let args = SupervisorArgs { config, plan };
     let (supervisor, handle) = Actor::spawn(Some("supervisor".into()), Supervisor, args)
         .await
         .map_err(|e| RunError::Spawn(e.to_string()))?;
-    shutdown.await;
+    while let Some(Control::Reload) = controls.next().await {
+        match reload(source.as_deref()).await {
+            Ok((config, plan)) => {
+                warn_about_pod_matching(&config);
+                let _ = supervisor.send_message(SupervisorMsg::Reload(Box::new((config, plan))));
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "reload refused; still serving the previous config")
+            }
+        }
+    }
     tracing::info!("shutting down");
     if let Err(e) = supervisor
         .stop_and_wait(Some("shutdown".into()), Some(Duration::from_secs(8)))
@@ -57,4 +76,29 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     }
     let _ = handle.await;
     Ok(())
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    #[error("the daemon runs on the built-in config; there is no file to re-read")]
+    NoFile,
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Run(#[from] RunError),
+}
+
+async fn reload(source: Option<&Path>) -> Result<(Config, Plan), ReloadError> {
+    let config = Config::load(source.ok_or(ReloadError::NoFile)?)?;
+    let plan = plan(&config).await?;
+    Ok((config, plan))
+}
+
+fn warn_about_pod_matching(config: &Config) {
+    if config.pod_matching {
+        tracing::warn!(
+            "pod_matching = true, but this build has no pod matcher yet: Allocate derives \
+             each container's GPU from its device IDs, as with pod_matching = false"
+        );
+    }
 }

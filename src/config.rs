@@ -51,6 +51,7 @@ pub struct Config {
     pub node_name: String,
     pub log_format: LogFormat,
     pub devices: Devices,
+    pub health: Health,
     pub allocate: AllocateExtras,
 }
 
@@ -66,7 +67,31 @@ impl Default for Config {
             node_name: String::new(),
             log_format: LogFormat::Text,
             devices: Devices::default(),
+            health: Health::default(),
             allocate: AllocateExtras::default(),
+        }
+    }
+}
+
+/// GPU health checks (see `health`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Health {
+    /// How often every GPU is checked.
+    pub poll_ms: u64,
+    /// How long an unhealthy GPU must pass every check to be Healthy again.
+    pub recovery_ms: u64,
+    /// Mock backend only: a file named after a GPU's UUID in this directory
+    /// makes that GPU fail its checks. Empty: mock GPUs are always healthy.
+    pub mock_dir: PathBuf,
+}
+
+impl Default for Health {
+    fn default() -> Self {
+        Health {
+            poll_ms: 1000,
+            recovery_ms: 60_000,
+            mock_dir: PathBuf::new(),
         }
     }
 }
@@ -190,6 +215,18 @@ impl Config {
             ));
         }
         self.validate_devices()?;
+        if self.health.poll_ms < 10 {
+            return Err(invalid(
+                "health.poll_ms",
+                "must be at least 10 (milliseconds)",
+            ));
+        }
+        if !self.health.mock_dir.as_os_str().is_empty() && self.devices.backend != Backend::Mock {
+            return Err(invalid(
+                "health.mock_dir",
+                "is only read with devices.backend = \"mock\"; remove it",
+            ));
+        }
         self.validate_allocate()
     }
 
@@ -359,6 +396,14 @@ mod tests {
         assert!(c.pod_matching);
         assert_eq!(c.node_name, "node-a");
         assert_eq!(c.devices.backend, Backend::Nvml);
+        assert_eq!(c.health, Health::default());
+    }
+
+    #[test]
+    fn health_keys_are_checked() {
+        assert!(err_of("[health]\npoll_ms = 1").contains("health.poll_ms"));
+        assert!(err_of("[health]\nmock_dir = \"/x\"").contains("health.mock_dir"));
+        assert!(err_of("[health]\npoll = 5").contains("poll"));
     }
 
     #[test]

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use crate::api::{AllocateRequest, ContainerAllocateRequest};
 use crate::config::{Config, ConfigError, DEMO_TOML};
 use crate::device::{KUBELET_MAX_MESSAGE_BYTES, Resource};
-use crate::kubelet_sim::{KubeletSim, ResourceView, merged_envs};
+use crate::kubelet_sim::{KubeletSim, ResourceView, merged_envs, plugin_sockets};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DemoError {
@@ -84,9 +84,11 @@ pub async fn run() -> Result<String, DemoError> {
 
     // The daemon starts before the kubelet, as after a node reboot.
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let daemon = tokio::spawn(crate::app::run(config.clone(), async {
+    let controls = Box::pin(futures::stream::once(async {
         let _ = stopped.await;
+        crate::app::Control::Stop
     }));
+    let daemon = tokio::spawn(crate::app::run(config.clone(), None, controls));
     tokio::time::sleep(Duration::from_millis(300)).await;
     let started = Instant::now();
     let kubelet = KubeletSim::start(dir.path())?;
@@ -197,10 +199,7 @@ pub async fn run() -> Result<String, DemoError> {
                 .all(|n| s.get(n).is_some_and(|v| !v.stream_open && v.devices == 0))
         })
         .await;
-    let sockets_left = std::fs::read_dir(dir.path())?
-        .filter_map(Result::ok)
-        .filter(|e| e.file_name() != "kubelet.sock")
-        .count();
+    let sockets_left = plugin_sockets(dir.path()).len();
     let _ = writeln!(
         out,
         "\nDaemon stopped: empty device lists sent and streams ended: {}; plugin sockets left: {}",

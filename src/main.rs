@@ -5,9 +5,10 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use futures::StreamExt;
+use gpu_device_plugin::app::{self, Control};
 use gpu_device_plugin::config::{Config, LogFormat};
-use gpu_device_plugin::{app, demo};
-use signal_hook::consts::{SIGINT, SIGTERM};
+use gpu_device_plugin::demo;
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use tracing_subscriber::EnvFilter;
 
 #[derive(Parser)]
@@ -55,19 +56,18 @@ fn load(path: Option<&PathBuf>) -> anyhow::Result<Config> {
     }
 }
 
-/// Resolves on the first SIGTERM or SIGINT.
-async fn terminated() {
-    match signal_hook_tokio::Signals::new([SIGTERM, SIGINT]) {
-        Ok(mut signals) => {
-            if let Some(sig) = signals.next().await {
-                tracing::info!(signal = sig, "signal received");
-            }
+/// SIGHUP → reload; SIGTERM, SIGINT → stop.
+fn controls() -> anyhow::Result<impl futures::Stream<Item = Control> + Unpin> {
+    let signals = signal_hook_tokio::Signals::new([SIGHUP, SIGTERM, SIGINT])
+        .context("cannot install signal handlers")?;
+    Ok(signals.map(|sig| {
+        tracing::info!(signal = sig, "signal received");
+        if sig == SIGHUP {
+            Control::Reload
+        } else {
+            Control::Stop
         }
-        Err(e) => {
-            tracing::error!(error = %e, "cannot install signal handlers; stopping only on Ctrl-C");
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
+    }))
 }
 
 #[tokio::main]
@@ -77,7 +77,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Run => {
             let config = load(cli.config.as_ref())?;
             init_logging(config.log_format, "info");
-            app::run(config, terminated()).await?;
+            app::run(config, cli.config, controls()?).await?;
         }
         Command::Demo => {
             init_logging(LogFormat::Text, "warn");

@@ -32,7 +32,7 @@ pub enum IdError {
 }
 
 /// The devices one resource advertises.
-#[derive(Debug)]
+#[derive(Debug, PartialEq)]
 pub struct DeviceModel {
     resource: Resource,
     gpus: Arc<[Gpu]>,

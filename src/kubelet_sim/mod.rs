@@ -48,6 +48,7 @@ pub struct Grant {
     pub response: ContainerAllocateResponse,
 }
 
+/// A registered plugin's connection; gone when the kubelet restarts.
 struct Endpoint {
     generation: u64,
     client: DevicePluginClient<Channel>,
@@ -55,12 +56,14 @@ struct Endpoint {
     /// ID → healthy.
     devices: BTreeMap<String, bool>,
     allocated: BTreeSet<String>,
-    view: ResourceView,
+    reader: Option<JoinHandle<()>>,
 }
 
 #[derive(Default)]
 struct SimState {
     endpoints: BTreeMap<String, Endpoint>,
+    /// What the kubelet reports per resource; outlives restarts.
+    views: BTreeMap<String, ResourceView>,
     generations: u64,
 }
 
@@ -78,8 +81,11 @@ impl Shared {
     }
 }
 
+/// The device manager's checkpoint: the one file a restart keeps.
+pub const CHECKPOINT: &str = "kubelet_internal_checkpoint";
+
 pub struct KubeletSim {
-    socket: PathBuf,
+    dir: PathBuf,
     shared: Arc<Shared>,
     server: Option<(oneshot::Sender<()>, JoinHandle<()>)>,
 }
@@ -87,15 +93,25 @@ pub struct KubeletSim {
 impl KubeletSim {
     /// Starts serving `<dir>/kubelet.sock`.
     pub fn start(dir: &Path) -> std::io::Result<KubeletSim> {
-        let socket = dir.join("kubelet.sock");
-        let incoming = crate::uds::bind(&socket)?;
         let shared = Arc::new(Shared {
             state: Mutex::new(SimState::default()),
             version: watch::channel(0).0,
         });
-        let service = registration::RegistrationService {
+        let mut sim = KubeletSim {
             dir: dir.to_owned(),
-            shared: shared.clone(),
+            shared,
+            server: None,
+        };
+        std::fs::write(dir.join(CHECKPOINT), "{}")?;
+        sim.serve()?;
+        Ok(sim)
+    }
+
+    fn serve(&mut self) -> std::io::Result<()> {
+        let incoming = crate::uds::bind(&self.dir.join("kubelet.sock"))?;
+        let service = registration::RegistrationService {
+            dir: self.dir.clone(),
+            shared: self.shared.clone(),
         };
         let routes = tonic::service::Routes::new(RegistrationServer::new(service));
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
@@ -107,21 +123,49 @@ impl KubeletSim {
                 tracing::error!(error = %e, "kubelet simulator server failed");
             }
         });
-        Ok(KubeletSim {
-            socket,
-            shared,
-            server: Some((stop_tx, task)),
-        })
+        self.server = Some((stop_tx, task));
+        Ok(())
+    }
+
+    async fn stop_serving(&mut self) {
+        if let Some((stop, task)) = self.server.take() {
+            let _ = stop.send(());
+            let _ = task.await;
+        }
+    }
+
+    /// Restarts the kubelet as the real one does: its connections die, every
+    /// file in the directory but the checkpoint is deleted (plugin sockets
+    /// included), and a new `kubelet.sock` appears.
+    pub async fn restart(&mut self) -> std::io::Result<()> {
+        self.stop_serving().await;
+        let endpoints = self.shared.update(|s| {
+            for v in s.views.values_mut() {
+                v.stream_open = false;
+                v.healthy = 0;
+            }
+            std::mem::take(&mut s.endpoints)
+        });
+        for (_, e) in endpoints {
+            if let Some(reader) = e.reader {
+                reader.abort();
+                let _ = reader.await;
+            }
+        }
+        for entry in std::fs::read_dir(&self.dir)? {
+            let entry = entry?;
+            if entry.file_name() != CHECKPOINT && entry.file_type()?.is_file() || is_socket(&entry)
+            {
+                std::fs::remove_file(entry.path())?;
+            }
+        }
+        self.serve()
     }
 
     /// What the kubelet knows, per resource name.
     pub fn snapshot(&self) -> BTreeMap<String, ResourceView> {
         let state = self.shared.state.lock().expect("kubelet sim lock poisoned");
-        state
-            .endpoints
-            .iter()
-            .map(|(name, e)| (name.clone(), e.view.clone()))
-            .collect()
+        state.views.clone()
     }
 
     /// Waits until `done(snapshot)` holds; false on timeout.
@@ -267,12 +311,28 @@ impl KubeletSim {
 
     /// Stops serving and removes `kubelet.sock`.
     pub async fn stop(mut self) {
-        if let Some((stop, task)) = self.server.take() {
-            let _ = stop.send(());
-            let _ = task.await;
-        }
-        let _ = std::fs::remove_file(&self.socket);
+        self.stop_serving().await;
+        let _ = std::fs::remove_file(self.dir.join("kubelet.sock"));
     }
+}
+
+/// Plugin sockets in a device-plugin directory (every socket but the kubelet's).
+pub fn plugin_sockets(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .filter_map(Result::ok)
+                .filter(is_socket)
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n != "kubelet.sock")
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn is_socket(entry: &std::fs::DirEntry) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    entry.file_type().is_ok_and(|t| t.is_socket())
 }
 
 /// The container's envs as the kubelet merges them: first value wins.

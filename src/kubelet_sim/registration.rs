@@ -8,7 +8,7 @@ use std::time::Duration;
 use prost::Message;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::{Endpoint, MAX_MESSAGE_BYTES, ResourceView, Shared};
+use super::{Endpoint, MAX_MESSAGE_BYTES, Shared};
 use crate::api::device_plugin_client::DevicePluginClient;
 use crate::api::registration_server::Registration;
 use crate::api::{Empty, ListAndWatchResponse, RegisterRequest};
@@ -79,7 +79,6 @@ impl Registration for RegistrationService {
         let generation = self.shared.update(|s| {
             s.generations += 1;
             let generation = s.generations;
-            let registrations = s.endpoints.get(&name).map_or(0, |e| e.view.registrations);
             s.endpoints.insert(
                 name.clone(),
                 Endpoint {
@@ -88,16 +87,30 @@ impl Registration for RegistrationService {
                     options,
                     devices: Default::default(),
                     allocated: Default::default(),
-                    view: ResourceView {
-                        registrations: registrations + 1,
-                        stream_open: true,
-                        ..Default::default()
-                    },
+                    reader: None,
                 },
             );
+            let view = s.views.entry(name.clone()).or_default();
+            view.registrations += 1;
+            view.stream_open = true;
+            view.stream_error = None;
             generation
         });
-        tokio::spawn(read_stream(self.shared.clone(), name, generation, stream));
+        let reader = tokio::spawn(read_stream(
+            self.shared.clone(),
+            name.clone(),
+            generation,
+            stream,
+        ));
+        self.shared.update(|s| {
+            if let Some(e) = s
+                .endpoints
+                .get_mut(&name)
+                .filter(|e| e.generation == generation)
+            {
+                e.reader = Some(reader);
+            }
+        });
         Ok(Response::new(Empty {}))
     }
 }
@@ -118,8 +131,7 @@ async fn read_stream(
                 else {
                     return;
                 };
-                e.view.last_message_bytes = list.encoded_len();
-                e.view.messages += 1;
+                let bytes = list.encoded_len();
                 e.devices = list
                     .devices
                     .into_iter()
@@ -128,8 +140,11 @@ async fn read_stream(
                         (d.id, healthy)
                     })
                     .collect();
-                e.view.devices = e.devices.len();
-                e.view.healthy = e.devices.values().filter(|h| **h).count();
+                let view = s.views.entry(name.clone()).or_default();
+                view.last_message_bytes = bytes;
+                view.messages += 1;
+                view.devices = e.devices.len();
+                view.healthy = e.devices.values().filter(|h| **h).count();
             }),
             Ok(None) => break None,
             Err(status) => break Some(format!("{:?}: {}", status.code(), status.message())),
@@ -145,9 +160,15 @@ async fn read_stream(
         for healthy in e.devices.values_mut() {
             *healthy = false;
         }
-        e.view.healthy = 0;
-        e.view.stream_open = false;
-        e.view.stream_error = if dropped_newer {
+        if dropped_newer {
+            if let Some(reader) = e.reader.take() {
+                reader.abort();
+            }
+        }
+        let view = s.views.entry(name.clone()).or_default();
+        view.healthy = 0;
+        view.stream_open = false;
+        view.stream_error = if dropped_newer {
             Some("dropped by an older stream's end (kubernetes#121994)".into())
         } else {
             error

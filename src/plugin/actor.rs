@@ -1,10 +1,18 @@
 //! The plugin actor: serve first, then register (the kubelet dials back
-//! inside Register), retry registration with backoff, and on stop send an
-//! empty list, end the stream, stop the server and remove the socket.
+//! inside Register), retry registration with backoff, heal on `Check`, and
+//! on stop send an empty list, end the stream, stop the server and remove
+//! the socket.
+//!
+//! `Check` is idempotent, so the kubelet watcher can send it on every
+//! filesystem event and on a timer: it restarts the server when the socket
+//! was removed or replaced, or when the kubelet restarted or dropped the
+//! stream since we registered, and registers at once when a kubelet
+//! appears.
 
-use std::path::PathBuf;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::{oneshot, watch};
@@ -13,7 +21,7 @@ use tokio::task::JoinHandle;
 use super::allocate::ResponseTemplate;
 use super::pairing::LastShared;
 use super::registration::{RegisterError, register};
-use super::service::{DevicePluginService, StreamItem};
+use super::service::{DevicePluginService, StreamItem, Streams};
 use crate::api::lazy::device_plugin_server::DevicePluginServer;
 use crate::config::Config;
 use crate::device::{DeviceListMessage, DeviceModel, Resource};
@@ -23,9 +31,14 @@ use crate::device::{DeviceListMessage, DeviceModel, Resource};
 const MAX_REQUEST_BYTES: usize = 64 * 1024 * 1024;
 /// How long a stopping server may take to finish its calls.
 const STOP_GRACE: Duration = Duration::from_secs(2);
+/// The kubelet opens ListAndWatch as part of Register; a registration this
+/// old without an open stream means the kubelet dropped us.
+const STREAM_GRACE: Duration = Duration::from_secs(3);
 
 pub struct PluginActor;
 
+/// Everything a plugin needs.
+#[derive(Debug, Clone)]
 pub struct PluginArgs {
     pub model: Arc<DeviceModel>,
     pub resource_name: String,
@@ -34,10 +47,26 @@ pub struct PluginArgs {
     pub kubelet_socket: PathBuf,
     pub template: Arc<ResponseTemplate>,
     pub pairing: LastShared,
+    pub healthy: Arc<[bool]>,
 }
 
 impl PluginArgs {
-    pub fn new(config: &Config, model: Arc<DeviceModel>, pairing: LastShared) -> Self {
+    /// Whether a reload can keep the running plugin: same devices, names,
+    /// paths and responses (health is pushed to a running plugin instead).
+    pub fn serves_like(&self, other: &PluginArgs) -> bool {
+        self.model == other.model
+            && self.resource_name == other.resource_name
+            && self.socket == other.socket
+            && self.kubelet_socket == other.kubelet_socket
+            && self.template == other.template
+    }
+
+    pub fn new(
+        config: &Config,
+        model: Arc<DeviceModel>,
+        pairing: LastShared,
+        healthy: Arc<[bool]>,
+    ) -> Self {
         let r = model.resource();
         let endpoint = config.endpoint(r);
         PluginArgs {
@@ -48,21 +77,39 @@ impl PluginArgs {
             template: Arc::new(ResponseTemplate::new(config, r)),
             model,
             pairing,
+            healthy,
         }
     }
 }
 
 pub enum PluginMsg {
-    /// Try to register the running server with the kubelet.
-    Register,
-    /// The outcome of a registration attempt.
-    Registered(Result<(), RegisterError>),
+    /// Try to register the server of this generation.
+    Register(u64),
+    /// The outcome of a registration attempt of a generation, against the
+    /// kubelet socket of this inode.
+    Registered(u64, u64, Result<(), RegisterError>),
+    /// Verify socket, kubelet and stream; heal what is wrong.
+    Check,
+    /// The GPUs' health changed.
+    SetHealth(Arc<[bool]>),
+}
+
+struct Server {
+    lists: watch::Sender<StreamItem>,
+    streams: Streams,
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<()>,
+    socket_ino: u64,
 }
 
 pub struct PluginState {
     args: PluginArgs,
-    lists: watch::Sender<StreamItem>,
-    server: Option<(oneshot::Sender<()>, JoinHandle<()>)>,
+    server: Option<Server>,
+    /// Bumped on every server start: outcomes of older attempts are ignored.
+    generation: u64,
+    registering: bool,
+    /// Inode of the kubelet socket we registered with, and when.
+    registered: Option<(u64, Instant)>,
     failed_attempts: u32,
 }
 
@@ -70,6 +117,14 @@ impl PluginState {
     fn resource(&self) -> Resource {
         self.args.model.resource()
     }
+
+    fn list(&self) -> DeviceListMessage {
+        DeviceListMessage::new(self.args.model.clone(), self.args.healthy.clone())
+    }
+}
+
+fn inode(path: &Path) -> Option<u64> {
+    std::fs::metadata(path).ok().map(|m| m.ino())
 }
 
 /// 100 ms, 200 ms, … capped at 2 s: a kubelet that appears is found fast,
@@ -78,34 +133,28 @@ fn backoff(failed_attempts: u32) -> Duration {
     Duration::from_millis(100u64 << failed_attempts.min(5)).min(Duration::from_secs(2))
 }
 
-impl Actor for PluginActor {
-    type Msg = PluginMsg;
-    type State = PluginState;
-    type Arguments = PluginArgs;
-
-    async fn pre_start(
-        &self,
-        myself: ActorRef<PluginMsg>,
-        args: PluginArgs,
-    ) -> Result<PluginState, ActorProcessingErr> {
-        let healthy: Arc<[bool]> = vec![true; args.model.gpus().len()].into();
-        let item = StreamItem {
-            list: DeviceListMessage::new(args.model.clone(), healthy),
+impl PluginActor {
+    fn start_server(state: &PluginState) -> Result<Server, ActorProcessingErr> {
+        let args = &state.args;
+        let (lists, rx) = watch::channel(StreamItem {
+            list: state.list(),
             last: false,
-        };
-        let (lists, rx) = watch::channel(item);
+        });
         let incoming = crate::uds::bind(&args.socket)
             .map_err(|e| format!("cannot listen on {}: {e}", args.socket.display()))?;
+        let socket_ino = inode(&args.socket).unwrap_or_default();
+        let streams = Streams::default();
         let service = DevicePluginService::new(
             args.model.clone(),
             args.template.clone(),
             rx,
             args.pairing.clone(),
+            streams.clone(),
         );
         let routes = tonic::service::Routes::new(
             DevicePluginServer::new(service).max_decoding_message_size(MAX_REQUEST_BYTES),
         );
-        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let (stop, stop_rx) = oneshot::channel::<()>();
         let resource = args.model.resource();
         let task = tokio::spawn(async move {
             let stopped = async {
@@ -121,13 +170,80 @@ impl Actor for PluginActor {
             devices = args.model.device_count(),
             "serving"
         );
-        myself.send_message(PluginMsg::Register)?;
-        Ok(PluginState {
-            args,
+        Ok(Server {
             lists,
-            server: Some((stop_tx, task)),
-            failed_attempts: 0,
+            streams,
+            stop,
+            task,
+            socket_ino,
         })
+    }
+
+    /// Ends the stream with `last`, stops the server, removes the socket if
+    /// it is still ours.
+    async fn stop_server(state: &mut PluginState, last: DeviceListMessage) {
+        let Some(server) = state.server.take() else {
+            return;
+        };
+        let resource = state.resource();
+        server.lists.send_replace(StreamItem {
+            list: last,
+            last: true,
+        });
+        let _ = server.stop.send(());
+        let mut task = server.task;
+        if tokio::time::timeout(STOP_GRACE, &mut task).await.is_err() {
+            tracing::warn!(%resource, "server did not stop in time; aborting it");
+            task.abort();
+        }
+        if inode(&state.args.socket) == Some(server.socket_ino) {
+            if let Err(e) = std::fs::remove_file(&state.args.socket) {
+                tracing::warn!(%resource, error = %e, "cannot remove socket");
+            }
+        }
+    }
+
+    /// A new server and a new registration, the old stream ended first
+    /// (kubernetes#121994).
+    async fn restart(
+        myself: &ActorRef<PluginMsg>,
+        state: &mut PluginState,
+        reason: &str,
+    ) -> Result<(), ActorProcessingErr> {
+        tracing::info!(resource = %state.resource(), %reason, "restarting server and re-registering");
+        let list = state.list();
+        Self::stop_server(state, list).await;
+        state.server = Some(Self::start_server(state)?);
+        state.generation += 1;
+        state.registering = false;
+        state.registered = None;
+        state.failed_attempts = 0;
+        myself.send_message(PluginMsg::Register(state.generation))?;
+        Ok(())
+    }
+}
+
+impl Actor for PluginActor {
+    type Msg = PluginMsg;
+    type State = PluginState;
+    type Arguments = PluginArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<PluginMsg>,
+        args: PluginArgs,
+    ) -> Result<PluginState, ActorProcessingErr> {
+        let mut state = PluginState {
+            args,
+            server: None,
+            generation: 0,
+            registering: false,
+            registered: None,
+            failed_attempts: 0,
+        };
+        state.server = Some(Self::start_server(&state)?);
+        myself.send_message(PluginMsg::Register(0))?;
+        Ok(state)
     }
 
     async fn handle(
@@ -137,26 +253,41 @@ impl Actor for PluginActor {
         state: &mut PluginState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            PluginMsg::Register => {
+            PluginMsg::Register(generation) => {
+                if generation != state.generation || state.registering || state.registered.is_some()
+                {
+                    return Ok(());
+                }
                 let kubelet = state.args.kubelet_socket.clone();
+                let Some(kubelet_ino) = inode(&kubelet) else {
+                    let err = RegisterError::NoKubelet(kubelet.display().to_string());
+                    myself.send_message(PluginMsg::Registered(generation, 0, Err(err)))?;
+                    return Ok(());
+                };
+                state.registering = true;
                 let endpoint = state.args.endpoint.clone();
                 let name = state.args.resource_name.clone();
                 // Register blocks until the kubelet has dialled us back; the
                 // actor keeps answering meanwhile.
                 tokio::spawn(async move {
                     let result = register(&kubelet, &endpoint, &name).await;
-                    let _ = myself.send_message(PluginMsg::Registered(result));
+                    let _ =
+                        myself.send_message(PluginMsg::Registered(generation, kubelet_ino, result));
                 });
             }
-            PluginMsg::Registered(Ok(())) => {
+            PluginMsg::Registered(generation, _, _) if generation != state.generation => {}
+            PluginMsg::Registered(_, kubelet_ino, Ok(())) => {
+                state.registering = false;
                 state.failed_attempts = 0;
+                state.registered = Some((kubelet_ino, Instant::now()));
                 tracing::info!(
                     resource = %state.resource(),
                     name = %state.args.resource_name,
                     "registered with the kubelet"
                 );
             }
-            PluginMsg::Registered(Err(reason)) => {
+            PluginMsg::Registered(generation, _, Err(reason)) => {
+                state.registering = false;
                 let delay = backoff(state.failed_attempts);
                 state.failed_attempts += 1;
                 // Waiting for a kubelet is normal at boot: say it once, calmly.
@@ -174,7 +305,46 @@ impl Actor for PluginActor {
                         "registration failed"
                     ),
                 }
-                myself.send_after(delay, || PluginMsg::Register);
+                myself.send_after(delay, move || PluginMsg::Register(generation));
+            }
+            PluginMsg::Check => {
+                let ours = state.server.as_ref().map(|s| s.socket_ino);
+                let kubelet = inode(&state.args.kubelet_socket);
+                if inode(&state.args.socket) != ours {
+                    return Self::restart(&myself, state, "socket removed").await;
+                }
+                match (kubelet, state.registered) {
+                    (Some(now), Some((then, _))) if now != then => {
+                        Self::restart(&myself, state, "kubelet restarted").await?;
+                    }
+                    (Some(_), Some((_, at)))
+                        if at.elapsed() > STREAM_GRACE
+                            && state.server.as_ref().is_some_and(|s| s.streams.open() == 0) =>
+                    {
+                        Self::restart(&myself, state, "kubelet closed the ListAndWatch stream")
+                            .await?;
+                    }
+                    (Some(_), None) if !state.registering => {
+                        // A kubelet appeared: no need to sit out the backoff.
+                        myself.send_message(PluginMsg::Register(state.generation))?;
+                    }
+                    _ => {}
+                }
+            }
+            PluginMsg::SetHealth(healthy) => {
+                if healthy.len() == state.args.model.gpus().len() && healthy != state.args.healthy {
+                    state.args.healthy = healthy;
+                    let list = state.list();
+                    tracing::info!(
+                        resource = %state.resource(),
+                        healthy = list.healthy_count(),
+                        devices = list.device_count(),
+                        "device health changed"
+                    );
+                    if let Some(server) = &state.server {
+                        server.lists.send_replace(StreamItem { list, last: false });
+                    }
+                }
             }
         }
         Ok(())
@@ -185,26 +355,9 @@ impl Actor for PluginActor {
         _: ActorRef<PluginMsg>,
         state: &mut PluginState,
     ) -> Result<(), ActorProcessingErr> {
-        let resource = state.resource();
         // The kubelet drops devices it is told about before the stream ends.
-        state.lists.send_replace(StreamItem {
-            list: DeviceListMessage::empty(),
-            last: true,
-        });
-        if let Some((stop, mut task)) = state.server.take() {
-            let _ = stop.send(());
-            if tokio::time::timeout(STOP_GRACE, &mut task).await.is_err() {
-                tracing::warn!(%resource, "server did not stop in time; aborting it");
-                task.abort();
-            }
-        }
-        match std::fs::remove_file(&state.args.socket) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                tracing::warn!(%resource, error = %e, "cannot remove socket");
-            }
-            _ => {}
-        }
-        tracing::info!(%resource, "stopped");
+        Self::stop_server(state, DeviceListMessage::empty()).await;
+        tracing::info!(resource = %state.resource(), "stopped");
         Ok(())
     }
 }

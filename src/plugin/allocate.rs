@@ -8,7 +8,7 @@ use crate::config::Config;
 use crate::device::{DeviceModel, DeviceRef, Resource};
 
 /// The per-resource parts of the config an Allocate response needs.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ResponseTemplate {
     amount_env: String,
     envs: HashMap<String, String>,

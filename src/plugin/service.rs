@@ -3,6 +3,7 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use futures::Stream;
 use tokio::sync::watch;
@@ -26,6 +27,31 @@ pub struct StreamItem {
     pub last: bool,
 }
 
+/// Counts the open ListAndWatch streams, so the plugin can tell when the
+/// kubelet dropped it (it never reconnects by itself).
+#[derive(Debug, Clone, Default)]
+pub struct Streams(Arc<AtomicUsize>);
+
+impl Streams {
+    pub fn open(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+
+    fn guard(&self) -> StreamGuard {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        StreamGuard(self.0.clone())
+    }
+}
+
+/// Held by a stream for its life.
+struct StreamGuard(Arc<AtomicUsize>);
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 pub fn options() -> DevicePluginOptions {
     DevicePluginOptions {
         pre_start_required: false,
@@ -38,6 +64,7 @@ pub struct DevicePluginService {
     template: Arc<ResponseTemplate>,
     lists: watch::Receiver<StreamItem>,
     pairing: LastShared,
+    streams: Streams,
 }
 
 impl DevicePluginService {
@@ -46,12 +73,14 @@ impl DevicePluginService {
         template: Arc<ResponseTemplate>,
         lists: watch::Receiver<StreamItem>,
         pairing: LastShared,
+        streams: Streams,
     ) -> Self {
         DevicePluginService {
             model,
             template,
             lists,
             pairing,
+            streams,
         }
     }
 
@@ -82,17 +111,18 @@ impl DevicePlugin for DevicePluginService {
     ) -> Result<Response<Self::ListAndWatchStream>, Status> {
         let resource = self.resource();
         tracing::info!(%resource, "ListAndWatch stream opened");
-        // (receiver, first, done): the first item is the current list.
+        // (receiver, first, done, guard): the first item is the current list;
+        // the guard counts the stream open until the kubelet drops it.
         let stream = futures::stream::unfold(
-            (self.lists.clone(), true, false),
-            move |(mut rx, first, done)| async move {
+            (self.lists.clone(), true, false, self.streams.guard()),
+            move |(mut rx, first, done, guard)| async move {
                 if done || (!first && rx.changed().await.is_err()) {
                     tracing::info!(%resource, "ListAndWatch stream ended");
                     return None;
                 }
                 let item = rx.borrow_and_update().clone();
                 tracing::debug!(%resource, devices = item.list.device_count(), "ListAndWatch send");
-                Some((Ok(item.list), (rx, false, item.last)))
+                Some((Ok(item.list), (rx, false, item.last, guard)))
             },
         );
         Ok(Response::new(Box::pin(stream)))

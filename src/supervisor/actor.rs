@@ -3,18 +3,23 @@
 //! supervisor itself, which is exactly what must not happen.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
+use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent};
 
-use crate::config::Config;
+use crate::config::{Backend, Config};
 use crate::device::{Plan, Resource};
+use crate::health::{HealthArgs, HealthMonitor, ProbeSpec};
+use crate::kubelet_watch::{KubeletWatcher, WatcherArgs};
 use crate::plugin::{LastShared, PluginActor, PluginArgs, PluginMsg};
 
 /// A child that ran this long before ending starts its backoff afresh.
 const STABLE_AFTER: Duration = Duration::from_secs(60);
-/// How long a stopping child may take (it ends its stream and server).
+/// How long a stopping child may take (a plugin ends its stream and server).
 const CHILD_STOP_TIMEOUT: Duration = Duration::from_secs(4);
+/// The watcher's periodic check, for filesystem events that never came.
+const WATCH_TICK: Duration = Duration::from_secs(5);
 
 pub struct Supervisor;
 
@@ -23,72 +28,244 @@ pub struct SupervisorArgs {
     pub plan: Plan,
 }
 
-pub enum SupervisorMsg {
-    /// Start (again) the plugin of this resource.
-    Start(Resource),
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Child {
+    Plugin(Resource),
+    Watcher,
+    Health,
 }
 
-struct Child {
-    actor: ActorRef<PluginMsg>,
+impl std::fmt::Display for Child {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Child::Plugin(r) => write!(f, "plugin {r}"),
+            Child::Watcher => f.write_str("kubelet watcher"),
+            Child::Health => f.write_str("health monitor"),
+        }
+    }
+}
+
+pub enum SupervisorMsg {
+    /// Start (again) a child that is not running.
+    Start(Child),
+    /// Have every plugin verify its socket, kubelet and stream.
+    CheckPlugins,
+    /// GPU health changed.
+    Health(Arc<[bool]>),
+    /// A new, valid config and its plan (SIGHUP).
+    Reload(Box<(Config, Plan)>),
+}
+
+struct Running {
+    cell: ActorCell,
     started: Instant,
+    /// For plugins: what it serves, to tell a changed one on reload.
+    plugin: Option<(ActorRef<PluginMsg>, PluginArgs)>,
 }
 
 pub struct SupervisorState {
     config: Config,
     plan: Plan,
     pairing: LastShared,
-    children: BTreeMap<Resource, Child>,
-    /// Consecutive quick failures per resource, for the backoff.
-    failures: BTreeMap<Resource, u32>,
+    healthy: Arc<[bool]>,
+    children: BTreeMap<Child, Running>,
+    /// Consecutive quick failures per child, for the backoff.
+    failures: BTreeMap<Child, u32>,
 }
 
 fn restart_delay(failures: u32) -> Duration {
     Duration::from_millis(100u64 << failures.saturating_sub(1).min(9)).min(Duration::from_secs(30))
 }
 
+impl SupervisorState {
+    fn plugin_args(&self, resource: Resource) -> Option<PluginArgs> {
+        let model = self.plan.model(resource)?.clone();
+        Some(PluginArgs::new(
+            &self.config,
+            model,
+            self.pairing.clone(),
+            self.healthy.clone(),
+        ))
+    }
+
+    fn wanted(&self) -> Vec<Child> {
+        let mut children: Vec<Child> = self
+            .plan
+            .models()
+            .map(|m| Child::Plugin(m.resource()))
+            .collect();
+        children.extend([Child::Watcher, Child::Health]);
+        children
+    }
+
+    fn plugins(&self) -> impl Iterator<Item = &ActorRef<PluginMsg>> {
+        self.children
+            .values()
+            .filter_map(|r| r.plugin.as_ref().map(|(a, _)| a))
+    }
+}
+
 impl Supervisor {
-    async fn start_child(
-        myself: &ActorRef<SupervisorMsg>,
-        state: &mut SupervisorState,
-        resource: Resource,
-    ) {
-        let Some(model) = state.plan.model(resource) else {
+    async fn start(myself: &ActorRef<SupervisorMsg>, state: &mut SupervisorState, child: Child) {
+        if state.children.contains_key(&child) || !state.wanted().contains(&child) {
             return;
-        };
-        let args = PluginArgs::new(&state.config, model.clone(), state.pairing.clone());
-        let name = format!("plugin-{resource}");
-        match Actor::spawn_linked(Some(name), PluginActor, args, myself.get_cell()).await {
-            Ok((actor, _)) => {
-                state.children.insert(
-                    resource,
-                    Child {
-                        actor,
+        }
+        let name = Some(child.to_string());
+        let supervisor = myself.get_cell();
+        let spawned: Result<Running, String> = match child {
+            Child::Plugin(r) => {
+                let Some(args) = state.plugin_args(r) else {
+                    return;
+                };
+                Actor::spawn_linked(name, PluginActor, args.clone(), supervisor)
+                    .await
+                    .map(|(actor, _)| Running {
+                        cell: actor.get_cell(),
                         started: Instant::now(),
-                    },
-                );
+                        plugin: Some((actor, args)),
+                    })
+                    .map_err(|e| e.to_string())
             }
-            Err(e) => {
-                Self::schedule_restart(myself, state, resource, &e.to_string());
+            Child::Watcher => {
+                let args = WatcherArgs {
+                    dir: state.config.device_plugin_dir.clone(),
+                    supervisor: myself.clone(),
+                    tick: WATCH_TICK,
+                };
+                Actor::spawn_linked(name, KubeletWatcher, args, supervisor)
+                    .await
+                    .map(|(a, _)| Running {
+                        cell: a.get_cell(),
+                        started: Instant::now(),
+                        plugin: None,
+                    })
+                    .map_err(|e| e.to_string())
             }
+            Child::Health => {
+                let args = health_args(myself, state);
+                Actor::spawn_linked(name, HealthMonitor, args, supervisor)
+                    .await
+                    .map(|(a, _)| Running {
+                        cell: a.get_cell(),
+                        started: Instant::now(),
+                        plugin: None,
+                    })
+                    .map_err(|e| e.to_string())
+            }
+        };
+        match spawned {
+            Ok(running) => {
+                state.children.insert(child, running);
+            }
+            Err(e) => Self::schedule_restart(myself, state, child, &format!("cannot start: {e}")),
         }
     }
 
     fn schedule_restart(
         myself: &ActorRef<SupervisorMsg>,
         state: &mut SupervisorState,
-        resource: Resource,
+        child: Child,
         reason: &str,
     ) {
-        let failures = state.failures.entry(resource).or_default();
+        let failures = state.failures.entry(child).or_default();
         *failures += 1;
         let delay = restart_delay(*failures);
         tracing::warn!(
-            %resource,
+            %child,
             %reason,
             restart_in_ms = delay.as_millis() as u64,
-            "plugin ended; restarting"
+            "child ended; restarting"
         );
-        myself.send_after(delay, move || SupervisorMsg::Start(resource));
+        myself.send_after(delay, move || SupervisorMsg::Start(child));
+    }
+
+    /// Stops a child on purpose (reload, shutdown): it leaves the map
+    /// first, so its end is not taken for a crash.
+    async fn stop(state: &mut SupervisorState, child: Child, why: &str) {
+        if let Some(running) = state.children.remove(&child) {
+            tracing::info!(%child, reason = why, "stopping");
+            if let Err(e) = running
+                .cell
+                .stop_and_wait(Some(why.to_owned()), Some(CHILD_STOP_TIMEOUT))
+                .await
+            {
+                tracing::warn!(%child, error = %e, "did not stop cleanly");
+            }
+        }
+    }
+
+    async fn reload(
+        myself: &ActorRef<SupervisorMsg>,
+        state: &mut SupervisorState,
+        config: Config,
+        plan: Plan,
+    ) {
+        let old_dir = state.config.device_plugin_dir.clone();
+        let old_gpus = state.plan.gpus().to_vec();
+        let old_health = (state.config.health.clone(), state.config.devices.backend);
+        state.config = config;
+        state.plan = plan;
+        if state.plan.gpus() != old_gpus.as_slice() {
+            state.healthy = vec![true; state.plan.gpus().len()].into();
+        }
+        let running: Vec<Child> = state.children.keys().copied().collect();
+        for child in running {
+            let reason = match child {
+                Child::Plugin(r) => {
+                    let before = state.children[&child]
+                        .plugin
+                        .as_ref()
+                        .map(|(_, a)| a.clone());
+                    match (before, state.plugin_args(r)) {
+                        (_, None) => Some("disabled by reload"),
+                        (Some(old), Some(new)) if !old.serves_like(&new) => {
+                            Some("changed by reload")
+                        }
+                        _ => None,
+                    }
+                }
+                Child::Watcher => {
+                    (state.config.device_plugin_dir != old_dir).then_some("directory changed")
+                }
+                Child::Health => {
+                    let now = (state.config.health.clone(), state.config.devices.backend);
+                    (now != old_health || state.plan.gpus() != old_gpus.as_slice())
+                        .then_some("health settings changed")
+                }
+            };
+            if let Some(reason) = reason {
+                // Stopped and awaited before its successor starts: the old
+                // stream ends before the new registration (kubernetes#121994).
+                Self::stop(state, child, reason).await;
+            }
+        }
+        for child in state.wanted() {
+            if !state.children.contains_key(&child) {
+                tracing::info!(%child, "starting after reload");
+                Self::start(myself, state, child).await;
+            }
+        }
+        tracing::info!(
+            resources = ?state.plan.models().map(|m| m.resource().name()).collect::<Vec<_>>(),
+            "config reloaded"
+        );
+    }
+}
+
+fn health_args(myself: &ActorRef<SupervisorMsg>, state: &SupervisorState) -> HealthArgs {
+    let h = &state.config.health;
+    let spec = match state.config.devices.backend {
+        Backend::Nvml => ProbeSpec::Nvml,
+        Backend::Mock => ProbeSpec::Mock {
+            dir: (!h.mock_dir.as_os_str().is_empty()).then(|| h.mock_dir.clone()),
+        },
+    };
+    HealthArgs {
+        spec,
+        uuids: state.plan.gpus().iter().map(|g| g.uuid.clone()).collect(),
+        poll: Duration::from_millis(h.poll_ms),
+        recovery: Duration::from_millis(h.recovery_ms),
+        supervisor: myself.clone(),
     }
 }
 
@@ -103,15 +280,15 @@ impl Actor for Supervisor {
         args: SupervisorArgs,
     ) -> Result<SupervisorState, ActorProcessingErr> {
         let mut state = SupervisorState {
+            healthy: vec![true; args.plan.gpus().len()].into(),
             config: args.config,
             plan: args.plan,
             pairing: LastShared::default(),
             children: BTreeMap::new(),
             failures: BTreeMap::new(),
         };
-        let resources: Vec<Resource> = state.plan.models().map(|m| m.resource()).collect();
-        for resource in resources {
-            Self::start_child(&myself, &mut state, resource).await;
+        for child in state.wanted() {
+            Self::start(&myself, &mut state, child).await;
         }
         Ok(state)
     }
@@ -123,10 +300,24 @@ impl Actor for Supervisor {
         state: &mut SupervisorState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            SupervisorMsg::Start(resource) if !state.children.contains_key(&resource) => {
-                Self::start_child(&myself, state, resource).await;
+            SupervisorMsg::Start(child) => Self::start(&myself, state, child).await,
+            SupervisorMsg::CheckPlugins => {
+                for plugin in state.plugins() {
+                    let _ = plugin.send_message(PluginMsg::Check);
+                }
             }
-            SupervisorMsg::Start(_) => {}
+            SupervisorMsg::Health(healthy) => {
+                if healthy.len() == state.plan.gpus().len() {
+                    state.healthy = healthy;
+                    for plugin in state.plugins() {
+                        let _ = plugin.send_message(PluginMsg::SetHealth(state.healthy.clone()));
+                    }
+                }
+            }
+            SupervisorMsg::Reload(new) => {
+                let (config, plan) = *new;
+                Self::reload(&myself, state, config, plan).await;
+            }
         }
         Ok(())
     }
@@ -144,19 +335,19 @@ impl Actor for Supervisor {
             SupervisionEvent::ActorFailed(cell, err) => (cell, format!("failed: {err}")),
             _ => return Ok(()),
         };
-        let Some(resource) = state
+        let Some(child) = state
             .children
             .iter()
-            .find(|(_, c)| c.actor.get_id() == cell.get_id())
-            .map(|(r, _)| *r)
+            .find(|(_, r)| r.cell.get_id() == cell.get_id())
+            .map(|(c, _)| *c)
         else {
-            return Ok(());
+            return Ok(()); // stopped on purpose
         };
-        let child = state.children.remove(&resource).expect("found above");
-        if child.started.elapsed() >= STABLE_AFTER {
-            state.failures.remove(&resource);
+        let running = state.children.remove(&child).expect("found above");
+        if running.started.elapsed() >= STABLE_AFTER {
+            state.failures.remove(&child);
         }
-        Self::schedule_restart(&myself, state, resource, &reason);
+        Self::schedule_restart(&myself, state, child, &reason);
         Ok(())
     }
 
@@ -165,15 +356,17 @@ impl Actor for Supervisor {
         _: ActorRef<SupervisorMsg>,
         state: &mut SupervisorState,
     ) -> Result<(), ActorProcessingErr> {
-        let stops = state.children.values().map(|c| {
-            c.actor
+        let children = std::mem::take(&mut state.children);
+        let stops = children.into_iter().map(|(child, running)| async move {
+            if let Err(e) = running
+                .cell
                 .stop_and_wait(Some("shutdown".into()), Some(CHILD_STOP_TIMEOUT))
-        });
-        for result in futures::future::join_all(stops).await {
-            if let Err(e) = result {
-                tracing::warn!(error = %e, "plugin did not stop cleanly");
+                .await
+            {
+                tracing::warn!(%child, error = %e, "did not stop cleanly");
             }
-        }
+        });
+        futures::future::join_all(stops).await;
         Ok(())
     }
 }

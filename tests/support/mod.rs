@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-pub use gpu_device_plugin::kubelet_sim::{KubeletSim, ResourceView};
+pub use gpu_device_plugin::kubelet_sim::{KubeletSim, ResourceView, plugin_sockets};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_gpu-device-plugin");
 pub const WAIT: Duration = Duration::from_secs(20);
@@ -104,14 +104,4 @@ pub fn all_listed<'a>(
                 .is_some_and(|v| v.stream_open && v.devices == *count && v.healthy == *count)
         })
     }
-}
-
-/// Plugin socket files left in `dir` (everything but kubelet.sock).
-pub fn plugin_sockets(dir: &Path) -> Vec<String> {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .filter_map(Result::ok)
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.ends_with(".sock") && n != "kubelet.sock")
-        .collect()
 }

@@ -1,0 +1,13 @@
+//! GPU health. A probe thread checks the GPUs (NVML: critical XID events and
+//! a query that fails when a GPU fell off the bus; mock: a file per UUID in
+//! `health.mock_dir`), the monitor actor turns its rounds into Healthy /
+//! Unhealthy with a recovery window, and the supervisor pushes every change
+//! to all plugins, whose ListAndWatch streams send the new list.
+
+mod actor;
+mod probe;
+mod tracker;
+
+pub use actor::{HealthArgs, HealthMonitor, HealthMsg};
+pub use probe::ProbeSpec;
+pub use tracker::HealthTracker;

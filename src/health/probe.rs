@@ -1,0 +1,141 @@
+//! The probe thread. NVML calls block, so they run here, never on an actor;
+//! the thread owns its NVML handle and event set and ends when its monitor
+//! is gone.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use nvml_wrapper::Nvml;
+use nvml_wrapper::bitmasks::event::EventTypes;
+use nvml_wrapper::enums::event::XidError;
+use nvml_wrapper::error::NvmlError;
+
+/// XIDs caused by an application, not the GPU (as NVIDIA's plugin skips
+/// them): a crashing container must not take a GPU from everyone else.
+const APPLICATION_XIDS: &[u64] = &[13, 31, 43, 45, 68, 109];
+
+/// What to check.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ProbeSpec {
+    /// A file `<dir>/<uuid>` makes that GPU fail; no dir: always healthy.
+    Mock {
+        dir: Option<PathBuf>,
+    },
+    Nvml,
+}
+
+/// One round: per GPU, `Some(reason)` when it failed.
+pub type Round = Vec<Option<String>>;
+
+/// Runs rounds every `poll` until `report` returns false.
+pub fn run(spec: ProbeSpec, uuids: Vec<String>, poll: Duration, report: impl Fn(Round) -> bool) {
+    match spec {
+        ProbeSpec::Mock { dir } => loop {
+            let round = uuids
+                .iter()
+                .map(|u| {
+                    let flag = dir.as_ref()?.join(u);
+                    flag.exists()
+                        .then(|| format!("mock health file {} exists", flag.display()))
+                })
+                .collect();
+            if !report(round) {
+                return;
+            }
+            std::thread::sleep(poll);
+        },
+        ProbeSpec::Nvml => run_nvml(&uuids, poll, &report),
+    }
+}
+
+fn run_nvml(uuids: &[String], poll: Duration, report: &impl Fn(Round) -> bool) {
+    let nvml = match Nvml::init() {
+        Ok(n) => n,
+        Err(e) => {
+            // Discovery worked a moment ago; a library that stops loading
+            // is a node problem: report every GPU until it comes back.
+            while report(vec![Some(format!("NVML: {e}")); uuids.len()]) {
+                std::thread::sleep(poll);
+            }
+            return;
+        }
+    };
+    let events = nvml.create_event_set().ok().map(|mut set| {
+        for u in uuids {
+            if let Ok(d) = nvml.device_by_uuid(u.as_str()) {
+                set = match d.register_events(EventTypes::CRITICAL_XID_ERROR, set) {
+                    Ok(s) => s,
+                    // Not supported on this GPU: the polled query still runs.
+                    Err(_) => return None,
+                };
+            }
+        }
+        Some(set)
+    });
+    let events = events.flatten();
+    loop {
+        let mut round: Round = uuids.iter().map(|u| query(&nvml, u).err()).collect();
+        let wait_ms = u32::try_from(poll.as_millis()).unwrap_or(u32::MAX);
+        match &events {
+            Some(set) => {
+                // Waiting for an event is also the poll interval.
+                if let Ok(event) = set.wait(wait_ms) {
+                    let uuid = event.device.uuid().ok();
+                    let xid = match event.event_data {
+                        Some(XidError::Value(x)) => Some(x),
+                        _ => None,
+                    };
+                    let critical = xid.is_none_or(|x| !APPLICATION_XIDS.contains(&x));
+                    if let (Some(uuid), true) = (uuid, critical) {
+                        if let Some(g) = uuids.iter().position(|u| *u == uuid) {
+                            round[g] = Some(format!("critical XID {xid:?}"));
+                        }
+                    }
+                }
+            }
+            None => std::thread::sleep(poll),
+        }
+        if !report(round) {
+            return;
+        }
+    }
+}
+
+/// A query that fails when a GPU fell off the bus or lost its handle.
+fn query(nvml: &Nvml, uuid: &str) -> Result<(), String> {
+    let d = nvml
+        .device_by_uuid(uuid)
+        .map_err(|e: NvmlError| format!("NVML lost the GPU: {e}"))?;
+    d.memory_info()
+        .map(|_| ())
+        .map_err(|e| format!("NVML query failed: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    #[test]
+    fn mock_probe_reads_one_file_per_uuid() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("GPU-b"), "").unwrap();
+        let rounds = Mutex::new(Vec::new());
+        let spec = ProbeSpec::Mock {
+            dir: Some(dir.path().to_owned()),
+        };
+        run(
+            spec,
+            vec!["GPU-a".into(), "GPU-b".into()],
+            Duration::ZERO,
+            |r| {
+                rounds.lock().unwrap().push(r);
+                false
+            },
+        );
+        let rounds = rounds.into_inner().unwrap();
+        assert_eq!(rounds.len(), 1);
+        assert!(rounds[0][0].is_none());
+        assert!(rounds[0][1].as_deref().unwrap().contains("GPU-b"));
+    }
+}
