@@ -86,10 +86,10 @@ fn run_nvml(uuids: &[String], poll: Duration, report: &impl Fn(Round) -> bool) {
                         _ => None,
                     };
                     let critical = xid.is_none_or(|x| !APPLICATION_XIDS.contains(&x));
-                    if let (Some(uuid), true) = (uuid, critical) {
-                        if let Some(g) = uuids.iter().position(|u| *u == uuid) {
-                            round[g] = Some(format!("critical XID {xid:?}"));
-                        }
+                    if let (Some(uuid), true) = (uuid, critical)
+                        && let Some(g) = uuids.iter().position(|u| *u == uuid)
+                    {
+                        round[g] = Some(format!("critical XID {xid:?}"));
                     }
                 }
             }

@@ -160,10 +160,8 @@ async fn read_stream(
         for healthy in e.devices.values_mut() {
             *healthy = false;
         }
-        if dropped_newer {
-            if let Some(reader) = e.reader.take() {
-                reader.abort();
-            }
+        if dropped_newer && let Some(reader) = e.reader.take() {
+            reader.abort();
         }
         let view = s.views.entry(name.clone()).or_default();
         view.healthy = 0;

@@ -196,10 +196,10 @@ impl PluginActor {
             tracing::warn!(%resource, "server did not stop in time; aborting it");
             task.abort();
         }
-        if inode(&state.args.socket) == Some(server.socket_ino) {
-            if let Err(e) = std::fs::remove_file(&state.args.socket) {
-                tracing::warn!(%resource, error = %e, "cannot remove socket");
-            }
+        if inode(&state.args.socket) == Some(server.socket_ino)
+            && let Err(e) = std::fs::remove_file(&state.args.socket)
+        {
+            tracing::warn!(%resource, error = %e, "cannot remove socket");
         }
     }
 

@@ -105,3 +105,33 @@ pub fn all_listed<'a>(
         })
     }
 }
+
+/// Open file descriptors and threads of a process.
+pub fn fds_and_threads(pid: u32) -> (usize, usize) {
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let threads = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Threads:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap();
+    (fds, threads)
+}
+
+/// True when every `(name, registrations, healthy)` holds, streams open.
+pub fn registered_times<'a>(
+    want: &'a [(&'a str, u32, usize)],
+) -> impl Fn(&std::collections::BTreeMap<String, ResourceView>) -> bool + 'a {
+    move |s| {
+        want.iter().all(|(n, regs, healthy)| {
+            s.get(*n).is_some_and(|v| {
+                v.stream_open
+                    && v.registrations == *regs
+                    && v.healthy == *healthy
+                    && v.devices == *healthy
+            })
+        })
+    }
+}

@@ -1,0 +1,231 @@
+//! The daemon through what a node goes through: kubelet restarts, SIGHUP
+//! reloads good and bad, GPUs failing and recovering, a plugin that cannot
+//! start, with the real binary and signals sent for real.
+
+mod support;
+
+use std::time::Duration;
+
+use support::*;
+
+const GPU_A: &str = "GPU-aaaaaaaa-0000-4000-8000-000000000001";
+const GPU_B: &str = "GPU-bbbbbbbb-0000-4000-8000-000000000002";
+const MEM: &str = "doslab.io/gpu-memory";
+const CORE: &str = "doslab.io/gpu-core";
+const COUNT: &str = "doslab.io/gpu-count";
+const GPUS: &[(&str, u64)] = &[(GPU_A, 3072), (GPU_B, 1024)];
+
+async fn start(extra: &str) -> (tempfile::TempDir, Daemon, KubeletSim) {
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start(dir.path(), &mock_config(dir.path(), extra, GPUS));
+    let kubelet = KubeletSim::start(dir.path()).unwrap();
+    (dir, daemon, kubelet)
+}
+
+async fn expect(kubelet: &KubeletSim, daemon: &Daemon, want: &[(&str, u32, usize)]) {
+    let ok = kubelet.wait_until(WAIT, registered_times(want)).await;
+    assert!(
+        ok,
+        "want {want:?}\nkubelet: {:#?}\n{}",
+        kubelet.snapshot(),
+        daemon.log_text()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn survives_100_kubelet_restarts_without_leaks() {
+    let (dir, daemon, mut kubelet) = start("").await;
+    expect(
+        &kubelet,
+        &daemon,
+        &[(MEM, 1, 4096), (CORE, 1, 200), (COUNT, 1, 2)],
+    )
+    .await;
+    let pid = daemon.child.id();
+    let mut first = None;
+    for i in 2..=101u32 {
+        kubelet.restart().await.unwrap();
+        expect(
+            &kubelet,
+            &daemon,
+            &[(MEM, i, 4096), (CORE, i, 200), (COUNT, i, 2)],
+        )
+        .await;
+        let mut sockets = plugin_sockets(dir.path());
+        sockets.sort();
+        assert_eq!(sockets.len(), 3, "{sockets:?}");
+        if i == 11 {
+            // Counted after the runtime has warmed up its threads.
+            first = Some(fds_and_threads(pid));
+        }
+    }
+    let (fds0, threads0) = first.unwrap();
+    let (fds, threads) = fds_and_threads(pid);
+    assert!(
+        fds <= fds0 + 4,
+        "file descriptors grew from {fds0} to {fds}"
+    );
+    assert!(
+        threads <= threads0 + 2,
+        "threads grew from {threads0} to {threads}"
+    );
+    for (name, v) in kubelet.snapshot() {
+        assert!(v.stream_error.is_none(), "{name}: {:?}", v.stream_error);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_disables_enables_and_changes_only_what_changed() {
+    let (dir, mut daemon, kubelet) = start("resources = [\"gpu-memory\", \"gpu-core\"]").await;
+    expect(&kubelet, &daemon, &[(MEM, 1, 4096), (CORE, 1, 200)]).await;
+
+    // gpu-memory changes (2 MiB units), gpu-core goes, gpu-count comes.
+    let next = mock_config(
+        dir.path(),
+        "resources = [\"gpu-memory\", \"gpu-count\"]\nmemory_unit_mib = 2",
+        GPUS,
+    );
+    std::fs::write(&daemon.config, next).unwrap();
+    daemon.signal(libc::SIGHUP);
+    expect(&kubelet, &daemon, &[(MEM, 2, 2048), (COUNT, 1, 2)]).await;
+    let core = kubelet.snapshot()[CORE].clone();
+    assert!(
+        !core.stream_open && core.devices == 0,
+        "gpu-core ended with an empty list: {core:?}"
+    );
+    let mut sockets = plugin_sockets(dir.path());
+    sockets.sort();
+    assert_eq!(
+        sockets,
+        vec!["doslab.io-gpu-count.sock", "doslab.io-gpu-memory.sock"]
+    );
+
+    // gpu-core back; gpu-memory and gpu-count untouched (not re-registered).
+    let again = mock_config(dir.path(), "memory_unit_mib = 2", GPUS);
+    std::fs::write(&daemon.config, again).unwrap();
+    daemon.signal(libc::SIGHUP);
+    expect(
+        &kubelet,
+        &daemon,
+        &[(MEM, 2, 2048), (CORE, 2, 200), (COUNT, 1, 2)],
+    )
+    .await;
+    assert!(daemon.log_text().contains("config reloaded"));
+
+    daemon.signal(libc::SIGTERM);
+    assert!(daemon.wait_exit(Duration::from_secs(5)).unwrap().success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_with_a_broken_file_keeps_the_old_config() {
+    let (dir, daemon, kubelet) = start("").await;
+    let want = [(MEM, 1, 4096), (CORE, 1, 200), (COUNT, 1, 2)];
+    expect(&kubelet, &daemon, &want).await;
+    let log = || daemon.log_text();
+    let broken = [
+        "memory_unit_mib = \"lots\"",
+        "resources = [\"gpu-mem\"]",
+        "[[[",
+        "memory_unit_mib = 0",
+    ];
+    // One at a time: pending signals of one kind coalesce.
+    for (i, text) in broken.iter().enumerate() {
+        std::fs::write(&daemon.config, text).unwrap();
+        daemon.signal(libc::SIGHUP);
+        let deadline = std::time::Instant::now() + WAIT;
+        while log().matches("reload refused").count() <= i && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(
+            log().matches("reload refused").count(),
+            i + 1,
+            "{text}:\n{}",
+            log()
+        );
+    }
+    assert!(
+        log().contains("memory_unit_mib"),
+        "the reason names the key"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    expect(&kubelet, &daemon, &want).await;
+    assert_eq!(plugin_sockets(dir.path()).len(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unhealthy_gpu_turns_its_devices_unhealthy_everywhere_and_back() {
+    let health = tempfile::tempdir().unwrap();
+    let extra = format!(
+        "[health]\npoll_ms = 50\nrecovery_ms = 300\nmock_dir = {:?}",
+        health.path().display().to_string()
+    );
+    let (_dir, daemon, kubelet) = start(&extra).await;
+    expect(
+        &kubelet,
+        &daemon,
+        &[(MEM, 1, 4096), (CORE, 1, 200), (COUNT, 1, 2)],
+    )
+    .await;
+
+    std::fs::write(health.path().join(GPU_A), "").unwrap();
+    let degraded = |s: &std::collections::BTreeMap<String, ResourceView>| {
+        [(MEM, 1024), (CORE, 100), (COUNT, 1)].iter().all(|(n, h)| {
+            s.get(*n)
+                .is_some_and(|v| v.stream_open && v.healthy == *h && v.devices > *h)
+        })
+    };
+    assert!(
+        kubelet.wait_until(WAIT, degraded).await,
+        "{:?}",
+        kubelet.snapshot()
+    );
+    // GPU A's devices cannot be allocated while it is unhealthy.
+    assert_eq!(kubelet.free_devices(MEM).len(), 1024);
+
+    std::fs::remove_file(health.path().join(GPU_A)).unwrap();
+    expect(
+        &kubelet,
+        &daemon,
+        &[(MEM, 1, 4096), (CORE, 1, 200), (COUNT, 1, 2)],
+    )
+    .await;
+    let log = daemon.log_text();
+    assert!(
+        log.contains("GPU unhealthy") && log.contains("GPU healthy again"),
+        "{log}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_that_cannot_start_is_retried_and_the_others_keep_serving() {
+    let (dir, daemon, kubelet) = start("").await;
+    expect(
+        &kubelet,
+        &daemon,
+        &[(MEM, 1, 4096), (CORE, 1, 200), (COUNT, 1, 2)],
+    )
+    .await;
+    // Something else takes gpu-core's socket path: its plugin must restart
+    // its server (the socket is gone) and fails to bind, again and again.
+    let socket = dir.path().join("doslab.io-gpu-core.sock");
+    std::fs::remove_file(&socket).unwrap();
+    std::fs::create_dir(&socket).unwrap();
+    std::fs::write(socket.join("blocker"), "").unwrap();
+    let failing = |s: &std::collections::BTreeMap<String, ResourceView>| {
+        s.get(CORE).is_some_and(|v| !v.stream_open)
+    };
+    assert!(kubelet.wait_until(WAIT, failing).await);
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let log = daemon.log_text();
+    assert!(log.contains("child ended; restarting"), "{log}");
+    // The other resources were never disturbed.
+    expect(&kubelet, &daemon, &[(MEM, 1, 4096), (COUNT, 1, 2)]).await;
+
+    std::fs::remove_dir_all(&socket).unwrap();
+    expect(
+        &kubelet,
+        &daemon,
+        &[(MEM, 1, 4096), (CORE, 2, 200), (COUNT, 1, 2)],
+    )
+    .await;
+}
