@@ -227,6 +227,64 @@ async fn preferred_allocation_latency() {
     kubelet.stop().await;
 }
 
+/// Kubelet restarts (files wiped, new kubelet.sock) until every resource
+/// registered again, and SIGHUP until a changed resource registered again.
+async fn lifecycle_latency() {
+    let names = names();
+    let dir = tempfile::tempdir().unwrap();
+    let mut kubelet = KubeletSim::start(dir.path()).unwrap();
+    let toml = mock_toml(dir.path(), 2);
+    let child = spawn(dir.path(), &toml);
+    let wait = Duration::from_secs(20);
+    assert!(kubelet.wait_until(wait, listed(&names)).await);
+    let times = |n: u32| {
+        let names = names.clone();
+        move |s: &std::collections::BTreeMap<String, ResourceView>| {
+            names.iter().all(|x| {
+                s.get(x)
+                    .is_some_and(|v| v.registrations == n && v.stream_open)
+            })
+        }
+    };
+    let mut samples = Vec::new();
+    for i in 2..=101 {
+        let t = Instant::now();
+        kubelet.restart().await.unwrap();
+        assert!(kubelet.wait_until(wait, times(i)).await);
+        samples.push(t.elapsed());
+    }
+    report(
+        "kubelet restart to all three resources registered again",
+        samples,
+    );
+
+    let memory = names[0].clone();
+    let mut samples = Vec::new();
+    for i in 0..20u32 {
+        let unit = if i % 2 == 0 { 2 } else { 1 };
+        let text = toml.replace(
+            "pod_matching = false",
+            &format!("pod_matching = false\nmemory_unit_mib = {unit}"),
+        );
+        std::fs::write(dir.path().join("config.toml"), text).unwrap();
+        let before = kubelet.snapshot()[&memory].registrations;
+        let t = Instant::now();
+        unsafe { libc::kill(child.id() as i32, libc::SIGHUP) };
+        let again = |s: &std::collections::BTreeMap<String, ResourceView>| {
+            s.get(&memory)
+                .is_some_and(|v| v.registrations == before + 1 && v.stream_open)
+        };
+        assert!(kubelet.wait_until(wait, again).await);
+        samples.push(t.elapsed());
+    }
+    report(
+        "SIGHUP changing memory_unit_mib to gpu-memory registered again",
+        samples,
+    );
+    stop(child);
+    kubelet.stop().await;
+}
+
 fn main() {
     // `cargo bench` passes --bench; `cargo test --benches` passes nothing.
     wire_figures();
@@ -237,5 +295,6 @@ fn main() {
     rt.block_on(async {
         startup_and_memory().await;
         preferred_allocation_latency().await;
+        lifecycle_latency().await;
     });
 }
