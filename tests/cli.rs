@@ -107,3 +107,29 @@ fn demo_runs_end_to_end() {
         "{stdout}"
     );
 }
+
+#[test]
+fn json_logs_are_one_object_per_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let toml = mock_config(dir.path(), "log_format = \"json\"", &[("GPU-a", 64)]);
+    let mut daemon = Daemon::start(dir.path(), &toml);
+    let deadline = std::time::Instant::now() + WAIT;
+    while !daemon.log_text().contains("waiting for the kubelet")
+        && std::time::Instant::now() < deadline
+    {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    daemon.signal(libc::SIGTERM);
+    assert!(daemon.wait_exit(WAIT).unwrap().success());
+    let log = daemon.log_text();
+    let lines: Vec<&str> = log.lines().collect();
+    assert!(lines.len() > 3, "{log}");
+    for line in lines {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+        assert!(
+            v["level"].is_string() && v["fields"]["message"].is_string(),
+            "{line}"
+        );
+    }
+}
