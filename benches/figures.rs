@@ -91,7 +91,7 @@ fn wire_figures() {
 
 fn mock_toml(dir: &Path, gpus: u32) -> String {
     let mut t = format!(
-        "device_plugin_dir = {:?}\npod_matching = false\n[devices]\nbackend = \"mock\"\n",
+        "device_plugin_dir = {:?}\npod_matching = false\nhttp_listen = \"\"\n[devices]\nbackend = \"mock\"\n",
         dir.display().to_string()
     );
     for i in 0..gpus {

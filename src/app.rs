@@ -3,6 +3,7 @@
 //! into [`Control`]s; the demo passes its own.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
@@ -10,6 +11,7 @@ use ractor::Actor;
 
 use crate::config::{Config, ConfigError};
 use crate::device::{DiscoverError, Plan, PlanError, discover};
+use crate::metrics::Metrics;
 use crate::supervisor::{Supervisor, SupervisorArgs, SupervisorMsg};
 
 #[derive(Debug, thiserror::Error)]
@@ -20,6 +22,8 @@ pub enum RunError {
     Plan(#[from] PlanError),
     #[error("cannot start the supervisor: {0}")]
     Spawn(String),
+    #[error("config key `http_listen`: cannot listen on {0}: {1}")]
+    Http(String, std::io::Error),
 }
 
 /// Finds the node's GPUs (off the async threads: NVML blocks) and plans
@@ -52,7 +56,18 @@ pub async fn run(
         tracing::info!(uuid = %gpu.uuid, index = gpu.index, memory_mib = gpu.memory_mib, numa_node = ?gpu.numa_node, "GPU");
     }
     warn_about_pod_matching(&config);
-    let args = SupervisorArgs { config, plan };
+    let metrics = Arc::new(Metrics::default());
+    if !config.http_listen.is_empty() {
+        let addr = crate::http::serve(&config.http_listen, metrics.clone())
+            .await
+            .map_err(|e| RunError::Http(config.http_listen.clone(), e))?;
+        tracing::info!(%addr, "HTTP endpoint listening (/metrics, /healthz, /readyz)");
+    }
+    let args = SupervisorArgs {
+        config,
+        plan,
+        metrics,
+    };
     let (supervisor, handle) = Actor::spawn(Some("supervisor".into()), Supervisor, args)
         .await
         .map_err(|e| RunError::Spawn(e.to_string()))?;

@@ -50,6 +50,8 @@ pub struct Config {
     /// Empty means "take `$NODE_NAME`", resolved by [`Config::from_toml`].
     pub node_name: String,
     pub log_format: LogFormat,
+    /// `/metrics`, `/healthz`, `/readyz`; empty turns the endpoint off.
+    pub http_listen: String,
     pub devices: Devices,
     pub health: Health,
     pub allocate: AllocateExtras,
@@ -66,6 +68,7 @@ impl Default for Config {
             pod_matching: true,
             node_name: String::new(),
             log_format: LogFormat::Text,
+            http_listen: "0.0.0.0:9446".into(),
             devices: Devices::default(),
             health: Health::default(),
             allocate: AllocateExtras::default(),
@@ -212,6 +215,16 @@ impl Config {
                 "node_name",
                 "is empty and $NODE_NAME is not set; pod_matching needs the node's name \
                  (set NODE_NAME from the downward API, or pod_matching = false)",
+            ));
+        }
+        if !self.http_listen.is_empty() && self.http_listen.parse::<std::net::SocketAddr>().is_err()
+        {
+            return Err(invalid(
+                "http_listen",
+                format!(
+                    "{:?} is not an address:port like \"0.0.0.0:9446\" (empty turns it off)",
+                    self.http_listen
+                ),
             ));
         }
         self.validate_devices()?;
@@ -439,6 +452,7 @@ mod tests {
         assert!(err_of("resource_domain = \"kubernetes.io\"").contains("reserved"));
         assert!(err_of("resource_domain = \"x.kubernetes.io\"").contains("reserved"));
         assert!(err_of("device_plugin_dir = \"\"").contains("device_plugin_dir"));
+        assert!(err_of("http_listen = \"9446\"").contains("http_listen"));
         assert!(err_of("[devices]\nbackend = \"cuda\"").contains("cuda"));
     }
 

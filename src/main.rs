@@ -32,6 +32,12 @@ enum Command {
     Demo,
     /// Validate a config and print the device plan.
     CheckConfig,
+    /// Dial the plugin sockets in a device-plugin directory and report them.
+    Inspect {
+        /// The directory; default: the config's device_plugin_dir.
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
 }
 
 fn init_logging(format: LogFormat, default_level: &str) {
@@ -82,6 +88,19 @@ async fn main() -> anyhow::Result<()> {
         Command::Demo => {
             init_logging(LogFormat::Text, "warn");
             print!("{}", demo::run().await?);
+        }
+        Command::Inspect { dir } => {
+            init_logging(LogFormat::Text, "warn");
+            let dir = match (dir, &cli.config) {
+                (Some(d), _) => d,
+                (None, Some(_)) => load(cli.config.as_ref())?.device_plugin_dir,
+                (None, None) => Config::default().device_plugin_dir,
+            };
+            let reports = gpu_device_plugin::inspect::inspect(&dir).await;
+            print!("{}", gpu_device_plugin::inspect::render(&dir, &reports));
+            if reports.iter().any(|r| r.outcome.is_err()) {
+                std::process::exit(2);
+            }
         }
         Command::CheckConfig => {
             let config = load(cli.config.as_ref())?;

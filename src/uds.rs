@@ -54,3 +54,25 @@ pub async fn serve(
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await
 }
+
+/// Plugin sockets in a device-plugin directory: every socket but the
+/// kubelet's, sorted.
+pub fn plugin_sockets(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .filter_map(Result::ok)
+                .filter(is_socket)
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n != "kubelet.sock")
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+pub fn is_socket(entry: &std::fs::DirEntry) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    entry.file_type().is_ok_and(|t| t.is_socket())
+}

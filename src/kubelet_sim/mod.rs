@@ -81,6 +81,8 @@ impl Shared {
     }
 }
 
+pub use crate::uds::plugin_sockets;
+
 /// The device manager's checkpoint: the one file a restart keeps.
 pub const CHECKPOINT: &str = "kubelet_internal_checkpoint";
 
@@ -154,7 +156,8 @@ impl KubeletSim {
         }
         for entry in std::fs::read_dir(&self.dir)? {
             let entry = entry?;
-            if entry.file_name() != CHECKPOINT && entry.file_type()?.is_file() || is_socket(&entry)
+            if entry.file_name() != CHECKPOINT && entry.file_type()?.is_file()
+                || crate::uds::is_socket(&entry)
             {
                 std::fs::remove_file(entry.path())?;
             }
@@ -314,25 +317,6 @@ impl KubeletSim {
         self.stop_serving().await;
         let _ = std::fs::remove_file(self.dir.join("kubelet.sock"));
     }
-}
-
-/// Plugin sockets in a device-plugin directory (every socket but the kubelet's).
-pub fn plugin_sockets(dir: &Path) -> Vec<String> {
-    std::fs::read_dir(dir)
-        .map(|entries| {
-            entries
-                .filter_map(Result::ok)
-                .filter(is_socket)
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n != "kubelet.sock")
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-fn is_socket(entry: &std::fs::DirEntry) -> bool {
-    use std::os::unix::fs::FileTypeExt;
-    entry.file_type().is_ok_and(|t| t.is_socket())
 }
 
 /// The container's envs as the kubelet merges them: first value wins.

@@ -12,6 +12,7 @@
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
@@ -21,10 +22,11 @@ use tokio::task::JoinHandle;
 use super::allocate::ResponseTemplate;
 use super::pairing::LastShared;
 use super::registration::{RegisterError, register};
-use super::service::{DevicePluginService, StreamItem, Streams};
+use super::service::{DevicePluginService, StreamItem};
 use crate::api::lazy::device_plugin_server::DevicePluginServer;
 use crate::config::Config;
 use crate::device::{DeviceListMessage, DeviceModel, Resource};
+use crate::metrics::{Metrics, ResourceMetrics};
 
 /// GetPreferredAllocation lists every free ID: hundreds of thousands of
 /// them must fit in one request.
@@ -48,6 +50,7 @@ pub struct PluginArgs {
     pub template: Arc<ResponseTemplate>,
     pub pairing: LastShared,
     pub healthy: Arc<[bool]>,
+    pub metrics: Arc<ResourceMetrics>,
 }
 
 impl PluginArgs {
@@ -66,11 +69,14 @@ impl PluginArgs {
         model: Arc<DeviceModel>,
         pairing: LastShared,
         healthy: Arc<[bool]>,
+        metrics: &Metrics,
     ) -> Self {
         let r = model.resource();
         let endpoint = config.endpoint(r);
+        let resource_name = config.resource_name(r);
         PluginArgs {
-            resource_name: config.resource_name(r),
+            metrics: metrics.resource(&resource_name),
+            resource_name,
             socket: config.device_plugin_dir.join(&endpoint),
             endpoint,
             kubelet_socket: config.kubelet_socket(),
@@ -96,7 +102,6 @@ pub enum PluginMsg {
 
 struct Server {
     lists: watch::Sender<StreamItem>,
-    streams: Streams,
     stop: oneshot::Sender<()>,
     task: JoinHandle<()>,
     socket_ino: u64,
@@ -118,8 +123,21 @@ impl PluginState {
         self.args.model.resource()
     }
 
+    /// The current list, with the device gauges brought up to date.
     fn list(&self) -> DeviceListMessage {
-        DeviceListMessage::new(self.args.model.clone(), self.args.healthy.clone())
+        let list = DeviceListMessage::new(self.args.model.clone(), self.args.healthy.clone());
+        let m = &self.args.metrics;
+        m.devices.store(list.device_count(), Ordering::Relaxed);
+        m.healthy.store(list.healthy_count(), Ordering::Relaxed);
+        list
+    }
+
+    fn set_registered(&mut self, registered: Option<(u64, Instant)>) {
+        self.registered = registered;
+        self.args
+            .metrics
+            .registered
+            .store(registered.is_some(), Ordering::SeqCst);
     }
 }
 
@@ -143,13 +161,12 @@ impl PluginActor {
         let incoming = crate::uds::bind(&args.socket)
             .map_err(|e| format!("cannot listen on {}: {e}", args.socket.display()))?;
         let socket_ino = inode(&args.socket).unwrap_or_default();
-        let streams = Streams::default();
         let service = DevicePluginService::new(
             args.model.clone(),
             args.template.clone(),
             rx,
             args.pairing.clone(),
-            streams.clone(),
+            args.metrics.clone(),
         );
         let routes = tonic::service::Routes::new(
             DevicePluginServer::new(service).max_decoding_message_size(MAX_REQUEST_BYTES),
@@ -172,7 +189,6 @@ impl PluginActor {
         );
         Ok(Server {
             lists,
-            streams,
             stop,
             task,
             socket_ino,
@@ -216,7 +232,7 @@ impl PluginActor {
         state.server = Some(Self::start_server(state)?);
         state.generation += 1;
         state.registering = false;
-        state.registered = None;
+        state.set_registered(None);
         state.failed_attempts = 0;
         myself.send_message(PluginMsg::Register(state.generation))?;
         Ok(())
@@ -279,7 +295,12 @@ impl Actor for PluginActor {
             PluginMsg::Registered(_, kubelet_ino, Ok(())) => {
                 state.registering = false;
                 state.failed_attempts = 0;
-                state.registered = Some((kubelet_ino, Instant::now()));
+                state.set_registered(Some((kubelet_ino, Instant::now())));
+                state
+                    .args
+                    .metrics
+                    .registrations
+                    .fetch_add(1, Ordering::Relaxed);
                 tracing::info!(
                     resource = %state.resource(),
                     name = %state.args.resource_name,
@@ -319,7 +340,7 @@ impl Actor for PluginActor {
                     }
                     (Some(_), Some((_, at)))
                         if at.elapsed() > STREAM_GRACE
-                            && state.server.as_ref().is_some_and(|s| s.streams.open() == 0) =>
+                            && state.args.metrics.streams.open() == 0 =>
                     {
                         Self::restart(&myself, state, "kubelet closed the ListAndWatch stream")
                             .await?;
@@ -357,6 +378,7 @@ impl Actor for PluginActor {
     ) -> Result<(), ActorProcessingErr> {
         // The kubelet drops devices it is told about before the stream ends.
         Self::stop_server(state, DeviceListMessage::empty()).await;
+        state.set_registered(None);
         tracing::info!(resource = %state.resource(), "stopped");
         Ok(())
     }

@@ -4,12 +4,14 @@
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
 
 use futures::Stream;
+use prost::Message;
 use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 
-use super::allocate::{ResponseTemplate, container_response};
+use super::allocate::{AllocateError, ResponseTemplate, container_response};
 use super::pairing::LastShared;
 use super::request::PreferredRequest;
 use crate::api::lazy::device_plugin_server::DevicePlugin;
@@ -17,7 +19,8 @@ use crate::api::{
     AllocateRequest, AllocateResponse, ContainerPreferredAllocationResponse, DevicePluginOptions,
     Empty, PreStartContainerRequest, PreStartContainerResponse, PreferredAllocationResponse,
 };
-use crate::device::{DeviceListMessage, DeviceModel, Resource, packing};
+use crate::device::{DeviceListMessage, DeviceModel, DeviceRef, IdError, Resource, packing};
+use crate::metrics::{ResourceMetrics, Rpc};
 
 /// What ListAndWatch streams: the current list, and whether it is the last
 /// one of this stream (the plugin is stopping or re-registering).
@@ -37,14 +40,14 @@ impl Streams {
         self.0.load(Ordering::SeqCst)
     }
 
-    fn guard(&self) -> StreamGuard {
+    pub(super) fn guard(&self) -> StreamGuard {
         self.0.fetch_add(1, Ordering::SeqCst);
         StreamGuard(self.0.clone())
     }
 }
 
 /// Held by a stream for its life.
-struct StreamGuard(Arc<AtomicUsize>);
+pub(super) struct StreamGuard(Arc<AtomicUsize>);
 
 impl Drop for StreamGuard {
     fn drop(&mut self) {
@@ -64,8 +67,11 @@ pub struct DevicePluginService {
     template: Arc<ResponseTemplate>,
     lists: watch::Receiver<StreamItem>,
     pairing: LastShared,
-    streams: Streams,
+    metrics: Arc<ResourceMetrics>,
 }
+
+/// A refused request: the status for the kubelet, the reason for metrics.
+struct Refusal(Status, &'static str);
 
 impl DevicePluginService {
     pub fn new(
@@ -73,24 +79,109 @@ impl DevicePluginService {
         template: Arc<ResponseTemplate>,
         lists: watch::Receiver<StreamItem>,
         pairing: LastShared,
-        streams: Streams,
+        metrics: Arc<ResourceMetrics>,
     ) -> Self {
         DevicePluginService {
             model,
             template,
             lists,
             pairing,
-            streams,
+            metrics,
         }
     }
 
     fn resource(&self) -> Resource {
         self.model.resource()
     }
-}
 
-fn invalid(resource: Resource, e: impl std::fmt::Display) -> Status {
-    Status::invalid_argument(format!("{resource}: {e}"))
+    fn refuse(&self, reason: &'static str, e: impl std::fmt::Display) -> Refusal {
+        Refusal(
+            Status::invalid_argument(format!("{}: {e}", self.resource())),
+            reason,
+        )
+    }
+
+    fn decode<'a>(
+        &self,
+        ids: impl ExactSizeIterator<Item = &'a [u8]>,
+    ) -> Result<Vec<DeviceRef>, Refusal> {
+        self.model.decode_all(ids).map_err(|e| {
+            let reason = match e {
+                IdError::Unknown(_) => "unknown_id",
+                IdError::Duplicate(_) => "duplicate_id",
+            };
+            self.refuse(reason, e)
+        })
+    }
+
+    /// Times and counts an RPC's outcome.
+    fn record<T>(
+        &self,
+        rpc: Rpc,
+        started: Instant,
+        result: Result<T, Refusal>,
+    ) -> Result<Response<T>, Status> {
+        let failure = result.as_ref().err().map(|Refusal(_, reason)| *reason);
+        self.metrics.rpc(rpc).record(started.elapsed(), failure);
+        result
+            .map(Response::new)
+            .map_err(|Refusal(status, _)| status)
+    }
+
+    fn preferred(&self, request: PreferredRequest) -> Result<PreferredAllocationResponse, Refusal> {
+        let resource = self.resource();
+        let mut container_responses = Vec::new();
+        for req in request.containers {
+            let available = self.decode(req.available.iter())?;
+            let must = self.decode(req.must_include.iter())?;
+            let size = usize::try_from(req.size)
+                .map_err(|_| self.refuse("bad_size", format!("allocation size {}", req.size)))?;
+            let chosen = match resource {
+                Resource::GpuCount => {
+                    packing::whole(&available, &must, size, |g| self.model.gpus()[g].numa_node)
+                }
+                shared => {
+                    packing::shared(&available, &must, size, self.pairing.partner_gpu(shared))
+                }
+            };
+            tracing::debug!(%resource, available = available.len(), size, "GetPreferredAllocation");
+            container_responses.push(ContainerPreferredAllocationResponse {
+                device_i_ds: chosen.into_iter().map(|d| self.model.id(d)).collect(),
+            });
+        }
+        Ok(PreferredAllocationResponse {
+            container_responses,
+        })
+    }
+
+    fn allocate(&self, request: AllocateRequest) -> Result<AllocateResponse, Refusal> {
+        let resource = self.resource();
+        let mut container_responses = Vec::new();
+        for req in request.container_requests {
+            let devices = self.decode(req.devices_ids.iter().map(|id| id.as_bytes()))?;
+            let response =
+                container_response(&self.model, &devices, &self.template).map_err(|e| {
+                    let reason = match e {
+                        AllocateError::Empty => "empty",
+                        AllocateError::SpansGpus { .. } => "spans_gpus",
+                    };
+                    self.refuse(reason, e)
+                })?;
+            if let (Some(d), true) = (devices.first(), resource != Resource::GpuCount) {
+                self.pairing.note(resource, d.gpu);
+            }
+            tracing::info!(
+                %resource,
+                devices = devices.len(),
+                gpus = %response.envs.get("NVIDIA_VISIBLE_DEVICES").map_or("", String::as_str),
+                "Allocate"
+            );
+            container_responses.push(response);
+        }
+        Ok(AllocateResponse {
+            container_responses,
+        })
+    }
 }
 
 #[tonic::async_trait]
@@ -110,19 +201,32 @@ impl DevicePlugin for DevicePluginService {
         _: Request<Empty>,
     ) -> Result<Response<Self::ListAndWatchStream>, Status> {
         let resource = self.resource();
+        let metrics = self.metrics.clone();
         tracing::info!(%resource, "ListAndWatch stream opened");
         // (receiver, first, done, guard): the first item is the current list;
         // the guard counts the stream open until the kubelet drops it.
         let stream = futures::stream::unfold(
-            (self.lists.clone(), true, false, self.streams.guard()),
-            move |(mut rx, first, done, guard)| async move {
-                if done || (!first && rx.changed().await.is_err()) {
-                    tracing::info!(%resource, "ListAndWatch stream ended");
-                    return None;
+            (
+                self.lists.clone(),
+                true,
+                false,
+                self.metrics.streams.guard(),
+            ),
+            move |(mut rx, first, done, guard)| {
+                let metrics = metrics.clone();
+                async move {
+                    if done || (!first && rx.changed().await.is_err()) {
+                        tracing::info!(%resource, "ListAndWatch stream ended");
+                        return None;
+                    }
+                    let item = rx.borrow_and_update().clone();
+                    tracing::debug!(%resource, devices = item.list.device_count(), "ListAndWatch send");
+                    metrics.lists_sent.fetch_add(1, Ordering::Relaxed);
+                    metrics
+                        .list_bytes
+                        .store(item.list.encoded_len() as u64, Ordering::Relaxed);
+                    Some((Ok(item.list), (rx, false, item.last, guard)))
                 }
-                let item = rx.borrow_and_update().clone();
-                tracing::debug!(%resource, devices = item.list.device_count(), "ListAndWatch send");
-                Some((Ok(item.list), (rx, false, item.last, guard)))
             },
         );
         Ok(Response::new(Box::pin(stream)))
@@ -132,64 +236,18 @@ impl DevicePlugin for DevicePluginService {
         &self,
         request: Request<PreferredRequest>,
     ) -> Result<Response<PreferredAllocationResponse>, Status> {
-        let resource = self.resource();
-        let mut container_responses = Vec::new();
-        for req in request.into_inner().containers {
-            let available = self
-                .model
-                .decode_all(req.available.iter())
-                .map_err(|e| invalid(resource, e))?;
-            let must = self
-                .model
-                .decode_all(req.must_include.iter())
-                .map_err(|e| invalid(resource, e))?;
-            let size = usize::try_from(req.size)
-                .map_err(|_| invalid(resource, format!("allocation size {}", req.size)))?;
-            let chosen = match resource {
-                Resource::GpuCount => {
-                    packing::whole(&available, &must, size, |g| self.model.gpus()[g].numa_node)
-                }
-                shared => {
-                    packing::shared(&available, &must, size, self.pairing.partner_gpu(shared))
-                }
-            };
-            tracing::debug!(%resource, available = available.len(), size, "GetPreferredAllocation");
-            container_responses.push(ContainerPreferredAllocationResponse {
-                device_i_ds: chosen.into_iter().map(|d| self.model.id(d)).collect(),
-            });
-        }
-        Ok(Response::new(PreferredAllocationResponse {
-            container_responses,
-        }))
+        let started = Instant::now();
+        let result = self.preferred(request.into_inner());
+        self.record(Rpc::PreferredAllocation, started, result)
     }
 
     async fn allocate(
         &self,
         request: Request<AllocateRequest>,
     ) -> Result<Response<AllocateResponse>, Status> {
-        let resource = self.resource();
-        let mut container_responses = Vec::new();
-        for req in request.into_inner().container_requests {
-            let devices = self
-                .model
-                .decode_all(req.devices_ids.iter().map(|id| id.as_bytes()))
-                .map_err(|e| invalid(resource, e))?;
-            let response = container_response(&self.model, &devices, &self.template)
-                .map_err(|e| invalid(resource, e))?;
-            if let (Some(d), true) = (devices.first(), resource != Resource::GpuCount) {
-                self.pairing.note(resource, d.gpu);
-            }
-            tracing::info!(
-                %resource,
-                devices = devices.len(),
-                gpus = %response.envs.get("NVIDIA_VISIBLE_DEVICES").map_or("", String::as_str),
-                "Allocate"
-            );
-            container_responses.push(response);
-        }
-        Ok(Response::new(AllocateResponse {
-            container_responses,
-        }))
+        let started = Instant::now();
+        let result = DevicePluginService::allocate(self, request.into_inner());
+        self.record(Rpc::Allocate, started, result)
     }
 
     async fn pre_start_container(

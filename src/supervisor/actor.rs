@@ -12,6 +12,7 @@ use crate::config::{Backend, Config};
 use crate::device::{Plan, Resource};
 use crate::health::{HealthArgs, HealthMonitor, ProbeSpec};
 use crate::kubelet_watch::{KubeletWatcher, WatcherArgs};
+use crate::metrics::Metrics;
 use crate::plugin::{LastShared, PluginActor, PluginArgs, PluginMsg};
 
 /// A child that ran this long before ending starts its backoff afresh.
@@ -26,6 +27,7 @@ pub struct Supervisor;
 pub struct SupervisorArgs {
     pub config: Config,
     pub plan: Plan,
+    pub metrics: Arc<Metrics>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -68,6 +70,7 @@ pub struct SupervisorState {
     plan: Plan,
     pairing: LastShared,
     healthy: Arc<[bool]>,
+    metrics: Arc<Metrics>,
     children: BTreeMap<Child, Running>,
     /// Consecutive quick failures per child, for the backoff.
     failures: BTreeMap<Child, u32>,
@@ -85,6 +88,7 @@ impl SupervisorState {
             model,
             self.pairing.clone(),
             self.healthy.clone(),
+            &self.metrics,
         ))
     }
 
@@ -208,6 +212,12 @@ impl Supervisor {
         if state.plan.gpus() != old_gpus.as_slice() {
             state.healthy = vec![true; state.plan.gpus().len()].into();
         }
+        let names: Vec<String> = state
+            .plan
+            .models()
+            .map(|m| state.config.resource_name(m.resource()))
+            .collect();
+        state.metrics.retain(&names);
         let running: Vec<Child> = state.children.keys().copied().collect();
         for child in running {
             let reason = match child {
@@ -283,6 +293,7 @@ impl Actor for Supervisor {
             healthy: vec![true; args.plan.gpus().len()].into(),
             config: args.config,
             plan: args.plan,
+            metrics: args.metrics,
             pairing: LastShared::default(),
             children: BTreeMap::new(),
             failures: BTreeMap::new(),

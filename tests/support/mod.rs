@@ -15,7 +15,7 @@ pub const WAIT: Duration = Duration::from_secs(20);
 /// A mock config of `gpus` (uuid, MiB) in `dir`, as TOML.
 pub fn mock_config(dir: &Path, extra: &str, gpus: &[(&str, u64)]) -> String {
     let mut toml = format!(
-        "device_plugin_dir = {:?}\npod_matching = false\n{extra}\n[devices]\nbackend = \"mock\"\n",
+        "device_plugin_dir = {:?}\npod_matching = false\nhttp_listen = \"127.0.0.1:0\"\n{extra}\n[devices]\nbackend = \"mock\"\n",
         dir.display().to_string()
     );
     for (uuid, mib) in gpus {

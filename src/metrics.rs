@@ -1,0 +1,287 @@
+//! Counters and gauges for `/metrics` (Prometheus text format) and the
+//! readiness of `/readyz`. One [`ResourceMetrics`] per resource, created by
+//! the supervisor and kept across plugin restarts, so counters accumulate.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use crate::plugin::service::Streams;
+
+/// Latency buckets, in seconds.
+const BUCKETS: [f64; 10] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+];
+
+#[derive(Debug, Default)]
+pub struct Histogram {
+    buckets: [AtomicU64; BUCKETS.len()],
+    count: AtomicU64,
+    sum_micros: AtomicU64,
+}
+
+impl Histogram {
+    pub fn observe(&self, d: Duration) {
+        let secs = d.as_secs_f64();
+        for (i, le) in BUCKETS.iter().enumerate() {
+            if secs <= *le {
+                self.buckets[i].fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.sum_micros
+            .fetch_add(d.as_micros() as u64, Ordering::Relaxed);
+    }
+
+    fn render(&self, out: &mut String, name: &str, labels: &str) {
+        for (i, le) in BUCKETS.iter().enumerate() {
+            let n = self.buckets[i].load(Ordering::Relaxed);
+            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{le}\"}} {n}");
+        }
+        let count = self.count.load(Ordering::Relaxed);
+        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {count}");
+        let sum = self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
+        let _ = writeln!(out, "{name}_sum{{{labels}}} {sum}");
+        let _ = writeln!(out, "{name}_count{{{labels}}} {count}");
+    }
+}
+
+/// The two RPCs that do work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Rpc {
+    Allocate,
+    PreferredAllocation,
+}
+
+impl Rpc {
+    fn name(self) -> &'static str {
+        match self {
+            Rpc::Allocate => "allocate",
+            Rpc::PreferredAllocation => "get_preferred_allocation",
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct RpcMetrics {
+    pub calls: AtomicU64,
+    pub latency: Histogram,
+    failures: Mutex<BTreeMap<&'static str, u64>>,
+}
+
+impl RpcMetrics {
+    pub fn record(&self, took: Duration, failure: Option<&'static str>) {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.latency.observe(took);
+        if let Some(reason) = failure {
+            *self
+                .failures
+                .lock()
+                .expect("metrics lock")
+                .entry(reason)
+                .or_default() += 1;
+        }
+    }
+}
+
+/// What one resource's plugin reports.
+#[derive(Debug, Default)]
+pub struct ResourceMetrics {
+    pub devices: AtomicU64,
+    pub healthy: AtomicU64,
+    pub registered: AtomicBool,
+    pub registrations: AtomicU64,
+    pub lists_sent: AtomicU64,
+    pub list_bytes: AtomicU64,
+    pub streams: Streams,
+    pub allocate: RpcMetrics,
+    pub preferred: RpcMetrics,
+}
+
+impl ResourceMetrics {
+    pub fn rpc(&self, rpc: Rpc) -> &RpcMetrics {
+        match rpc {
+            Rpc::Allocate => &self.allocate,
+            Rpc::PreferredAllocation => &self.preferred,
+        }
+    }
+
+    /// Registered with the kubelet and streaming to it.
+    pub fn ready(&self) -> bool {
+        self.registered.load(Ordering::SeqCst) && self.streams.open() > 0
+    }
+}
+
+/// Every enabled resource's metrics, by resource name.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    resources: RwLock<BTreeMap<String, Arc<ResourceMetrics>>>,
+}
+
+impl Metrics {
+    /// The metrics of `name`, created on first use and kept afterwards.
+    pub fn resource(&self, name: &str) -> Arc<ResourceMetrics> {
+        if let Some(m) = self.resources.read().expect("metrics lock").get(name) {
+            return m.clone();
+        }
+        let mut all = self.resources.write().expect("metrics lock");
+        all.entry(name.to_owned()).or_default().clone()
+    }
+
+    /// Keeps only `names` (a reload switched the others off).
+    pub fn retain(&self, names: &[String]) {
+        self.resources
+            .write()
+            .expect("metrics lock")
+            .retain(|n, _| names.contains(n));
+    }
+
+    /// Names of resources not ready yet; empty when all are.
+    pub fn not_ready(&self) -> Vec<String> {
+        let all = self.resources.read().expect("metrics lock");
+        all.iter()
+            .filter(|(_, m)| !m.ready())
+            .map(|(n, _)| n.clone())
+            .collect()
+    }
+
+    pub fn render(&self) -> String {
+        let all = self.resources.read().expect("metrics lock");
+        let mut out = String::new();
+        let gauges: [(&str, &str, &str, fn(&ResourceMetrics) -> u64); 8] = [
+            (
+                "devices",
+                "gauge",
+                "Devices advertised to the kubelet.",
+                |m| m.devices.load(Ordering::Relaxed),
+            ),
+            (
+                "devices_healthy",
+                "gauge",
+                "Devices advertised Healthy.",
+                |m| m.healthy.load(Ordering::Relaxed),
+            ),
+            (
+                "registered",
+                "gauge",
+                "1 when registered with the current kubelet.",
+                |m| u64::from(m.registered.load(Ordering::Relaxed)),
+            ),
+            ("list_streams", "gauge", "Open ListAndWatch streams.", |m| {
+                m.streams.open() as u64
+            }),
+            (
+                "registrations_total",
+                "counter",
+                "Successful registrations with the kubelet.",
+                |m| m.registrations.load(Ordering::Relaxed),
+            ),
+            (
+                "reregistrations_total",
+                "counter",
+                "Registrations after the first (kubelet restarts, reloads, repairs).",
+                |m| m.registrations.load(Ordering::Relaxed).saturating_sub(1),
+            ),
+            (
+                "list_messages_total",
+                "counter",
+                "ListAndWatch messages sent.",
+                |m| m.lists_sent.load(Ordering::Relaxed),
+            ),
+            (
+                "list_message_bytes",
+                "gauge",
+                "Encoded size of the last ListAndWatch message (kubelet limit 4194304).",
+                |m| m.list_bytes.load(Ordering::Relaxed),
+            ),
+        ];
+        for (name, kind, help, get) in gauges {
+            let _ = writeln!(
+                out,
+                "# HELP gpu_device_plugin_{name} {help}\n# TYPE gpu_device_plugin_{name} {kind}"
+            );
+            for (resource, m) in all.iter() {
+                let _ = writeln!(
+                    out,
+                    "gpu_device_plugin_{name}{{resource=\"{resource}\"}} {}",
+                    get(m)
+                );
+            }
+        }
+        let rpcs = [Rpc::Allocate, Rpc::PreferredAllocation];
+        let _ = writeln!(
+            out,
+            "# HELP gpu_device_plugin_rpc_total RPCs served.\n# TYPE gpu_device_plugin_rpc_total counter"
+        );
+        for (resource, m) in all.iter() {
+            for rpc in rpcs {
+                let n = m.rpc(rpc).calls.load(Ordering::Relaxed);
+                let _ = writeln!(
+                    out,
+                    "gpu_device_plugin_rpc_total{{resource=\"{resource}\",rpc=\"{}\"}} {n}",
+                    rpc.name()
+                );
+            }
+        }
+        let _ = writeln!(
+            out,
+            "# HELP gpu_device_plugin_rpc_failures_total RPCs refused, by reason.\n# TYPE gpu_device_plugin_rpc_failures_total counter"
+        );
+        for (resource, m) in all.iter() {
+            for rpc in rpcs {
+                for (reason, n) in m.rpc(rpc).failures.lock().expect("metrics lock").iter() {
+                    let _ = writeln!(
+                        out,
+                        "gpu_device_plugin_rpc_failures_total{{resource=\"{resource}\",rpc=\"{}\",reason=\"{reason}\"}} {n}",
+                        rpc.name()
+                    );
+                }
+            }
+        }
+        let _ = writeln!(
+            out,
+            "# HELP gpu_device_plugin_rpc_duration_seconds RPC latency.\n# TYPE gpu_device_plugin_rpc_duration_seconds histogram"
+        );
+        for (resource, m) in all.iter() {
+            for rpc in rpcs {
+                let labels = format!("resource=\"{resource}\",rpc=\"{}\"", rpc.name());
+                m.rpc(rpc).latency.render(
+                    &mut out,
+                    "gpu_device_plugin_rpc_duration_seconds",
+                    &labels,
+                );
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_counters_failures_and_histograms() {
+        let metrics = Metrics::default();
+        let m = metrics.resource("doslab.io/gpu-core");
+        m.devices.store(200, Ordering::Relaxed);
+        m.registrations.store(3, Ordering::Relaxed);
+        m.allocate.record(Duration::from_micros(700), None);
+        m.allocate
+            .record(Duration::from_millis(30), Some("unknown_id"));
+        let text = metrics.render();
+        assert!(text.contains("gpu_device_plugin_devices{resource=\"doslab.io/gpu-core\"} 200"));
+        assert!(text.contains(
+            "gpu_device_plugin_reregistrations_total{resource=\"doslab.io/gpu-core\"} 2"
+        ));
+        assert!(text.contains("rpc_total{resource=\"doslab.io/gpu-core\",rpc=\"allocate\"} 2"));
+        assert!(text.contains("reason=\"unknown_id\"} 1"));
+        assert!(text.contains("rpc=\"allocate\",le=\"0.001\"} 1"));
+        assert!(text.contains("rpc=\"allocate\",le=\"+Inf\"} 2"));
+        assert_eq!(metrics.not_ready(), vec!["doslab.io/gpu-core".to_owned()]);
+        metrics.retain(&[]);
+        assert!(metrics.not_ready().is_empty());
+    }
+}
