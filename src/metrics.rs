@@ -114,6 +114,14 @@ impl ResourceMetrics {
     }
 }
 
+/// A per-resource series: name, type, help, how to read it.
+type Series = (
+    &'static str,
+    &'static str,
+    &'static str,
+    fn(&ResourceMetrics) -> u64,
+);
+
 /// Every enabled resource's metrics, by resource name.
 #[derive(Debug, Default)]
 pub struct Metrics {
@@ -150,7 +158,7 @@ impl Metrics {
     pub fn render(&self) -> String {
         let all = self.resources.read().expect("metrics lock");
         let mut out = String::new();
-        let gauges: [(&str, &str, &str, fn(&ResourceMetrics) -> u64); 8] = [
+        let gauges: [Series; 8] = [
             (
                 "devices",
                 "gauge",

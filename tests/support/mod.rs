@@ -135,3 +135,45 @@ pub fn registered_times<'a>(
         })
     }
 }
+
+/// The HTTP endpoint's address, from the daemon's log.
+pub fn http_addr(daemon: &Daemon) -> String {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let log = daemon.log_text();
+        if let Some(line) = log.lines().find(|l| l.contains("HTTP endpoint listening")) {
+            let at = line.find("addr=").expect("addr field") + 5;
+            return line[at..].split_whitespace().next().unwrap().to_owned();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no HTTP endpoint in the log:\n{log}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A plain HTTP/1.1 GET; returns (status code, body).
+pub fn http_get(addr: &str, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    let code = text[9..12].parse().unwrap();
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (code, body)
+}
+
+/// The value of one sample line in a Prometheus text body.
+pub fn sample(body: &str, series: &str) -> Option<f64> {
+    body.lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
+}
