@@ -257,34 +257,36 @@ async fn metrics_and_probes_follow_registration_allocation_and_health() {
 
     // A GPU going unhealthy shows in the gauges.
     std::fs::write(health.path().join("GPU-a"), "").unwrap();
-    let deadline = std::time::Instant::now() + WAIT;
-    loop {
-        let (_, m) = http_get(&addr, "/metrics");
-        if sample(
-            &m,
-            &format!("gpu_device_plugin_devices_healthy{{resource=\"{MEM}\"}}"),
-        ) == Some(1024.0)
-        {
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "{m}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_for_sample(
+        &addr,
+        &format!("gpu_device_plugin_devices_healthy{{resource=\"{MEM}\"}}"),
+        1024.0,
+    )
+    .await;
 
     // A kubelet restart counts as a re-registration.
     let mut kubelet = kubelet;
     kubelet.restart().await.unwrap();
+    wait_for_sample(
+        &addr,
+        &format!("gpu_device_plugin_reregistrations_total{{resource=\"{MEM}\"}}"),
+        1.0,
+    )
+    .await;
+}
+
+/// Polls `/metrics` until `series` reads `value`.
+async fn wait_for_sample(addr: &str, series: &str, value: f64) {
     let deadline = std::time::Instant::now() + WAIT;
     loop {
-        let (_, m) = http_get(&addr, "/metrics");
-        if sample(
-            &m,
-            &format!("gpu_device_plugin_reregistrations_total{{resource=\"{MEM}\"}}"),
-        ) == Some(1.0)
-        {
-            break;
+        let (_, m) = http_get(addr, "/metrics");
+        if sample(&m, series) == Some(value) {
+            return;
         }
-        assert!(std::time::Instant::now() < deadline, "{m}");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{series} never read {value}:\n{m}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

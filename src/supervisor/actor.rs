@@ -65,6 +65,17 @@ struct Running {
     plugin: Option<(ActorRef<PluginMsg>, PluginArgs)>,
 }
 
+impl Running {
+    /// A child the supervisor only starts and stops.
+    fn untyped(cell: ActorCell) -> Running {
+        Running {
+            cell,
+            started: Instant::now(),
+            plugin: None,
+        }
+    }
+}
+
 pub struct SupervisorState {
     config: Config,
     plan: Plan,
@@ -138,22 +149,14 @@ impl Supervisor {
                 };
                 Actor::spawn_linked(name, KubeletWatcher, args, supervisor)
                     .await
-                    .map(|(a, _)| Running {
-                        cell: a.get_cell(),
-                        started: Instant::now(),
-                        plugin: None,
-                    })
+                    .map(|(a, _)| Running::untyped(a.get_cell()))
                     .map_err(|e| e.to_string())
             }
             Child::Health => {
                 let args = health_args(myself, state);
                 Actor::spawn_linked(name, HealthMonitor, args, supervisor)
                     .await
-                    .map(|(a, _)| Running {
-                        cell: a.get_cell(),
-                        started: Instant::now(),
-                        plugin: None,
-                    })
+                    .map(|(a, _)| Running::untyped(a.get_cell()))
                     .map_err(|e| e.to_string())
             }
         };
