@@ -99,6 +99,7 @@ async fn main() -> anyhow::Result<()> {
                 (None, Some(_)) => load(cli.config.as_ref())?.device_plugin_dir,
                 (None, None) => Config::default().device_plugin_dir,
             };
+            anyhow::ensure!(dir.is_dir(), "{} is not a directory", dir.display());
             let reports = gpu_device_plugin::inspect::inspect(&dir).await;
             print!("{}", gpu_device_plugin::inspect::render(&dir, &reports));
             if reports.iter().any(|r| r.outcome.is_err()) {
