@@ -5,10 +5,15 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use gpu_device_plugin::api::{ContainerPreferredAllocationRequest, PreferredAllocationRequest};
+use gpu_device_plugin::api::{
+    ContainerPreferredAllocationRequest, ContainerPreferredAllocationResponse,
+    PreferredAllocationRequest,
+};
 use gpu_device_plugin::config::Config;
 use gpu_device_plugin::device::{Gpu, KUBELET_MAX_MESSAGE_BYTES, Plan, Resource, packing};
 use gpu_device_plugin::kubelet_sim::{KubeletSim, ResourceView};
+use gpu_device_plugin::plugin::request::PreferredRequest;
+use prost::Message;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpu-device-plugin");
 const GIB80: u64 = 81_920;
@@ -69,23 +74,45 @@ fn wire_figures() {
     let err = Plan::new(&config, gpus(8)).unwrap_err();
     println!("8 x 80 GB at 1 MiB: {err}");
 
-    // The handler's own work, without gRPC: decode 160,000 IDs and pack.
+    // The plugin's own work per call, without transport: protobuf decode
+    // of the request, ID decode, packing, and the response's encoding.
     let mut ids: Vec<String> = Vec::new();
     m.for_each_id(|_, id| ids.push(id.to_owned()));
     ids.sort(); // the kubelet lists them in string order
     ids.truncate(160_000);
-    let mut samples = Vec::new();
+    let wire = PreferredAllocationRequest {
+        container_requests: vec![ContainerPreferredAllocationRequest {
+            available_device_i_ds: ids,
+            must_include_device_i_ds: vec![],
+            allocation_size: 20_000,
+        }],
+    }
+    .encode_to_vec();
+    let mut handler = Vec::new();
+    let mut server = Vec::new();
     for _ in 0..200 {
         let t = Instant::now();
-        let available = m.decode_all(ids.iter().map(|s| s.as_bytes())).unwrap();
+        let request = PreferredRequest::decode(wire.as_slice()).unwrap();
+        let decoded = t.elapsed();
+        let available = m
+            .decode_all(request.containers[0].available.iter())
+            .unwrap();
         let chosen = packing::shared(&available, &[], 20_000, None);
-        let out: Vec<String> = chosen.iter().map(|d| m.id(*d)).collect();
-        samples.push(t.elapsed());
-        assert_eq!(out.len(), 20_000);
+        let reply = ContainerPreferredAllocationResponse {
+            device_i_ds: chosen.iter().map(|d| m.id(*d)).collect(),
+        };
+        let bytes = reply.encode_to_vec();
+        server.push(t.elapsed());
+        handler.push(t.elapsed() - decoded);
+        assert!(bytes.len() > 20_000);
     }
     report(
-        "GetPreferredAllocation handler work alone (decode 160,000 IDs, pack, 20,000 IDs out)",
-        samples,
+        "GetPreferredAllocation handler alone (decode 160,000 IDs, pack, 20,000 IDs out)",
+        handler,
+    );
+    report(
+        "GetPreferredAllocation server side in all (protobuf decode + handler + encode)",
+        server,
     );
 }
 

@@ -14,6 +14,9 @@ const MEM: &str = "doslab.io/gpu-memory";
 const CORE: &str = "doslab.io/gpu-core";
 const COUNT: &str = "doslab.io/gpu-count";
 const GPUS: &[(&str, u64)] = &[(GPU_A, 3072), (GPU_B, 1024)];
+/// Large lists: the kubelet takes long enough over each that a careless
+/// re-registration loses the kubernetes#121994 race.
+const BIG: &[(&str, u64)] = &[(GPU_A, 81920), (GPU_B, 81920)];
 
 async fn start(extra: &str) -> (tempfile::TempDir, Daemon, KubeletSim) {
     let dir = tempfile::tempdir().unwrap();
@@ -228,4 +231,30 @@ async fn a_plugin_that_cannot_start_is_retried_and_the_others_keep_serving() {
         &[(MEM, 1, 4096), (CORE, 2, 200), (COUNT, 1, 2)],
     )
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_reloads_in_a_row_each_re_register_the_changed_resource() {
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start(dir.path(), &mock_config(dir.path(), "", BIG));
+    let kubelet = KubeletSim::start(dir.path()).unwrap();
+    expect(
+        &kubelet,
+        &daemon,
+        &[(MEM, 1, 163840), (CORE, 1, 200), (COUNT, 1, 2)],
+    )
+    .await;
+    for i in 0..20u32 {
+        let unit = if i % 2 == 0 { 2 } else { 1 };
+        let toml = mock_config(dir.path(), &format!("memory_unit_mib = {unit}"), BIG);
+        std::fs::write(&daemon.config, toml).unwrap();
+        daemon.signal(libc::SIGHUP);
+        let devices = 163840 / unit as usize;
+        expect(
+            &kubelet,
+            &daemon,
+            &[(MEM, i + 2, devices), (CORE, 1, 200), (COUNT, 1, 2)],
+        )
+        .await;
+    }
 }

@@ -36,6 +36,11 @@ const STOP_GRACE: Duration = Duration::from_secs(2);
 /// The kubelet opens ListAndWatch as part of Register; a registration this
 /// old without an open stream means the kubelet dropped us.
 const STREAM_GRACE: Duration = Duration::from_secs(3);
+/// Pause between ending a stream a live kubelet still holds and registering
+/// again: the kubelet must handle the old stream's end first, or it drops
+/// the new registration (kubernetes#121994). We cannot see when it has, so
+/// we give it time; a lost race is still healed by `Check`.
+pub const SETTLE: Duration = Duration::from_millis(200);
 
 pub struct PluginActor;
 
@@ -220,15 +225,19 @@ impl PluginActor {
     }
 
     /// A new server and a new registration, the old stream ended first
-    /// (kubernetes#121994).
+    /// (kubernetes#121994); `settle` when a live kubelet held that stream.
     async fn restart(
         myself: &ActorRef<PluginMsg>,
         state: &mut PluginState,
         reason: &str,
+        settle: bool,
     ) -> Result<(), ActorProcessingErr> {
         tracing::info!(resource = %state.resource(), %reason, "restarting server and re-registering");
         let list = state.list();
         Self::stop_server(state, list).await;
+        if settle {
+            tokio::time::sleep(SETTLE).await;
+        }
         state.server = Some(Self::start_server(state)?);
         state.generation += 1;
         state.registering = false;
@@ -332,18 +341,22 @@ impl Actor for PluginActor {
                 let ours = state.server.as_ref().map(|s| s.socket_ino);
                 let kubelet = inode(&state.args.kubelet_socket);
                 if inode(&state.args.socket) != ours {
-                    return Self::restart(&myself, state, "socket removed").await;
+                    // Deleted under a kubelet that still streams from us.
+                    let live = state
+                        .registered
+                        .is_some_and(|(ino, _)| Some(ino) == kubelet);
+                    return Self::restart(&myself, state, "socket removed", live).await;
                 }
                 match (kubelet, state.registered) {
                     (Some(now), Some((then, _))) if now != then => {
-                        Self::restart(&myself, state, "kubelet restarted").await?;
+                        Self::restart(&myself, state, "kubelet restarted", false).await?;
                     }
                     (Some(_), Some((_, at)))
                         if at.elapsed() > STREAM_GRACE
                             && state.args.metrics.streams.open() == 0 =>
                     {
-                        Self::restart(&myself, state, "kubelet closed the ListAndWatch stream")
-                            .await?;
+                        let reason = "kubelet closed the ListAndWatch stream";
+                        Self::restart(&myself, state, reason, false).await?;
                     }
                     (Some(_), None) if !state.registering => {
                         // A kubelet appeared: no need to sit out the backoff.

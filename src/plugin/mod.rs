@@ -8,6 +8,6 @@ mod registration;
 pub mod request;
 pub mod service;
 
-pub use actor::{PluginActor, PluginArgs, PluginMsg};
+pub use actor::{PluginActor, PluginArgs, PluginMsg, SETTLE};
 pub use pairing::LastShared;
 pub use registration::API_VERSION;

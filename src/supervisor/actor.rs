@@ -13,7 +13,7 @@ use crate::device::{Plan, Resource};
 use crate::health::{HealthArgs, HealthMonitor, ProbeSpec};
 use crate::kubelet_watch::{KubeletWatcher, WatcherArgs};
 use crate::metrics::Metrics;
-use crate::plugin::{LastShared, PluginActor, PluginArgs, PluginMsg};
+use crate::plugin::{LastShared, PluginActor, PluginArgs, PluginMsg, SETTLE};
 
 /// A child that ran this long before ending starts its backoff afresh.
 const STABLE_AFTER: Duration = Duration::from_secs(60);
@@ -250,6 +250,9 @@ impl Supervisor {
                 // Stopped and awaited before its successor starts: the old
                 // stream ends before the new registration (kubernetes#121994).
                 Self::stop(state, child, reason).await;
+                if matches!(child, Child::Plugin(_)) {
+                    tokio::time::sleep(SETTLE).await;
+                }
             }
         }
         for child in state.wanted() {
