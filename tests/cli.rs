@@ -112,7 +112,7 @@ fn demo_runs_end_to_end() {
 fn json_logs_are_one_object_per_line() {
     let dir = tempfile::tempdir().unwrap();
     let toml = mock_config(dir.path(), "log_format = \"json\"", &[("GPU-a", 64)]);
-    let mut daemon = Daemon::start(dir.path(), &toml);
+    let mut daemon = Daemon::start(&toml);
     let deadline = std::time::Instant::now() + WAIT;
     while !daemon.log_text().contains("waiting for the kubelet")
         && std::time::Instant::now() < deadline

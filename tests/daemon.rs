@@ -26,7 +26,7 @@ const LISTED: &[(&str, usize)] = &[(MEM, 6144), (CORE, 200), (COUNT, 2)];
 async fn started() -> (tempfile::TempDir, Daemon, KubeletSim) {
     let dir = tempfile::tempdir().unwrap();
     let toml = mock_config(dir.path(), "", &[(GPU_A, 4096), (GPU_B, 2048)]);
-    let daemon = Daemon::start(dir.path(), &toml);
+    let daemon = Daemon::start(&toml);
     let kubelet = KubeletSim::start(dir.path()).unwrap();
     let ok = kubelet.wait_until(WAIT, all_listed(LISTED)).await;
     assert!(ok, "{:?}\n{}", kubelet.snapshot(), daemon.log_text());
@@ -51,7 +51,7 @@ async fn registers_all_three_resources_with_every_device_healthy() {
 async fn waits_for_a_kubelet_that_is_not_there_yet() {
     let dir = tempfile::tempdir().unwrap();
     let toml = mock_config(dir.path(), "", &[(GPU_A, 4096), (GPU_B, 2048)]);
-    let daemon = Daemon::start(dir.path(), &toml);
+    let daemon = Daemon::start(&toml);
     // Long enough for several failed attempts and their backoff.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(
@@ -76,7 +76,7 @@ async fn device_ids_are_the_same_after_a_restart() {
     let toml = mock_config(dir.path(), "", &[(GPU_A, 4096), (GPU_B, 2048)]);
     let mut ids = Vec::new();
     for _ in 0..2 {
-        let mut daemon = Daemon::start(dir.path(), &toml);
+        let mut daemon = Daemon::start(&toml);
         let kubelet = KubeletSim::start(dir.path()).unwrap();
         assert!(kubelet.wait_until(WAIT, all_listed(LISTED)).await);
         // IDs are unique within a resource; memory and core IDs may coincide.
@@ -241,7 +241,7 @@ async fn huge_preferred_allocation_requests_are_accepted() {
         "resources = [\"gpu-memory\"]",
         &[(GPU_A, 81920), (GPU_B, 81920)],
     );
-    let daemon = Daemon::start(dir.path(), &toml);
+    let daemon = Daemon::start(&toml);
     let kubelet = KubeletSim::start(dir.path()).unwrap();
     let ok = kubelet
         .wait_until(WAIT, all_listed(&[(MEM, 163_840)]))

@@ -20,7 +20,7 @@ const BIG: &[(&str, u64)] = &[(GPU_A, 81920), (GPU_B, 81920)];
 
 async fn start(extra: &str) -> (tempfile::TempDir, Daemon, KubeletSim) {
     let dir = tempfile::tempdir().unwrap();
-    let daemon = Daemon::start(dir.path(), &mock_config(dir.path(), extra, GPUS));
+    let daemon = Daemon::start(&mock_config(dir.path(), extra, GPUS));
     let kubelet = KubeletSim::start(dir.path()).unwrap();
     (dir, daemon, kubelet)
 }
@@ -236,7 +236,7 @@ async fn a_plugin_that_cannot_start_is_retried_and_the_others_keep_serving() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_reloads_in_a_row_each_re_register_the_changed_resource() {
     let dir = tempfile::tempdir().unwrap();
-    let daemon = Daemon::start(dir.path(), &mock_config(dir.path(), "", BIG));
+    let daemon = Daemon::start(&mock_config(dir.path(), "", BIG));
     let kubelet = KubeletSim::start(dir.path()).unwrap();
     expect(
         &kubelet,

@@ -197,7 +197,7 @@ async fn metrics_and_probes_follow_registration_allocation_and_health() {
         health.path().display().to_string()
     );
     let toml = mock_config(dir.path(), &extra, &[("GPU-a", 1024), ("GPU-b", 1024)]);
-    let daemon = Daemon::start(dir.path(), &toml);
+    let daemon = Daemon::start(&toml);
     let addr = http_addr(&daemon);
     assert_eq!(http_get(&addr, "/healthz").0, 200);
     let (code, body) = http_get(&addr, "/readyz");
@@ -295,7 +295,7 @@ async fn wait_for_sample(addr: &str, series: &str, value: f64) {
 async fn inspect_reports_what_the_kubelet_sees() {
     let dir = tempfile::tempdir().unwrap();
     let toml = mock_config(dir.path(), "", &[("GPU-a", 1024), ("GPU-b", 512)]);
-    let daemon = Daemon::start(dir.path(), &toml);
+    let daemon = Daemon::start(&toml);
     let kubelet = KubeletSim::start(dir.path()).unwrap();
     let listed = [
         (MEM, 1536),

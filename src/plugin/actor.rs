@@ -96,9 +96,9 @@ impl PluginArgs {
 pub enum PluginMsg {
     /// Try to register the server of this generation.
     Register(u64),
-    /// The outcome of a registration attempt of a generation, against the
-    /// kubelet socket of this inode.
-    Registered(u64, u64, Result<(), RegisterError>),
+    /// The outcome of a registration attempt of a generation, against this
+    /// kubelet socket.
+    Registered(u64, FileId, Result<(), RegisterError>),
     /// Verify socket, kubelet and stream; heal what is wrong.
     Check,
     /// The GPUs' health changed.
@@ -109,7 +109,7 @@ struct Server {
     lists: watch::Sender<StreamItem>,
     stop: oneshot::Sender<()>,
     task: JoinHandle<()>,
-    socket_ino: u64,
+    socket_id: FileId,
 }
 
 pub struct PluginState {
@@ -118,8 +118,12 @@ pub struct PluginState {
     /// Bumped on every server start: outcomes of older attempts are ignored.
     generation: u64,
     registering: bool,
-    /// Inode of the kubelet socket we registered with, and when.
-    registered: Option<(u64, Instant)>,
+    /// The kubelet socket we registered with, and when.
+    registered: Option<(FileId, Instant)>,
+    /// No registration before this instant while the kubelet socket is
+    /// still the one that held our old stream (see SETTLE); a new kubelet is
+    /// registered at once.
+    settle: Option<(Instant, Option<FileId>)>,
     failed_attempts: u32,
 }
 
@@ -137,7 +141,7 @@ impl PluginState {
         list
     }
 
-    fn set_registered(&mut self, registered: Option<(u64, Instant)>) {
+    fn set_registered(&mut self, registered: Option<(FileId, Instant)>) {
         self.registered = registered;
         self.args
             .metrics
@@ -146,8 +150,21 @@ impl PluginState {
     }
 }
 
-fn inode(path: &Path) -> Option<u64> {
-    std::fs::metadata(path).ok().map(|m| m.ino())
+/// Which file a path names now. The inode alone is not enough: a socket
+/// deleted and created again (a restarted kubelet) often gets the same one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FileId {
+    ino: u64,
+    ctime: i64,
+    ctime_nsec: i64,
+}
+
+fn file_id(path: &Path) -> Option<FileId> {
+    std::fs::metadata(path).ok().map(|m| FileId {
+        ino: m.ino(),
+        ctime: m.ctime(),
+        ctime_nsec: m.ctime_nsec(),
+    })
 }
 
 /// 100 ms, 200 ms, … capped at 2 s: a kubelet that appears is found fast,
@@ -165,7 +182,7 @@ impl PluginActor {
         });
         let incoming = crate::uds::bind(&args.socket)
             .map_err(|e| format!("cannot listen on {}: {e}", args.socket.display()))?;
-        let socket_ino = inode(&args.socket).unwrap_or_default();
+        let socket_id = file_id(&args.socket).unwrap_or_default();
         let service = DevicePluginService::new(
             args.model.clone(),
             args.template.clone(),
@@ -196,7 +213,7 @@ impl PluginActor {
             lists,
             stop,
             task,
-            socket_ino,
+            socket_id,
         })
     }
 
@@ -217,7 +234,7 @@ impl PluginActor {
             tracing::warn!(%resource, "server did not stop in time; aborting it");
             task.abort();
         }
-        if inode(&state.args.socket) == Some(server.socket_ino)
+        if file_id(&state.args.socket) == Some(server.socket_id)
             && let Err(e) = std::fs::remove_file(&state.args.socket)
         {
             tracing::warn!(%resource, error = %e, "cannot remove socket");
@@ -225,7 +242,8 @@ impl PluginActor {
     }
 
     /// A new server and a new registration, the old stream ended first
-    /// (kubernetes#121994); `settle` when a live kubelet held that stream.
+    /// (kubernetes#121994); with `settle`, registering again with the same
+    /// kubelet waits SETTLE (a new kubelet never saw the old stream).
     async fn restart(
         myself: &ActorRef<PluginMsg>,
         state: &mut PluginState,
@@ -233,17 +251,21 @@ impl PluginActor {
         settle: bool,
     ) -> Result<(), ActorProcessingErr> {
         tracing::info!(resource = %state.resource(), %reason, "restarting server and re-registering");
+        let held_by = state.registered.map(|(id, _)| id);
         let list = state.list();
         Self::stop_server(state, list).await;
-        if settle {
-            tokio::time::sleep(SETTLE).await;
-        }
         state.server = Some(Self::start_server(state)?);
         state.generation += 1;
         state.registering = false;
         state.set_registered(None);
         state.failed_attempts = 0;
-        myself.send_message(PluginMsg::Register(state.generation))?;
+        let generation = state.generation;
+        if settle && held_by.is_some() {
+            state.settle = Some((Instant::now() + SETTLE, held_by));
+            myself.send_after(SETTLE, move || PluginMsg::Register(generation));
+        } else {
+            myself.send_message(PluginMsg::Register(generation))?;
+        }
         Ok(())
     }
 }
@@ -264,6 +286,7 @@ impl Actor for PluginActor {
             generation: 0,
             registering: false,
             registered: None,
+            settle: None,
             failed_attempts: 0,
         };
         state.server = Some(Self::start_server(&state)?);
@@ -284,9 +307,16 @@ impl Actor for PluginActor {
                     return Ok(());
                 }
                 let kubelet = state.args.kubelet_socket.clone();
-                let Some(kubelet_ino) = inode(&kubelet) else {
+                if let Some((until, held_by)) = state.settle {
+                    if Instant::now() < until && file_id(&kubelet) == held_by {
+                        return Ok(()); // the deferred attempt comes at `until`
+                    }
+                    state.settle = None;
+                }
+                let Some(kubelet_id) = file_id(&kubelet) else {
                     let err = RegisterError::NoKubelet(kubelet.display().to_string());
-                    myself.send_message(PluginMsg::Registered(generation, 0, Err(err)))?;
+                    let none = FileId::default();
+                    myself.send_message(PluginMsg::Registered(generation, none, Err(err)))?;
                     return Ok(());
                 };
                 state.registering = true;
@@ -297,14 +327,14 @@ impl Actor for PluginActor {
                 tokio::spawn(async move {
                     let result = register(&kubelet, &endpoint, &name).await;
                     let _ =
-                        myself.send_message(PluginMsg::Registered(generation, kubelet_ino, result));
+                        myself.send_message(PluginMsg::Registered(generation, kubelet_id, result));
                 });
             }
             PluginMsg::Registered(generation, _, _) if generation != state.generation => {}
-            PluginMsg::Registered(_, kubelet_ino, Ok(())) => {
+            PluginMsg::Registered(_, kubelet_id, Ok(())) => {
                 state.registering = false;
                 state.failed_attempts = 0;
-                state.set_registered(Some((kubelet_ino, Instant::now())));
+                state.set_registered(Some((kubelet_id, Instant::now())));
                 state
                     .args
                     .metrics
@@ -338,13 +368,11 @@ impl Actor for PluginActor {
                 myself.send_after(delay, move || PluginMsg::Register(generation));
             }
             PluginMsg::Check => {
-                let ours = state.server.as_ref().map(|s| s.socket_ino);
-                let kubelet = inode(&state.args.kubelet_socket);
-                if inode(&state.args.socket) != ours {
+                let ours = state.server.as_ref().map(|s| s.socket_id);
+                let kubelet = file_id(&state.args.kubelet_socket);
+                if file_id(&state.args.socket) != ours {
                     // Deleted under a kubelet that still streams from us.
-                    let live = state
-                        .registered
-                        .is_some_and(|(ino, _)| Some(ino) == kubelet);
+                    let live = state.registered.is_some_and(|(id, _)| Some(id) == kubelet);
                     return Self::restart(&myself, state, "socket removed", live).await;
                 }
                 match (kubelet, state.registered) {

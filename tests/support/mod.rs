@@ -30,11 +30,16 @@ pub struct Daemon {
     pub child: Child,
     pub log: PathBuf,
     pub config: PathBuf,
+    /// Config and log live apart from the device-plugin directory, which a
+    /// kubelet restart wipes.
+    _files: tempfile::TempDir,
 }
 
 impl Daemon {
-    /// Starts the binary on `toml`, written next to its log in `work`.
-    pub fn start(work: &Path, toml: &str) -> Daemon {
+    /// Starts the binary on `toml`.
+    pub fn start(toml: &str) -> Daemon {
+        let files = tempfile::tempdir().unwrap();
+        let work = files.path();
         let config = work.join("config.toml");
         std::fs::write(&config, toml).unwrap();
         let log = work.join("daemon.log");
@@ -46,7 +51,12 @@ impl Daemon {
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
             .unwrap();
-        Daemon { child, log, config }
+        Daemon {
+            child,
+            log,
+            config,
+            _files: files,
+        }
     }
 
     pub fn log_text(&self) -> String {
