@@ -10,6 +10,7 @@ pub mod http;
 pub mod inspect;
 pub mod kubelet_sim;
 pub mod kubelet_watch;
+pub mod matcher;
 pub mod metrics;
 pub mod plugin;
 pub mod supervisor;

@@ -16,7 +16,9 @@ pub use model::{DeviceModel, DeviceRef, IdError, KUBELET_MAX_MESSAGE_BYTES, Plan
 use serde::Deserialize;
 
 /// One of the three extended resources (SPEC §1).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Deserialize, serde::Serialize,
+)]
 #[serde(rename_all = "kebab-case")]
 pub enum Resource {
     GpuMemory,

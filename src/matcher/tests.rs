@@ -1,0 +1,392 @@
+//! The matching rules of SPEC §3 over hand-built pods.
+
+use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, PodStatus, ResourceRequirements};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::api::ObjectMeta;
+
+use super::ledger::{Ledger, ids_digest};
+use super::matching::{Ask, Decision, MatchError, Node, decide, record};
+use super::pods::{ContainerView, Keys, PodKey, PodView, PodWarning};
+use crate::device::Resource::{self, GpuCore, GpuCount, GpuMemory};
+
+/// Two GPUs of 1000 MiB, 1 MiB and 1 % per device.
+fn node() -> Node {
+    Node {
+        uuids: vec!["GPU-a".into(), "GPU-b".into()],
+        capacity: vec![[1000, 100, 1]; 2],
+        unit: [1, 1, 1],
+    }
+}
+
+fn container(name: &str, mem: u64, core: u64, count: u64) -> ContainerView {
+    ContainerView {
+        name: name.into(),
+        wants: [mem, core, count],
+    }
+}
+
+fn pod(name: &str, created: i128, containers: Vec<ContainerView>) -> PodView {
+    PodView {
+        key: PodKey {
+            namespace: "default".into(),
+            name: name.into(),
+        },
+        uid: format!("uid-{name}"),
+        admitting: true,
+        live: true,
+        assume_time: None,
+        created,
+        gpu_uuid: None,
+        containers,
+        ledger: Ledger::default(),
+        resource_version: "1".into(),
+    }
+}
+
+fn ask(resource: Resource, devices: u64, gpus: &[usize], ids: &[&str]) -> Ask {
+    Ask {
+        resource,
+        devices,
+        digest: (!ids.is_empty()).then(|| ids_digest(ids.iter().copied())),
+        id_gpus: gpus.to_vec(),
+    }
+}
+
+/// Decides and records, as the actor does.
+fn serve(pods: &mut [PodView], a: &Ask) -> Result<Decision, MatchError> {
+    let d = decide(&node(), pods, a)?;
+    if !d.repeat {
+        let p = pods.iter_mut().find(|p| p.key == d.pod).unwrap();
+        record(&mut p.ledger, &node(), a, &d);
+    }
+    Ok(d)
+}
+
+fn who(d: &Decision) -> (String, String, Vec<usize>) {
+    (d.pod.name.clone(), d.container.clone(), d.gpus.clone())
+}
+
+#[test]
+fn order_is_assume_time_then_creation_then_name() {
+    let mut pods = vec![
+        pod("late", 1, vec![container("c", 10, 0, 0)]),
+        pod("b", 5, vec![container("c", 10, 0, 0)]),
+        pod("a", 5, vec![container("c", 10, 0, 0)]),
+        pod("assumed-2", 9, vec![container("c", 10, 0, 0)]),
+        pod("assumed-1", 9, vec![container("c", 10, 0, 0)]),
+    ];
+    pods[3].assume_time = Some(200);
+    pods[4].assume_time = Some(100);
+    let order: Vec<String> = (0..5)
+        .map(|i| who(&serve(&mut pods, &ask(GpuMemory, 10, &[0], &[&format!("id{i}")])).unwrap()).0)
+        .collect();
+    assert_eq!(order, ["assumed-1", "assumed-2", "late", "a", "b"]);
+    let err = serve(&mut pods, &ask(GpuMemory, 10, &[0], &["x"])).unwrap_err();
+    assert!(
+        matches!(err, MatchError::NoCandidate { best: None, .. }),
+        "{err}"
+    );
+}
+
+#[test]
+fn amount_decides_among_candidates_and_no_candidate_names_the_best() {
+    let mut pods = vec![
+        pod("first", 1, vec![container("c", 20, 0, 0)]),
+        pod("second", 2, vec![container("c", 10, 0, 0)]),
+    ];
+    let d = serve(&mut pods, &ask(GpuMemory, 10, &[1], &["i"])).unwrap();
+    assert_eq!(who(&d), ("second".into(), "c".into(), vec![1]));
+    assert_eq!(d.amount, 10);
+    let err = serve(&mut pods, &ask(GpuMemory, 30, &[1], &["j"])).unwrap_err();
+    assert_eq!(
+        err,
+        MatchError::NoCandidate {
+            resource: GpuMemory,
+            devices: 30,
+            best: Some(pods[0].key.clone())
+        }
+    );
+    assert!(err.to_string().contains("30 gpu-memory"), "{err}");
+}
+
+#[test]
+fn init_containers_then_app_containers_in_spec_order() {
+    let mut pods = vec![pod(
+        "p",
+        1,
+        vec![
+            container("init", 10, 0, 0),
+            container("app1", 10, 0, 0),
+            container("app2", 10, 0, 0),
+        ],
+    )];
+    let names: Vec<String> = ["x", "y", "z"]
+        .iter()
+        .map(|id| {
+            serve(&mut pods, &ask(GpuMemory, 10, &[0], &[id]))
+                .unwrap()
+                .container
+        })
+        .collect();
+    assert_eq!(names, ["init", "app1", "app2"]);
+    assert!(pods[0].complete());
+}
+
+#[test]
+fn the_three_resources_in_every_order_land_on_one_gpu() {
+    let orders = [
+        [GpuMemory, GpuCore, GpuCount],
+        [GpuMemory, GpuCount, GpuCore],
+        [GpuCore, GpuMemory, GpuCount],
+        [GpuCore, GpuCount, GpuMemory],
+        [GpuCount, GpuMemory, GpuCore],
+        [GpuCount, GpuCore, GpuMemory],
+    ];
+    for order in orders {
+        // The shared container wants memory and core; its IDs for the
+        // second resource come from the other GPU (the kubelet ignored the
+        // preference): it still gets the first one's GPU.
+        let mut pods = vec![
+            pod("shared", 1, vec![container("c", 100, 30, 0)]),
+            pod("whole", 2, vec![container("c", 0, 0, 1)]),
+        ];
+        let mut shared_gpu = None;
+        for r in order {
+            let (devices, ids_gpu) = match r {
+                GpuMemory => (100, if shared_gpu.is_some() { 1 } else { 0 }),
+                GpuCore => (30, if shared_gpu.is_some() { 1 } else { 0 }),
+                GpuCount => (1, 1),
+            };
+            let d = serve(&mut pods, &ask(r, devices, &[ids_gpu], &[r.name()])).unwrap();
+            if r == GpuCount {
+                assert_eq!(who(&d), ("whole".into(), "c".into(), vec![1]), "{order:?}");
+            } else {
+                assert_eq!(d.pod.name, "shared");
+                let gpu = *shared_gpu.get_or_insert(d.gpus[0]);
+                assert_eq!(d.gpus, vec![gpu], "{order:?}");
+            }
+        }
+        assert!(pods.iter().all(PodView::complete), "{order:?}");
+        let g = &pods[0].ledger.0["c"];
+        assert_eq!(
+            (g.gpus.clone(), g.memory, g.core),
+            (vec!["GPU-a".to_string()], Some(100), Some(30))
+        );
+    }
+}
+
+#[test]
+fn scheduler_annotation_wins_and_an_unknown_gpu_is_refused() {
+    let mut pods = vec![pod("p", 1, vec![container("c", 10, 0, 0)])];
+    pods[0].gpu_uuid = Some("GPU-b".into());
+    let d = serve(&mut pods, &ask(GpuMemory, 10, &[0], &["i"])).unwrap();
+    assert_eq!(d.gpus, vec![1]);
+    let mut pods = vec![pod("p", 1, vec![container("c", 10, 0, 0)])];
+    pods[0].gpu_uuid = Some("GPU-zzz".into());
+    let err = serve(&mut pods, &ask(GpuMemory, 10, &[0], &["i"])).unwrap_err();
+    assert!(matches!(err, MatchError::UnknownGpu { .. }), "{err}");
+}
+
+#[test]
+fn a_pod_being_deleted_is_no_candidate() {
+    let mut pods = vec![
+        pod("gone", 1, vec![container("c", 10, 0, 0)]),
+        pod("next", 2, vec![container("c", 10, 0, 0)]),
+    ];
+    pods[0].admitting = false; // deletionTimestamp set mid-way
+    let d = serve(&mut pods, &ask(GpuMemory, 10, &[0], &["i"])).unwrap();
+    assert_eq!(d.pod.name, "next");
+}
+
+#[test]
+fn a_repeated_allocate_gets_the_same_answer_and_records_nothing() {
+    let mut pods = vec![
+        pod("p", 1, vec![container("c", 10, 0, 0)]),
+        pod("q", 2, vec![container("c", 10, 0, 0)]),
+    ];
+    let first = serve(&mut pods, &ask(GpuMemory, 10, &[1], &["a", "b"])).unwrap();
+    let again = serve(&mut pods, &ask(GpuMemory, 10, &[1], &["b", "a"])).unwrap();
+    assert!(again.repeat);
+    assert_eq!(who(&again), who(&first));
+    // The pod went on running; the kubelet asks again after its restart.
+    pods[0].admitting = false;
+    assert_eq!(
+        who(&serve(&mut pods, &ask(GpuMemory, 10, &[1], &["a", "b"])).unwrap()),
+        who(&first)
+    );
+    assert!(!pods[1].ledger.served("c", GpuMemory));
+}
+
+#[test]
+fn devices_handed_from_an_init_container_serve_the_next_container() {
+    let mut pods = vec![pod(
+        "p",
+        1,
+        vec![container("init", 10, 0, 0), container("app", 10, 0, 0)],
+    )];
+    let ids = ["a", "b"];
+    assert_eq!(
+        serve(&mut pods, &ask(GpuMemory, 10, &[0], &ids))
+            .unwrap()
+            .container,
+        "init"
+    );
+    let d = serve(&mut pods, &ask(GpuMemory, 10, &[0], &ids)).unwrap();
+    assert_eq!((d.container.as_str(), d.repeat), ("app", false));
+    assert!(pods[0].complete());
+}
+
+#[test]
+fn whole_and_shared_do_not_mix_and_capacity_is_kept() {
+    let mut pods = vec![
+        pod("whole", 1, vec![container("c", 0, 0, 1)]),
+        pod("shared", 2, vec![container("c", 10, 0, 0)]),
+    ];
+    serve(&mut pods, &ask(GpuCount, 1, &[0], &["w"])).unwrap();
+    let err = serve(&mut pods, &ask(GpuMemory, 10, &[0], &["s"])).unwrap_err();
+    assert!(matches!(err, MatchError::HeldWhole { .. }), "{err}");
+    serve(&mut pods, &ask(GpuMemory, 10, &[1], &["s"])).unwrap();
+
+    let mut pods = vec![
+        pod("shared", 1, vec![container("c", 10, 0, 0)]),
+        pod("whole", 2, vec![container("c", 0, 0, 1)]),
+    ];
+    serve(&mut pods, &ask(GpuMemory, 10, &[1], &["s"])).unwrap();
+    let err = serve(&mut pods, &ask(GpuCount, 1, &[1], &["w"])).unwrap_err();
+    assert!(matches!(err, MatchError::CarriesShared { .. }), "{err}");
+
+    // The ledger is the truth: a container put on GPU-a by the scheduler
+    // while its IDs were on GPU-b counts against GPU-a.
+    let mut pods = vec![
+        pod("big", 1, vec![container("c", 900, 0, 0)]),
+        pod("more", 2, vec![container("c", 200, 0, 0)]),
+    ];
+    pods[0].gpu_uuid = Some("GPU-a".into());
+    serve(&mut pods, &ask(GpuMemory, 900, &[1], &["x"])).unwrap();
+    let err = serve(&mut pods, &ask(GpuMemory, 200, &[0], &["y"])).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "GPU GPU-a has 100 of 1000 gpu-memory left; default/more wants 200"
+    );
+    // Finished pods free their share.
+    pods[0].live = false;
+    pods[0].admitting = false;
+    serve(&mut pods, &ask(GpuMemory, 200, &[0], &["y"])).unwrap();
+}
+
+#[test]
+fn ids_from_two_gpus_are_refused_for_a_shared_resource() {
+    let mut pods = vec![pod("p", 1, vec![container("c", 10, 0, 0)])];
+    let err = serve(&mut pods, &ask(GpuMemory, 10, &[0, 1], &["a"])).unwrap_err();
+    assert!(matches!(err, MatchError::SpansGpus { .. }), "{err}");
+}
+
+#[test]
+fn preferred_allocation_steers_to_the_recorded_or_best_fitting_gpu() {
+    let mut pods = vec![
+        pod("filler", 1, vec![container("c", 700, 0, 0)]),
+        pod("p", 2, vec![container("c", 200, 50, 0)]),
+    ];
+    serve(&mut pods, &ask(GpuMemory, 700, &[1], &["f"])).unwrap();
+    // Best fit: GPU-b has 300 MiB left, enough for 200.
+    assert_eq!(
+        decide(&node(), &pods, &ask(GpuCore, 50, &[], &[]))
+            .unwrap()
+            .gpus,
+        vec![1]
+    );
+    serve(&mut pods, &ask(GpuCore, 50, &[1], &["c"])).unwrap();
+    // The memory of the same container follows its core.
+    assert_eq!(
+        decide(&node(), &pods, &ask(GpuMemory, 200, &[], &[]))
+            .unwrap()
+            .gpus,
+        vec![1]
+    );
+}
+
+fn api_pod(annotations: &[(&str, &str)], phase: &str, deleting: bool) -> Pod {
+    let limits = |mem: &str| {
+        Some(ResourceRequirements {
+            limits: Some([("doslab.io/gpu-memory".to_string(), Quantity(mem.into()))].into()),
+            ..Default::default()
+        })
+    };
+    Pod {
+        metadata: ObjectMeta {
+            name: Some("p".into()),
+            namespace: Some("ns".into()),
+            annotations: Some(
+                annotations
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            ),
+            deletion_timestamp: deleting
+                .then(|| k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Default::default())),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            init_containers: Some(vec![Container {
+                name: "init".into(),
+                resources: limits("5"),
+                ..Default::default()
+            }]),
+            containers: vec![Container {
+                name: "app".into(),
+                resources: limits("1024"),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+        status: Some(PodStatus {
+            phase: Some(phase.into()),
+            ..Default::default()
+        }),
+    }
+}
+
+#[test]
+fn pods_are_read_from_the_api_with_bad_annotations_named() {
+    let keys = Keys::new("doslab.io");
+    let (view, warnings) = PodView::from_pod(
+        &keys,
+        &api_pod(
+            &[
+                ("doslab.io/gpu-assume-time", "soon"),
+                ("doslab.io/gpu-ledger", "[1,2"),
+            ],
+            "Pending",
+            false,
+        ),
+    );
+    assert_eq!(
+        view.containers,
+        vec![container("init", 5, 0, 0), container("app", 1024, 0, 0)]
+    );
+    assert_eq!(view.assume_time, None);
+    assert!(view.admitting && view.live);
+    assert_eq!(warnings.len(), 2);
+    assert!(
+        matches!(&warnings[0], PodWarning::AssumeTime(k, v) if k == "doslab.io/gpu-assume-time" && v == "soon")
+    );
+    assert!(warnings[1].to_string().contains("doslab.io/gpu-ledger"));
+
+    let (view, warnings) = PodView::from_pod(
+        &keys,
+        &api_pod(
+            &[
+                ("doslab.io/gpu-assume-time", "1700000000000000000"),
+                ("doslab.io/gpu-uuid", "GPU-b"),
+            ],
+            "Pending",
+            true,
+        ),
+    );
+    assert!(warnings.is_empty());
+    assert_eq!(view.assume_time, Some(1_700_000_000_000_000_000));
+    assert_eq!(view.gpu_uuid.as_deref(), Some("GPU-b"));
+    assert!(!view.admitting, "a pod being deleted is not admitted");
+    let (view, _) = PodView::from_pod(&keys, &api_pod(&[], "Succeeded", false));
+    assert!(!view.live && !view.admitting);
+}
