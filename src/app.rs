@@ -55,7 +55,6 @@ pub async fn run(
     for gpu in plan.gpus() {
         tracing::info!(uuid = %gpu.uuid, index = gpu.index, memory_mib = gpu.memory_mib, numa_node = ?gpu.numa_node, "GPU");
     }
-    warn_about_pod_matching(&config);
     let metrics = Arc::new(Metrics::default());
     if !config.http_listen.is_empty() {
         let addr = crate::http::serve(&config.http_listen, metrics.clone())
@@ -74,7 +73,6 @@ pub async fn run(
     while let Some(Control::Reload) = controls.next().await {
         match reload(source.as_deref()).await {
             Ok((config, plan)) => {
-                warn_about_pod_matching(&config);
                 let _ = supervisor.send_message(SupervisorMsg::Reload(Box::new((config, plan))));
             }
             Err(e) => {
@@ -107,13 +105,4 @@ async fn reload(source: Option<&Path>) -> Result<(Config, Plan), ReloadError> {
     let config = Config::load(source.ok_or(ReloadError::NoFile)?)?;
     let plan = plan(&config).await?;
     Ok((config, plan))
-}
-
-fn warn_about_pod_matching(config: &Config) {
-    if config.pod_matching {
-        tracing::warn!(
-            "pod_matching = true, but this build has no pod matcher yet: Allocate derives \
-             each container's GPU from its device IDs, as with pod_matching = false"
-        );
-    }
 }

@@ -54,6 +54,7 @@ pub struct Config {
     pub http_listen: String,
     pub devices: Devices,
     pub health: Health,
+    pub matcher: Matcher,
     pub allocate: AllocateExtras,
 }
 
@@ -71,6 +72,7 @@ impl Default for Config {
             http_listen: "0.0.0.0:9446".into(),
             devices: Devices::default(),
             health: Health::default(),
+            matcher: Matcher::default(),
             allocate: AllocateExtras::default(),
         }
     }
@@ -96,6 +98,21 @@ impl Default for Health {
             recovery_ms: 60_000,
             mock_dir: PathBuf::new(),
         }
+    }
+}
+
+/// Pod matching (see `matcher`), with `pod_matching = true`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Matcher {
+    /// How long an Allocate waits for its pod to reach the pod cache (and
+    /// for the cache's first sync, and for an API server that fails).
+    pub wait_ms: u64,
+}
+
+impl Default for Matcher {
+    fn default() -> Self {
+        Matcher { wait_ms: 10_000 }
     }
 }
 
@@ -232,6 +249,13 @@ impl Config {
             return Err(invalid(
                 "health.poll_ms",
                 "must be at least 10 (milliseconds)",
+            ));
+        }
+        if !(100..=120_000).contains(&self.matcher.wait_ms) {
+            return Err(invalid(
+                "matcher.wait_ms",
+                "must be between 100 and 120000 (milliseconds); the kubelet gives up on an \
+                 Allocate after 2 minutes",
             ));
         }
         if !self.health.mock_dir.as_os_str().is_empty() && self.devices.backend != Backend::Mock {
@@ -417,6 +441,8 @@ mod tests {
         assert!(err_of("[health]\npoll_ms = 1").contains("health.poll_ms"));
         assert!(err_of("[health]\nmock_dir = \"/x\"").contains("health.mock_dir"));
         assert!(err_of("[health]\npoll = 5").contains("poll"));
+        assert!(err_of("[matcher]\nwait_ms = 5").contains("matcher.wait_ms"));
+        assert!(err_of("[matcher]\nwait = 5").contains("wait"));
     }
 
     #[test]

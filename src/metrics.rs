@@ -126,6 +126,10 @@ type Series = (
 #[derive(Debug, Default)]
 pub struct Metrics {
     resources: RwLock<BTreeMap<String, Arc<ResourceMetrics>>>,
+    /// Pods of this node in the matcher's cache.
+    pod_cache: AtomicU64,
+    /// API-server requests the matcher made outside its watch, by verb.
+    api_requests: Mutex<BTreeMap<&'static str, u64>>,
 }
 
 impl Metrics {
@@ -144,6 +148,19 @@ impl Metrics {
             .write()
             .expect("metrics lock")
             .retain(|n, _| names.contains(n));
+    }
+
+    pub fn set_pod_cache(&self, pods: usize) {
+        self.pod_cache.store(pods as u64, Ordering::Relaxed);
+    }
+
+    pub fn count_api_request(&self, verb: &'static str) {
+        *self
+            .api_requests
+            .lock()
+            .expect("metrics lock")
+            .entry(verb)
+            .or_default() += 1;
     }
 
     /// Names of resources not ready yet; empty when all are.
@@ -261,6 +278,21 @@ impl Metrics {
                     &labels,
                 );
             }
+        }
+        let _ = writeln!(
+            out,
+            "# HELP gpu_device_plugin_pod_cache_pods Pods of this node in the pod matcher's cache.\n# TYPE gpu_device_plugin_pod_cache_pods gauge\ngpu_device_plugin_pod_cache_pods {}",
+            self.pod_cache.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP gpu_device_plugin_api_requests_total API-server requests by the pod matcher, besides its watch.\n# TYPE gpu_device_plugin_api_requests_total counter"
+        );
+        for (verb, n) in self.api_requests.lock().expect("metrics lock").iter() {
+            let _ = writeln!(
+                out,
+                "gpu_device_plugin_api_requests_total{{verb=\"{verb}\"}} {n}"
+            );
         }
         out
     }

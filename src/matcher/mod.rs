@@ -1,9 +1,18 @@
 //! Pod matching (SPEC §3): which pod and container an Allocate is for, the
 //! GPU it gets, and the ledger on the pod that records it.
+//!
+//! `matching`, `pods` and `ledger` are pure; `actor` does the I/O (pod
+//! cache, ledger patches, events) behind the handle in `api`.
 
+mod actor;
+mod api;
+pub mod cache;
 pub mod ledger;
 pub mod matching;
 pub mod pods;
+
+pub use actor::{MatcherArgs, PodMatcher};
+pub use api::{MatcherHandle, MatcherMsg, Steer};
 
 #[cfg(test)]
 mod tests;

@@ -20,7 +20,7 @@ use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 
 use super::allocate::ResponseTemplate;
-use super::pairing::LastShared;
+use super::placement::Placement;
 use super::registration::{RegisterError, register};
 use super::service::{DevicePluginService, StreamItem};
 use crate::api::lazy::device_plugin_server::DevicePluginServer;
@@ -53,7 +53,7 @@ pub struct PluginArgs {
     pub socket: PathBuf,
     pub kubelet_socket: PathBuf,
     pub template: Arc<ResponseTemplate>,
-    pub pairing: LastShared,
+    pub placement: Placement,
     pub healthy: Arc<[bool]>,
     pub metrics: Arc<ResourceMetrics>,
 }
@@ -67,12 +67,13 @@ impl PluginArgs {
             && self.socket == other.socket
             && self.kubelet_socket == other.kubelet_socket
             && self.template == other.template
+            && self.placement.same_as(&other.placement)
     }
 
     pub fn new(
         config: &Config,
         model: Arc<DeviceModel>,
-        pairing: LastShared,
+        placement: Placement,
         healthy: Arc<[bool]>,
         metrics: &Metrics,
     ) -> Self {
@@ -87,7 +88,7 @@ impl PluginArgs {
             kubelet_socket: config.kubelet_socket(),
             template: Arc::new(ResponseTemplate::new(config, r)),
             model,
-            pairing,
+            placement,
             healthy,
         }
     }
@@ -187,7 +188,7 @@ impl PluginActor {
             args.model.clone(),
             args.template.clone(),
             rx,
-            args.pairing.clone(),
+            args.placement.clone(),
             args.metrics.clone(),
         );
         let routes = tonic::service::Routes::new(

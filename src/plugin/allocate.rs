@@ -56,7 +56,8 @@ pub enum AllocateError {
     },
 }
 
-/// The response for one container granted `devices` of `model`'s resource.
+/// The response for one container granted `devices` of `model`'s resource,
+/// its GPUs read from the IDs (no pod matching).
 pub fn container_response(
     model: &DeviceModel,
     devices: &[DeviceRef],
@@ -64,40 +65,49 @@ pub fn container_response(
 ) -> Result<ContainerAllocateResponse, AllocateError> {
     let first = devices.first().ok_or(AllocateError::Empty)?;
     let gpus = model.gpus();
-    let mut envs = template.envs.clone();
-    let amount = devices.len() as u64 * model.unit_amount();
-    match model.resource() {
-        Resource::GpuCount => {
-            let uuids: Vec<&str> = devices.iter().map(|d| gpus[d.gpu].uuid.as_str()).collect();
-            envs.insert("NVIDIA_VISIBLE_DEVICES".into(), uuids.join(","));
-        }
-        shared => {
-            if let Some(other) = devices.iter().find(|d| d.gpu != first.gpu) {
-                return Err(AllocateError::SpansGpus {
-                    resource: shared,
-                    first: gpus[first.gpu].uuid.clone(),
-                    second: gpus[other.gpu].uuid.clone(),
-                    units: devices.len(),
-                });
-            }
-            envs.insert(
-                "NVIDIA_VISIBLE_DEVICES".into(),
-                gpus[first.gpu].uuid.clone(),
-            );
-            envs.insert(template.amount_env.clone(), amount.to_string());
-            let (key, value) = if shared == Resource::GpuMemory {
-                ("CUDA_DEVICE_MEMORY_LIMIT_0", format!("{amount}m"))
-            } else {
-                ("CUDA_DEVICE_SM_LIMIT", amount.to_string())
-            };
-            envs.insert(key.into(), value);
-        }
+    let resource = model.resource();
+    if resource != Resource::GpuCount
+        && let Some(other) = devices.iter().find(|d| d.gpu != first.gpu)
+    {
+        return Err(AllocateError::SpansGpus {
+            resource,
+            first: gpus[first.gpu].uuid.clone(),
+            second: gpus[other.gpu].uuid.clone(),
+            units: devices.len(),
+        });
     }
-    Ok(ContainerAllocateResponse {
+    let on: Vec<usize> = devices.iter().map(|d| d.gpu).collect();
+    let amount = devices.len() as u64 * model.unit_amount();
+    Ok(grant_response(model, &on, amount, template))
+}
+
+/// The response for a grant of `amount` (in the resource's unit) on `on`
+/// (GPU indexes; one for a shared resource).
+pub fn grant_response(
+    model: &DeviceModel,
+    on: &[usize],
+    amount: u64,
+    template: &ResponseTemplate,
+) -> ContainerAllocateResponse {
+    let gpus = model.gpus();
+    let mut envs = template.envs.clone();
+    let uuids: Vec<&str> = on.iter().map(|&g| gpus[g].uuid.as_str()).collect();
+    envs.insert("NVIDIA_VISIBLE_DEVICES".into(), uuids.join(","));
+    let shared = model.resource();
+    if shared != Resource::GpuCount {
+        envs.insert(template.amount_env.clone(), amount.to_string());
+        let (key, value) = if shared == Resource::GpuMemory {
+            ("CUDA_DEVICE_MEMORY_LIMIT_0", format!("{amount}m"))
+        } else {
+            ("CUDA_DEVICE_SM_LIMIT", amount.to_string())
+        };
+        envs.insert(key.into(), value);
+    }
+    ContainerAllocateResponse {
         envs,
         mounts: template.mounts.clone(),
         ..Default::default()
-    })
+    }
 }
 
 #[cfg(test)]

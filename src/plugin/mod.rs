@@ -4,10 +4,12 @@
 mod actor;
 pub mod allocate;
 mod pairing;
+mod placement;
 mod registration;
 pub mod request;
 pub mod service;
 
 pub use actor::{PluginActor, PluginArgs, PluginMsg, SETTLE};
 pub use pairing::LastShared;
+pub use placement::Placement;
 pub use registration::API_VERSION;

@@ -11,8 +11,8 @@ use prost::Message;
 use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 
-use super::allocate::{AllocateError, ResponseTemplate, container_response};
-use super::pairing::LastShared;
+use super::allocate::{AllocateError, ResponseTemplate, container_response, grant_response};
+use super::placement::Placement;
 use super::request::PreferredRequest;
 use crate::api::lazy::device_plugin_server::DevicePlugin;
 use crate::api::{
@@ -20,6 +20,8 @@ use crate::api::{
     Empty, PreStartContainerRequest, PreStartContainerResponse, PreferredAllocationResponse,
 };
 use crate::device::{DeviceListMessage, DeviceModel, DeviceRef, IdError, Resource, packing};
+use crate::matcher::ledger::ids_digest;
+use crate::matcher::matching::Ask;
 use crate::metrics::{ResourceMetrics, Rpc};
 
 /// What ListAndWatch streams: the current list, and whether it is the last
@@ -66,7 +68,7 @@ pub struct DevicePluginService {
     model: Arc<DeviceModel>,
     template: Arc<ResponseTemplate>,
     lists: watch::Receiver<StreamItem>,
-    pairing: LastShared,
+    placement: Placement,
     metrics: Arc<ResourceMetrics>,
 }
 
@@ -78,14 +80,14 @@ impl DevicePluginService {
         model: Arc<DeviceModel>,
         template: Arc<ResponseTemplate>,
         lists: watch::Receiver<StreamItem>,
-        pairing: LastShared,
+        placement: Placement,
         metrics: Arc<ResourceMetrics>,
     ) -> Self {
         DevicePluginService {
             model,
             template,
             lists,
-            pairing,
+            placement,
             metrics,
         }
     }
@@ -128,21 +130,36 @@ impl DevicePluginService {
             .map_err(|Refusal(status, _)| status)
     }
 
-    fn preferred(&self, request: PreferredRequest) -> Result<PreferredAllocationResponse, Refusal> {
+    async fn preferred(
+        &self,
+        request: PreferredRequest,
+    ) -> Result<PreferredAllocationResponse, Refusal> {
         let resource = self.resource();
         let mut container_responses = Vec::new();
         for req in request.containers {
-            let available = self.decode(req.available.iter())?;
+            let mut available = self.decode(req.available.iter())?;
             let must = self.decode(req.must_include.iter())?;
             let size = usize::try_from(req.size)
                 .map_err(|_| self.refuse("bad_size", format!("allocation size {}", req.size)))?;
+            let prefer = match &self.placement {
+                Placement::Ids(pairing) => pairing.partner_gpu(resource),
+                Placement::Matcher { handle, .. } => {
+                    let ask = Ask {
+                        resource,
+                        devices: size as u64,
+                        digest: None,
+                        id_gpus: Vec::new(),
+                    };
+                    let steer = handle.prefer(ask).await;
+                    available.retain(|d| !steer.avoid.get(d.gpu).copied().unwrap_or(false));
+                    steer.gpus.first().copied()
+                }
+            };
             let chosen = match resource {
                 Resource::GpuCount => {
                     packing::whole(&available, &must, size, |g| self.model.gpus()[g].numa_node)
                 }
-                shared => {
-                    packing::shared(&available, &must, size, self.pairing.partner_gpu(shared))
-                }
+                _ => packing::shared(&available, &must, size, prefer),
             };
             tracing::debug!(%resource, available = available.len(), size, "GetPreferredAllocation");
             container_responses.push(ContainerPreferredAllocationResponse {
@@ -154,22 +171,46 @@ impl DevicePluginService {
         })
     }
 
-    fn allocate(&self, request: AllocateRequest) -> Result<AllocateResponse, Refusal> {
+    async fn allocate(&self, request: AllocateRequest) -> Result<AllocateResponse, Refusal> {
         let resource = self.resource();
         let mut container_responses = Vec::new();
         for req in request.container_requests {
             let devices = self.decode(req.devices_ids.iter().map(|id| id.as_bytes()))?;
-            let response =
-                container_response(&self.model, &devices, &self.template).map_err(|e| {
-                    let reason = match e {
-                        AllocateError::Empty => "empty",
-                        AllocateError::SpansGpus { .. } => "spans_gpus",
+            let response = match &self.placement {
+                Placement::Ids(pairing) => {
+                    let response = container_response(&self.model, &devices, &self.template)
+                        .map_err(|e| {
+                            let reason = match e {
+                                AllocateError::Empty => "empty",
+                                AllocateError::SpansGpus { .. } => "spans_gpus",
+                            };
+                            self.refuse(reason, e)
+                        })?;
+                    if let (Some(d), true) = (devices.first(), resource != Resource::GpuCount) {
+                        pairing.note(resource, d.gpu);
+                    }
+                    response
+                }
+                Placement::Matcher { handle, wait } => {
+                    let mut id_gpus: Vec<usize> = Vec::new();
+                    for d in &devices {
+                        if !id_gpus.contains(&d.gpu) {
+                            id_gpus.push(d.gpu);
+                        }
+                    }
+                    let ask = Ask {
+                        resource,
+                        devices: devices.len() as u64,
+                        digest: Some(ids_digest(req.devices_ids.iter().map(String::as_str))),
+                        id_gpus,
                     };
-                    self.refuse(reason, e)
-                })?;
-            if let (Some(d), true) = (devices.first(), resource != Resource::GpuCount) {
-                self.pairing.note(resource, d.gpu);
-            }
+                    let d = handle
+                        .allocate(ask, Placement::allocate_timeout(*wait))
+                        .await
+                        .map_err(|e| Refusal(Status::failed_precondition(e), "no_match"))?;
+                    grant_response(&self.model, &d.gpus, d.amount, &self.template)
+                }
+            };
             tracing::info!(
                 %resource,
                 devices = devices.len(),
@@ -237,7 +278,7 @@ impl DevicePlugin for DevicePluginService {
         request: Request<PreferredRequest>,
     ) -> Result<Response<PreferredAllocationResponse>, Status> {
         let started = Instant::now();
-        let result = self.preferred(request.into_inner());
+        let result = self.preferred(request.into_inner()).await;
         self.record(Rpc::PreferredAllocation, started, result)
     }
 
@@ -246,7 +287,7 @@ impl DevicePlugin for DevicePluginService {
         request: Request<AllocateRequest>,
     ) -> Result<Response<AllocateResponse>, Status> {
         let started = Instant::now();
-        let result = DevicePluginService::allocate(self, request.into_inner());
+        let result = DevicePluginService::allocate(self, request.into_inner()).await;
         self.record(Rpc::Allocate, started, result)
     }
 

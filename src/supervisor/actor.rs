@@ -12,8 +12,9 @@ use crate::config::{Backend, Config};
 use crate::device::{Plan, Resource};
 use crate::health::{HealthArgs, HealthMonitor, ProbeSpec};
 use crate::kubelet_watch::{KubeletWatcher, WatcherArgs};
+use crate::matcher::{MatcherArgs, MatcherHandle, PodMatcher};
 use crate::metrics::Metrics;
-use crate::plugin::{LastShared, PluginActor, PluginArgs, PluginMsg, SETTLE};
+use crate::plugin::{LastShared, Placement, PluginActor, PluginArgs, PluginMsg, SETTLE};
 
 /// A child that ran this long before ending starts its backoff afresh.
 const STABLE_AFTER: Duration = Duration::from_secs(60);
@@ -32,6 +33,7 @@ pub struct SupervisorArgs {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Child {
+    Matcher,
     Plugin(Resource),
     Watcher,
     Health,
@@ -40,6 +42,7 @@ pub enum Child {
 impl std::fmt::Display for Child {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
+            Child::Matcher => f.write_str("pod matcher"),
             Child::Plugin(r) => write!(f, "plugin {r}"),
             Child::Watcher => f.write_str("kubelet watcher"),
             Child::Health => f.write_str("health monitor"),
@@ -80,6 +83,8 @@ pub struct SupervisorState {
     config: Config,
     plan: Plan,
     pairing: LastShared,
+    /// Filled while the pod matcher runs; every plugin holds a clone.
+    matcher: MatcherHandle,
     healthy: Arc<[bool]>,
     metrics: Arc<Metrics>,
     children: BTreeMap<Child, Running>,
@@ -94,23 +99,45 @@ fn restart_delay(failures: u32) -> Duration {
 impl SupervisorState {
     fn plugin_args(&self, resource: Resource) -> Option<PluginArgs> {
         let model = self.plan.model(resource)?.clone();
+        let placement = if self.config.pod_matching {
+            Placement::Matcher {
+                handle: self.matcher.clone(),
+                wait: Duration::from_millis(self.config.matcher.wait_ms),
+            }
+        } else {
+            Placement::Ids(self.pairing.clone())
+        };
         Some(PluginArgs::new(
             &self.config,
             model,
-            self.pairing.clone(),
+            placement,
             self.healthy.clone(),
             &self.metrics,
         ))
     }
 
+    fn matcher_args(&self) -> MatcherArgs {
+        MatcherArgs::new(&self.config, self.plan.gpus(), self.metrics.clone())
+    }
+
+    /// In start order: the matcher before the plugins that ask it.
     fn wanted(&self) -> Vec<Child> {
         let mut children: Vec<Child> = self
-            .plan
-            .models()
-            .map(|m| Child::Plugin(m.resource()))
+            .config
+            .pod_matching
+            .then_some(Child::Matcher)
+            .into_iter()
             .collect();
+        children.extend(self.plan.models().map(|m| Child::Plugin(m.resource())));
         children.extend([Child::Watcher, Child::Health]);
         children
+    }
+
+    fn remove(&mut self, child: Child) -> Option<Running> {
+        if child == Child::Matcher {
+            self.matcher.set(None);
+        }
+        self.children.remove(&child)
     }
 
     fn plugins(&self) -> impl Iterator<Item = &ActorRef<PluginMsg>> {
@@ -138,6 +165,16 @@ impl Supervisor {
                         cell: actor.get_cell(),
                         started: Instant::now(),
                         plugin: Some((actor, args)),
+                    })
+                    .map_err(|e| e.to_string())
+            }
+            Child::Matcher => {
+                let args = state.matcher_args();
+                Actor::spawn_linked(name, PodMatcher, args, supervisor)
+                    .await
+                    .map(|(a, _)| {
+                        state.matcher.set(Some(a.clone()));
+                        Running::untyped(a.get_cell())
                     })
                     .map_err(|e| e.to_string())
             }
@@ -189,7 +226,7 @@ impl Supervisor {
     /// Stops a child on purpose (reload, shutdown): it leaves the map
     /// first, so its end is not taken for a crash.
     async fn stop(state: &mut SupervisorState, child: Child, why: &str) {
-        if let Some(running) = state.children.remove(&child) {
+        if let Some(running) = state.remove(child) {
             tracing::info!(%child, reason = why, "stopping");
             if let Err(e) = running
                 .cell
@@ -210,6 +247,7 @@ impl Supervisor {
         let old_dir = state.config.device_plugin_dir.clone();
         let old_gpus = state.plan.gpus().to_vec();
         let old_health = (state.config.health.clone(), state.config.devices.backend);
+        let old_matcher = state.matcher_args();
         state.config = config;
         state.plan = plan;
         if state.plan.gpus() != old_gpus.as_slice() {
@@ -236,6 +274,10 @@ impl Supervisor {
                         }
                         _ => None,
                     }
+                }
+                Child::Matcher if !state.config.pod_matching => Some("disabled by reload"),
+                Child::Matcher => {
+                    (!state.matcher_args().same_as(&old_matcher)).then_some("changed by reload")
                 }
                 Child::Watcher => {
                     (state.config.device_plugin_dir != old_dir).then_some("directory changed")
@@ -301,6 +343,7 @@ impl Actor for Supervisor {
             plan: args.plan,
             metrics: args.metrics,
             pairing: LastShared::default(),
+            matcher: MatcherHandle::default(),
             children: BTreeMap::new(),
             failures: BTreeMap::new(),
         };
@@ -360,7 +403,7 @@ impl Actor for Supervisor {
         else {
             return Ok(()); // stopped on purpose
         };
-        let running = state.children.remove(&child).expect("found above");
+        let running = state.remove(child).expect("found above");
         if running.started.elapsed() >= STABLE_AFTER {
             state.failures.remove(&child);
         }

@@ -1,0 +1,342 @@
+//! The pod-matcher actor. It owns the API-server side (client, pod cache,
+//! ledger writes, events) and answers one lookup at a time, so two
+//! Allocates on different sockets can never claim the same container.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+
+use super::api::{MatcherMsg, Steer};
+use super::cache::PodCache;
+use super::ledger::Ledger;
+use super::matching::{Ask, Decision, MatchError, Node, Usage, decide, record};
+use super::pods::{Keys, PodKey, PodView};
+use crate::metrics::Metrics;
+
+/// Pause between attempts at an API server that failed.
+const RETRY: Duration = Duration::from_millis(200);
+/// An Event is a courtesy: it never holds up the answer for long.
+const EVENT_TIMEOUT: Duration = Duration::from_secs(2);
+
+pub struct PodMatcher;
+
+#[derive(Debug, Clone)]
+pub struct MatcherArgs {
+    pub node_name: String,
+    pub node: Node,
+    pub keys: Keys,
+    pub wait: Duration,
+    pub metrics: Arc<Metrics>,
+}
+
+impl MatcherArgs {
+    pub fn new(
+        config: &crate::config::Config,
+        gpus: &[crate::device::Gpu],
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        MatcherArgs {
+            node_name: config.node_name.clone(),
+            node: Node::new(config, gpus),
+            keys: Keys::new(&config.resource_domain),
+            wait: Duration::from_millis(config.matcher.wait_ms),
+            metrics,
+        }
+    }
+
+    /// Whether a matcher started with `other` would behave the same.
+    pub fn same_as(&self, other: &MatcherArgs) -> bool {
+        (&self.node_name, &self.node, &self.keys, self.wait)
+            == (&other.node_name, &other.node, &other.keys, other.wait)
+    }
+}
+
+pub struct MatcherState {
+    args: MatcherArgs,
+    client: Client,
+    cache: PodCache,
+    /// Ledgers we wrote, by pod UID, until the cache shows them: the next
+    /// Allocate may come before the watch event does.
+    written: HashMap<String, Ledger>,
+}
+
+/// Why a ledger write did not land.
+enum WriteError {
+    /// The pod was deleted (or replaced by one of the same name).
+    Gone,
+    Unreachable(String),
+}
+
+impl MatcherState {
+    fn views(&mut self, skip: &HashSet<String>) -> Vec<PodView> {
+        let pods = self.cache.pods();
+        self.args.metrics.set_pod_cache(pods.len());
+        let mut views = Vec::with_capacity(pods.len());
+        for pod in pods {
+            let (mut view, warnings) = PodView::from_pod(&self.args.keys, &pod);
+            for w in warnings {
+                tracing::debug!(pod = %view.key, warning = %w, "pod annotation");
+            }
+            if skip.contains(&view.uid) {
+                continue;
+            }
+            if let Some(l) = self.written.get(&view.uid) {
+                view.ledger.merge(l);
+            }
+            views.push(view);
+        }
+        let live: HashSet<&str> = views.iter().map(|v| v.uid.as_str()).collect();
+        self.written.retain(|uid, _| live.contains(uid.as_str()));
+        views
+    }
+
+    fn pods(&self, namespace: &str) -> Api<Pod> {
+        Api::namespaced(self.client.clone(), namespace)
+    }
+
+    fn failure(&self, ask: &Ask, why: impl std::fmt::Display) -> String {
+        let r = ask.resource;
+        let amount = ask.devices * self.args.node.unit[r as usize];
+        format!(
+            "node {}: cannot allocate {amount} {r} ({} devices): {why}",
+            self.args.node_name, ask.devices
+        )
+    }
+
+    /// Finds the container, places it and records it on the pod.
+    async fn allocate(&mut self, ask: &Ask) -> Result<Decision, String> {
+        let deadline = Instant::now() + self.args.wait;
+        if !self.cache.ready(deadline).await {
+            return Err(self.failure(
+                ask,
+                format!(
+                    "the pod cache has not synced with the API server within {} ms",
+                    self.args.wait.as_millis()
+                ),
+            ));
+        }
+        let mut gone = HashSet::new();
+        loop {
+            let views = self.views(&gone);
+            match decide(&self.args.node, &views, ask) {
+                Ok(d) if d.repeat => return Ok(d),
+                Ok(d) => {
+                    let view = views
+                        .iter()
+                        .find(|v| v.uid == d.uid)
+                        .expect("decided on it");
+                    match self.write(view.clone(), ask, &d, deadline).await {
+                        Ok(()) => return Ok(d),
+                        Err(WriteError::Gone) => {
+                            tracing::info!(pod = %d.pod, "pod went away while being served");
+                            gone.insert(d.uid);
+                        }
+                        Err(WriteError::Unreachable(e)) => {
+                            return Err(self.failure(ask, format!("the API server: {e}")));
+                        }
+                    }
+                }
+                Err(e @ MatchError::NoCandidate { .. }) => {
+                    // The pod may not have reached the cache yet.
+                    if !self.cache.changed(deadline).await {
+                        let message = self.failure(ask, &e);
+                        if let MatchError::NoCandidate { best, .. } = &e {
+                            self.post_event(best.as_ref(), &message).await;
+                        }
+                        return Err(message);
+                    }
+                }
+                Err(e) => {
+                    let message = self.failure(ask, &e);
+                    let pod = match &e {
+                        MatchError::UnknownGpu { pod, .. }
+                        | MatchError::HeldWhole { pod, .. }
+                        | MatchError::CarriesShared { pod, .. }
+                        | MatchError::Full { pod, .. } => Some(pod),
+                        MatchError::SpansGpus { .. } | MatchError::NoCandidate { .. } => None,
+                    };
+                    self.post_event(pod, &message).await;
+                    return Err(message);
+                }
+            }
+        }
+    }
+
+    /// Writes `d` into the pod's ledger with its resourceVersion as the
+    /// precondition; on a conflict, reads the pod again and merges.
+    async fn write(
+        &mut self,
+        mut view: PodView,
+        ask: &Ask,
+        d: &Decision,
+        deadline: Instant,
+    ) -> Result<(), WriteError> {
+        let api = self.pods(&d.pod.namespace);
+        let keys = &self.args.keys;
+        loop {
+            let mut after = view.clone();
+            record(&mut after.ledger, &self.args.node, ask, d);
+            let mut annotations =
+                serde_json::json!({ keys.ledger.as_str(): after.ledger.to_json() });
+            if after.complete() {
+                annotations[keys.assigned.as_str()] = "true".into();
+            }
+            let patch = serde_json::json!({
+                "metadata": { "resourceVersion": view.resource_version, "annotations": annotations }
+            });
+            let result = api
+                .patch(&d.pod.name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await;
+            self.args.metrics.count_api_request("patch");
+            let retry = match result {
+                Ok(_) => {
+                    self.written.insert(d.uid.clone(), after.ledger);
+                    return Ok(());
+                }
+                Err(kube::Error::Api(s)) if s.code == 404 => return Err(WriteError::Gone),
+                Err(kube::Error::Api(s)) if s.code == 409 => None,
+                Err(e) => Some(e.to_string()),
+            };
+            if let Some(e) = &retry {
+                if Instant::now() >= deadline {
+                    return Err(WriteError::Unreachable(e.clone()));
+                }
+                tracing::warn!(pod = %d.pod, error = %e, "ledger write failed; retrying");
+                tokio::time::sleep(RETRY).await;
+            }
+            // Someone else wrote (the kubelet's status, a label), or our
+            // own write may have landed before the error: read and merge.
+            match api.get(&d.pod.name).await {
+                Ok(pod) => {
+                    self.args.metrics.count_api_request("get");
+                    let (fresh, _) = PodView::from_pod(keys, &pod);
+                    if fresh.uid != d.uid || !fresh.admitting && !fresh.live {
+                        return Err(WriteError::Gone);
+                    }
+                    let mut merged = fresh;
+                    merged.ledger.merge(&view.ledger);
+                    view = merged;
+                }
+                Err(kube::Error::Api(s)) if s.code == 404 => return Err(WriteError::Gone),
+                Err(e) if Instant::now() >= deadline => {
+                    return Err(WriteError::Unreachable(e.to_string()));
+                }
+                Err(e) => {
+                    tracing::warn!(pod = %d.pod, error = %e, "cannot read pod; retrying");
+                    tokio::time::sleep(RETRY).await;
+                }
+            }
+        }
+    }
+
+    fn prefer(&mut self, ask: &Ask) -> Steer {
+        let views = self.views(&HashSet::new());
+        let usage = Usage::of(&self.args.node, &views);
+        Steer {
+            gpus: decide(&self.args.node, &views, ask)
+                .map(|d| d.gpus)
+                .unwrap_or_default(),
+            avoid: usage.avoid(ask.resource),
+        }
+    }
+
+    /// A Warning Event on the pod, so `kubectl describe pod` says why.
+    async fn post_event(&self, pod: Option<&PodKey>, message: &str) {
+        let Some(pod) = pod else { return };
+        let now = Time(k8s_openapi::jiff::Timestamp::now());
+        let event = Event {
+            metadata: ObjectMeta {
+                generate_name: Some(format!("{}.", pod.name)),
+                namespace: Some(pod.namespace.clone()),
+                ..Default::default()
+            },
+            involved_object: ObjectReference {
+                api_version: Some("v1".into()),
+                kind: Some("Pod".into()),
+                name: Some(pod.name.clone()),
+                namespace: Some(pod.namespace.clone()),
+                ..Default::default()
+            },
+            reason: Some("GpuAllocateFailed".into()),
+            message: Some(message.to_owned()),
+            type_: Some("Warning".into()),
+            source: Some(EventSource {
+                component: Some("gpu-device-plugin".into()),
+                host: Some(self.args.node_name.clone()),
+            }),
+            first_timestamp: Some(now.clone()),
+            last_timestamp: Some(now),
+            count: Some(1),
+            ..Default::default()
+        };
+        let api: Api<Event> = Api::namespaced(self.client.clone(), &pod.namespace);
+        let params = PostParams::default();
+        match tokio::time::timeout(EVENT_TIMEOUT, api.create(&params, &event)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::warn!(%pod, error = %e, "cannot post event"),
+            Err(_) => tracing::warn!(%pod, "posting an event timed out"),
+        }
+    }
+}
+
+impl Actor for PodMatcher {
+    type Msg = MatcherMsg;
+    type State = MatcherState;
+    type Arguments = MatcherArgs;
+
+    async fn pre_start(
+        &self,
+        _: ActorRef<MatcherMsg>,
+        args: MatcherArgs,
+    ) -> Result<MatcherState, ActorProcessingErr> {
+        // KUBECONFIG when set, else the in-cluster service account.
+        let client = Client::try_default()
+            .await
+            .map_err(|e| format!("no API server credentials (KUBECONFIG or in-cluster): {e}"))?;
+        let cache = PodCache::start(client.clone(), &args.node_name);
+        tracing::info!(node = %args.node_name, "pod matcher watching this node's pods");
+        Ok(MatcherState {
+            args,
+            client,
+            cache,
+            written: HashMap::new(),
+        })
+    }
+
+    async fn handle(
+        &self,
+        _: ActorRef<MatcherMsg>,
+        msg: MatcherMsg,
+        state: &mut MatcherState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            MatcherMsg::Allocate(ask, reply) => {
+                let result = state.allocate(&ask).await;
+                match &result {
+                    Ok(d) => tracing::info!(
+                        pod = %d.pod,
+                        container = %d.container,
+                        resource = %ask.resource,
+                        amount = d.amount,
+                        gpus = ?d.gpus.iter().map(|&g| &state.args.node.uuids[g]).collect::<Vec<_>>(),
+                        repeat = d.repeat,
+                        "matched"
+                    ),
+                    Err(e) => tracing::warn!(error = %e, "no match"),
+                }
+                // The plugin may have timed out; nothing to do then.
+                let _ = reply.send(result);
+            }
+            MatcherMsg::Prefer(ask, reply) => {
+                let _ = reply.send(state.prefer(&ask));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,71 @@
+//! The node-local pod cache: a watcher on pods with `spec.nodeName` = this
+//! node, reflected into a store, so an Allocate costs no LIST. The watcher
+//! re-lists and re-watches by itself (with backoff) when the API server
+//! goes away.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+pub struct PodCache {
+    store: Store<Pod>,
+    /// Bumped on every event the store applied.
+    changes: watch::Receiver<u64>,
+    task: JoinHandle<()>,
+}
+
+impl PodCache {
+    pub fn start(client: Client, node: &str) -> PodCache {
+        let api: Api<Pod> = Api::all(client);
+        let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
+        let (store, writer) = reflector::store();
+        let (tx, changes) = watch::channel(0u64);
+        let stream = reflector::reflector(writer, watcher(api, config)).default_backoff();
+        let task = tokio::spawn(async move {
+            futures::pin_mut!(stream);
+            while let Some(event) = stream.next().await {
+                match event {
+                    Ok(_) => tx.send_modify(|n| *n += 1),
+                    Err(e) => tracing::warn!(error = %e, "pod watch failed; retrying"),
+                }
+            }
+        });
+        PodCache {
+            store,
+            changes,
+            task,
+        }
+    }
+
+    pub fn pods(&self) -> Vec<Arc<Pod>> {
+        self.store.state()
+    }
+
+    /// Waits for the first full list, until `deadline`.
+    pub async fn ready(&self, deadline: Instant) -> bool {
+        let wait = self.store.wait_until_ready();
+        tokio::time::timeout_at(deadline.into(), wait)
+            .await
+            .is_ok_and(|r| r.is_ok())
+    }
+
+    /// Waits for the store to change, until `deadline`; false when it passed.
+    pub async fn changed(&mut self, deadline: Instant) -> bool {
+        tokio::time::timeout_at(deadline.into(), self.changes.changed())
+            .await
+            .is_ok_and(|r| r.is_ok())
+    }
+}
+
+impl Drop for PodCache {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
