@@ -76,7 +76,10 @@ pub fn container_response(
             units: devices.len(),
         });
     }
-    let on: Vec<usize> = devices.iter().map(|d| d.gpu).collect();
+    let on: Vec<usize> = match resource {
+        Resource::GpuCount => devices.iter().map(|d| d.gpu).collect(),
+        _ => vec![first.gpu],
+    };
     let amount = devices.len() as u64 * model.unit_amount();
     Ok(grant_response(model, &on, amount, template))
 }
