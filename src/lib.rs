@@ -1,6 +1,7 @@
 //! gpu-device-plugin: a Kubernetes device plugin that shares NVIDIA GPUs by
 //! memory and compute. See the README for the design; `main.rs` is the CLI.
 
+pub mod apiserver_sim;
 pub mod app;
 pub mod config;
 pub mod demo;

@@ -55,7 +55,6 @@ struct Endpoint {
     options: DevicePluginOptions,
     /// ID → healthy.
     devices: BTreeMap<String, bool>,
-    allocated: BTreeSet<String>,
     reader: Option<JoinHandle<()>>,
 }
 
@@ -64,6 +63,9 @@ struct SimState {
     endpoints: BTreeMap<String, Endpoint>,
     /// What the kubelet reports per resource; outlives restarts.
     views: BTreeMap<String, ResourceView>,
+    /// Device IDs in use per resource; like the kubelet's checkpoint, it
+    /// outlives plugin re-registrations and kubelet restarts.
+    allocated: BTreeMap<String, BTreeSet<String>>,
     generations: u64,
 }
 
@@ -201,10 +203,12 @@ impl KubeletSim {
     /// Healthy, unallocated device IDs of a resource.
     pub fn free_devices(&self, resource: &str) -> Vec<String> {
         let state = self.shared.state.lock().expect("kubelet sim lock poisoned");
+        let none = BTreeSet::new();
+        let allocated = state.allocated.get(resource).unwrap_or(&none);
         state.endpoints.get(resource).map_or_else(Vec::new, |e| {
             e.devices
                 .iter()
-                .filter(|(id, healthy)| **healthy && !e.allocated.contains(*id))
+                .filter(|(id, healthy)| **healthy && !allocated.contains(*id))
                 .map(|(id, _)| id.clone())
                 .collect()
         })
@@ -221,9 +225,9 @@ impl KubeletSim {
                 Err(e) => {
                     self.shared.update(|s| {
                         for g in &grants {
-                            if let Some(ep) = s.endpoints.get_mut(&g.resource) {
+                            if let Some(used) = s.allocated.get_mut(&g.resource) {
                                 for id in &g.device_ids {
-                                    ep.allocated.remove(id);
+                                    used.remove(id);
                                 }
                             }
                         }
@@ -301,9 +305,10 @@ impl KubeletSim {
             .pop()
             .ok_or("Allocate returned no container response")?;
         self.shared.update(|s| {
-            if let Some(e) = s.endpoints.get_mut(resource) {
-                e.allocated.extend(chosen.iter().cloned());
-            }
+            s.allocated
+                .entry(resource.to_owned())
+                .or_default()
+                .extend(chosen.iter().cloned());
         });
         Ok(Grant {
             resource: resource.to_owned(),

@@ -86,7 +86,6 @@ impl Registration for RegistrationService {
                     client,
                     options,
                     devices: Default::default(),
-                    allocated: Default::default(),
                     reader: None,
                 },
             );

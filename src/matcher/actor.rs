@@ -61,9 +61,18 @@ pub struct MatcherState {
     args: MatcherArgs,
     client: Client,
     cache: PodCache,
-    /// Ledgers we wrote, by pod UID, until the cache shows them: the next
-    /// Allocate may come before the watch event does.
-    written: HashMap<String, Ledger>,
+    /// Our writes by pod UID: the next Allocate may come before the watch
+    /// event does.
+    written: HashMap<String, Written>,
+}
+
+struct Written {
+    ledger: Ledger,
+    /// The resourceVersions our patches replaced, and the one the last one
+    /// made: a cached pod still at an older one is really at `after`, so the
+    /// next patch's precondition holds without a conflict and a re-read.
+    before: HashSet<String>,
+    after: String,
 }
 
 /// Why a ledger write did not land.
@@ -86,8 +95,11 @@ impl MatcherState {
             if skip.contains(&view.uid) {
                 continue;
             }
-            if let Some(l) = self.written.get(&view.uid) {
-                view.ledger.merge(l);
+            if let Some(w) = self.written.get(&view.uid) {
+                view.ledger.merge(&w.ledger);
+                if w.before.contains(&view.resource_version) {
+                    view.resource_version.clone_from(&w.after);
+                }
             }
             views.push(view);
         }
@@ -190,13 +202,20 @@ impl MatcherState {
             let patch = serde_json::json!({
                 "metadata": { "resourceVersion": view.resource_version, "annotations": annotations }
             });
-            let result = api
-                .patch(&d.pod.name, &PatchParams::default(), &Patch::Merge(&patch))
-                .await;
+            let (params, patch) = (PatchParams::default(), Patch::Merge(&patch));
+            let patching = api.patch(&d.pod.name, &params, &patch);
+            let result = within(deadline, patching).await?;
             self.args.metrics.count_api_request("patch");
             let retry = match result {
-                Ok(_) => {
-                    self.written.insert(d.uid.clone(), after.ledger);
+                Ok(pod) => {
+                    let w = self.written.entry(d.uid.clone()).or_insert(Written {
+                        ledger: Ledger::default(),
+                        before: HashSet::new(),
+                        after: String::new(),
+                    });
+                    w.ledger = after.ledger;
+                    w.before.insert(view.resource_version);
+                    w.after = pod.metadata.resource_version.unwrap_or_default();
                     return Ok(());
                 }
                 Err(kube::Error::Api(s)) if s.code == 404 => return Err(WriteError::Gone),
@@ -212,7 +231,7 @@ impl MatcherState {
             }
             // Someone else wrote (the kubelet's status, a label), or our
             // own write may have landed before the error: read and merge.
-            match api.get(&d.pod.name).await {
+            match within(deadline, api.get(&d.pod.name)).await? {
                 Ok(pod) => {
                     self.args.metrics.count_api_request("get");
                     let (fresh, _) = PodView::from_pod(keys, &pod);
@@ -283,6 +302,17 @@ impl MatcherState {
             Err(_) => tracing::warn!(%pod, "posting an event timed out"),
         }
     }
+}
+
+/// The client retries 503s and 429s by itself, for longer than an Allocate
+/// may wait: every call ends at the deadline.
+async fn within<T>(
+    deadline: Instant,
+    call: impl Future<Output = Result<T, kube::Error>>,
+) -> Result<Result<T, kube::Error>, WriteError> {
+    tokio::time::timeout_at(deadline.into(), call)
+        .await
+        .map_err(|_| WriteError::Unreachable("no answer before the deadline".into()))
 }
 
 impl Actor for PodMatcher {

@@ -14,8 +14,13 @@ pub const WAIT: Duration = Duration::from_secs(20);
 
 /// A mock config of `gpus` (uuid, MiB) in `dir`, as TOML.
 pub fn mock_config(dir: &Path, extra: &str, gpus: &[(&str, u64)]) -> String {
+    let matching = if extra.contains("pod_matching") {
+        ""
+    } else {
+        "pod_matching = false\n"
+    };
     let mut toml = format!(
-        "device_plugin_dir = {:?}\npod_matching = false\nhttp_listen = \"127.0.0.1:0\"\n{extra}\n[devices]\nbackend = \"mock\"\n",
+        "device_plugin_dir = {:?}\n{matching}http_listen = \"127.0.0.1:0\"\n{extra}\n[devices]\nbackend = \"mock\"\n",
         dir.display().to_string()
     );
     for (uuid, mib) in gpus {
@@ -38,6 +43,11 @@ pub struct Daemon {
 impl Daemon {
     /// Starts the binary on `toml`.
     pub fn start(toml: &str) -> Daemon {
+        Daemon::start_env(toml, &[])
+    }
+
+    /// Starts the binary on `toml` with extra environment variables.
+    pub fn start_env(toml: &str, env: &[(&str, &std::ffi::OsStr)]) -> Daemon {
         let files = tempfile::tempdir().unwrap();
         let work = files.path();
         let config = work.join("config.toml");
@@ -46,7 +56,8 @@ impl Daemon {
         let child = Command::new(BIN)
             .arg("--config")
             .arg(&config)
-            .env("RUST_LOG", "debug")
+            .env("RUST_LOG", "info,gpu_device_plugin=debug")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()

@@ -1,0 +1,429 @@
+//! Pod matching end to end: the real binary, the kubelet stand-in and the
+//! API-server stand-in. Pods are admitted the way the kubelet does it (one
+//! pod at a time, init containers first, each container's resources on
+//! their own sockets at once, in random order), and the ledgers, the
+//! kubelet's grants and the GPUs' capacities must all agree at the end.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use gpu_device_plugin::apiserver_sim::{ApiServerSim, PodContainer};
+use gpu_device_plugin::kubelet_sim::Grant;
+use serde_json::Value;
+use support::*;
+
+const NODE: &str = "node-1";
+const RES: [&str; 3] = [
+    "doslab.io/gpu-memory",
+    "doslab.io/gpu-core",
+    "doslab.io/gpu-count",
+];
+/// Eight GPUs of 32 GiB, 128 MiB per memory device: 256 memory devices,
+/// 100 core devices, 1 count device each.
+const GPUS: usize = 8;
+const GPU_MIB: u64 = 32768;
+const UNIT_MIB: u64 = 128;
+
+fn uuid(i: usize) -> String {
+    format!("GPU-{i:08x}-0000-4000-8000-00000000000{i}")
+}
+
+/// A small deterministic generator (no rand crate for the tests).
+struct Lcg(u64);
+
+impl Lcg {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (self.0 >> 33) % n
+    }
+}
+
+struct Cluster {
+    _dir: tempfile::TempDir,
+    files: tempfile::TempDir,
+    toml: String,
+    api: ApiServerSim,
+    kubelet: KubeletSim,
+    daemon: Daemon,
+}
+
+impl Cluster {
+    async fn start(extra: &str) -> Cluster {
+        let dir = tempfile::tempdir().unwrap();
+        let files = tempfile::tempdir().unwrap();
+        let api = ApiServerSim::start().await.unwrap();
+        api.write_kubeconfig(&files.path().join("kubeconfig"))
+            .unwrap();
+        let gpus: Vec<(String, u64)> = (0..GPUS).map(|i| (uuid(i), GPU_MIB)).collect();
+        let gpus: Vec<(&str, u64)> = gpus.iter().map(|(u, m)| (u.as_str(), *m)).collect();
+        let toml = mock_config(
+            dir.path(),
+            &format!(
+                "pod_matching = true\nnode_name = \"{NODE}\"\nmemory_unit_mib = {UNIT_MIB}\n{extra}"
+            ),
+            &gpus,
+        );
+        let kubelet = KubeletSim::start(dir.path()).unwrap();
+        let daemon = start_daemon(&toml, &files);
+        let c = Cluster {
+            _dir: dir,
+            files,
+            toml,
+            api,
+            kubelet,
+            daemon,
+        };
+        c.wait_registered().await;
+        c
+    }
+
+    async fn wait_registered(&self) {
+        let want = [(RES[0], 2048), (RES[1], 800), (RES[2], 8)];
+        let ok = self
+            .kubelet
+            .wait_until(WAIT, |s| {
+                want.iter().all(|(n, d)| {
+                    s.get(*n)
+                        .is_some_and(|v| v.stream_open && v.devices == *d && v.healthy == *d)
+                })
+            })
+            .await;
+        assert!(
+            ok,
+            "{:?}\n{}",
+            self.kubelet.snapshot(),
+            self.daemon.log_text()
+        );
+    }
+
+    /// Kills the daemon outright and starts a new one on the same files.
+    async fn crash_and_restart(&mut self) {
+        self.daemon.signal(libc::SIGKILL);
+        self.daemon.wait_exit(WAIT).unwrap();
+        let regs = self.kubelet.snapshot()[RES[0]].registrations;
+        self.daemon = start_daemon(&self.toml, &self.files);
+        let ok = self
+            .kubelet
+            .wait_until(WAIT, |s| {
+                RES.iter().all(|n| {
+                    s.get(*n).is_some_and(|v| {
+                        v.stream_open && v.registrations > regs && v.healthy == v.devices
+                    })
+                })
+            })
+            .await;
+        assert!(
+            ok,
+            "{:?}\n{}",
+            self.kubelet.snapshot(),
+            self.daemon.log_text()
+        );
+    }
+
+    /// Admits every container of a pod as the kubelet does, then marks the
+    /// pod Running. Returns each container's grants, or the first error.
+    async fn admit(
+        &self,
+        name: &str,
+        containers: &[PodContainer],
+        rng: &mut Lcg,
+    ) -> Result<BTreeMap<String, Vec<Grant>>, String> {
+        let mut out = BTreeMap::new();
+        let ordered = containers
+            .iter()
+            .filter(|c| c.init)
+            .chain(containers.iter().filter(|c| !c.init));
+        for c in ordered {
+            let mut asks: Vec<(&str, usize)> = RES
+                .iter()
+                .zip(c.wants)
+                .filter(|(_, n)| *n > 0)
+                .map(|(r, n)| (*r, n as usize))
+                .collect();
+            for i in (1..asks.len()).rev() {
+                asks.swap(i, rng.below(i as u64 + 1) as usize);
+            }
+            let calls = asks
+                .iter()
+                .map(|ask| self.kubelet.admit(std::slice::from_ref(ask)));
+            let mut grants = Vec::new();
+            for result in futures::future::join_all(calls).await {
+                grants.extend(result.map_err(|e| format!("{name}/{}: {e}", c.name))?);
+            }
+            out.insert(c.name.clone(), grants);
+        }
+        self.api.set_phase("default", name, "Running");
+        Ok(out)
+    }
+}
+
+fn start_daemon(toml: &str, files: &tempfile::TempDir) -> Daemon {
+    let kubeconfig = files.path().join("kubeconfig");
+    Daemon::start_env(toml, &[("KUBECONFIG", kubeconfig.as_os_str())])
+}
+
+fn container(name: &str, init: bool, wants: [u64; 3]) -> PodContainer {
+    PodContainer {
+        name: name.into(),
+        init,
+        wants,
+    }
+}
+
+/// A random pod: one to three app containers and sometimes an init
+/// container, sharing GPUs; every twelfth pod takes a GPU whole.
+fn random_pod(i: usize, rng: &mut Lcg) -> Vec<PodContainer> {
+    if i % 12 == 4 {
+        return vec![container("train", false, [0, 0, 1])];
+    }
+    let shared = |name: &str, init: bool, rng: &mut Lcg| {
+        let mem = 2 + rng.below(15);
+        let core = 1 + rng.below(6);
+        container(name, init, [mem, core, 0])
+    };
+    let mut v = Vec::new();
+    if rng.below(4) == 0 {
+        v.push(shared("init", true, rng));
+    }
+    for n in 0..=rng.below(3) {
+        v.push(shared(&format!("app{n}"), false, rng));
+    }
+    v
+}
+
+fn annotation<'a>(pod: &'a Value, key: &str) -> Option<&'a str> {
+    pod["metadata"]["annotations"][key].as_str()
+}
+
+/// Every pod complete and assigned; every container on one GPU per its
+/// ledger and the kubelet's envs; no GPU over capacity; whole GPUs alone.
+fn check_invariants(api: &ApiServerSim, admitted: &BTreeMap<String, BTreeMap<String, Vec<Grant>>>) {
+    let mut mem = [0u64; GPUS];
+    let mut core = [0u64; GPUS];
+    let mut whole = [0u32; GPUS];
+    for pod in api.pods() {
+        let name = pod["metadata"]["name"].as_str().unwrap().to_owned();
+        assert_eq!(
+            annotation(&pod, "doslab.io/gpu-assigned"),
+            Some("true"),
+            "{name}: {pod}"
+        );
+        let ledger: Value =
+            serde_json::from_str(annotation(&pod, "doslab.io/gpu-ledger").unwrap()).unwrap();
+        let grants = &admitted[&name];
+        for (container, grant) in ledger.as_object().unwrap() {
+            let gpus: Vec<&str> = grant["gpus"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|g| g.as_str().unwrap())
+                .collect();
+            let index = |u: &str| (0..GPUS).find(|&i| uuid(i) == u).unwrap();
+            let envs = gpu_device_plugin::kubelet_sim::merged_envs(&grants[container]);
+            assert_eq!(
+                envs["NVIDIA_VISIBLE_DEVICES"],
+                gpus.join(","),
+                "{name}/{container}"
+            );
+            for g in &grants[container] {
+                // Every resource's response names the same GPU(s).
+                assert_eq!(
+                    g.response.envs["NVIDIA_VISIBLE_DEVICES"],
+                    gpus.join(","),
+                    "{name}/{container} {}",
+                    g.resource
+                );
+            }
+            if let Some(n) = grant["gpu-count"].as_u64() {
+                assert_eq!(gpus.len() as u64, n);
+                for u in &gpus {
+                    whole[index(u)] += 1;
+                }
+            } else {
+                assert_eq!(gpus.len(), 1, "{name}/{container}: {grant}");
+                let g = index(gpus[0]);
+                let m = grant["gpu-memory"].as_u64().unwrap();
+                let c = grant["gpu-core"].as_u64().unwrap();
+                assert_eq!(envs["CUDA_DEVICE_MEMORY_LIMIT_0"], format!("{m}m"));
+                assert_eq!(envs["CUDA_DEVICE_SM_LIMIT"], c.to_string());
+                mem[g] += m;
+                core[g] += c;
+            }
+        }
+        let spec_containers = pod["spec"]["containers"].as_array().unwrap().len()
+            + pod["spec"]["initContainers"].as_array().unwrap().len();
+        assert_eq!(
+            ledger.as_object().unwrap().len(),
+            spec_containers,
+            "{name}: {ledger}"
+        );
+    }
+    for g in 0..GPUS {
+        assert!(mem[g] <= GPU_MIB, "GPU {g}: {} MiB", mem[g]);
+        assert!(core[g] <= 100, "GPU {g}: {} %", core[g]);
+        assert!(whole[g] <= 1, "GPU {g} held whole {} times", whole[g]);
+        assert!(
+            whole[g] == 0 || (mem[g] == 0 && core[g] == 0),
+            "GPU {g} whole and shared"
+        );
+    }
+}
+
+async fn burst(
+    c: &mut Cluster,
+    pods: usize,
+    seed: u64,
+    mut between: impl AsyncFnMut(&mut Cluster, usize),
+) -> BTreeMap<String, BTreeMap<String, Vec<Grant>>> {
+    let mut rng = Lcg(seed);
+    let specs: Vec<Vec<PodContainer>> = (0..pods).map(|i| random_pod(i, &mut rng)).collect();
+    for (i, spec) in specs.iter().enumerate() {
+        c.api
+            .add_pod("default", &format!("pod-{i:02}"), NODE, spec, &[]);
+    }
+    let mut admitted = BTreeMap::new();
+    for (i, spec) in specs.iter().enumerate() {
+        between(c, i).await;
+        let name = format!("pod-{i:02}");
+        let grants = c
+            .admit(&name, spec, &mut rng)
+            .await
+            .unwrap_or_else(|e| panic!("{e}\n{}", c.daemon.log_text()));
+        admitted.insert(name, grants);
+    }
+    admitted
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_fifty_pods_lands_every_container_on_one_gpu_within_capacity() {
+    let mut c = Cluster::start("").await;
+    let admitted = burst(&mut c, 50, 7, async |_, _| {}).await;
+    check_invariants(&c.api, &admitted);
+    // A warm cache: no LIST per Allocate (one for the watcher's start).
+    let requests = c.api.requests();
+    assert!(
+        requests.get("list").copied().unwrap_or(0) <= 2,
+        "{requests:?}"
+    );
+    let allocates: usize = admitted
+        .values()
+        .flat_map(|p| p.values())
+        .map(Vec::len)
+        .sum();
+    assert!(
+        requests["patch"] as usize <= allocates,
+        "{requests:?} for {allocates} Allocates"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faults_on_the_api_server_lose_nothing_and_assign_nothing_twice() {
+    let mut c = Cluster::start("").await;
+    let admitted = burst(&mut c, 20, 11, async |c, i| match i % 3 {
+        0 => c.api.fail_next(3),
+        1 => c.api.conflict_next(2),
+        _ => c
+            .api
+            .delay(Duration::from_millis(if i % 2 == 0 { 50 } else { 0 })),
+    })
+    .await;
+    check_invariants(&c.api, &admitted);
+    // Every injected fault was met (the client retries 503s itself).
+    assert_eq!(c.api.faults_left(), (0, 0));
+    // Each conflict made the matcher read the pod again and merge.
+    let requests = c.api.requests();
+    assert!(
+        requests.get("get").copied().unwrap_or(0) >= 7,
+        "{requests:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_restarted_mid_burst_resumes_from_the_ledgers() {
+    let mut c = Cluster::start("").await;
+    let admitted = burst(&mut c, 16, 5, async |c, i| {
+        if i == 8 {
+            c.crash_and_restart().await;
+        }
+    })
+    .await;
+    check_invariants(&c.api, &admitted);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_allocate_gets_the_same_answer() {
+    let c = Cluster::start("").await;
+    let spec = [container("app", false, [8, 10, 0])];
+    c.api.add_pod(
+        "default",
+        "p",
+        NODE,
+        &spec,
+        &[("doslab.io/gpu-uuid", &uuid(5))],
+    );
+    let grants = c.admit("p", &spec, &mut Lcg(1)).await.unwrap();
+    let first = &grants["app"][0];
+    // The scheduler's choice wins over wherever the IDs were.
+    assert_eq!(first.response.envs["NVIDIA_VISIBLE_DEVICES"], uuid(5));
+    let mut client = c.kubelet.client(&first.resource).unwrap();
+    let again = client
+        .allocate(gpu_device_plugin::api::AllocateRequest {
+            container_requests: vec![gpu_device_plugin::api::ContainerAllocateRequest {
+                devices_ids: first.device_ids.iter().rev().cloned().collect(),
+            }],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(again.container_responses[0].envs, first.response.envs);
+    let pod = c.api.pod("default", "p").unwrap();
+    assert_eq!(annotation(&pod, "doslab.io/gpu-assigned"), Some("true"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_matching_pod_fails_naming_node_resource_and_amount_with_an_event() {
+    let c = Cluster::start("[matcher]\nwait_ms = 500").await;
+    c.api.add_pod(
+        "default",
+        "asks-more",
+        NODE,
+        &[container("app", false, [16, 10, 0])],
+        &[],
+    );
+    let err = c.kubelet.admit(&[(RES[0], 4)]).await.unwrap_err();
+    assert!(
+        err.contains(NODE) && err.contains("512 gpu-memory") && err.contains("4 devices"),
+        "{err}"
+    );
+    let events = c.api.events();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0]["involvedObject"]["name"], "asks-more");
+    assert_eq!(events[0]["reason"], "GpuAllocateFailed");
+    // The kubelet's devices came back: the failed Allocate held nothing.
+    assert_eq!(c.kubelet.free_devices(RES[0]).len(), 2048);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_server_that_stays_down_fails_the_allocate_in_bounded_time() {
+    let c = Cluster::start("[matcher]\nwait_ms = 1000").await;
+    c.api.add_pod(
+        "default",
+        "p",
+        NODE,
+        &[container("app", false, [4, 0, 0])],
+        &[],
+    );
+    // Let the watch deliver the pod, then take the API server down.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    c.api.fail_next(u32::MAX);
+    let err = c.kubelet.admit(&[(RES[0], 4)]).await.unwrap_err();
+    assert!(err.contains("API server") && err.contains(NODE), "{err}");
+    c.api.fail_next(0);
+    let grants = c.kubelet.admit(&[(RES[0], 4)]).await.unwrap();
+    assert_eq!(grants[0].response.envs["DOSLAB_IO_GPU_MEMORY"], "512");
+}
