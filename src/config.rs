@@ -108,11 +108,17 @@ pub struct Matcher {
     /// How long an Allocate waits for its pod to reach the pod cache (and
     /// for the cache's first sync, and for an API server that fails).
     pub wait_ms: u64,
+    /// A kubeconfig file for the API server; empty: `$KUBECONFIG`, else the
+    /// in-cluster service account.
+    pub kubeconfig: PathBuf,
 }
 
 impl Default for Matcher {
     fn default() -> Self {
-        Matcher { wait_ms: 10_000 }
+        Matcher {
+            wait_ms: 10_000,
+            kubeconfig: PathBuf::new(),
+        }
     }
 }
 

@@ -7,6 +7,7 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use crate::api::{AllocateRequest, ContainerAllocateRequest};
+use crate::apiserver_sim::{ApiServerSim, PodContainer};
 use crate::config::{Config, ConfigError, DEMO_TOML};
 use crate::device::{KUBELET_MAX_MESSAGE_BYTES, Resource};
 use crate::kubelet_sim::{KubeletSim, ResourceView, merged_envs, plugin_sockets};
@@ -23,23 +24,46 @@ pub enum DemoError {
     Step(String),
 }
 
-/// The sample containers: name and (resource, amount) requests.
-const SAMPLES: &[(&str, &[(Resource, usize)])] = &[
+/// A sample container: name, init or not, and its gpu-memory (MiB),
+/// gpu-core (%) and gpu-count limits.
+type Sample = (&'static str, bool, [u64; 3]);
+
+/// A sample pod: name, annotations, containers.
+type SamplePod = (
+    &'static str,
+    &'static [(&'static str, &'static str)],
+    &'static [Sample],
+);
+
+/// The sample pods, in creation order.
+const PODS: &[SamplePod] = &[
+    ("trainer", &[], &[("train", false, [40_960, 50, 0])]),
+    ("notebook", &[], &[("lab", false, [8_192, 20, 0])]),
     (
-        "trainer",
-        &[(Resource::GpuMemory, 40_960), (Resource::GpuCore, 50)],
+        "pipeline",
+        &[],
+        &[
+            ("fetch", true, [2_048, 10, 0]),
+            ("prep", false, [4_096, 10, 0]),
+            ("serve", false, [16_384, 30, 0]),
+        ],
     ),
     (
-        "notebook",
-        &[(Resource::GpuCore, 20), (Resource::GpuMemory, 8_192)],
+        "pinned",
+        &[
+            (
+                "doslab.io/gpu-uuid",
+                "GPU-0a9f6c24-d815-4e3b-b7c9-5e1f2a8d4b70",
+            ),
+            ("doslab.io/gpu-assume-time", "1700000000000000000"),
+        ],
+        &[("infer", false, [8_000, 20, 0])],
     ),
-    (
-        "inference",
-        &[(Resource::GpuMemory, 20_000), (Resource::GpuCore, 30)],
-    ),
-    ("batch", &[(Resource::GpuCount, 1)]),
-    ("too-big", &[(Resource::GpuMemory, 90_000)]),
+    ("batch", &[], &[("job", false, [0, 0, 1])]),
+    ("too-big", &[], &[("huge", false, [90_000, 10, 0])]),
 ];
+
+const NODE: &str = "demo-node";
 
 fn table(config: &Config, kubelet: &BTreeMap<String, ResourceView>, out: &mut String) {
     let _ = writeln!(
@@ -65,10 +89,14 @@ pub async fn run() -> Result<String, DemoError> {
     let dir = tempfile::tempdir()?;
     let mut config = Config::from_toml(DEMO_TOML, None)?;
     config.device_plugin_dir = dir.path().to_owned();
+    // The pod matcher talks to a stand-in API server holding the pods.
+    let api = ApiServerSim::start().await?;
+    config.matcher.kubeconfig = dir.path().join("kubeconfig");
+    api.write_kubeconfig(&config.matcher.kubeconfig)?;
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "gpu-device-plugin demo: mock GPUs, simulated kubelet, no cluster"
+        "gpu-device-plugin demo: mock GPUs, simulated kubelet and API server, no cluster"
     );
     let _ = writeln!(out, "device-plugin dir: {}\n", dir.path().display());
 
@@ -120,51 +148,27 @@ pub async fn run() -> Result<String, DemoError> {
     );
     table(&config, &kubelet.snapshot(), &mut out);
 
+    admit_pods(&config, &kubelet, &api, &mut out).await;
     let _ = writeln!(
         out,
-        "\nContainers admitted one at a time (GetPreferredAllocation, then Allocate):"
+        "\nAn Allocate no pending pod asks for waits {} ms for one to appear, then fails:",
+        config.matcher.wait_ms
     );
-    for (container, requests) in SAMPLES {
-        let asks: Vec<(String, usize)> = requests
-            .iter()
-            .map(|(r, n)| (config.resource_name(*r), *n))
-            .collect();
-        let asks_ref: Vec<(&str, usize)> = asks.iter().map(|(r, n)| (r.as_str(), *n)).collect();
-        let asked = asks
-            .iter()
-            .map(|(r, n)| format!("{r}={n}"))
-            .collect::<Vec<_>>()
-            .join(" ");
-        let _ = writeln!(out, "  {container} asks {asked}");
-        match kubelet.admit(&asks_ref).await {
-            Ok(grants) => {
-                let envs = merged_envs(&grants);
-                for (k, v) in envs
-                    .iter()
-                    .filter(|(k, _)| k.as_str() != "NVIDIA_DRIVER_CAPABILITIES")
-                {
-                    let _ = writeln!(out, "      {k}={v}");
-                }
-                let gpus: Vec<&str> = grants
-                    .iter()
-                    .filter_map(|g| {
-                        g.response
-                            .envs
-                            .get("NVIDIA_VISIBLE_DEVICES")
-                            .map(String::as_str)
-                    })
-                    .collect();
-                if gpus.windows(2).any(|w| w[0] != w[1]) {
-                    let _ = writeln!(out, "      (resources landed on different GPUs: {gpus:?})");
-                }
-            }
-            Err(e) => {
-                let _ = writeln!(out, "      rejected: {e}");
-            }
-        }
+    let memory = config.resource_name(Resource::GpuMemory);
+    let e = kubelet.admit(&[(&memory, 1000)]).await.err();
+    let _ = writeln!(out, "  {}", e.unwrap_or_default());
+    let events = api.events();
+    let _ = writeln!(out, "\nEvents posted on pods ({}):", events.len());
+    for e in events {
+        let _ = writeln!(
+            out,
+            "  {} {}: {}",
+            e["involvedObject"]["name"].as_str().unwrap_or("?"),
+            e["reason"].as_str().unwrap_or("?"),
+            e["message"].as_str().unwrap_or("?")
+        );
     }
 
-    let memory = config.resource_name(Resource::GpuMemory);
     if let Some(mut client) = kubelet.client(&memory) {
         let bogus = AllocateRequest {
             container_requests: vec![ContainerAllocateRequest {
@@ -207,5 +211,81 @@ pub async fn run() -> Result<String, DemoError> {
         sockets_left
     );
     kubelet.stop().await;
+    api.stop();
     Ok(out)
+}
+
+/// Creates the sample pods, then admits them one at a time as the kubelet
+/// does (init containers first; per container, each resource's
+/// GetPreferredAllocation then Allocate), and shows what each got.
+async fn admit_pods(config: &Config, kubelet: &KubeletSim, api: &ApiServerSim, out: &mut String) {
+    let unit = [
+        config.memory_unit_mib,
+        100 / u64::from(config.cores_per_gpu),
+        1,
+    ];
+    for (pod, annotations, containers) in PODS {
+        let containers: Vec<PodContainer> = containers
+            .iter()
+            .map(|(name, init, amounts)| PodContainer {
+                name: (*name).into(),
+                init: *init,
+                wants: [0, 1, 2].map(|i| amounts[i] / unit[i]),
+            })
+            .collect();
+        api.add_pod("default", pod, NODE, &containers, annotations);
+    }
+    // Give the pod cache the moment a real scheduler's binding takes.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let _ = writeln!(
+        out,
+        "\nPods admitted one at a time; the plugin finds each container's pod and GPU \
+         and records it on the pod:"
+    );
+    for (pod, annotations, containers) in PODS {
+        let note = if annotations.is_empty() {
+            ""
+        } else {
+            " (GPU chosen by the scheduler)"
+        };
+        let _ = writeln!(out, "  pod {pod}{note}");
+        let ordered = containers
+            .iter()
+            .filter(|c| c.1)
+            .chain(containers.iter().filter(|c| !c.1));
+        for (name, init, amounts) in ordered {
+            let asks: Vec<(String, usize)> = Resource::ALL
+                .iter()
+                .zip(amounts)
+                .filter(|(_, n)| **n > 0)
+                .map(|(r, n)| (config.resource_name(*r), (*n / unit[*r as usize]) as usize))
+                .collect();
+            let asks: Vec<(&str, usize)> = asks.iter().map(|(r, n)| (r.as_str(), *n)).collect();
+            let kind = if *init { "init container" } else { "container" };
+            match kubelet.admit(&asks).await {
+                Ok(grants) => {
+                    let envs = merged_envs(&grants);
+                    let shown: Vec<String> = envs
+                        .iter()
+                        .filter(|(k, _)| k.as_str() != "NVIDIA_DRIVER_CAPABILITIES")
+                        .map(|(k, v)| format!("{k}={v}"))
+                        .collect();
+                    let _ = writeln!(out, "    {kind} {name}: {}", shown.join(" "));
+                }
+                Err(e) => {
+                    let _ = writeln!(out, "    {kind} {name}: rejected: {e}");
+                }
+            }
+        }
+        api.set_phase("default", pod, "Running");
+        if let Some(p) = api.pod("default", pod) {
+            let a = &p["metadata"]["annotations"];
+            let _ = writeln!(
+                out,
+                "    on the pod: doslab.io/gpu-assigned={} doslab.io/gpu-ledger={}",
+                a["doslab.io/gpu-assigned"].as_str().unwrap_or("(unset)"),
+                a["doslab.io/gpu-ledger"].as_str().unwrap_or("(none)")
+            );
+        }
+    }
 }

@@ -102,6 +102,18 @@ fn demo_runs_end_to_end() {
         "{stdout}"
     );
     assert!(stdout.contains("unknown device ID"), "{stdout}");
+    // Pod matching: the scheduler's GPU is honoured, the too-big pod is
+    // refused with an Event, every served pod is marked assigned.
+    let pinned = stdout.split("pod pinned").nth(1).unwrap_or_default();
+    assert!(
+        pinned.lines().nth(1).unwrap_or_default().contains(
+            "CUDA_DEVICE_MEMORY_LIMIT_0=8000m CUDA_DEVICE_SM_LIMIT=20 DOSLAB_IO_GPU_CORE=20 \
+             DOSLAB_IO_GPU_MEMORY=8000 NVIDIA_VISIBLE_DEVICES=GPU-0a9f6c24"
+        ),
+        "{stdout}"
+    );
+    assert_eq!(stdout.matches("gpu-assigned=true").count(), 5, "{stdout}");
+    assert!(stdout.contains("too-big GpuAllocateFailed"), "{stdout}");
     assert!(
         stdout.contains("streams ended: yes; plugin sockets left: 0"),
         "{stdout}"

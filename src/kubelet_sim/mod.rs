@@ -46,6 +46,8 @@ pub struct Grant {
     pub resource: String,
     pub device_ids: Vec<String>,
     pub response: ContainerAllocateResponse,
+    /// How long the Allocate call took, as the kubelet saw it.
+    pub allocate_took: Duration,
 }
 
 /// A registered plugin's connection; gone when the kubelet restarts.
@@ -295,11 +297,13 @@ impl KubeletSim {
                 devices_ids: chosen.clone(),
             }],
         };
+        let started = std::time::Instant::now();
         let mut response = client
             .allocate(request)
             .await
             .map_err(|s| format!("UnexpectedAdmissionError: {}", s.message()))?
             .into_inner();
+        let allocate_took = started.elapsed();
         let response = response
             .container_responses
             .pop()
@@ -314,6 +318,7 @@ impl KubeletSim {
             resource: resource.to_owned(),
             device_ids: chosen,
             response,
+            allocate_took,
         })
     }
 

@@ -3,12 +3,14 @@
 //! Allocates on different sockets can never claim the same container.
 
 use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
@@ -32,6 +34,7 @@ pub struct MatcherArgs {
     pub node: Node,
     pub keys: Keys,
     pub wait: Duration,
+    pub kubeconfig: PathBuf,
     pub metrics: Arc<Metrics>,
 }
 
@@ -46,14 +49,26 @@ impl MatcherArgs {
             node: Node::new(config, gpus),
             keys: Keys::new(&config.resource_domain),
             wait: Duration::from_millis(config.matcher.wait_ms),
+            kubeconfig: config.matcher.kubeconfig.clone(),
             metrics,
         }
     }
 
     /// Whether a matcher started with `other` would behave the same.
     pub fn same_as(&self, other: &MatcherArgs) -> bool {
-        (&self.node_name, &self.node, &self.keys, self.wait)
-            == (&other.node_name, &other.node, &other.keys, other.wait)
+        (
+            &self.node_name,
+            &self.node,
+            &self.keys,
+            self.wait,
+            &self.kubeconfig,
+        ) == (
+            &other.node_name,
+            &other.node,
+            &other.keys,
+            other.wait,
+            &other.kubeconfig,
+        )
     }
 }
 
@@ -170,8 +185,9 @@ impl MatcherState {
                         MatchError::UnknownGpu { pod, .. }
                         | MatchError::HeldWhole { pod, .. }
                         | MatchError::CarriesShared { pod, .. }
+                        | MatchError::SpansGpus { pod, .. }
                         | MatchError::Full { pod, .. } => Some(pod),
-                        MatchError::SpansGpus { .. } | MatchError::NoCandidate { .. } => None,
+                        MatchError::NoCandidate { .. } => None,
                     };
                     self.post_event(pod, &message).await;
                     return Err(message);
@@ -304,6 +320,26 @@ impl MatcherState {
     }
 }
 
+/// The config's kubeconfig, else `$KUBECONFIG`, else in-cluster.
+async fn client(kubeconfig: &Path) -> Result<Client, String> {
+    if kubeconfig.as_os_str().is_empty() {
+        return Client::try_default()
+            .await
+            .map_err(|e| format!("no API server credentials (KUBECONFIG or in-cluster): {e}"));
+    }
+    let named = |e: &dyn std::fmt::Display| {
+        format!(
+            "config key `matcher.kubeconfig` ({}): {e}",
+            kubeconfig.display()
+        )
+    };
+    let file = Kubeconfig::read_from(kubeconfig).map_err(|e| named(&e))?;
+    let config = kube::Config::from_custom_kubeconfig(file, &KubeConfigOptions::default())
+        .await
+        .map_err(|e| named(&e))?;
+    Client::try_from(config).map_err(|e| named(&e))
+}
+
 /// The client retries 503s and 429s by itself, for longer than an Allocate
 /// may wait: every call ends at the deadline.
 async fn within<T>(
@@ -325,10 +361,7 @@ impl Actor for PodMatcher {
         _: ActorRef<MatcherMsg>,
         args: MatcherArgs,
     ) -> Result<MatcherState, ActorProcessingErr> {
-        // KUBECONFIG when set, else the in-cluster service account.
-        let client = Client::try_default()
-            .await
-            .map_err(|e| format!("no API server credentials (KUBECONFIG or in-cluster): {e}"))?;
+        let client = client(&args.kubeconfig).await?;
         let cache = PodCache::start(client.clone(), &args.node_name);
         tracing::info!(node = %args.node_name, "pod matcher watching this node's pods");
         Ok(MatcherState {

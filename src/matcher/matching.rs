@@ -85,8 +85,13 @@ pub enum MatchError {
         uuid: String,
         key: String,
     },
-    #[error("{resource} devices span GPUs {0:?}; a container's {resource} must come from one GPU", .gpus)]
+    #[error(
+        "{resource} devices span GPUs {0:?}; a container's {resource} must come from one GPU \
+         (no GPU has room for all of {pod}'s request)",
+        .gpus
+    )]
     SpansGpus {
+        pod: PodKey,
         resource: Resource,
         gpus: Vec<String>,
     },
@@ -212,9 +217,22 @@ pub fn decide(node: &Node, pods: &[PodView], ask: &Ask) -> Result<Decision, Matc
         }
     }
     let candidates = ordered(pods);
-    for pod in &candidates {
-        if let Some(c) = unserved(pod, r).find(|c| c.wants(r) == ask.devices) {
-            return place(node, &usage, pod, c, ask);
+    // The kubelet admits one pod at a time and serves a container's
+    // resources back to back: a container, then a pod, already part-served
+    // comes before the SPEC order among fresh ones.
+    let part_served = |p: &PodView, c: &ContainerView| p.ledger.0.contains_key(&c.name);
+    let started = |p: &PodView| p.containers.iter().any(|c| part_served(p, c));
+    for tier in 0..3 {
+        for pod in &candidates {
+            let mut fits = unserved(pod, r).filter(|c| c.wants(r) == ask.devices);
+            let in_tier = |c: &&ContainerView| match tier {
+                0 => part_served(pod, c),
+                1 => started(pod),
+                _ => true,
+            };
+            if let Some(c) = fits.find(in_tier) {
+                return place(node, &usage, pod, c, ask);
+            }
         }
     }
     Err(MatchError::NoCandidate {
@@ -272,6 +290,7 @@ fn place(
         (None, []) => return Ok(decision(best_fit(node, usage, c).into_iter().collect())),
         (None, many) => {
             return Err(MatchError::SpansGpus {
+                pod: pod.key.clone(),
                 resource: r,
                 gpus: many.iter().map(|&g| uuid(g)).collect(),
             });

@@ -176,6 +176,34 @@ fn the_three_resources_in_every_order_land_on_one_gpu() {
 }
 
 #[test]
+fn a_part_served_container_then_pod_comes_before_the_order() {
+    let mut pods = vec![
+        pod("early", 1, vec![container("c", 10, 20, 0)]),
+        pod(
+            "busy",
+            2,
+            vec![container("a", 30, 20, 0), container("b", 10, 20, 0)],
+        ),
+    ];
+    pods[0].assume_time = Some(1);
+    // The kubelet admits "busy": its first container's memory...
+    assert_eq!(
+        serve(&mut pods, &ask(GpuMemory, 30, &[0], &["m1"]))
+            .unwrap()
+            .pod
+            .name,
+        "busy"
+    );
+    // ...then its core: "early" asks the same 20 and comes first in the
+    // SPEC order, but the container half-served wins.
+    let d = serve(&mut pods, &ask(GpuCore, 20, &[1], &["c1"])).unwrap();
+    assert_eq!(who(&d), ("busy".into(), "a".into(), vec![0]));
+    // The next container of the pod being admitted comes next.
+    let d = serve(&mut pods, &ask(GpuMemory, 10, &[1], &["m2"])).unwrap();
+    assert_eq!((d.pod.name.as_str(), d.container.as_str()), ("busy", "b"));
+}
+
+#[test]
 fn scheduler_annotation_wins_and_an_unknown_gpu_is_refused() {
     let mut pods = vec![pod("p", 1, vec![container("c", 10, 0, 0)])];
     pods[0].gpu_uuid = Some("GPU-b".into());
