@@ -312,6 +312,140 @@ async fn lifecycle_latency() {
     kubelet.stop().await;
 }
 
+/// Pod matching: API requests per Allocate and Allocate latency over the
+/// real socket with a warm pod cache, beside the seed's approach (a LIST of
+/// the node's pending pods on every Allocate) against the same API server.
+async fn pod_matching_figures() {
+    use gpu_device_plugin::apiserver_sim::{ApiServerSim, PodContainer};
+    use gpu_device_plugin::matcher::ledger::Ledger;
+    use gpu_device_plugin::matcher::matching::{Ask, Node, decide, record};
+    use gpu_device_plugin::matcher::pods::{Keys, PodView};
+    use k8s_openapi::api::core::v1::Pod;
+    use kube::api::{ListParams, Patch, PatchParams};
+
+    const PODS: usize = 200;
+    const IDLE: usize = 100;
+    let dir = tempfile::tempdir().unwrap();
+    let api = ApiServerSim::start().await.unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig).unwrap();
+    let toml = mock_toml(dir.path(), 4).replace(
+        "pod_matching = false\n",
+        &format!(
+            "pod_matching = true\nnode_name = \"bench-node\"\nmemory_unit_mib = 256\n\
+             [matcher]\nkubeconfig = {:?}\n",
+            kubeconfig.display().to_string()
+        ),
+    );
+    // Keys after the [matcher] table would land in it: move the table last.
+    let (head, devices) = toml.split_once("[devices]").unwrap();
+    let (top, matcher) = head.split_once("[matcher]").unwrap();
+    let toml = format!("{top}[devices]{devices}[matcher]{matcher}");
+    let child = spawn(dir.path(), &toml);
+    let kubelet = KubeletSim::start(dir.path()).unwrap();
+    assert!(
+        kubelet
+            .wait_until(Duration::from_secs(20), listed(&names()))
+            .await
+    );
+    // A busy node: pods without GPUs that the cache holds too.
+    for i in 0..IDLE {
+        api.add_pod("default", &format!("web-{i}"), "bench-node", &[], &[]);
+        api.set_phase("default", &format!("web-{i}"), "Running");
+    }
+    let wants = |i: usize| [1 + (i % 4) as u64, 1 + (i % 2) as u64, 0];
+    for i in 0..PODS {
+        let c = PodContainer {
+            name: "app".into(),
+            init: false,
+            wants: wants(i),
+        };
+        api.add_pod("default", &format!("gpu-{i}"), "bench-node", &[c], &[]);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = api.requests();
+    let mut took = Vec::new();
+    for i in 0..PODS {
+        let [m, c, _] = wants(i);
+        let asks = [
+            ("doslab.io/gpu-memory", m as usize),
+            ("doslab.io/gpu-core", c as usize),
+        ];
+        let grants = kubelet.admit(&asks).await.unwrap();
+        took.extend(grants.iter().map(|g| g.allocate_took));
+        api.set_phase("default", &format!("gpu-{i}"), "Running");
+    }
+    let after = api.requests();
+    let delta =
+        |verb: &str| after.get(verb).copied().unwrap_or(0) - before.get(verb).copied().unwrap_or(0);
+    let allocates = took.len() as f64;
+    println!(
+        "pod matching, API requests per Allocate ({} Allocates, {} pods on the node): \
+         LIST {:.2}, GET {:.2}, PATCH {:.2}",
+        took.len(),
+        PODS + IDLE,
+        delta("list") as f64 / allocates,
+        delta("get") as f64 / allocates,
+        delta("patch") as f64 / allocates,
+    );
+    report("Allocate with pod matching, warm cache, real socket", took);
+    stop(child);
+
+    // The seed's way, in this process against the same API server: LIST
+    // the node's pending pods, match, PATCH, on every Allocate.
+    let client = {
+        let file = kube::config::Kubeconfig::read_from(&kubeconfig).unwrap();
+        let options = kube::config::KubeConfigOptions::default();
+        let config = kube::Config::from_custom_kubeconfig(file, &options)
+            .await
+            .unwrap();
+        kube::Client::try_from(config).unwrap()
+    };
+    let pods: kube::Api<Pod> = kube::Api::namespaced(client, "default");
+    for i in 0..PODS {
+        let c = PodContainer {
+            name: "app".into(),
+            init: false,
+            wants: wants(i),
+        };
+        api.add_pod("default", &format!("seed-{i}"), "bench-node", &[c], &[]);
+    }
+    let config = Config::from_toml(&toml, None).unwrap();
+    let node = Node::new(&config, &gpus(4));
+    let keys = Keys::new("doslab.io");
+    let selector = ListParams::default().fields("spec.nodeName=bench-node,status.phase=Pending");
+    let mut took = Vec::new();
+    for i in 0..PODS {
+        let started = Instant::now();
+        let list = pods.list(&selector).await.unwrap();
+        let views: Vec<PodView> = list
+            .items
+            .iter()
+            .map(|p| PodView::from_pod(&keys, p).0)
+            .collect();
+        let ask = Ask {
+            resource: Resource::GpuMemory,
+            devices: wants(i)[0],
+            digest: None,
+            id_gpus: vec![i % 4],
+        };
+        let d = decide(&node, &views, &ask).unwrap();
+        let mut ledger = Ledger::default();
+        record(&mut ledger, &node, &ask, &d);
+        let patch = serde_json::json!({"metadata": {"annotations": {keys.ledger.as_str(): ledger.to_json()}}});
+        pods.patch(&d.pod.name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap();
+        took.push(started.elapsed());
+        api.set_phase("default", &d.pod.name, "Running");
+    }
+    report(
+        "seed's approach (LIST pending pods + match + PATCH per Allocate, no gRPC)",
+        took,
+    );
+    api.stop();
+}
+
 fn main() {
     // `cargo bench` passes --bench; `cargo test --benches` passes nothing.
     wire_figures();
@@ -323,5 +457,6 @@ fn main() {
         startup_and_memory().await;
         preferred_allocation_latency().await;
         lifecycle_latency().await;
+        pod_matching_figures().await;
     });
 }

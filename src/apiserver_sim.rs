@@ -113,15 +113,26 @@ fn query(req: &Request<Body>) -> BTreeMap<String, String> {
         .unwrap_or_default()
         .split('&')
         .filter_map(|kv| kv.split_once('='))
-        .map(|(k, v)| (k.to_owned(), v.replace("%3D", "=").replace("%2F", "/")))
+        .map(|(k, v)| {
+            let v = v
+                .replace("%3D", "=")
+                .replace("%2F", "/")
+                .replace("%2C", ",");
+            (k.to_owned(), v)
+        })
         .collect()
 }
 
-fn on_node(pod: &Value, selector: Option<&String>) -> bool {
-    match selector.and_then(|s| s.strip_prefix("spec.nodeName=")) {
-        Some(node) => pod["spec"]["nodeName"] == node,
-        None => true,
-    }
+/// A field selector of `spec.nodeName=…` and `status.phase=…` terms.
+fn selected(pod: &Value, selector: Option<&String>) -> bool {
+    selector
+        .into_iter()
+        .flat_map(|s| s.split(','))
+        .all(|term| match term.split_once('=') {
+            Some(("spec.nodeName", node)) => pod["spec"]["nodeName"] == node,
+            Some(("status.phase", phase)) => pod["status"]["phase"] == phase,
+            _ => true,
+        })
 }
 
 async fn serve(shared: Shared, req: Request<Body>) -> Response<Body> {
@@ -165,7 +176,7 @@ async fn serve(shared: Shared, req: Request<Body>) -> Response<Body> {
             let items: Vec<&Value> = inner
                 .pods
                 .values()
-                .filter(|p| on_node(p, q.get("fieldSelector")))
+                .filter(|p| selected(p, q.get("fieldSelector")))
                 .collect();
             json_response(
                 StatusCode::OK,
@@ -251,7 +262,7 @@ async fn watch(shared: Shared, q: BTreeMap<String, String>) -> Response<Body> {
                     let start = inner.history.partition_point(|(rv, _, _)| *rv <= sent);
                     let out = inner.history[start..]
                         .iter()
-                        .filter(|(_, _, pod)| on_node(pod, selector.as_ref()))
+                        .filter(|(_, _, pod)| selected(pod, selector.as_ref()))
                         .map(|(_, kind, pod)| {
                             Bytes::from(format!("{}\n", json!({"type": kind, "object": pod})))
                         })

@@ -63,6 +63,11 @@ fn manifests_are_valid_and_say_what_matters() {
     // The ConfigMap's TOML is accepted by the config loader.
     let cm: ConfigMap = manifest("configmap.yaml");
     let toml = &cm.data.unwrap()["config.toml"];
+    assert_eq!(
+        toml,
+        gpu_device_plugin::config::DEFAULT_TOML,
+        "ConfigMap drifted from config/"
+    );
     let config = gpu_device_plugin::config::Config::from_toml(toml, Some("node".into())).unwrap();
     let port: u16 = config
         .http_listen
