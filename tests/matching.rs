@@ -427,3 +427,33 @@ async fn an_api_server_that_stays_down_fails_the_allocate_in_bounded_time() {
     let grants = c.kubelet.admit(&[(RES[0], 4)]).await.unwrap();
     assert_eq!(grants[0].response.envs["DOSLAB_IO_GPU_MEMORY"], "512");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_matcher_that_cannot_start_is_retried_and_allocate_says_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let toml = mock_config(
+        dir.path(),
+        "pod_matching = true\nnode_name = \"n\"\n[matcher]\nkubeconfig = \"/nonexistent/kubeconfig\"",
+        &[("GPU-a", 1024)],
+    );
+    let daemon = Daemon::start(&toml);
+    let kubelet = KubeletSim::start(dir.path()).unwrap();
+    // The plugins serve regardless.
+    let ok = kubelet
+        .wait_until(
+            WAIT,
+            all_listed(&[(RES[0], 1024), (RES[1], 100), (RES[2], 1)]),
+        )
+        .await;
+    assert!(ok, "{}", daemon.log_text());
+    let err = kubelet.admit(&[(RES[0], 8)]).await.unwrap_err();
+    assert!(err.contains("the pod matcher is not running"), "{err}");
+    // Retried with backoff, the reason named each time.
+    let retried =
+        |log: &str| log.matches("matcher.kubeconfig").count() >= 2 && log.contains("restart_in_ms");
+    let deadline = std::time::Instant::now() + WAIT;
+    while !retried(&daemon.log_text()) && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(retried(&daemon.log_text()), "{}", daemon.log_text());
+}
