@@ -83,22 +83,14 @@ impl Cluster {
     }
 
     async fn wait_registered(&self) {
-        let want = [(RES[0], 2048), (RES[1], 800), (RES[2], 8)];
-        let ok = self
-            .kubelet
-            .wait_until(WAIT, |s| {
-                want.iter().all(|(n, d)| {
-                    s.get(*n)
-                        .is_some_and(|v| v.stream_open && v.devices == *d && v.healthy == *d)
-                })
-            })
+        self.wait(all_listed(&[(RES[0], 2048), (RES[1], 800), (RES[2], 8)]))
             .await;
-        assert!(
-            ok,
-            "{:?}\n{}",
-            self.kubelet.snapshot(),
-            self.daemon.log_text()
-        );
+    }
+
+    async fn wait(&self, done: impl Fn(&BTreeMap<String, ResourceView>) -> bool) {
+        let ok = self.kubelet.wait_until(WAIT, done).await;
+        let (snapshot, log) = (self.kubelet.snapshot(), self.daemon.log_text());
+        assert!(ok, "{snapshot:?}\n{log}");
     }
 
     /// Kills the daemon outright and starts a new one on the same files.
@@ -107,22 +99,14 @@ impl Cluster {
         self.daemon.wait_exit(WAIT).unwrap();
         let regs = self.kubelet.snapshot()[RES[0]].registrations;
         self.daemon = start_daemon(&self.toml, &self.files);
-        let ok = self
-            .kubelet
-            .wait_until(WAIT, |s| {
-                RES.iter().all(|n| {
-                    s.get(*n).is_some_and(|v| {
-                        v.stream_open && v.registrations > regs && v.healthy == v.devices
-                    })
+        self.wait(|s| {
+            RES.iter().all(|n| {
+                s.get(*n).is_some_and(|v| {
+                    v.stream_open && v.registrations > regs && v.healthy == v.devices
                 })
             })
-            .await;
-        assert!(
-            ok,
-            "{:?}\n{}",
-            self.kubelet.snapshot(),
-            self.daemon.log_text()
-        );
+        })
+        .await;
     }
 
     /// Admits every container of a pod as the kubelet does, then marks the
