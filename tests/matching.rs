@@ -441,3 +441,49 @@ async fn a_matcher_that_cannot_start_is_retried_and_allocate_says_why() {
     }
     assert!(retried(&daemon.log_text()), "{}", daemon.log_text());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_switches_pod_matching_off_and_on() {
+    let c = Cluster::start("[matcher]\nwait_ms = 300").await;
+    let regs = |c: &Cluster| c.kubelet.snapshot()[RES[0]].registrations;
+    let reload = async |c: &Cluster, toml: &str| {
+        let before = regs(c);
+        std::fs::write(&c.daemon.config, toml).unwrap();
+        c.daemon.signal(libc::SIGHUP);
+        c.wait(|s| {
+            s[RES[0]].registrations > before && s[RES[0]].stream_open && s[RES[0]].healthy == 2048
+        })
+        .await;
+    };
+    // No pod asks: with matching the Allocate is refused...
+    let err = c.kubelet.admit(&[(RES[0], 4)]).await.unwrap_err();
+    assert!(err.contains("no pending pod"), "{err}");
+    // ...without it, the IDs decide and no API server is asked.
+    reload(
+        &c,
+        &c.toml
+            .replace("pod_matching = true", "pod_matching = false"),
+    )
+    .await;
+    let patches = c.api.requests().get("patch").copied();
+    let grants = c.kubelet.admit(&[(RES[0], 4)]).await.unwrap();
+    assert_eq!(grants[0].response.envs["DOSLAB_IO_GPU_MEMORY"], "512");
+    assert_eq!(c.api.requests().get("patch").copied(), patches);
+    let log = c.daemon.log_text();
+    assert!(
+        log.contains("stopping child=pod matcher reason=\"disabled by reload\""),
+        "{log}"
+    );
+    // And on again.
+    reload(&c, &c.toml).await;
+    c.api.add_pod(
+        "default",
+        "p",
+        NODE,
+        &[container("app", false, [4, 0, 0])],
+        &[],
+    );
+    c.kubelet.admit(&[(RES[0], 4)]).await.unwrap();
+    let pod = c.api.pod("default", "p").unwrap();
+    assert_eq!(annotation(&pod, "doslab.io/gpu-assigned"), Some("true"));
+}
