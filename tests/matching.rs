@@ -180,6 +180,17 @@ fn random_pod(i: usize, rng: &mut Lcg) -> Vec<PodContainer> {
     v
 }
 
+/// A pod of one container asking 4 gpu-memory devices.
+fn add_small_pod(api: &ApiServerSim, name: &str) {
+    api.add_pod(
+        "default",
+        name,
+        NODE,
+        &[container("app", false, [4, 0, 0])],
+        &[],
+    );
+}
+
 fn annotation<'a>(pod: &'a Value, key: &str) -> Option<&'a str> {
     pod["metadata"]["annotations"][key].as_str()
 }
@@ -395,13 +406,7 @@ async fn no_matching_pod_fails_naming_node_resource_and_amount_with_an_event() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_api_server_that_stays_down_fails_the_allocate_in_bounded_time() {
     let c = Cluster::start("[matcher]\nwait_ms = 1000").await;
-    c.api.add_pod(
-        "default",
-        "p",
-        NODE,
-        &[container("app", false, [4, 0, 0])],
-        &[],
-    );
+    add_small_pod(&c.api, "p");
     // Let the watch deliver the pod, then take the API server down.
     tokio::time::sleep(Duration::from_millis(300)).await;
     c.api.fail_next(u32::MAX);
@@ -476,13 +481,7 @@ async fn sighup_switches_pod_matching_off_and_on() {
     );
     // And on again.
     reload(&c, &c.toml).await;
-    c.api.add_pod(
-        "default",
-        "p",
-        NODE,
-        &[container("app", false, [4, 0, 0])],
-        &[],
-    );
+    add_small_pod(&c.api, "p");
     c.kubelet.admit(&[(RES[0], 4)]).await.unwrap();
     let pod = c.api.pod("default", "p").unwrap();
     assert_eq!(annotation(&pod, "doslab.io/gpu-assigned"), Some("true"));
