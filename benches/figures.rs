@@ -384,6 +384,11 @@ async fn pod_matching_figures() {
         delta("patch") as f64 / allocates,
     );
     report("Allocate with pod matching, warm cache, real socket", took);
+    println!(
+        "daemon resident memory with pod matching, {} pods cached: {:.1} MiB",
+        PODS + IDLE,
+        rss_kib(child.id()) as f64 / 1024.0
+    );
     stop(child);
 
     // The seed's way, in this process against the same API server: LIST
