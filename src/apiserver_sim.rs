@@ -381,6 +381,22 @@ impl ApiServerSim {
         }
     }
 
+    /// Deletes a pod whose DELETED event reaches watches only after `lag`
+    /// (a real watch trails the store it watches).
+    pub fn delete_pod_late(&self, namespace: &str, name: &str, lag: Duration) {
+        let pod = {
+            let mut inner = self.shared.lock();
+            inner.pods.remove(&(namespace.to_owned(), name.to_owned()))
+        };
+        if let Some(pod) = pod {
+            let shared = self.shared.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(lag).await;
+                shared.lock().bump("DELETED", pod, &shared.changes);
+            });
+        }
+    }
+
     pub fn pod(&self, namespace: &str, name: &str) -> Option<Value> {
         let inner = self.shared.lock();
         inner

@@ -486,3 +486,19 @@ async fn sighup_switches_pod_matching_off_and_on() {
     let pod = c.api.pod("default", "p").unwrap();
     assert_eq!(annotation(&pod, "doslab.io/gpu-assigned"), Some("true"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_deleted_before_the_cache_knows_is_skipped_for_the_next() {
+    let c = Cluster::start("").await;
+    add_small_pod(&c.api, "first");
+    add_small_pod(&c.api, "second");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // "first" is gone from the API server; the cache still shows it.
+    c.api
+        .delete_pod_late("default", "first", Duration::from_secs(30));
+    c.kubelet.admit(&[(RES[0], 4)]).await.unwrap();
+    let second = c.api.pod("default", "second").unwrap();
+    assert_eq!(annotation(&second, "doslab.io/gpu-assigned"), Some("true"));
+    let log = c.daemon.log_text();
+    assert!(log.contains("pod went away while being served"), "{log}");
+}
