@@ -448,28 +448,35 @@ async fn a_matcher_that_cannot_start_is_retried_and_allocate_says_why() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sighup_switches_pod_matching_off_and_on() {
+async fn sighup_switches_pod_matching_off_and_on_without_re_registering() {
     let c = Cluster::start("[matcher]\nwait_ms = 300").await;
-    let regs = |c: &Cluster| c.kubelet.snapshot()[RES[0]].registrations;
-    let reload = async |c: &Cluster, toml: &str| {
-        let before = regs(c);
+    let registrations = |c: &Cluster| {
+        let s = c.kubelet.snapshot();
+        RES.map(|r| s[r].registrations)
+    };
+    let before = registrations(&c);
+    // Done when every plugin took the new placement.
+    let reload = async |c: &Cluster, toml: &str, reloads: usize| {
         std::fs::write(&c.daemon.config, toml).unwrap();
         c.daemon.signal(libc::SIGHUP);
-        c.wait(|s| {
-            s[RES[0]].registrations > before && s[RES[0]].stream_open && s[RES[0]].healthy == 2048
-        })
-        .await;
+        let deadline = std::time::Instant::now() + WAIT;
+        while c.daemon.log_text().matches("placement changed").count() < 3 * reloads {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{}",
+                c.daemon.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     };
     // No pod asks: with matching the Allocate is refused...
     let err = c.kubelet.admit(&[(RES[0], 4)]).await.unwrap_err();
     assert!(err.contains("no pending pod"), "{err}");
     // ...without it, the IDs decide and no API server is asked.
-    reload(
-        &c,
-        &c.toml
-            .replace("pod_matching = true", "pod_matching = false"),
-    )
-    .await;
+    let off = c
+        .toml
+        .replace("pod_matching = true", "pod_matching = false");
+    reload(&c, &off, 1).await;
     let patches = c.api.requests().get("patch").copied();
     let grants = c.kubelet.admit(&[(RES[0], 4)]).await.unwrap();
     assert_eq!(grants[0].response.envs["DOSLAB_IO_GPU_MEMORY"], "512");
@@ -480,11 +487,14 @@ async fn sighup_switches_pod_matching_off_and_on() {
         "{log}"
     );
     // And on again.
-    reload(&c, &c.toml).await;
+    reload(&c, &c.toml, 2).await;
     add_small_pod(&c.api, "p");
     c.kubelet.admit(&[(RES[0], 4)]).await.unwrap();
     let pod = c.api.pod("default", "p").unwrap();
     assert_eq!(annotation(&pod, "doslab.io/gpu-assigned"), Some("true"));
+    // The plugins kept serving throughout: placement is pushed, not restarted.
+    assert_eq!(registrations(&c), before);
+    assert_eq!(c.daemon.log_text().matches("placement changed").count(), 6);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

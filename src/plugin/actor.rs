@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use ractor::{Actor, ActorProcessingErr, ActorRef};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 
@@ -60,14 +60,14 @@ pub struct PluginArgs {
 
 impl PluginArgs {
     /// Whether a reload can keep the running plugin: same devices, names,
-    /// paths and responses (health is pushed to a running plugin instead).
+    /// paths and responses (health and placement are pushed to a running
+    /// plugin instead).
     pub fn serves_like(&self, other: &PluginArgs) -> bool {
         self.model == other.model
             && self.resource_name == other.resource_name
             && self.socket == other.socket
             && self.kubelet_socket == other.kubelet_socket
             && self.template == other.template
-            && self.placement.same_as(&other.placement)
     }
 
     pub fn new(
@@ -102,6 +102,9 @@ pub enum PluginMsg {
     Registered(u64, FileId, Result<(), RegisterError>),
     /// Verify socket, kubelet and stream; heal what is wrong.
     Check,
+    /// Pod matching was switched on or off, or its wait changed; replies
+    /// once the plugin's server uses it.
+    SetPlacement(Placement, RpcReplyPort<()>),
     /// The GPUs' health changed.
     SetHealth(Arc<[bool]>),
 }
@@ -115,6 +118,8 @@ struct Server {
 
 pub struct PluginState {
     args: PluginArgs,
+    /// Every server's service reads the placement from here, per call.
+    placement: watch::Sender<Placement>,
     server: Option<Server>,
     /// Bumped on every server start: outcomes of older attempts are ignored.
     generation: u64,
@@ -188,7 +193,7 @@ impl PluginActor {
             args.model.clone(),
             args.template.clone(),
             rx,
-            args.placement.clone(),
+            state.placement.subscribe(),
             args.metrics.clone(),
         );
         let routes = tonic::service::Routes::new(
@@ -282,6 +287,7 @@ impl Actor for PluginActor {
         args: PluginArgs,
     ) -> Result<PluginState, ActorProcessingErr> {
         let mut state = PluginState {
+            placement: watch::Sender::new(args.placement.clone()),
             args,
             server: None,
             generation: 0,
@@ -393,6 +399,12 @@ impl Actor for PluginActor {
                     }
                     _ => {}
                 }
+            }
+            PluginMsg::SetPlacement(placement, reply) => {
+                tracing::info!(resource = %state.resource(), ?placement, "placement changed");
+                state.args.placement = placement.clone();
+                state.placement.send_replace(placement);
+                let _ = reply.send(());
             }
             PluginMsg::SetHealth(healthy) => {
                 if healthy.len() == state.args.model.gpus().len() && healthy != state.args.healthy {

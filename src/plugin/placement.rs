@@ -30,6 +30,10 @@ impl Placement {
         }
     }
 
+    pub fn uses_matcher(&self) -> bool {
+        matches!(self, Placement::Matcher { .. })
+    }
+
     pub fn allocate_timeout(wait: Duration) -> Duration {
         wait + QUEUE_SLACK
     }

@@ -68,7 +68,7 @@ pub struct DevicePluginService {
     model: Arc<DeviceModel>,
     template: Arc<ResponseTemplate>,
     lists: watch::Receiver<StreamItem>,
-    placement: Placement,
+    placement: watch::Receiver<Placement>,
     metrics: Arc<ResourceMetrics>,
 }
 
@@ -80,7 +80,7 @@ impl DevicePluginService {
         model: Arc<DeviceModel>,
         template: Arc<ResponseTemplate>,
         lists: watch::Receiver<StreamItem>,
-        placement: Placement,
+        placement: watch::Receiver<Placement>,
         metrics: Arc<ResourceMetrics>,
     ) -> Self {
         DevicePluginService {
@@ -141,7 +141,8 @@ impl DevicePluginService {
             let must = self.decode(req.must_include.iter())?;
             let size = usize::try_from(req.size)
                 .map_err(|_| self.refuse("bad_size", format!("allocation size {}", req.size)))?;
-            let prefer = match &self.placement {
+            let placement = self.placement.borrow().clone();
+            let prefer = match &placement {
                 Placement::Ids(pairing) => pairing.partner_gpu(resource),
                 Placement::Matcher { handle, .. } => {
                     let ask = Ask {
@@ -176,7 +177,8 @@ impl DevicePluginService {
         let mut container_responses = Vec::new();
         for req in request.container_requests {
             let devices = self.decode(req.devices_ids.iter().map(|id| id.as_bytes()))?;
-            let response = match &self.placement {
+            let placement = self.placement.borrow().clone();
+            let response = match &placement {
                 Placement::Ids(pairing) => {
                     let response = container_response(&self.model, &devices, &self.template)
                         .map_err(|e| {

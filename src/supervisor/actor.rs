@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent};
+use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent, call_t};
 
 use crate::config::{Backend, Config};
 use crate::device::{Plan, Resource};
@@ -99,18 +99,10 @@ fn restart_delay(failures: u32) -> Duration {
 impl SupervisorState {
     fn plugin_args(&self, resource: Resource) -> Option<PluginArgs> {
         let model = self.plan.model(resource)?.clone();
-        let placement = if self.config.pod_matching {
-            Placement::Matcher {
-                handle: self.matcher.clone(),
-                wait: Duration::from_millis(self.config.matcher.wait_ms),
-            }
-        } else {
-            Placement::Ids(self.pairing.clone())
-        };
         Some(PluginArgs::new(
             &self.config,
             model,
-            placement,
+            placement_for(&self.config, &self.pairing, &self.matcher),
             self.healthy.clone(),
             &self.metrics,
         ))
@@ -259,17 +251,21 @@ impl Supervisor {
             .map(|m| state.config.resource_name(m.resource()))
             .collect();
         state.metrics.retain(&names);
+        // Plugins leave the matcher before it stops, and join it once it
+        // runs, so no Allocate finds it missing.
+        Self::push_placements(state, false).await;
         let running: Vec<Child> = state.children.keys().copied().collect();
         for child in running {
             let reason = match child {
                 Child::Plugin(r) => {
-                    let before = state.children[&child]
-                        .plugin
-                        .as_ref()
-                        .map(|(_, a)| a.clone());
-                    match (before, state.plugin_args(r)) {
+                    let wanted = state.plugin_args(r);
+                    let running = state
+                        .children
+                        .get_mut(&child)
+                        .and_then(|c| c.plugin.as_mut());
+                    match (running, wanted) {
                         (_, None) => Some("disabled by reload"),
-                        (Some(old), Some(new)) if !old.serves_like(&new) => {
+                        (Some((_, old)), Some(new)) if !old.serves_like(&new) => {
                             Some("changed by reload")
                         }
                         _ => None,
@@ -303,10 +299,44 @@ impl Supervisor {
                 Self::start(myself, state, child).await;
             }
         }
+        Self::push_placements(state, true).await;
         tracing::info!(
             resources = ?state.plan.models().map(|m| m.resource().name()).collect::<Vec<_>>(),
             "config reloaded"
         );
+    }
+
+    /// Gives running plugins the config's placement, those switching to
+    /// the matcher or those switching away from it, and waits until each
+    /// has it.
+    async fn push_placements(state: &mut SupervisorState, to_matcher: bool) {
+        let mut pushes = Vec::new();
+        for running in state.children.values_mut() {
+            if let Some((actor, args)) = &mut running.plugin {
+                let new = placement_for(&state.config, &state.pairing, &state.matcher);
+                if !args.placement.same_as(&new) && new.uses_matcher() == to_matcher {
+                    args.placement = new.clone();
+                    pushes.push((actor.clone(), new));
+                }
+            }
+        }
+        for (actor, placement) in pushes {
+            if let Err(e) = call_t!(actor, PluginMsg::SetPlacement, 2000, placement) {
+                tracing::warn!(error = %e, "a plugin did not take the new placement");
+            }
+        }
+    }
+}
+
+/// How plugins place containers under `config`.
+fn placement_for(config: &Config, pairing: &LastShared, matcher: &MatcherHandle) -> Placement {
+    if config.pod_matching {
+        Placement::Matcher {
+            handle: matcher.clone(),
+            wait: Duration::from_millis(config.matcher.wait_ms),
+        }
+    } else {
+        Placement::Ids(pairing.clone())
     }
 }
 
