@@ -381,6 +381,26 @@ impl Config {
         Ok(())
     }
 
+    /// What one device of `r` is worth: MiB, percent of a GPU, GPUs.
+    pub fn unit_amount(&self, r: Resource) -> u64 {
+        match r {
+            Resource::GpuMemory => self.memory_unit_mib,
+            Resource::GpuCore => u64::from(100 / self.cores_per_gpu),
+            Resource::GpuCount => 1,
+        }
+    }
+
+    /// Devices of `r` on a GPU with `memory_mib` of memory.
+    pub fn units_per_gpu(&self, r: Resource, memory_mib: u64) -> u32 {
+        match r {
+            Resource::GpuMemory => {
+                u32::try_from(memory_mib / self.memory_unit_mib).unwrap_or(u32::MAX)
+            }
+            Resource::GpuCore => self.cores_per_gpu,
+            Resource::GpuCount => 1,
+        }
+    }
+
     /// `doslab.io/gpu-memory`.
     pub fn resource_name(&self, r: Resource) -> String {
         format!("{}/{}", self.resource_domain, r.name())

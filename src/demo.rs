@@ -219,11 +219,7 @@ pub async fn run() -> Result<String, DemoError> {
 /// does (init containers first; per container, each resource's
 /// GetPreferredAllocation then Allocate), and shows what each got.
 async fn admit_pods(config: &Config, kubelet: &KubeletSim, api: &ApiServerSim, out: &mut String) {
-    let unit = [
-        config.memory_unit_mib,
-        100 / u64::from(config.cores_per_gpu),
-        1,
-    ];
+    let unit = Resource::ALL.map(|r| config.unit_amount(r));
     for (pod, annotations, containers) in PODS {
         let containers: Vec<PodContainer> = containers
             .iter()

@@ -44,21 +44,11 @@ pub struct DeviceModel {
 
 impl DeviceModel {
     fn new(resource: Resource, gpus: Arc<[Gpu]>, tags: Arc<Tags>, config: &Config) -> Self {
-        let (units, unit_amount): (Vec<u32>, u64) = match resource {
-            Resource::GpuMemory => (
-                gpus.iter()
-                    .map(|g| {
-                        u32::try_from(g.memory_mib / config.memory_unit_mib).unwrap_or(u32::MAX)
-                    })
-                    .collect(),
-                config.memory_unit_mib,
-            ),
-            Resource::GpuCore => (
-                vec![config.cores_per_gpu; gpus.len()],
-                u64::from(100 / config.cores_per_gpu),
-            ),
-            Resource::GpuCount => (vec![1; gpus.len()], 1),
-        };
+        let units = gpus
+            .iter()
+            .map(|g| config.units_per_gpu(resource, g.memory_mib))
+            .collect();
+        let unit_amount = config.unit_amount(resource);
         DeviceModel {
             resource,
             gpus,

@@ -20,21 +20,18 @@ pub struct Node {
 
 impl Node {
     pub fn new(config: &Config, gpus: &[Gpu]) -> Node {
-        let core_unit = 100 / u64::from(config.cores_per_gpu);
-        let mem = config.memory_unit_mib;
+        let unit = Resource::ALL.map(|r| config.unit_amount(r));
         Node {
             uuids: gpus.iter().map(|g| g.uuid.clone()).collect(),
             capacity: gpus
                 .iter()
                 .map(|g| {
-                    [
-                        g.memory_mib / mem * mem,
-                        u64::from(config.cores_per_gpu) * core_unit,
-                        1,
-                    ]
+                    Resource::ALL.map(|r| {
+                        u64::from(config.units_per_gpu(r, g.memory_mib)) * unit[r as usize]
+                    })
                 })
                 .collect(),
-            unit: [mem, core_unit, 1],
+            unit,
         }
     }
 
