@@ -17,7 +17,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use super::api::{MatcherMsg, Steer};
 use super::cache::PodCache;
 use super::ledger::Ledger;
-use super::matching::{Ask, Decision, MatchError, Node, Usage, decide, record};
+use super::matching::{Ask, Decision, MatchError, Node, Usage, decide, decide_with, record};
 use super::pods::{Keys, PodKey, PodView};
 use crate::metrics::Metrics;
 
@@ -169,27 +169,15 @@ impl MatcherState {
                         }
                     }
                 }
-                Err(e @ MatchError::NoCandidate { .. }) => {
-                    // The pod may not have reached the cache yet.
-                    if !self.cache.changed(deadline).await {
-                        let message = self.failure(ask, &e);
-                        if let MatchError::NoCandidate { best, .. } = &e {
-                            self.post_event(best.as_ref(), &message).await;
-                        }
-                        return Err(message);
-                    }
-                }
                 Err(e) => {
+                    // The pod may not have reached the cache yet.
+                    if matches!(e, MatchError::NoCandidate { .. })
+                        && self.cache.changed(deadline).await
+                    {
+                        continue;
+                    }
                     let message = self.failure(ask, &e);
-                    let pod = match &e {
-                        MatchError::UnknownGpu { pod, .. }
-                        | MatchError::HeldWhole { pod, .. }
-                        | MatchError::CarriesShared { pod, .. }
-                        | MatchError::SpansGpus { pod, .. }
-                        | MatchError::Full { pod, .. } => Some(pod),
-                        MatchError::NoCandidate { .. } => None,
-                    };
-                    self.post_event(pod, &message).await;
+                    self.post_event(e.pod(), &message).await;
                     return Err(message);
                 }
             }
@@ -274,7 +262,7 @@ impl MatcherState {
         let views = self.views(&HashSet::new());
         let usage = Usage::of(&self.args.node, &views);
         Steer {
-            gpus: decide(&self.args.node, &views, ask)
+            gpus: decide_with(&self.args.node, &views, &usage, ask)
                 .map(|d| d.gpus)
                 .unwrap_or_default(),
             avoid: usage.avoid(ask.resource),

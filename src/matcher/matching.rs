@@ -107,6 +107,21 @@ pub enum MatchError {
     },
 }
 
+impl MatchError {
+    /// The pod an Event about this error belongs on: the matched pod, or for
+    /// no candidate, the first pod waiting for the resource.
+    pub fn pod(&self) -> Option<&PodKey> {
+        match self {
+            MatchError::NoCandidate { best, .. } => best.as_ref(),
+            MatchError::UnknownGpu { pod, .. }
+            | MatchError::SpansGpus { pod, .. }
+            | MatchError::HeldWhole { pod, .. }
+            | MatchError::CarriesShared { pod, .. }
+            | MatchError::Full { pod, .. } => Some(pod),
+        }
+    }
+}
+
 /// What the live pods' ledgers hold on each GPU.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Usage {
@@ -184,8 +199,17 @@ fn unserved<'a>(pod: &'a PodView, r: Resource) -> impl Iterator<Item = &'a Conta
 }
 
 pub fn decide(node: &Node, pods: &[PodView], ask: &Ask) -> Result<Decision, MatchError> {
+    decide_with(node, pods, &Usage::of(node, pods), ask)
+}
+
+/// [`decide`] with the pods' usage already known.
+pub fn decide_with(
+    node: &Node,
+    pods: &[PodView],
+    usage: &Usage,
+    ask: &Ask,
+) -> Result<Decision, MatchError> {
     let r = ask.resource;
-    let usage = Usage::of(node, pods);
     if let Some(digest) = &ask.digest {
         let served = pods.iter().filter(|p| p.live).find_map(|p| {
             p.ledger
@@ -199,7 +223,7 @@ pub fn decide(node: &Node, pods: &[PodView], ask: &Ask) -> Result<Decision, Matc
             // container of the pod; otherwise it is asking again.
             let next = unserved(pod, r).find(|c| c.wants(r) == ask.devices);
             match next {
-                Some(c) if pod.admitting => return place(node, &usage, pod, c, ask),
+                Some(c) if pod.admitting => return place(node, usage, pod, c, ask),
                 _ => {
                     return Ok(Decision {
                         pod: pod.key.clone(),
@@ -228,7 +252,7 @@ pub fn decide(node: &Node, pods: &[PodView], ask: &Ask) -> Result<Decision, Matc
                 _ => true,
             };
             if let Some(c) = fits.find(in_tier) {
-                return place(node, &usage, pod, c, ask);
+                return place(node, usage, pod, c, ask);
             }
         }
     }
