@@ -102,10 +102,22 @@ impl SupervisorState {
         Some(PluginArgs::new(
             &self.config,
             model,
-            placement_for(&self.config, &self.pairing, &self.matcher),
+            self.placement(),
             self.healthy.clone(),
             &self.metrics,
         ))
+    }
+
+    /// How plugins place containers under the current config.
+    fn placement(&self) -> Placement {
+        if self.config.pod_matching {
+            Placement::Matcher {
+                handle: self.matcher.clone(),
+                wait: Duration::from_millis(self.config.matcher.wait_ms),
+            }
+        } else {
+            Placement::Ids(self.pairing.clone())
+        }
     }
 
     fn matcher_args(&self) -> MatcherArgs {
@@ -310,33 +322,24 @@ impl Supervisor {
     /// the matcher or those switching away from it, and waits until each
     /// has it.
     async fn push_placements(state: &mut SupervisorState, to_matcher: bool) {
+        let new = state.placement();
+        if new.uses_matcher() != to_matcher {
+            return;
+        }
         let mut pushes = Vec::new();
         for running in state.children.values_mut() {
-            if let Some((actor, args)) = &mut running.plugin {
-                let new = placement_for(&state.config, &state.pairing, &state.matcher);
-                if !args.placement.same_as(&new) && new.uses_matcher() == to_matcher {
-                    args.placement = new.clone();
-                    pushes.push((actor.clone(), new));
-                }
+            if let Some((actor, args)) = &mut running.plugin
+                && !args.placement.same_as(&new)
+            {
+                args.placement = new.clone();
+                pushes.push(actor.clone());
             }
         }
-        for (actor, placement) in pushes {
-            if let Err(e) = call_t!(actor, PluginMsg::SetPlacement, 2000, placement) {
+        for actor in pushes {
+            if let Err(e) = call_t!(actor, PluginMsg::SetPlacement, 2000, new.clone()) {
                 tracing::warn!(error = %e, "a plugin did not take the new placement");
             }
         }
-    }
-}
-
-/// How plugins place containers under `config`.
-fn placement_for(config: &Config, pairing: &LastShared, matcher: &MatcherHandle) -> Placement {
-    if config.pod_matching {
-        Placement::Matcher {
-            handle: matcher.clone(),
-            wait: Duration::from_millis(config.matcher.wait_ms),
-        }
-    } else {
-        Placement::Ids(pairing.clone())
     }
 }
 
