@@ -19,6 +19,8 @@ use serde_json::{Value, json};
 use tokio::sync::broadcast;
 use tokio::task::JoinHandle;
 
+use crate::device::Resource;
+
 /// One container of a pod to create: name, init or not, and the devices it
 /// asks of gpu-memory, gpu-core and gpu-count.
 #[derive(Debug, Clone)]
@@ -26,6 +28,25 @@ pub struct PodContainer {
     pub name: String,
     pub init: bool,
     pub wants: [u64; 3],
+}
+
+impl PodContainer {
+    /// `(doslab.io/<resource>, devices)` for every resource it asks for.
+    pub fn asks(&self) -> Vec<(String, usize)> {
+        Resource::ALL
+            .iter()
+            .zip(self.wants)
+            .filter(|(_, n)| *n > 0)
+            .map(|(r, n)| (format!("doslab.io/{}", r.name()), n as usize))
+            .collect()
+    }
+}
+
+/// The kubelet's admission order: init containers, then app containers,
+/// each in spec order.
+pub fn admission_order(containers: &[PodContainer]) -> impl Iterator<Item = &PodContainer> {
+    let (init, app): (Vec<_>, Vec<_>) = containers.iter().partition(|c| c.init);
+    init.into_iter().chain(app)
 }
 
 #[derive(Default)]
@@ -331,12 +352,11 @@ impl ApiServerSim {
                 .iter()
                 .filter(|c| c.init == init)
                 .map(|c| {
-                    let mut limits = serde_json::Map::new();
-                    for (r, n) in ["gpu-memory", "gpu-core", "gpu-count"].iter().zip(c.wants) {
-                        if n > 0 {
-                            limits.insert(format!("doslab.io/{r}"), n.to_string().into());
-                        }
-                    }
+                    let limits: serde_json::Map<String, Value> = c
+                        .asks()
+                        .into_iter()
+                        .map(|(r, n)| (r, n.to_string().into()))
+                        .collect();
                     json!({"name": c.name, "image": "cuda", "resources": {"limits": limits}})
                 })
                 .collect()

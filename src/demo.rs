@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use crate::api::{AllocateRequest, ContainerAllocateRequest};
-use crate::apiserver_sim::{ApiServerSim, PodContainer};
+use crate::apiserver_sim::{ApiServerSim, PodContainer, admission_order};
 use crate::config::{Config, ConfigError, DEMO_TOML};
 use crate::device::{KUBELET_MAX_MESSAGE_BYTES, Resource};
 use crate::kubelet_sim::{KubeletSim, ResourceView, merged_envs, plugin_sockets};
@@ -220,17 +220,21 @@ pub async fn run() -> Result<String, DemoError> {
 /// GetPreferredAllocation then Allocate), and shows what each got.
 async fn admit_pods(config: &Config, kubelet: &KubeletSim, api: &ApiServerSim, out: &mut String) {
     let unit = Resource::ALL.map(|r| config.unit_amount(r));
-    for (pod, annotations, containers) in PODS {
-        let containers: Vec<PodContainer> = containers
-            .iter()
-            .map(|(name, init, amounts)| PodContainer {
-                name: (*name).into(),
-                init: *init,
-                wants: [0, 1, 2].map(|i| amounts[i] / unit[i]),
-            })
-            .collect();
-        api.add_pod("default", pod, NODE, &containers, annotations);
-    }
+    let pods: Vec<Vec<PodContainer>> = PODS
+        .iter()
+        .map(|(pod, annotations, containers)| {
+            let containers: Vec<PodContainer> = containers
+                .iter()
+                .map(|(name, init, amounts)| PodContainer {
+                    name: (*name).into(),
+                    init: *init,
+                    wants: [0, 1, 2].map(|i| amounts[i] / unit[i]),
+                })
+                .collect();
+            api.add_pod("default", pod, NODE, &containers, annotations);
+            containers
+        })
+        .collect();
     // Give the pod cache the moment a real scheduler's binding takes.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let _ = writeln!(
@@ -238,27 +242,21 @@ async fn admit_pods(config: &Config, kubelet: &KubeletSim, api: &ApiServerSim, o
         "\nPods admitted one at a time; the plugin finds each container's pod and GPU \
          and records it on the pod:"
     );
-    for (pod, annotations, containers) in PODS {
+    for ((pod, annotations, _), containers) in PODS.iter().zip(&pods) {
         let note = if annotations.is_empty() {
             ""
         } else {
             " (GPU chosen by the scheduler)"
         };
         let _ = writeln!(out, "  pod {pod}{note}");
-        let ordered = containers
-            .iter()
-            .filter(|c| c.1)
-            .chain(containers.iter().filter(|c| !c.1));
-        for (name, init, amounts) in ordered {
-            let asks: Vec<(String, usize)> = Resource::ALL
-                .iter()
-                .zip(amounts)
-                .filter(|(_, n)| **n > 0)
-                .map(|(r, n)| (config.resource_name(*r), (*n / unit[*r as usize]) as usize))
-                .collect();
-            let asks: Vec<(&str, usize)> = asks.iter().map(|(r, n)| (r.as_str(), *n)).collect();
-            let kind = if *init { "init container" } else { "container" };
-            match kubelet.admit(&asks).await {
+        for c in admission_order(containers) {
+            let kind = if c.init {
+                "init container"
+            } else {
+                "container"
+            };
+            let name = &c.name;
+            match kubelet.admit(&c.asks()).await {
                 Ok(grants) => {
                     let envs = merged_envs(&grants);
                     let shown: Vec<String> = envs

@@ -9,7 +9,7 @@ mod support;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use gpu_device_plugin::apiserver_sim::{ApiServerSim, PodContainer};
+use gpu_device_plugin::apiserver_sim::{ApiServerSim, PodContainer, admission_order};
 use gpu_device_plugin::kubelet_sim::Grant;
 use serde_json::Value;
 use support::*;
@@ -118,17 +118,8 @@ impl Cluster {
         rng: &mut Lcg,
     ) -> Result<BTreeMap<String, Vec<Grant>>, String> {
         let mut out = BTreeMap::new();
-        let ordered = containers
-            .iter()
-            .filter(|c| c.init)
-            .chain(containers.iter().filter(|c| !c.init));
-        for c in ordered {
-            let mut asks: Vec<(&str, usize)> = RES
-                .iter()
-                .zip(c.wants)
-                .filter(|(_, n)| *n > 0)
-                .map(|(r, n)| (*r, n as usize))
-                .collect();
+        for c in admission_order(containers) {
+            let mut asks = c.asks();
             for i in (1..asks.len()).rev() {
                 asks.swap(i, rng.below(i as u64 + 1) as usize);
             }

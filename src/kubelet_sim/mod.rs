@@ -219,10 +219,10 @@ impl KubeletSim {
     /// Admits one container asking `amount` devices of each resource, in the
     /// order given, as the kubelet's device manager does. On any failure the
     /// container's devices are released and the error text returned.
-    pub async fn admit(&self, requests: &[(&str, usize)]) -> Result<Vec<Grant>, String> {
+    pub async fn admit(&self, requests: &[(impl AsRef<str>, usize)]) -> Result<Vec<Grant>, String> {
         let mut grants: Vec<Grant> = Vec::new();
         for (resource, amount) in requests {
-            match self.admit_one(resource, *amount).await {
+            match self.admit_one(resource.as_ref(), *amount).await {
                 Ok(g) => grants.push(g),
                 Err(e) => {
                     self.shared.update(|s| {
