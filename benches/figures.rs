@@ -11,8 +11,8 @@ use gpu_device_plugin::api::{
 };
 use gpu_device_plugin::config::Config;
 use gpu_device_plugin::device::{Gpu, KUBELET_MAX_MESSAGE_BYTES, Plan, Resource, packing};
-use gpu_device_plugin::kubelet_sim::{KubeletSim, ResourceView};
 use gpu_device_plugin::plugin::request::PreferredRequest;
+use gpu_device_plugin::sim::kubelet::{KubeletSim, ResourceView};
 use prost::Message;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpu-device-plugin");
@@ -331,10 +331,10 @@ async fn lifecycle_latency() {
 /// real socket with a warm pod cache, beside the seed's approach (a LIST of
 /// the node's pending pods on every Allocate) against the same API server.
 async fn pod_matching_figures() {
-    use gpu_device_plugin::apiserver_sim::{ApiServerSim, PodContainer};
     use gpu_device_plugin::matcher::ledger::Ledger;
     use gpu_device_plugin::matcher::matching::{Ask, Node, decide, record};
     use gpu_device_plugin::matcher::pods::{Keys, PodView};
+    use gpu_device_plugin::sim::apiserver::{ApiServerSim, PodContainer};
     use k8s_openapi::api::core::v1::Pod;
     use kube::api::{ListParams, Patch, PatchParams};
 

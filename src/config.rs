@@ -15,8 +15,6 @@ use crate::device::Resource;
 
 /// The config a node runs when nothing else is said: the in-cluster default.
 pub const DEFAULT_TOML: &str = include_str!("../config/gpu-device-plugin.toml");
-/// The config `demo` runs: the same daemon on mock GPUs.
-pub const DEMO_TOML: &str = include_str!("../config/demo.toml");
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -474,7 +472,7 @@ mod tests {
     #[test]
     fn shipped_configs_are_valid() {
         parse(DEFAULT_TOML).unwrap();
-        let demo = parse(DEMO_TOML).unwrap();
+        let demo = parse(include_str!("../config/demo.toml")).unwrap();
         assert_eq!(demo.devices.backend, Backend::Mock);
         let local = include_str!("../config/local-mock.toml");
         parse(local).unwrap();

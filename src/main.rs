@@ -8,7 +8,6 @@ use clap::{Parser, Subcommand};
 use futures::StreamExt;
 use gpu_device_plugin::app::{self, Control};
 use gpu_device_plugin::config::{Config, LogFormat};
-use gpu_device_plugin::demo;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use tracing_subscriber::EnvFilter;
 
@@ -30,6 +29,7 @@ enum Command {
     /// Run the daemon (the default).
     Run,
     /// Run the daemon on mock GPUs against a built-in kubelet simulator.
+    #[cfg(feature = "sim")]
     Demo,
     /// Validate a config and print the device plan.
     CheckConfig,
@@ -88,9 +88,10 @@ async fn main() -> anyhow::Result<()> {
             init_logging(config.log_format, "info");
             app::run(config, cli.config, controls()?).await?;
         }
+        #[cfg(feature = "sim")]
         Command::Demo => {
             init_logging(LogFormat::Text, "warn");
-            print!("{}", demo::run().await?);
+            print!("{}", gpu_device_plugin::sim::demo::run().await?);
         }
         Command::Inspect { dir } => {
             init_logging(LogFormat::Text, "warn");

@@ -10,7 +10,7 @@ use gpu_device_plugin::api::{
     AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest,
     PreferredAllocationRequest, RegisterRequest,
 };
-use gpu_device_plugin::kubelet_sim::merged_envs;
+use gpu_device_plugin::sim::kubelet::merged_envs;
 use support::*;
 use tonic::Code;
 

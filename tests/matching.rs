@@ -9,8 +9,8 @@ mod support;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use gpu_device_plugin::apiserver_sim::{ApiServerSim, PodContainer, admission_order};
-use gpu_device_plugin::kubelet_sim::Grant;
+use gpu_device_plugin::sim::apiserver::{ApiServerSim, PodContainer, admission_order};
+use gpu_device_plugin::sim::kubelet::Grant;
 use serde_json::Value;
 use support::*;
 
@@ -210,7 +210,7 @@ fn check_invariants(api: &ApiServerSim, admitted: &BTreeMap<String, BTreeMap<Str
                 .map(|g| g.as_str().unwrap())
                 .collect();
             let index = |u: &str| (0..GPUS).find(|&i| uuid(i) == u).unwrap();
-            let envs = gpu_device_plugin::kubelet_sim::merged_envs(&grants[container]);
+            let envs = gpu_device_plugin::sim::kubelet::merged_envs(&grants[container]);
             assert_eq!(
                 envs["NVIDIA_VISIBLE_DEVICES"],
                 gpus.join(","),

@@ -82,7 +82,7 @@ mod tests {
 
     #[test]
     fn mock_backend_lists_the_configured_gpus_in_order() {
-        let c = Config::from_toml(crate::config::DEMO_TOML, None).unwrap();
+        let c = Config::from_toml(include_str!("../../config/demo.toml"), None).unwrap();
         let gpus = discover(&c).unwrap();
         assert_eq!(gpus.len(), c.devices.mock.len());
         for (i, (g, m)) in gpus.iter().zip(&c.devices.mock).enumerate() {

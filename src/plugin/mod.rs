@@ -12,4 +12,3 @@ pub mod service;
 pub use actor::{PluginActor, PluginArgs, PluginMsg, SETTLE};
 pub use pairing::LastShared;
 pub use placement::Placement;
-pub use registration::API_VERSION;

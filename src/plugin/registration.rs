@@ -7,8 +7,6 @@ use std::time::Duration;
 use crate::api::RegisterRequest;
 use crate::api::registration_client::RegistrationClient;
 
-pub const API_VERSION: &str = "v1beta1";
-
 #[derive(Debug, thiserror::Error)]
 pub enum RegisterError {
     #[error("kubelet socket {0} is not there yet")]
@@ -37,7 +35,7 @@ pub async fn register(
         .map_err(|source| RegisterError::Connect { path, source })?;
     let mut client = RegistrationClient::new(channel);
     let request = RegisterRequest {
-        version: API_VERSION.to_owned(),
+        version: crate::api::VERSION.to_owned(),
         endpoint: endpoint.to_owned(),
         resource_name: resource_name.to_owned(),
         options: Some(super::service::options()),

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-pub use gpu_device_plugin::kubelet_sim::{KubeletSim, ResourceView, plugin_sockets};
+pub use gpu_device_plugin::sim::kubelet::{KubeletSim, ResourceView, plugin_sockets};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_gpu-device-plugin");
 pub const WAIT: Duration = Duration::from_secs(20);

@@ -6,11 +6,14 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
+use super::apiserver::{ApiServerSim, PodContainer, admission_order};
+use super::kubelet::{KubeletSim, ResourceView, merged_envs, plugin_sockets};
 use crate::api::{AllocateRequest, ContainerAllocateRequest};
-use crate::apiserver_sim::{ApiServerSim, PodContainer, admission_order};
-use crate::config::{Config, ConfigError, DEMO_TOML};
+use crate::config::{Config, ConfigError};
 use crate::device::{KUBELET_MAX_MESSAGE_BYTES, Resource};
-use crate::kubelet_sim::{KubeletSim, ResourceView, merged_envs, plugin_sockets};
+
+/// The demo's config: mock GPUs, pod matching on.
+const DEMO_TOML: &str = include_str!("../../config/demo.toml");
 
 #[derive(Debug, thiserror::Error)]
 pub enum DemoError {

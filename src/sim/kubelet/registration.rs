@@ -45,11 +45,11 @@ pub fn validate_resource_name(name: &str) -> Result<(), String> {
 impl Registration for RegistrationService {
     async fn register(&self, request: Request<RegisterRequest>) -> Result<Response<Empty>, Status> {
         let r = request.into_inner();
-        if r.version != crate::plugin::API_VERSION {
+        if r.version != crate::api::VERSION {
             return Err(Status::unknown(format!(
                 "invalid version {:?}, expected {}",
                 r.version,
-                crate::plugin::API_VERSION
+                crate::api::VERSION
             )));
         }
         validate_resource_name(&r.resource_name).map_err(Status::unknown)?;
