@@ -1,7 +1,10 @@
-//! An API-server stand-in for the demo, the tests and the benchmark: pods
-//! and events over plain HTTP on loopback, enough for the pod matcher (list
-//! and watch with a `spec.nodeName` field selector, get, JSON merge patch
-//! with a resourceVersion precondition, event create). It counts requests
+//! An API-server stand-in for the demo, the tests and the benchmark: pods,
+//! nodes and events over plain HTTP on loopback, enough for the pod matcher,
+//! the node's inventory and the scheduler extender: list and watch (field
+//! selectors with `=` and `!=`; an object leaving the selection is DELETED
+//! for the watch), get, JSON merge patch with a resourceVersion
+//! precondition, JSON patch with `test`, the `pods/<name>/binding`
+//! subresource (once per pod, 409 after), event create. It counts requests
 //! by verb and can inject what a real API server does on a bad day: 503s,
 //! slow answers, and writes by others that make a patch conflict.
 
@@ -56,11 +59,32 @@ struct Faults {
     delay: Duration,
 }
 
+/// The kinds of object the stand-in stores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Kind {
+    Pod,
+    Node,
+}
+
+/// (kind, namespace, name); nodes have an empty namespace.
+type Key = (Kind, String, String);
+
+/// One change: its resourceVersion, the event type, and the object before
+/// (for modifications) and after, so a watch with a field selector can
+/// tell an object that left the selection from one that changed inside it.
+struct Change {
+    rv: u64,
+    kind: Kind,
+    event: &'static str,
+    before: Option<Value>,
+    after: Value,
+}
+
 #[derive(Default)]
 struct Inner {
-    pods: BTreeMap<(String, String), Value>,
+    objects: BTreeMap<Key, Value>,
     /// Every change, for watches that resume from a resourceVersion.
-    history: Vec<(u64, &'static str, Value)>,
+    history: Vec<Change>,
     rv: u64,
     created: u64,
     events: Vec<Value>,
@@ -69,12 +93,43 @@ struct Inner {
 }
 
 impl Inner {
-    fn bump(&mut self, kind: &'static str, mut pod: Value, tx: &broadcast::Sender<u64>) -> Value {
+    /// Stores `object` under `key` with a new resourceVersion and records
+    /// the change; `None` deletes.
+    fn write(
+        &mut self,
+        key: Key,
+        object: Option<Value>,
+        tx: &broadcast::Sender<u64>,
+    ) -> Option<Value> {
         self.rv += 1;
-        pod["metadata"]["resourceVersion"] = self.rv.to_string().into();
-        self.history.push((self.rv, kind, pod.clone()));
+        let before = self.objects.remove(&key);
+        let (event, after) = match (object, &before) {
+            (Some(mut o), _) => {
+                o["metadata"]["resourceVersion"] = self.rv.to_string().into();
+                self.objects.insert(key.clone(), o.clone());
+                let event = if before.is_some() {
+                    "MODIFIED"
+                } else {
+                    "ADDED"
+                };
+                (event, o)
+            }
+            (None, Some(old)) => ("DELETED", old.clone()),
+            (None, None) => return None,
+        };
+        self.history.push(Change {
+            rv: self.rv,
+            kind: key.0,
+            event,
+            before: before.filter(|_| event == "MODIFIED"),
+            after: after.clone(),
+        });
         let _ = tx.send(self.rv);
-        pod
+        Some(after)
+    }
+
+    fn get(&self, key: &Key) -> Option<&Value> {
+        self.objects.get(key)
     }
 }
 
@@ -128,6 +183,51 @@ fn merge(target: &mut Value, patch: &Value) {
     }
 }
 
+/// RFC 6902 JSON patch (`add`, `replace`, `remove`, `test`); the API
+/// server answers 422 when an operation does not apply, a failed `test`
+/// included, and changes nothing.
+fn json_patch(target: &mut Value, ops: &Value) -> Result<(), String> {
+    let ops = ops.as_array().ok_or("a JSON patch is an array")?;
+    let mut out = target.clone();
+    for op in ops {
+        let path = op["path"].as_str().ok_or("an operation without a path")?;
+        let tokens: Vec<String> = path
+            .split('/')
+            .skip(1)
+            .map(|t| t.replace("~1", "/").replace("~0", "~"))
+            .collect();
+        let Some((last, parents)) = tokens.split_last() else {
+            return Err(format!("cannot patch the whole object ({path})"));
+        };
+        let mut parent = &mut out;
+        for t in parents {
+            parent = parent
+                .get_mut(t.as_str())
+                .ok_or_else(|| format!("{path}: {t} does not exist"))?;
+        }
+        let obj = parent
+            .as_object_mut()
+            .ok_or_else(|| format!("{path}: the parent is not an object"))?;
+        match op["op"].as_str() {
+            Some("add") => {
+                obj.insert(last.clone(), op["value"].clone());
+            }
+            Some("replace") if obj.contains_key(last) => {
+                obj.insert(last.clone(), op["value"].clone());
+            }
+            Some("remove") if obj.contains_key(last) => {
+                obj.remove(last);
+            }
+            Some("test") if obj.get(last) == Some(&op["value"]) => {}
+            Some("test") => return Err(format!("test of {path} failed")),
+            Some("replace" | "remove") => return Err(format!("{path} does not exist")),
+            other => return Err(format!("unsupported operation {other:?}")),
+        }
+    }
+    *target = out;
+    Ok(())
+}
+
 fn query(req: &Request<Body>) -> BTreeMap<String, String> {
     req.uri()
         .query()
@@ -137,6 +237,7 @@ fn query(req: &Request<Body>) -> BTreeMap<String, String> {
         .map(|(k, v)| {
             let v = v
                 .replace("%3D", "=")
+                .replace("%21", "!")
                 .replace("%2F", "/")
                 .replace("%2C", ",");
             (k.to_owned(), v)
@@ -144,16 +245,81 @@ fn query(req: &Request<Body>) -> BTreeMap<String, String> {
         .collect()
 }
 
-/// A field selector of `spec.nodeName=…` and `status.phase=…` terms.
-fn selected(pod: &Value, selector: Option<&String>) -> bool {
+/// A field selector of `field=value` and `field!=value` terms over
+/// `metadata.name`, `metadata.namespace`, `spec.nodeName`, `spec.schedulerName`
+/// and `status.phase`; a field the object lacks reads as "" (so
+/// `spec.nodeName=` selects unscheduled pods), as on a real API server.
+fn selected(object: &Value, selector: Option<&String>) -> bool {
     selector
         .into_iter()
         .flat_map(|s| s.split(','))
-        .all(|term| match term.split_once('=') {
-            Some(("spec.nodeName", node)) => pod["spec"]["nodeName"] == node,
-            Some(("status.phase", phase)) => pod["status"]["phase"] == phase,
-            _ => true,
+        .filter(|t| !t.is_empty())
+        .all(|term| {
+            let (field, want, equal) = match term.split_once("!=") {
+                Some((f, v)) => (f, v, false),
+                None => match term.split_once('=') {
+                    Some((f, v)) => (f.trim_end_matches('='), v, true),
+                    None => return true,
+                },
+            };
+            let value = field
+                .split('.')
+                .fold(object, |v, part| &v[part])
+                .as_str()
+                .unwrap_or("");
+            (value == want) == equal
         })
+}
+
+/// What a request addresses, from its path under `/api/v1`.
+enum Target {
+    /// A collection: its kind and, for namespaced ones, the namespace.
+    Collection(Kind, Option<String>),
+    Object(Key),
+    Binding(Key),
+    Events,
+}
+
+fn target(path: &[String]) -> Option<Target> {
+    let p: Vec<&str> = path.iter().map(String::as_str).collect();
+    Some(match p.as_slice() {
+        ["api", "v1", "pods"] => Target::Collection(Kind::Pod, None),
+        ["api", "v1", "nodes"] => Target::Collection(Kind::Node, None),
+        ["api", "v1", "nodes", name] => {
+            Target::Object((Kind::Node, String::new(), name.to_string()))
+        }
+        ["api", "v1", "namespaces", ns, "pods"] => {
+            Target::Collection(Kind::Pod, Some(ns.to_string()))
+        }
+        ["api", "v1", "namespaces", ns, "pods", name] => {
+            Target::Object((Kind::Pod, ns.to_string(), name.to_string()))
+        }
+        ["api", "v1", "namespaces", ns, "pods", name, "binding"] => {
+            Target::Binding((Kind::Pod, ns.to_string(), name.to_string()))
+        }
+        ["api", "v1", "namespaces", _, "events"] => Target::Events,
+        _ => return None,
+    })
+}
+
+fn list_kind(kind: Kind) -> &'static str {
+    match kind {
+        Kind::Pod => "PodList",
+        Kind::Node => "NodeList",
+    }
+}
+
+/// Whether `object` of `kind` belongs to the collection a list or watch asked for.
+fn in_collection(
+    kind: Kind,
+    ns: Option<&String>,
+    q: &BTreeMap<String, String>,
+    ok: Kind,
+    object: &Value,
+) -> bool {
+    ok == kind
+        && ns.is_none_or(|ns| object["metadata"]["namespace"] == ns.as_str())
+        && selected(object, q.get("fieldSelector"))
 }
 
 async fn serve(shared: Shared, req: Request<Body>) -> Response<Body> {
@@ -166,13 +332,23 @@ async fn serve(shared: Shared, req: Request<Body>) -> Response<Body> {
         .collect();
     let q = query(&req);
     let watching = q.get("watch").is_some_and(|w| w == "true" || w == "1");
-    let verb: &'static str = match (req.method(), path.len(), watching) {
-        (&Method::GET, 3, true) => "watch",
-        (&Method::GET, 3, false) => "list",
-        (&Method::GET, 6, _) => "get",
-        (&Method::PATCH, 6, _) => "patch",
-        (&Method::POST, 5, _) => "create",
-        _ => "other",
+    let Some(target) = target(&path) else {
+        return status(StatusCode::NOT_FOUND, "NotFound", "not served by the sim");
+    };
+    let verb: &'static str = match (req.method(), &target, watching) {
+        (&Method::GET, Target::Collection(..), true) => "watch",
+        (&Method::GET, Target::Collection(..), false) => "list",
+        (&Method::GET, Target::Object(_), _) => "get",
+        (&Method::PATCH, Target::Object(_), _) => "patch",
+        (&Method::POST, Target::Events, _) => "create",
+        (&Method::POST, Target::Binding(_), _) => "bind",
+        _ => {
+            return status(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "MethodNotAllowed",
+                "not served by the sim",
+            );
+        }
     };
     let delay = {
         let mut inner = shared.lock();
@@ -190,38 +366,51 @@ async fn serve(shared: Shared, req: Request<Body>) -> Response<Body> {
     if !delay.is_zero() && verb != "watch" {
         tokio::time::sleep(delay).await;
     }
-    match verb {
-        "watch" => watch(shared, q).await,
-        "list" => {
+    let content_type = req
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    match target {
+        Target::Collection(kind, ns) if watching => watch(shared, kind, ns, q).await,
+        Target::Collection(kind, ns) => {
             let inner = shared.lock();
             let items: Vec<&Value> = inner
-                .pods
-                .values()
-                .filter(|p| selected(p, q.get("fieldSelector")))
+                .objects
+                .iter()
+                .filter(|((k, _, _), o)| in_collection(kind, ns.as_ref(), &q, *k, o))
+                .map(|(_, o)| o)
                 .collect();
             json_response(
                 StatusCode::OK,
-                &json!({"kind": "PodList", "apiVersion": "v1",
+                &json!({"kind": list_kind(kind), "apiVersion": "v1",
                         "metadata": {"resourceVersion": inner.rv.to_string()}, "items": items}),
             )
         }
-        "get" => {
-            let inner = shared.lock();
-            match inner.pods.get(&(path[3].clone(), path[5].clone())) {
-                Some(p) => json_response(StatusCode::OK, p),
-                None => status(StatusCode::NOT_FOUND, "NotFound", "pod not found"),
-            }
-        }
-        "patch" => {
+        Target::Object(key) if verb == "get" => match shared.lock().get(&key) {
+            Some(o) => json_response(StatusCode::OK, o),
+            None => status(StatusCode::NOT_FOUND, "NotFound", "not found"),
+        },
+        Target::Object(key) => {
             let body = axum::body::to_bytes(req.into_body(), 1 << 24)
                 .await
                 .unwrap_or_default();
             let Ok(patch) = serde_json::from_slice::<Value>(&body) else {
                 return status(StatusCode::BAD_REQUEST, "BadRequest", "not JSON");
             };
-            patch_pod(&shared, (path[3].clone(), path[5].clone()), &patch)
+            patch_object(&shared, key, &content_type, &patch)
         }
-        "create" if path[4] == "events" => {
+        Target::Binding(key) => {
+            let body = axum::body::to_bytes(req.into_body(), 1 << 20)
+                .await
+                .unwrap_or_default();
+            let Ok(binding) = serde_json::from_slice::<Value>(&body) else {
+                return status(StatusCode::BAD_REQUEST, "BadRequest", "not JSON");
+            };
+            bind(&shared, key, &binding)
+        }
+        Target::Events => {
             let body = axum::body::to_bytes(req.into_body(), 1 << 20)
                 .await
                 .unwrap_or_default();
@@ -233,59 +422,141 @@ async fn serve(shared: Shared, req: Request<Body>) -> Response<Body> {
             inner.events.push(event.clone());
             json_response(StatusCode::CREATED, &event)
         }
-        _ => status(StatusCode::NOT_FOUND, "NotFound", "not served by the sim"),
     }
 }
 
-fn patch_pod(shared: &Shared, key: (String, String), patch: &Value) -> Response<Body> {
+fn patch_object(shared: &Shared, key: Key, content_type: &str, patch: &Value) -> Response<Body> {
     let mut inner = shared.lock();
-    if inner.faults.conflicts > 0 && inner.pods.contains_key(&key) {
+    if key.0 == Kind::Pod && inner.faults.conflicts > 0 && inner.objects.contains_key(&key) {
         // Someone else (the kubelet's status manager) writes first.
         inner.faults.conflicts -= 1;
-        let mut pod = inner.pods[&key].clone();
+        let mut pod = inner.objects[&key].clone();
         pod["status"]["conditions"] = json!([{"type": "PodScheduled", "status": "True"}]);
-        let pod = inner.bump("MODIFIED", pod, &shared.changes);
-        inner.pods.insert(key.clone(), pod);
+        inner.write(key.clone(), Some(pod), &shared.changes);
     }
-    let Some(current) = inner.pods.get(&key) else {
-        return status(StatusCode::NOT_FOUND, "NotFound", "pod not found");
+    let Some(current) = inner.get(&key) else {
+        return status(StatusCode::NOT_FOUND, "NotFound", "not found");
     };
-    let wanted = &patch["metadata"]["resourceVersion"];
-    if !wanted.is_null() && *wanted != current["metadata"]["resourceVersion"] {
+    let mut object = current.clone();
+    match content_type.split(';').next().unwrap_or_default().trim() {
+        "application/json-patch+json" => {
+            if let Err(e) = json_patch(&mut object, patch) {
+                return status(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", &e);
+            }
+        }
+        // A strategic merge patch of annotations and labels is a merge patch.
+        "application/merge-patch+json" | "application/strategic-merge-patch+json" => {
+            let wanted = &patch["metadata"]["resourceVersion"];
+            if !wanted.is_null() && *wanted != current["metadata"]["resourceVersion"] {
+                return status(
+                    StatusCode::CONFLICT,
+                    "Conflict",
+                    "the object has been modified; please apply your changes to the latest version",
+                );
+            }
+            merge(&mut object, patch);
+        }
+        other => {
+            return status(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "UnsupportedMediaType",
+                &format!("the sim does not serve patches of type {other:?}"),
+            );
+        }
+    }
+    let object = inner.write(key, Some(object), &shared.changes);
+    json_response(StatusCode::OK, &object.expect("written"))
+}
+
+/// `pods/<name>/binding`: sets the pod's node once, as the API server
+/// does; a pod already bound, or a binding for another uid, is a conflict.
+fn bind(shared: &Shared, key: Key, binding: &Value) -> Response<Body> {
+    let mut inner = shared.lock();
+    let Some(pod) = inner.get(&key).cloned() else {
+        return status(
+            StatusCode::NOT_FOUND,
+            "NotFound",
+            &format!("pods \"{}\" not found", key.2),
+        );
+    };
+    let Some(node) = binding["target"]["name"].as_str().filter(|n| !n.is_empty()) else {
+        return status(
+            StatusCode::BAD_REQUEST,
+            "BadRequest",
+            "binding without a target node",
+        );
+    };
+    let uid = &binding["metadata"]["uid"];
+    if !uid.is_null() && *uid != pod["metadata"]["uid"] {
         return status(
             StatusCode::CONFLICT,
             "Conflict",
-            "the object has been modified; please apply your changes to the latest version",
+            &format!(
+                "Precondition failed: UID in precondition: {uid}, UID in object meta: {}",
+                pod["metadata"]["uid"]
+            ),
         );
     }
-    let mut pod = current.clone();
-    merge(&mut pod, patch);
-    let pod = inner.bump("MODIFIED", pod, &shared.changes);
-    inner.pods.insert(key, pod.clone());
-    json_response(StatusCode::OK, &pod)
+    if let Some(bound) = pod["spec"]["nodeName"].as_str().filter(|n| !n.is_empty()) {
+        return status(
+            StatusCode::CONFLICT,
+            "Conflict",
+            &format!(
+                "Operation cannot be fulfilled on pods/binding \"{}\": pod {} is already assigned to node \"{bound}\"",
+                key.2, key.2
+            ),
+        );
+    }
+    let mut pod = pod;
+    pod["spec"]["nodeName"] = node.into();
+    pod["status"]["conditions"] = json!([{"type": "PodScheduled", "status": "True"}]);
+    inner.write(key, Some(pod), &shared.changes);
+    json_response(
+        StatusCode::CREATED,
+        &json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}),
+    )
 }
 
 /// Newline-delimited watch events after the given resourceVersion, then
-/// live ones, until the client goes away.
-async fn watch(shared: Shared, q: BTreeMap<String, String>) -> Response<Body> {
+/// live ones, until the client goes away. With a field selector, an object
+/// that comes into the selection is ADDED and one that leaves it DELETED,
+/// as a real API server reports it.
+async fn watch(
+    shared: Shared,
+    kind: Kind,
+    ns: Option<String>,
+    q: BTreeMap<String, String>,
+) -> Response<Body> {
     let since: u64 = q
         .get("resourceVersion")
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
-    let selector = q.get("fieldSelector").cloned();
     let rx = shared.changes.subscribe();
-    let stream = futures::stream::unfold(
-        (shared, rx, since, selector),
-        |(shared, mut rx, mut sent, selector)| async move {
+    let stream = futures::stream::unfold((shared, rx, since), move |(shared, mut rx, mut sent)| {
+        let (ns, q) = (ns.clone(), q.clone());
+        async move {
             loop {
                 let batch: Vec<Bytes> = {
                     let inner = shared.lock();
-                    let start = inner.history.partition_point(|(rv, _, _)| *rv <= sent);
+                    let start = inner.history.partition_point(|c| c.rv <= sent);
+                    let inside = |o: &Value| in_collection(kind, ns.as_ref(), &q, kind, o);
                     let out = inner.history[start..]
                         .iter()
-                        .filter(|(_, _, pod)| selected(pod, selector.as_ref()))
-                        .map(|(_, kind, pod)| {
-                            Bytes::from(format!("{}\n", json!({"type": kind, "object": pod})))
+                        .filter(|c| c.kind == kind)
+                        .filter_map(|c| {
+                            let was = c.before.as_ref().is_some_and(inside);
+                            let event = match (c.event, was, inside(&c.after)) {
+                                ("MODIFIED", true, true) => "MODIFIED",
+                                ("MODIFIED", false, true) => "ADDED",
+                                ("MODIFIED", true, false) => "DELETED",
+                                ("MODIFIED", false, false) => return None,
+                                (e, _, true) => e,
+                                _ => return None,
+                            };
+                            Some(Bytes::from(format!(
+                                "{}\n",
+                                json!({"type": event, "object": c.after})
+                            )))
                         })
                         .collect();
                     sent = inner.rv;
@@ -293,20 +564,58 @@ async fn watch(shared: Shared, q: BTreeMap<String, String>) -> Response<Body> {
                 };
                 if !batch.is_empty() {
                     let chunk = Bytes::from(batch.concat());
-                    return Some((Ok::<_, Infallible>(chunk), (shared, rx, sent, selector)));
+                    return Some((Ok::<_, Infallible>(chunk), (shared, rx, sent)));
                 }
                 match rx.recv().await {
                     Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
                     Err(broadcast::error::RecvError::Closed) => return None,
                 }
             }
-        },
-    );
+        }
+    });
     Response::builder()
         .status(StatusCode::OK)
         .header("content-type", "application/json")
         .body(Body::from_stream(stream.boxed()))
         .expect("valid response")
+}
+
+fn pod_key(namespace: &str, name: &str) -> Key {
+    (Kind::Pod, namespace.to_owned(), name.to_owned())
+}
+
+/// A Pending pod as the API server stores it after defaulting.
+fn pod_object(
+    namespace: &str,
+    name: &str,
+    containers: &[PodContainer],
+    annotations: &[(&str, &str)],
+) -> Value {
+    let spec = |init: bool| -> Vec<Value> {
+        containers
+            .iter()
+            .filter(|c| c.init == init)
+            .map(|c| {
+                let limits: serde_json::Map<String, Value> = c
+                    .asks()
+                    .into_iter()
+                    .map(|(r, n)| (r, n.to_string().into()))
+                    .collect();
+                // Extended resources: requests default to the limits.
+                json!({"name": c.name, "image": "cuda",
+                       "resources": {"limits": limits.clone(), "requests": limits}})
+            })
+            .collect()
+    };
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {
+            "name": name, "namespace": namespace,
+            "annotations": annotations.iter().map(|(k, v)| (k.to_string(), Value::from(*v))).collect::<serde_json::Map<_, _>>(),
+        },
+        "spec": {"schedulerName": "default-scheduler", "initContainers": spec(true), "containers": spec(false)},
+        "status": {"phase": "Pending"},
+    })
 }
 
 impl ApiServerSim {
@@ -347,93 +656,136 @@ impl ApiServerSim {
         containers: &[PodContainer],
         annotations: &[(&str, &str)],
     ) {
-        let spec = |init: bool| -> Vec<Value> {
-            containers
-                .iter()
-                .filter(|c| c.init == init)
-                .map(|c| {
-                    let limits: serde_json::Map<String, Value> = c
-                        .asks()
-                        .into_iter()
-                        .map(|(r, n)| (r, n.to_string().into()))
-                        .collect();
-                    json!({"name": c.name, "image": "cuda", "resources": {"limits": limits}})
-                })
-                .collect()
-        };
+        let mut pod = pod_object(namespace, name, containers, annotations);
+        pod["spec"]["nodeName"] = node.into();
+        self.create_pod(pod);
+    }
+
+    /// Creates a Pending pod that `scheduler` has yet to place (no node).
+    pub fn add_unscheduled_pod(
+        &self,
+        namespace: &str,
+        name: &str,
+        scheduler: &str,
+        containers: &[PodContainer],
+    ) {
+        let mut pod = pod_object(namespace, name, containers, &[]);
+        pod["spec"]["schedulerName"] = scheduler.into();
+        self.create_pod(pod);
+    }
+
+    fn create_pod(&self, mut pod: Value) {
         let mut inner = self.shared.lock();
         inner.created += 1;
         let created = 1_700_000_000 + inner.created;
-        let created = k8s_openapi::jiff::Timestamp::from_second(created as i64)
+        let meta = &mut pod["metadata"];
+        meta["uid"] = format!(
+            "uid-{}-{}-{}",
+            meta["namespace"].as_str().unwrap_or_default(),
+            meta["name"].as_str().unwrap_or_default(),
+            inner.created
+        )
+        .into();
+        meta["creationTimestamp"] = k8s_openapi::jiff::Timestamp::from_second(created as i64)
             .expect("valid time")
-            .to_string();
-        let pod = json!({
-            "apiVersion": "v1", "kind": "Pod",
+            .to_string()
+            .into();
+        let key = pod_key(
+            pod["metadata"]["namespace"].as_str().unwrap_or_default(),
+            pod["metadata"]["name"].as_str().unwrap_or_default(),
+        );
+        inner.write(key, Some(pod), &self.shared.changes);
+    }
+
+    /// Creates (or replaces) a Node with `doslab.io/…` and other extended
+    /// resources in its capacity and allocatable, as the kubelet reports the
+    /// device plugins' devices.
+    pub fn add_node(&self, name: &str, resources: &[(&str, u64)], annotations: &[(&str, &str)]) {
+        let quantities: serde_json::Map<String, Value> = resources
+            .iter()
+            .map(|(r, n)| (r.to_string(), n.to_string().into()))
+            .collect();
+        let node = json!({
+            "apiVersion": "v1", "kind": "Node",
             "metadata": {
-                "name": name, "namespace": namespace, "uid": format!("uid-{namespace}-{name}-{}", inner.created),
-                "creationTimestamp": created,
+                "name": name, "uid": format!("uid-node-{name}"),
+                "labels": {"kubernetes.io/hostname": name},
                 "annotations": annotations.iter().map(|(k, v)| (k.to_string(), Value::from(*v))).collect::<serde_json::Map<_, _>>(),
             },
-            "spec": {"nodeName": node, "initContainers": spec(true), "containers": spec(false)},
-            "status": {"phase": "Pending"},
+            "status": {"capacity": quantities.clone(), "allocatable": quantities},
         });
-        let pod = inner.bump("ADDED", pod, &self.shared.changes);
-        inner
-            .pods
-            .insert((namespace.to_owned(), name.to_owned()), pod);
+        let key = (Kind::Node, String::new(), name.to_owned());
+        self.shared
+            .lock()
+            .write(key, Some(node), &self.shared.changes);
+    }
+
+    pub fn node(&self, name: &str) -> Option<Value> {
+        self.shared
+            .lock()
+            .get(&(Kind::Node, String::new(), name.to_owned()))
+            .cloned()
     }
 
     /// Sets a pod's phase, as the kubelet does once its containers run.
     pub fn set_phase(&self, namespace: &str, name: &str, phase: &str) {
         let mut inner = self.shared.lock();
-        let key = (namespace.to_owned(), name.to_owned());
-        if let Some(mut pod) = inner.pods.get(&key).cloned() {
+        let key = pod_key(namespace, name);
+        if let Some(mut pod) = inner.get(&key).cloned() {
             pod["status"]["phase"] = phase.into();
-            let pod = inner.bump("MODIFIED", pod, &self.shared.changes);
-            inner.pods.insert(key, pod);
+            inner.write(key, Some(pod), &self.shared.changes);
         }
     }
 
     pub fn delete_pod(&self, namespace: &str, name: &str) {
-        let mut inner = self.shared.lock();
-        if let Some(pod) = inner.pods.remove(&(namespace.to_owned(), name.to_owned())) {
-            inner.bump("DELETED", pod, &self.shared.changes);
-        }
+        self.shared
+            .lock()
+            .write(pod_key(namespace, name), None, &self.shared.changes);
     }
 
     /// Deletes a pod whose DELETED event reaches watches only after `lag`
     /// (a real watch trails the store it watches).
     pub fn delete_pod_late(&self, namespace: &str, name: &str, lag: Duration) {
-        let pod = {
-            let mut inner = self.shared.lock();
-            inner.pods.remove(&(namespace.to_owned(), name.to_owned()))
-        };
+        let pod = self.shared.lock().objects.remove(&pod_key(namespace, name));
         if let Some(pod) = pod {
             let shared = self.shared.clone();
             tokio::spawn(async move {
                 tokio::time::sleep(lag).await;
-                shared.lock().bump("DELETED", pod, &shared.changes);
+                let mut inner = shared.lock();
+                inner.rv += 1;
+                let rv = inner.rv;
+                inner.history.push(Change {
+                    rv,
+                    kind: Kind::Pod,
+                    event: "DELETED",
+                    before: None,
+                    after: pod,
+                });
+                let _ = shared.changes.send(rv);
             });
         }
     }
 
     pub fn pod(&self, namespace: &str, name: &str) -> Option<Value> {
-        let inner = self.shared.lock();
-        inner
-            .pods
-            .get(&(namespace.to_owned(), name.to_owned()))
-            .cloned()
+        self.shared.lock().get(&pod_key(namespace, name)).cloned()
     }
 
     pub fn pods(&self) -> Vec<Value> {
-        self.shared.lock().pods.values().cloned().collect()
+        self.shared
+            .lock()
+            .objects
+            .iter()
+            .filter(|((k, _, _), _)| *k == Kind::Pod)
+            .map(|(_, o)| o.clone())
+            .collect()
     }
 
     pub fn events(&self) -> Vec<Value> {
         self.shared.lock().events.clone()
     }
 
-    /// Requests served so far, by verb (list, watch, get, patch, create).
+    /// Requests served so far, by verb (list, watch, get, patch, create,
+    /// bind).
     pub fn requests(&self) -> BTreeMap<&'static str, u64> {
         self.shared.lock().requests.clone()
     }
@@ -461,5 +813,163 @@ impl ApiServerSim {
 
     pub fn stop(self) {
         self.task.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::TryStreamExt;
+    use k8s_openapi::api::core::v1::{Binding, Node, ObjectReference, Pod};
+    use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams, WatchEvent, WatchParams};
+
+    async fn client(api: &ApiServerSim) -> kube::Client {
+        let url = format!("http://{}", api.addr).parse().unwrap();
+        kube::Client::try_from(kube::Config::new(url)).unwrap()
+    }
+
+    fn gpu_pod() -> Vec<PodContainer> {
+        vec![PodContainer {
+            name: "main".into(),
+            init: false,
+            wants: [1024, 10, 0],
+        }]
+    }
+
+    fn binding(pod: &str, node: &str) -> Binding {
+        Binding {
+            metadata: ObjectMeta {
+                name: Some(pod.into()),
+                ..Default::default()
+            },
+            target: ObjectReference {
+                name: Some(node.into()),
+                ..Default::default()
+            },
+        }
+    }
+
+    #[tokio::test]
+    async fn a_pod_is_bound_once_and_a_second_binding_conflicts() {
+        let api = ApiServerSim::start().await.unwrap();
+        api.add_unscheduled_pod("default", "p", "doslab-gpu-scheduler", &gpu_pod());
+        let pods: Api<Pod> = Api::namespaced(client(&api).await, "default");
+        let unscheduled = pods
+            .list(&kube::api::ListParams::default().fields("spec.nodeName="))
+            .await
+            .unwrap();
+        assert_eq!(unscheduled.items.len(), 1);
+        let body = binding("p", "n1");
+        pods.create_subresource::<_, Value>("binding", "p", &PostParams::default(), &body)
+            .await
+            .unwrap();
+        let pod = api.pod("default", "p").unwrap();
+        assert_eq!(pod["spec"]["nodeName"], "n1");
+        let again = pods
+            .create_subresource::<_, Value>("binding", "p", &PostParams::default(), &body)
+            .await
+            .unwrap_err();
+        match again {
+            kube::Error::Api(s) => {
+                assert_eq!(s.code, 409);
+                assert!(
+                    s.message.contains("already assigned to node \"n1\""),
+                    "{}",
+                    s.message
+                );
+            }
+            e => panic!("{e}"),
+        }
+        assert_eq!(api.requests().get("bind"), Some(&2));
+    }
+
+    #[tokio::test]
+    async fn a_failed_json_patch_test_changes_nothing() {
+        let api = ApiServerSim::start().await.unwrap();
+        api.add_pod("default", "p", "n1", &gpu_pod(), &[]);
+        let pods: Api<Pod> = Api::namespaced(client(&api).await, "default");
+        let rv = api.pod("default", "p").unwrap()["metadata"]["resourceVersion"].clone();
+        let ops = |rv: &Value| {
+            serde_json::from_value::<json_patch::Patch>(json!([
+                {"op": "test", "path": "/metadata/resourceVersion", "value": rv},
+                {"op": "add", "path": "/metadata/annotations/doslab.io~1gpu-uuid", "value": "GPU-1"},
+            ]))
+            .unwrap()
+        };
+        let stale = pods
+            .patch(
+                "p",
+                &PatchParams::default(),
+                &Patch::Json::<()>(ops(&json!("0"))),
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(stale, kube::Error::Api(ref s) if s.code == 422),
+            "{stale}"
+        );
+        assert!(
+            api.pod("default", "p").unwrap()["metadata"]["annotations"]["doslab.io/gpu-uuid"]
+                .is_null()
+        );
+        pods.patch("p", &PatchParams::default(), &Patch::Json::<()>(ops(&rv)))
+            .await
+            .unwrap();
+        assert_eq!(
+            api.pod("default", "p").unwrap()["metadata"]["annotations"]["doslab.io/gpu-uuid"],
+            "GPU-1"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_pod_leaving_a_field_selection_is_deleted_for_the_watch() {
+        let api = ApiServerSim::start().await.unwrap();
+        api.add_pod("default", "p", "n1", &gpu_pod(), &[]);
+        let pods: Api<Pod> = Api::all(client(&api).await);
+        let params = WatchParams::default().fields("status.phase!=Succeeded,status.phase!=Failed");
+        let mut events = pods.watch(&params, "0").await.unwrap().boxed();
+        let first = events.try_next().await.unwrap().unwrap();
+        assert!(matches!(first, WatchEvent::Added(_)), "{first:?}");
+        api.set_phase("default", "p", "Running");
+        let second = events.try_next().await.unwrap().unwrap();
+        assert!(matches!(second, WatchEvent::Modified(_)), "{second:?}");
+        api.set_phase("default", "p", "Succeeded");
+        let third = events.try_next().await.unwrap().unwrap();
+        assert!(matches!(third, WatchEvent::Deleted(_)), "{third:?}");
+    }
+
+    #[tokio::test]
+    async fn nodes_are_listed_watched_and_patched() {
+        let api = ApiServerSim::start().await.unwrap();
+        api.add_node("n1", &[("doslab.io/gpu-count", 2)], &[]);
+        let nodes: Api<Node> = Api::all(client(&api).await);
+        let listed = nodes.list(&Default::default()).await.unwrap();
+        assert_eq!(listed.items.len(), 1);
+        let allocatable = listed.items[0]
+            .status
+            .as_ref()
+            .unwrap()
+            .allocatable
+            .as_ref()
+            .unwrap();
+        assert_eq!(allocatable["doslab.io/gpu-count"].0, "2");
+        let patch = json!({"metadata": {"annotations": {"doslab.io/gpu-inventory": "{}"}}});
+        nodes
+            .patch("n1", &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap();
+        assert_eq!(
+            api.node("n1").unwrap()["metadata"]["annotations"]["doslab.io/gpu-inventory"],
+            "{}"
+        );
+        // Pods and nodes are separate collections.
+        let pods: Api<Pod> = Api::all(client(&api).await);
+        assert!(
+            pods.list(&Default::default())
+                .await
+                .unwrap()
+                .items
+                .is_empty()
+        );
     }
 }
