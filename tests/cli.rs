@@ -1,6 +1,8 @@
 //! The binary's command line: bad configs are refused with the key named,
 //! check-config prints the plan, the demo runs end to end.
 
+#![cfg(feature = "sim")]
+
 mod support;
 
 use support::*;

@@ -1,6 +1,8 @@
 //! The real binary against the kubelet simulator: registration, device
 //! lists, preferred allocations, Allocate, bad input, and a clean stop.
 
+#![cfg(feature = "sim")]
+
 mod support;
 
 use std::collections::BTreeSet;

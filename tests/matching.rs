@@ -4,6 +4,8 @@
 //! their own sockets at once, in random order), and the ledgers, the
 //! kubelet's grants and the GPUs' capacities must all agree at the end.
 
+#![cfg(feature = "sim")]
+
 mod support;
 
 use std::collections::BTreeMap;

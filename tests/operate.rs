@@ -2,6 +2,8 @@
 //! Kubernetes API types), the HTTP endpoint of the running binary, and
 //! `inspect` against it.
 
+#![cfg(feature = "sim")]
+
 mod support;
 
 use std::path::Path;
