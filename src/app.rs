@@ -2,6 +2,7 @@
 //! told to stop, reloading the config when told to. `main` turns signals
 //! into [`Control`]s; the demo passes its own.
 
+use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,7 +11,7 @@ use futures::{Stream, StreamExt};
 use ractor::Actor;
 
 use crate::config::{Config, ConfigError};
-use crate::device::{DiscoverError, Plan, PlanError, discover};
+use crate::device::{DiscoverError, Gpu, Plan, PlanError, discover};
 use crate::metrics::Metrics;
 use crate::supervisor::{Supervisor, SupervisorArgs, SupervisorMsg};
 
@@ -24,16 +25,83 @@ pub enum RunError {
     Spawn(String),
     #[error("config key `http_listen`: cannot listen on {0}: {1}")]
     Http(String, std::io::Error),
+    #[error(
+        "config key `device_plugin_dir`: cannot create a socket in {}: {source}; it must be the \
+         kubelet's device-plugin directory, existing and writable by the daemon (the DaemonSet \
+         mounts it as a hostPath of type Directory)",
+        dir.display()
+    )]
+    SocketDir {
+        dir: PathBuf,
+        source: std::io::Error,
+    },
 }
 
-/// Finds the node's GPUs (off the async threads: NVML blocks) and plans
-/// every enabled resource's devices.
+/// Checks that the plugins can bind their sockets, finds the node's GPUs
+/// and plans every enabled resource's devices: what start-up and every
+/// reload must pass before anything is served.
 pub async fn plan(config: &Config) -> Result<Plan, RunError> {
+    socket_dir(config)?;
+    Ok(Plan::new(config, gpus(config).await?)?)
+}
+
+/// GPU discovery, off the async threads: NVML blocks.
+async fn gpus(config: &Config) -> Result<Vec<Gpu>, DiscoverError> {
     let c = config.clone();
-    let gpus = tokio::task::spawn_blocking(move || discover(&c))
+    tokio::task::spawn_blocking(move || discover(&c))
         .await
-        .expect("GPU discovery panicked")?;
-    Ok(Plan::new(config, gpus)?)
+        .expect("GPU discovery panicked")
+}
+
+fn socket_dir(config: &Config) -> Result<(), RunError> {
+    let dir = &config.device_plugin_dir;
+    crate::uds::check_bindable(dir).map_err(|source| RunError::SocketDir {
+        dir: dir.clone(),
+        source,
+    })
+}
+
+/// What `check-config` found.
+pub struct Checked {
+    /// `None` off a GPU node: the plan needs the node's GPUs.
+    pub plan: Option<Plan>,
+    /// What could not be checked on this machine, and why.
+    pub notes: Vec<String>,
+}
+
+/// The checks of [`plan`] (and the node name the config needs), made on any
+/// machine: what this one lacks and a node has (NVML, `$NODE_NAME`, the
+/// kubelet's directory) is a note; everything present is checked as
+/// start-up checks it, so a config that passes here on a node starts there.
+pub async fn check(config: &Config) -> Result<Checked, RunError> {
+    let mut notes = Vec::new();
+    if config.require_node_name().is_err() {
+        notes.push(
+            "node_name is empty and $NODE_NAME is not set here; pod_matching needs it, and \
+             the DaemonSet sets NODE_NAME on the node"
+                .to_owned(),
+        );
+    }
+    match socket_dir(config) {
+        Err(RunError::SocketDir { dir, source }) if source.kind() == ErrorKind::NotFound => notes
+            .push(format!(
+                "device_plugin_dir {} does not exist here; the daemon refuses to start \
+                 without it",
+                dir.display()
+            )),
+        other => other?,
+    }
+    let plan = match gpus(config).await {
+        Err(DiscoverError::Load(e)) => {
+            notes.push(format!(
+                "cannot load NVML ({e}): the device plan needs the node's GPUs; \
+                 run check-config on the node"
+            ));
+            None
+        }
+        found => Some(Plan::new(config, found?)?),
+    };
+    Ok(Checked { plan, notes })
 }
 
 /// What the daemon is told while it runs.

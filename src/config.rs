@@ -45,7 +45,7 @@ pub struct Config {
     pub memory_unit_mib: u64,
     pub cores_per_gpu: u32,
     pub pod_matching: bool,
-    /// Empty means "take `$NODE_NAME`", resolved by [`Config::from_toml`].
+    /// Empty means "take `$NODE_NAME`", resolved by [`Config::parse`].
     pub node_name: String,
     pub log_format: LogFormat,
     /// `/metrics`, `/healthz`, `/readyz`; empty turns the endpoint off.
@@ -185,18 +185,34 @@ const RESERVED_ENVS: &[&str] = &[
 ];
 
 impl Config {
-    /// Reads and validates a config file; `node_name` falls back to `$NODE_NAME`.
+    /// Reads and validates a config file; `node_name` falls back to
+    /// `$NODE_NAME` and is required when pod matching needs it.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let config = Config::read(path)?;
+        config.require_node_name()?;
+        Ok(config)
+    }
+
+    /// [`Config::load`] without requiring a node name: `check-config` runs
+    /// off the node too, where `$NODE_NAME` is not set.
+    pub fn read(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
             source,
         })?;
-        Config::from_toml(&text, std::env::var("NODE_NAME").ok())
+        Config::parse(&text, std::env::var("NODE_NAME").ok())
     }
 
     /// Parses and validates; `env_node_name` is `$NODE_NAME`, passed in so
     /// tests do not depend on the environment.
     pub fn from_toml(text: &str, env_node_name: Option<String>) -> Result<Config, ConfigError> {
+        let config = Config::parse(text, env_node_name)?;
+        config.require_node_name()?;
+        Ok(config)
+    }
+
+    /// [`Config::from_toml`] without requiring a node name.
+    pub fn parse(text: &str, env_node_name: Option<String>) -> Result<Config, ConfigError> {
         let mut config: Config =
             toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
         if config.node_name.is_empty() {
@@ -206,15 +222,24 @@ impl Config {
         Ok(config)
     }
 
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        self.validate_domain()?;
-        if self.device_plugin_dir.as_os_str().is_empty() {
+    /// Pod matching watches this node's pods, so it needs the node's name.
+    pub fn require_node_name(&self) -> Result<(), ConfigError> {
+        if self.pod_matching && self.node_name.is_empty() {
             return Err(invalid(
-                "device_plugin_dir",
-                "is empty; the kubelet's is /var/lib/kubelet/device-plugins",
+                "node_name",
+                "is empty and $NODE_NAME is not set; pod_matching needs the node's name \
+                 (set NODE_NAME from the downward API, or pod_matching = false)",
             ));
         }
+        Ok(())
+    }
+
+    /// Every rule a value alone decides (the node's name aside, see
+    /// [`Config::require_node_name`]).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_domain()?;
         self.validate_resources()?;
+        self.validate_socket_paths()?;
         if self.memory_unit_mib == 0 {
             return Err(invalid(
                 "memory_unit_mib",
@@ -229,13 +254,6 @@ impl Config {
                      every grant is a whole percent for CUDA_DEVICE_SM_LIMIT",
                     self.cores_per_gpu
                 ),
-            ));
-        }
-        if self.pod_matching && self.node_name.is_empty() {
-            return Err(invalid(
-                "node_name",
-                "is empty and $NODE_NAME is not set; pod_matching needs the node's name \
-                 (set NODE_NAME from the downward API, or pod_matching = false)",
             ));
         }
         if !self.http_listen.is_empty() && self.http_listen.parse::<std::net::SocketAddr>().is_err()
@@ -269,6 +287,33 @@ impl Config {
             ));
         }
         self.validate_allocate()
+    }
+
+    /// The kernel cannot bind a unix socket whose path does not fit
+    /// `sun_path`; caught here, a plugin would fail to bind on every restart.
+    fn validate_socket_paths(&self) -> Result<(), ConfigError> {
+        if self.device_plugin_dir.as_os_str().is_empty() {
+            return Err(invalid(
+                "device_plugin_dir",
+                "is empty; the kubelet's is /var/lib/kubelet/device-plugins",
+            ));
+        }
+        for &r in &self.resources {
+            let socket = self.device_plugin_dir.join(self.endpoint(r));
+            let len = socket.as_os_str().len();
+            if len > crate::uds::MAX_SOCKET_PATH {
+                return Err(invalid(
+                    "device_plugin_dir",
+                    format!(
+                        "the socket path {} is {len} bytes, and a unix socket path holds at \
+                         most {}; use a shorter device_plugin_dir (or resource_domain)",
+                        socket.display(),
+                        crate::uds::MAX_SOCKET_PATH
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn validate_domain(&self) -> Result<(), ConfigError> {
@@ -511,6 +556,34 @@ mod tests {
         let e = Config::from_toml("", None).unwrap_err().to_string();
         assert!(e.contains("node_name") && e.contains("NODE_NAME"), "{e}");
         Config::from_toml("pod_matching = false", None).unwrap();
+        // Every other rule still holds without one.
+        let c = Config::parse("", None).unwrap();
+        assert!(c.require_node_name().is_err());
+        assert!(
+            Config::parse("memory_unit_mib = 0", None)
+                .unwrap_err()
+                .to_string()
+                .contains("memory_unit_mib")
+        );
+    }
+
+    #[test]
+    fn a_socket_path_the_kernel_cannot_bind_is_refused() {
+        // "/" + 81 bytes + "/doslab.io-gpu-memory.sock" (26 bytes) = 108 bytes.
+        let long = format!("device_plugin_dir = \"/{}\"", "d".repeat(81));
+        let e = err_of(&long);
+        assert!(
+            e.contains("device_plugin_dir") && e.contains("108 bytes"),
+            "{e}"
+        );
+        // One byte shorter fits: 107 is the most a path can take.
+        parse(&format!("device_plugin_dir = \"/{}\"", "d".repeat(80))).unwrap();
+        // The longest endpoint decides: gpu-core's is 2 bytes shorter.
+        parse(&format!(
+            "device_plugin_dir = \"/{}\"\nresources = [\"gpu-core\"]",
+            "d".repeat(81)
+        ))
+        .unwrap();
     }
 
     #[test]

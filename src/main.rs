@@ -56,12 +56,42 @@ fn init_logging(format: LogFormat, default_level: &str) {
 }
 
 fn load(path: Option<&PathBuf>) -> anyhow::Result<Config> {
+    let config = read(path)?;
+    config.require_node_name()?;
+    Ok(config)
+}
+
+/// The config, every value checked, but no node name required.
+fn read(path: Option<&PathBuf>) -> anyhow::Result<Config> {
     match path {
-        Some(p) => Config::load(p).with_context(|| format!("config {}", p.display())),
-        None => Ok(Config::from_toml(
+        Some(p) => Config::read(p).with_context(|| format!("config {}", p.display())),
+        None => Ok(Config::parse(
             gpu_device_plugin::config::DEFAULT_TOML,
             std::env::var("NODE_NAME").ok(),
         )?),
+    }
+}
+
+/// check-config's report: the GPUs and what each resource advertises on them.
+fn print_plan(config: &Config, plan: &gpu_device_plugin::device::Plan) {
+    for gpu in plan.gpus() {
+        let numa = gpu
+            .numa_node
+            .map_or_else(|| "unknown".to_owned(), |n| n.to_string());
+        println!(
+            "  GPU {} {}  {} MiB  NUMA node {numa}",
+            gpu.index, gpu.uuid, gpu.memory_mib
+        );
+    }
+    for m in plan.models() {
+        let bytes = m.worst_case_wire_len();
+        println!(
+            "  {:<24} {:>9} devices  ListAndWatch up to {} bytes ({:.1}% of the kubelet's 4 MiB)",
+            config.resource_name(m.resource()),
+            m.device_count(),
+            bytes,
+            100.0 * bytes as f64 / gpu_device_plugin::device::KUBELET_MAX_MESSAGE_BYTES as f64
+        );
     }
 }
 
@@ -108,19 +138,14 @@ async fn main() -> anyhow::Result<()> {
             }
         }
         Command::CheckConfig => {
-            let config = load(cli.config.as_ref())?;
-            let plan = app::plan(&config).await?;
+            let config = read(cli.config.as_ref())?;
+            let checked = app::check(&config).await?;
             println!("config OK");
-            for m in plan.models() {
-                let bytes = m.worst_case_wire_len();
-                println!(
-                    "  {:<24} {:>9} devices  ListAndWatch up to {} bytes ({:.1}% of the kubelet's 4 MiB)",
-                    config.resource_name(m.resource()),
-                    m.device_count(),
-                    bytes,
-                    100.0 * bytes as f64
-                        / gpu_device_plugin::device::KUBELET_MAX_MESSAGE_BYTES as f64
-                );
+            if let Some(plan) = &checked.plan {
+                print_plan(&config, plan);
+            }
+            for note in &checked.notes {
+                println!("  note: {note}");
             }
         }
     }

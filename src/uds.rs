@@ -14,7 +14,9 @@ use tonic::transport::{Channel, Endpoint, Uri};
 /// socket is missing) with `timeout` for the connection itself.
 pub async fn connect(path: &Path, timeout: Duration) -> Result<Channel, tonic::transport::Error> {
     let path: PathBuf = path.to_owned();
-    // The URI is required by the API but unused: the connector picks the socket.
+    // The connector picks the socket; the URI's host is only the `:authority`
+    // the server sees. It must be `localhost`, as the kubelet (v1.26+) sends:
+    // the h2 server under tonic refuses a socket path there.
     Endpoint::from_static("http://localhost")
         .connect_timeout(timeout)
         .connect_with_connector(tower::service_fn(move |_: Uri| {
@@ -22,6 +24,21 @@ pub async fn connect(path: &Path, timeout: Duration) -> Result<Channel, tonic::t
             async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
         }))
         .await
+}
+
+/// The longest path a unix socket can have: `sun_path` holds 108 bytes,
+/// the terminating NUL included.
+pub const MAX_SOCKET_PATH: usize = 107;
+
+/// Proves that sockets can be bound in `dir` by binding (and removing) one:
+/// a missing or read-only directory, or one this process may not write,
+/// fails here with the kernel's reason rather than in every plugin restart.
+pub fn check_bindable(dir: &Path) -> std::io::Result<()> {
+    // No ".sock" suffix: the kubelet-watcher and `inspect` ignore the probe.
+    tempfile::Builder::new()
+        .prefix(".probe")
+        .make_in(dir, |path| std::os::unix::net::UnixListener::bind(path))
+        .map(drop)
 }
 
 /// Binds `path`, removing a stale socket file first (a crashed predecessor
@@ -75,4 +92,62 @@ pub fn plugin_sockets(dir: &Path) -> Vec<String> {
 pub fn is_socket(entry: &std::fs::DirEntry) -> bool {
     use std::os::unix::fs::FileTypeExt;
     entry.file_type().is_ok_and(|t| t.is_socket())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    use tonic::codegen::http;
+
+    use crate::api::Empty;
+    use crate::api::device_plugin_client::DevicePluginClient;
+
+    #[tokio::test]
+    async fn clients_send_localhost_as_the_authority() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("p.sock");
+        let incoming = bind(&socket).unwrap();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let record = seen.clone();
+        let capture =
+            tower::util::MapRequestLayer::new(move |req: http::Request<tonic::body::Body>| {
+                let authority = req.uri().authority().map(|a| a.to_string());
+                record.lock().unwrap().push(authority);
+                req
+            });
+        let server = tokio::spawn(
+            tonic::transport::Server::builder()
+                .layer(capture)
+                .add_routes(tonic::service::Routes::default())
+                .serve_with_incoming(incoming),
+        );
+        let channel = connect(&socket, Duration::from_secs(5)).await.unwrap();
+        // No service is routed: the call fails, but only after the request
+        // went through the server's HTTP/2 layer.
+        let status = DevicePluginClient::new(channel)
+            .get_device_plugin_options(Empty {})
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), tonic::Code::Unimplemented, "{status}");
+        assert_eq!(*seen.lock().unwrap(), [Some("localhost".to_owned())]);
+        server.abort();
+    }
+
+    #[test]
+    fn a_directory_that_cannot_take_a_socket_is_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        check_bindable(dir.path()).unwrap();
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            0,
+            "probe left behind"
+        );
+        let missing = check_bindable(&dir.path().join("nope")).unwrap_err();
+        assert_eq!(missing.kind(), std::io::ErrorKind::NotFound);
+        let file = dir.path().join("file");
+        std::fs::write(&file, "").unwrap();
+        assert!(check_bindable(&file).is_err());
+    }
 }

@@ -239,6 +239,17 @@ pub enum PlanError {
         limit: usize,
         fits: u64,
     },
+    #[error(
+        "config key `memory_unit_mib`: {unit} MiB is more than GPU {uuid}'s {memory_mib} MiB, \
+         which would have no gpu-memory devices; the largest memory_unit_mib every GPU can take \
+         is {fits}"
+    )]
+    UnitOverGpu {
+        unit: u64,
+        uuid: String,
+        memory_mib: u64,
+        fits: u64,
+    },
 }
 
 /// The device models of every enabled resource on this node.
@@ -261,6 +272,20 @@ impl Plan {
                 .unwrap_or_default();
             PlanError::DuplicateUuid(dup)
         })?;
+        // gpu-core has cores_per_gpu (at least 1) devices on every GPU and
+        // gpu-count one, so only gpu-memory can leave a GPU without devices.
+        if config.resources.contains(&Resource::GpuMemory)
+            && let Some(g) = gpus
+                .iter()
+                .find(|g| config.units_per_gpu(Resource::GpuMemory, g.memory_mib) == 0)
+        {
+            return Err(PlanError::UnitOverGpu {
+                unit: config.memory_unit_mib,
+                uuid: g.uuid.clone(),
+                memory_mib: g.memory_mib,
+                fits: gpus.iter().map(|g| g.memory_mib).min().unwrap_or(1),
+            });
+        }
         let gpus: Arc<[Gpu]> = gpus.into();
         let tags = Arc::new(tags);
         let mut models = BTreeMap::new();
@@ -462,6 +487,22 @@ pub(crate) mod tests {
         assert!(err.to_string().contains("memory_unit_mib"));
         assert!(Plan::new(&config(&Resource::ALL, fits), gpus.clone()).is_ok());
         assert!(Plan::new(&config(&Resource::ALL, fits - 1), gpus).is_err());
+    }
+
+    #[test]
+    fn a_memory_unit_over_a_gpus_memory_is_refused_naming_the_gpu() {
+        let gpus = vec![gpu(0, 81_920, None), gpu(1, 24_576, None)];
+        let err = Plan::new(&config(&Resource::ALL, 32_768), gpus.clone()).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("memory_unit_mib") && text.contains(&gpus[1].uuid),
+            "{text}"
+        );
+        assert!(text.contains("can take is 24576"), "{text}");
+        assert!(Plan::new(&config(&Resource::ALL, 24_576), gpus.clone()).is_ok());
+        // Without gpu-memory the unit gives no resource its devices.
+        let others = [Resource::GpuCore, Resource::GpuCount];
+        assert!(Plan::new(&config(&others, 32_768), gpus).is_ok());
     }
 
     #[test]
