@@ -5,7 +5,8 @@
 //! unhealthy and is never reopened; an older stream that ends after a
 //! re-registration drops the new client too (kubernetes#121994); admission
 //! asks GetPreferredAllocation, keeps valid IDs, fills the shortfall itself,
-//! then calls Allocate.
+//! then calls Allocate; an app container reuses its init container's
+//! devices without asking GetPreferredAllocation.
 
 mod registration;
 
