@@ -9,6 +9,9 @@
 //!   `ListAndWatchResponse` is the plugin's own lazily encoded device list,
 //!   and the `PreferredAllocationRequest` is decoded into one buffer. Either
 //!   would otherwise be 160,000 heap strings on a node of two 80 GB GPUs.
+//!   The `AllocateRequest` is decoded the same way, within bounds, so a
+//!   flood of tiny container requests cannot cost memory before it is
+//!   refused.
 use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -34,6 +37,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .extern_path(
             ".v1beta1.PreferredAllocationRequest",
             "crate::plugin::request::PreferredRequest",
+        )
+        .extern_path(
+            ".v1beta1.AllocateRequest",
+            "crate::plugin::request::AllocateIdsRequest",
         )
         .extern_path(".v1beta1", "crate::api")
         .compile_fds(fds)?;

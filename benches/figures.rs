@@ -95,7 +95,7 @@ fn wire_figures() {
         let request = PreferredRequest::decode(wire.as_slice()).unwrap();
         let decoded = t.elapsed();
         let available = m
-            .decode_all(request.containers[0].available.iter())
+            .decode_all(request.containers.checked().unwrap()[0].available.iter())
             .unwrap();
         let chosen = packing::shared(&available, &[], 20_000, None);
         let reply = ContainerPreferredAllocationResponse {

@@ -1,5 +1,8 @@
 //! The real binary against the kubelet simulator: registration, device
 //! lists, preferred allocations, Allocate, bad input, and a clean stop.
+//! Without pod matching (these daemons): admission orders that used to put
+//! one container's gpu-memory and gpu-core on two GPUs or shared work on a
+//! GPU held whole, and requests far larger than any kubelet sends.
 
 #![cfg(feature = "sim")]
 
@@ -12,7 +15,8 @@ use gpu_device_plugin::api::{
     AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest,
     PreferredAllocationRequest, RegisterRequest,
 };
-use gpu_device_plugin::sim::kubelet::merged_envs;
+use gpu_device_plugin::plugin::request::MAX_CONTAINERS;
+use gpu_device_plugin::sim::kubelet::{Grant, merged_envs};
 use support::*;
 use tonic::Code;
 
@@ -97,10 +101,11 @@ async fn device_ids_are_the_same_after_a_restart() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn preferred_allocation_takes_one_gpu_best_fit() {
+async fn preferred_allocation_takes_one_gpu_with_the_most_room_left() {
     let (_dir, _daemon, kubelet) = started().await;
-    // GPU B (2 GiB) is the tighter fit for 1 GiB; 3 GiB only fits GPU A.
-    for (size, uuid) in [(1024, GPU_B), (3072, GPU_A)] {
+    // 3 GiB only fits GPU A; 1 GiB then leaves the most room on GPU B (half
+    // of it, where GPU A would be full): a container's second ask is unknown.
+    for (size, uuid) in [(3072, GPU_A), (1024, GPU_B)] {
         let grants = kubelet.admit(&[(MEM, size)]).await.unwrap();
         assert_eq!(grants[0].device_ids.len(), size);
         let envs = merged_envs(&grants);
@@ -332,4 +337,147 @@ async fn the_kubelet_stand_in_refuses_a_plugin_that_is_not_serving() {
         .unwrap_err();
     assert!(e.message().contains("version"));
     assert!(kubelet.snapshot().is_empty());
+}
+
+/// The GPU of every grant of one container.
+fn gpus_of(grants: &[Grant]) -> BTreeSet<String> {
+    grants
+        .iter()
+        .map(|g| g.response.envs["NVIDIA_VISIBLE_DEVICES"].clone())
+        .collect()
+}
+
+/// Admits each container, each in the order its asks are given, and asserts
+/// every one is granted on a single GPU. Returns each container's GPU.
+async fn admit_all(kubelet: &KubeletSim, pods: &[&[(&str, usize)]]) -> Vec<String> {
+    let mut out = Vec::new();
+    for (i, asks) in pods.iter().enumerate() {
+        let grants = kubelet
+            .admit(asks)
+            .await
+            .unwrap_or_else(|e| panic!("container {i} {asks:?}: {e}"));
+        let gpus = gpus_of(&grants);
+        assert_eq!(gpus.len(), 1, "container {i} {asks:?} got {gpus:?}");
+        out.extend(gpus);
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_core_only_pod_does_not_split_the_containers_after_it() {
+    let (_dir, _daemon, kubelet) = started().await;
+    admit_all(
+        &kubelet,
+        &[
+            &[(MEM, 100), (CORE, 80)],
+            &[(CORE, 30)],
+            &[(MEM, 1000), (CORE, 15)],
+            &[(CORE, 10), (MEM, 200)],
+            &[(MEM, 300), (CORE, 5)],
+        ],
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_app_container_reusing_its_init_containers_memory_splits_nothing_after() {
+    let (_dir, _daemon, kubelet) = started().await;
+    let init = kubelet.admit(&[(MEM, 500)]).await.unwrap();
+    // The kubelet hands the init container's memory IDs to the app
+    // container, with no GetPreferredAllocation for them.
+    let app = kubelet
+        .admit_reusing(&[(CORE, 20), (MEM, 500)], &init)
+        .await
+        .unwrap();
+    assert_eq!(gpus_of(&app), gpus_of(&init));
+    admit_all(
+        &kubelet,
+        &[&[(CORE, 90), (MEM, 1000)], &[(MEM, 200), (CORE, 5)]],
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_memory_grant_goes_where_compute_is_left() {
+    let (_dir, _daemon, kubelet) = started().await;
+    // Best fit for 300 MiB is the GPU with 5 % of compute left.
+    admit_all(
+        &kubelet,
+        &[&[(CORE, 95), (MEM, 3000)], &[(MEM, 300), (CORE, 20)]],
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_grant_that_cannot_join_the_first_is_refused() {
+    let (_dir, daemon, kubelet) = started().await;
+    let gpus = admit_all(
+        &kubelet,
+        &[&[(MEM, 3500), (CORE, 10)], &[(CORE, 95), (MEM, 100)]],
+    )
+    .await;
+    assert_eq!(gpus, [GPU_A, GPU_B]);
+    // 500 MiB goes where most of both is left (GPU B, 5 % of compute);
+    // 20 % of compute fits only GPU A: the container would get two GPUs.
+    let e = kubelet.admit(&[(MEM, 500), (CORE, 20)]).await.unwrap_err();
+    assert!(e.contains(GPU_A) && e.contains(GPU_B), "{e}");
+    // A memory-only container, then another pod's core-only container: not
+    // one container, and not refused.
+    let gpus = admit_all(&kubelet, &[&[(MEM, 100)], &[(CORE, 10)]]).await;
+    assert_eq!(gpus.len(), 2, "{}", daemon.log_text());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_gpus_and_shared_work_stay_apart() {
+    let (_dir, _daemon, kubelet) = started().await;
+    let shared = admit_all(&kubelet, &[&[(MEM, 3000), (CORE, 10)]]).await;
+    let whole = kubelet.admit(&[(COUNT, 1)]).await.unwrap();
+    let held = whole[0].response.envs["NVIDIA_VISIBLE_DEVICES"].clone();
+    assert!(
+        !shared.contains(&held),
+        "whole GPU {held} carries shared work"
+    );
+    // Compute alone would pick the GPU held whole (all of its compute free).
+    let shared = admit_all(&kubelet, &[&[(CORE, 10), (MEM, 500)]]).await;
+    assert!(!shared.contains(&held), "shared work on whole GPU {held}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_requests_are_refused_by_their_bound() {
+    let (_dir, daemon, kubelet) = started().await;
+    let mut client = kubelet.client(MEM).unwrap();
+    let id = kubelet.free_devices(MEM)[0].clone();
+    for count in [MAX_CONTAINERS + 1, 300_000] {
+        let one = ContainerAllocateRequest {
+            devices_ids: vec![id.clone()],
+        };
+        let e = client
+            .allocate(AllocateRequest {
+                container_requests: vec![one; count],
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{count}: {e:?}");
+        assert!(
+            e.message().contains(&format!("at most {MAX_CONTAINERS}")),
+            "{}",
+            e.message()
+        );
+        let one = ContainerPreferredAllocationRequest {
+            available_device_i_ds: vec![id.clone()],
+            must_include_device_i_ds: vec![],
+            allocation_size: 1,
+        };
+        let e = client
+            .get_preferred_allocation(PreferredAllocationRequest {
+                container_requests: vec![one; count],
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{count}: {e:?}");
+        assert!(e.message().contains(&format!("at most {MAX_CONTAINERS}")));
+    }
+    // Still serving.
+    let grants = kubelet.admit(&[(MEM, 10)]).await;
+    assert!(grants.is_ok(), "{grants:?}\n{}", daemon.log_text());
 }

@@ -11,7 +11,9 @@ pub mod packing;
 pub use backend::{DiscoverError, discover};
 pub use ids::validate_uuid;
 pub use list::DeviceListMessage;
-pub use model::{DeviceModel, DeviceRef, IdError, KUBELET_MAX_MESSAGE_BYTES, Plan, PlanError};
+pub use model::{
+    DeviceModel, DeviceRef, IdError, KUBELET_MAX_MESSAGE_BYTES, Plan, PlanError, device_entry_len,
+};
 
 use serde::Deserialize;
 

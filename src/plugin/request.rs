@@ -1,10 +1,17 @@
-//! GetPreferredAllocation's request, decoded without a heap string per ID.
+//! GetPreferredAllocation's and Allocate's requests, decoded without a heap
+//! string per ID and within bounds.
 //!
-//! The kubelet lists every free device ID in it (160,000 for two 80 GB GPUs
-//! at 1 MiB units); the generated type would allocate a `String` for each
-//! before the handler runs. The server takes these types instead (see
-//! `build.rs`): each repeated ID field is one byte buffer plus offsets.
-//! IDs are compared as bytes, so no UTF-8 check is needed either.
+//! The kubelet lists every free device ID in GetPreferredAllocation (160,000
+//! for two 80 GB GPUs at 1 MiB units); the generated type would allocate a
+//! `String` for each before the handler runs. The server takes these types
+//! instead (see `build.rs`): each repeated ID field is one byte buffer plus
+//! offsets. IDs are compared as bytes, so no UTF-8 check is needed either.
+//!
+//! Bounds: beyond [`MAX_CONTAINERS`] container requests, or [`max_ids`] IDs
+//! in one list, the rest of the field is skipped, not decoded, and the
+//! handler refuses the request with [`Oversize`]. A generated
+//! `AllocateRequest` of tiny container requests would cost about 24 heap
+//! bytes per 2 wire bytes before any handler could count them.
 
 use prost::DecodeError;
 use prost::bytes::{Buf, BufMut};
@@ -12,6 +19,31 @@ use prost::encoding::{
     DecodeContext, WireType, check_wire_type, decode_varint, encode_key, encode_varint,
     encoded_len_varint, int32, message, skip_field,
 };
+
+/// Container requests accepted in one Allocate or GetPreferredAllocation.
+/// The kubelet sends exactly one; a few more leave room for a client that
+/// batches a small pod, and bound what one RPC can make the plugin decode,
+/// log and answer.
+pub const MAX_CONTAINERS: usize = 16;
+
+/// No resource lists more devices than fit in the kubelet's 4 MiB message,
+/// each at least a one-character ID and its health; no kubelet request
+/// names more IDs in one list.
+pub fn max_ids() -> usize {
+    crate::device::KUBELET_MAX_MESSAGE_BYTES / crate::device::device_entry_len(1, "Healthy", None)
+}
+
+/// A request over a bound; nothing past the bound was decoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Oversize {
+    #[error(
+        "{0} container requests in one RPC; at most {MAX_CONTAINERS} are accepted (the kubelet \
+         sends one)"
+    )]
+    Containers(usize),
+    #[error("a container request lists more than {0} device IDs, more than any resource has")]
+    Ids(usize),
+}
 
 /// prost offers hand-written decoders no other way to build its error.
 #[allow(deprecated)]
@@ -24,6 +56,8 @@ fn error(what: &'static str) -> DecodeError {
 pub struct IdList {
     bytes: Vec<u8>,
     ends: Vec<u32>,
+    /// IDs past [`max_ids`] were skipped.
+    over: bool,
 }
 
 impl IdList {
@@ -48,6 +82,11 @@ impl IdList {
             .map_err(|_| error("device ID length overflows"))?;
         if len > buf.remaining() {
             return Err(error("buffer underflow"));
+        }
+        if self.ends.len() >= max_ids() {
+            self.over = true;
+            buf.advance(len);
+            return Ok(());
         }
         let start = self.bytes.len();
         self.bytes.resize(start + len, 0);
@@ -129,17 +168,33 @@ impl prost::Message for ContainerPreferred {
     }
 }
 
-/// `PreferredAllocationRequest`.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct PreferredRequest {
-    pub containers: Vec<ContainerPreferred>,
+/// A container request whose ID lists may have gone past [`max_ids`].
+pub trait IdLists {
+    /// Whether a list skipped IDs past the bound.
+    fn over(&self) -> bool;
 }
 
-impl prost::Message for PreferredRequest {
+impl IdLists for ContainerPreferred {
+    fn over(&self) -> bool {
+        self.available.over || self.must_include.over
+    }
+}
+
+/// `ContainerAllocateRequest`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ContainerIds {
+    pub ids: IdList,
+}
+
+impl IdLists for ContainerIds {
+    fn over(&self) -> bool {
+        self.ids.over
+    }
+}
+
+impl prost::Message for ContainerIds {
     fn encode_raw(&self, buf: &mut impl BufMut) {
-        for c in &self.containers {
-            message::encode(1, c, buf);
-        }
+        self.ids.encode(1, buf);
     }
 
     fn merge_field(
@@ -150,19 +205,119 @@ impl prost::Message for PreferredRequest {
         ctx: DecodeContext,
     ) -> Result<(), DecodeError> {
         match tag {
-            1 => message::merge_repeated(wire_type, &mut self.containers, buf, ctx),
+            1 => self.ids.merge(wire_type, buf),
             _ => skip_field(wire_type, tag, buf, ctx),
         }
     }
 
     fn encoded_len(&self) -> usize {
-        message::encoded_len_repeated(1, &self.containers)
+        self.ids.encoded_len()
     }
 
     fn clear(&mut self) {
-        self.containers.clear();
+        *self = ContainerIds::default();
     }
 }
+
+/// A request's `repeated` container field (number 1), decoded up to
+/// [`MAX_CONTAINERS`]; the rest is skipped and only counted.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Containers<T> {
+    items: Vec<T>,
+    skipped: usize,
+}
+
+impl<T: prost::Message + Default + IdLists> Containers<T> {
+    /// The container requests, or why the request is refused.
+    pub fn checked(&self) -> Result<&[T], Oversize> {
+        if self.skipped > 0 {
+            return Err(Oversize::Containers(self.items.len() + self.skipped));
+        }
+        if self.items.iter().any(T::over) {
+            return Err(Oversize::Ids(max_ids()));
+        }
+        Ok(&self.items)
+    }
+
+    fn merge(
+        &mut self,
+        wire_type: WireType,
+        buf: &mut impl Buf,
+        ctx: DecodeContext,
+    ) -> Result<(), DecodeError> {
+        if self.items.len() < MAX_CONTAINERS {
+            message::merge_repeated(wire_type, &mut self.items, buf, ctx)
+        } else {
+            self.skipped += 1;
+            skip_field(wire_type, 1, buf, ctx)
+        }
+    }
+
+    fn encode(&self, buf: &mut impl BufMut) {
+        for c in &self.items {
+            message::encode(1, c, buf);
+        }
+    }
+
+    fn encoded_len(&self) -> usize {
+        message::encoded_len_repeated(1, &self.items)
+    }
+}
+
+impl<T> From<Vec<T>> for Containers<T> {
+    fn from(items: Vec<T>) -> Self {
+        Containers { items, skipped: 0 }
+    }
+}
+
+/// A request of one [`Containers`] field, as both RPCs' requests are.
+macro_rules! containers_request {
+    ($(#[$doc:meta])* $name:ident, $item:ty) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Default, PartialEq, Eq)]
+        pub struct $name {
+            pub containers: Containers<$item>,
+        }
+
+        impl prost::Message for $name {
+            fn encode_raw(&self, buf: &mut impl BufMut) {
+                self.containers.encode(buf);
+            }
+
+            fn merge_field(
+                &mut self,
+                tag: u32,
+                wire_type: WireType,
+                buf: &mut impl Buf,
+                ctx: DecodeContext,
+            ) -> Result<(), DecodeError> {
+                match tag {
+                    1 => self.containers.merge(wire_type, buf, ctx),
+                    _ => skip_field(wire_type, tag, buf, ctx),
+                }
+            }
+
+            fn encoded_len(&self) -> usize {
+                self.containers.encoded_len()
+            }
+
+            fn clear(&mut self) {
+                *self = $name::default();
+            }
+        }
+    };
+}
+
+containers_request!(
+    /// `PreferredAllocationRequest`.
+    PreferredRequest,
+    ContainerPreferred
+);
+containers_request!(
+    /// `AllocateRequest`.
+    AllocateIdsRequest,
+    ContainerIds
+);
 
 #[cfg(test)]
 mod tests {
@@ -189,8 +344,9 @@ mod tests {
         };
         let bytes = generated.encode_to_vec();
         let ours = PreferredRequest::decode(bytes.as_slice()).unwrap();
-        assert_eq!(ours.containers.len(), 2);
-        let c = &ours.containers[0];
+        let containers = ours.containers.checked().unwrap();
+        assert_eq!(containers.len(), 2);
+        let c = &containers[0];
         let ids: Vec<&[u8]> = c.available.iter().collect();
         assert_eq!(ids, vec![&b"a0"[..], b"a1", b"", b"GPU-x"]);
         assert_eq!(c.must_include.iter().collect::<Vec<_>>(), vec![&b"a1"[..]]);
@@ -214,5 +370,31 @@ mod tests {
                 "cut at {cut}"
             );
         }
+    }
+
+    #[test]
+    fn containers_past_the_bound_are_counted_not_decoded() {
+        let one = api::ContainerAllocateRequest {
+            devices_ids: vec!["a0".into()],
+        };
+        let bytes = api::AllocateRequest {
+            container_requests: vec![one; MAX_CONTAINERS + 5],
+        }
+        .encode_to_vec();
+        let ours = AllocateIdsRequest::decode(bytes.as_slice()).unwrap();
+        assert_eq!(ours.containers.items.len(), MAX_CONTAINERS);
+        assert_eq!(
+            ours.containers.checked(),
+            Err(Oversize::Containers(MAX_CONTAINERS + 5))
+        );
+        let bytes = api::AllocateRequest {
+            container_requests: vec![api::ContainerAllocateRequest {
+                devices_ids: vec![String::new(); max_ids() + 1],
+            }],
+        }
+        .encode_to_vec();
+        let ours = AllocateIdsRequest::decode(bytes.as_slice()).unwrap();
+        assert_eq!(ours.containers.items[0].ids.len(), max_ids());
+        assert_eq!(ours.containers.checked(), Err(Oversize::Ids(max_ids())));
     }
 }

@@ -13,11 +13,11 @@ use tonic::{Request, Response, Status};
 
 use super::allocate::{AllocateError, ResponseTemplate, container_response, grant_response};
 use super::placement::Placement;
-use super::request::PreferredRequest;
+use super::request::{AllocateIdsRequest, Oversize, PreferredRequest};
 use crate::api::lazy::device_plugin_server::DevicePlugin;
 use crate::api::{
-    AllocateRequest, AllocateResponse, ContainerPreferredAllocationResponse, DevicePluginOptions,
-    Empty, PreStartContainerRequest, PreStartContainerResponse, PreferredAllocationResponse,
+    AllocateResponse, ContainerPreferredAllocationResponse, DevicePluginOptions, Empty,
+    PreStartContainerRequest, PreStartContainerResponse, PreferredAllocationResponse,
 };
 use crate::device::{DeviceListMessage, DeviceModel, DeviceRef, IdError, Resource, packing};
 use crate::matcher::ledger::ids_digest;
@@ -103,6 +103,14 @@ impl DevicePluginService {
         )
     }
 
+    fn oversize(&self, e: Oversize) -> Refusal {
+        let reason = match e {
+            Oversize::Containers(_) => "too_many_containers",
+            Oversize::Ids(_) => "too_many_ids",
+        };
+        self.refuse(reason, e)
+    }
+
     fn decode<'a>(
         &self,
         ids: impl ExactSizeIterator<Item = &'a [u8]>,
@@ -135,15 +143,16 @@ impl DevicePluginService {
         request: PreferredRequest,
     ) -> Result<PreferredAllocationResponse, Refusal> {
         let resource = self.resource();
+        let containers = request.containers.checked().map_err(|e| self.oversize(e))?;
         let mut container_responses = Vec::new();
-        for req in request.containers {
+        for req in containers {
             let mut available = self.decode(req.available.iter())?;
             let must = self.decode(req.must_include.iter())?;
             let size = usize::try_from(req.size)
                 .map_err(|_| self.refuse("bad_size", format!("allocation size {}", req.size)))?;
             let placement = self.placement.borrow().clone();
-            let prefer = match &placement {
-                Placement::Ids(pairing) => pairing.partner_gpu(resource),
+            let steer = match &placement {
+                Placement::Ids(book) => book.steer(&self.model, &available, size),
                 Placement::Matcher { handle, .. } => {
                     let ask = Ask {
                         resource,
@@ -151,11 +160,11 @@ impl DevicePluginService {
                         digest: None,
                         id_gpus: Vec::new(),
                     };
-                    let steer = handle.prefer(ask).await;
-                    available.retain(|d| !steer.avoid.get(d.gpu).copied().unwrap_or(false));
-                    steer.gpus.first().copied()
+                    handle.prefer(ask).await
                 }
             };
+            available.retain(|d| !steer.avoid.get(d.gpu).copied().unwrap_or(false));
+            let prefer = steer.gpus.first().copied();
             let chosen = match resource {
                 Resource::GpuCount => {
                     packing::whole(&available, &must, size, |g| self.model.gpus()[g].numa_node)
@@ -172,14 +181,15 @@ impl DevicePluginService {
         })
     }
 
-    async fn allocate(&self, request: AllocateRequest) -> Result<AllocateResponse, Refusal> {
+    async fn allocate(&self, request: AllocateIdsRequest) -> Result<AllocateResponse, Refusal> {
         let resource = self.resource();
+        let containers = request.containers.checked().map_err(|e| self.oversize(e))?;
         let mut container_responses = Vec::new();
-        for req in request.container_requests {
-            let devices = self.decode(req.devices_ids.iter().map(|id| id.as_bytes()))?;
+        for req in containers {
+            let devices = self.decode(req.ids.iter())?;
             let placement = self.placement.borrow().clone();
             let response = match &placement {
-                Placement::Ids(pairing) => {
+                Placement::Ids(book) => {
                     let response = container_response(&self.model, &devices, &self.template)
                         .map_err(|e| {
                             let reason = match e {
@@ -188,9 +198,10 @@ impl DevicePluginService {
                             };
                             self.refuse(reason, e)
                         })?;
-                    if let (Some(d), true) = (devices.first(), resource != Resource::GpuCount) {
-                        pairing.note(resource, d.gpu);
-                    }
+                    book.grant(&self.model, &devices).map_err(|e| {
+                        let status = Status::failed_precondition(format!("{resource}: {e}"));
+                        Refusal(status, "split_container")
+                    })?;
                     response
                 }
                 Placement::Matcher { handle, wait } => {
@@ -203,7 +214,10 @@ impl DevicePluginService {
                     let ask = Ask {
                         resource,
                         devices: devices.len() as u64,
-                        digest: Some(ids_digest(req.devices_ids.iter().map(String::as_str))),
+                        // Decoded, so every ID is a known (ASCII) one.
+                        digest: Some(ids_digest(
+                            req.ids.iter().filter_map(|id| std::str::from_utf8(id).ok()),
+                        )),
                         id_gpus,
                     };
                     let d = handle
@@ -286,7 +300,7 @@ impl DevicePlugin for DevicePluginService {
 
     async fn allocate(
         &self,
-        request: Request<AllocateRequest>,
+        request: Request<AllocateIdsRequest>,
     ) -> Result<Response<AllocateResponse>, Status> {
         let started = Instant::now();
         let result = DevicePluginService::allocate(self, request.into_inner()).await;

@@ -5,7 +5,8 @@
 //! unhealthy and is never reopened; an older stream that ends after a
 //! re-registration drops the new client too (kubernetes#121994); admission
 //! asks GetPreferredAllocation, keeps valid IDs, fills the shortfall itself,
-//! then calls Allocate.
+//! then calls Allocate; an app container reuses its init container's
+//! devices without asking GetPreferredAllocation.
 
 mod registration;
 
@@ -220,13 +221,38 @@ impl KubeletSim {
     /// order given, as the kubelet's device manager does. On any failure the
     /// container's devices are released and the error text returned.
     pub async fn admit(&self, requests: &[(impl AsRef<str>, usize)]) -> Result<Vec<Grant>, String> {
+        self.admit_reusing(requests, &[]).await
+    }
+
+    /// [`admit`](Self::admit) for an app container after its pod's init
+    /// containers: a resource that one of `reusable` (an init container's
+    /// grants) holds enough of is served from those IDs, with no
+    /// GetPreferredAllocation, as the kubelet's device manager reuses them.
+    pub async fn admit_reusing(
+        &self,
+        requests: &[(impl AsRef<str>, usize)],
+        reusable: &[Grant],
+    ) -> Result<Vec<Grant>, String> {
         let mut grants: Vec<Grant> = Vec::new();
+        // Only what this container took fresh goes back on a failure: reused
+        // IDs stay with the init container.
+        let mut fresh: Vec<usize> = Vec::new();
         for (resource, amount) in requests {
-            match self.admit_one(resource.as_ref(), *amount).await {
-                Ok(g) => grants.push(g),
+            let resource = resource.as_ref();
+            let reuse = reusable
+                .iter()
+                .find(|g| g.resource == resource && g.device_ids.len() >= *amount)
+                .map(|g| &g.device_ids[..*amount]);
+            match self.admit_one(resource, *amount, reuse).await {
+                Ok(g) => {
+                    if reuse.is_none() {
+                        fresh.push(grants.len());
+                    }
+                    grants.push(g);
+                }
                 Err(e) => {
                     self.shared.update(|s| {
-                        for g in &grants {
+                        for g in fresh.iter().map(|&i| &grants[i]) {
                             if let Some(used) = s.allocated.get_mut(&g.resource) {
                                 for id in &g.device_ids {
                                     used.remove(id);
@@ -241,7 +267,12 @@ impl KubeletSim {
         Ok(grants)
     }
 
-    async fn admit_one(&self, resource: &str, amount: usize) -> Result<Grant, String> {
+    async fn admit_one(
+        &self,
+        resource: &str,
+        amount: usize,
+        reuse: Option<&[String]>,
+    ) -> Result<Grant, String> {
         let (mut client, options) = {
             let state = self.shared.state.lock().expect("kubelet sim lock poisoned");
             let e = state
@@ -250,7 +281,10 @@ impl KubeletSim {
                 .ok_or_else(|| format!("unknown resource {resource}"))?;
             (e.client.clone(), e.options)
         };
-        let free = self.free_devices(resource);
+        let free = match reuse {
+            Some(ids) => ids.to_vec(),
+            None => self.free_devices(resource),
+        };
         if free.len() < amount {
             return Err(format!(
                 "insufficient {resource}: requested {amount}, available {}",
@@ -259,7 +293,7 @@ impl KubeletSim {
         }
         let mut chosen: Vec<String> = Vec::with_capacity(amount);
         let mut taken: HashSet<String> = HashSet::with_capacity(amount);
-        if options.get_preferred_allocation_available {
+        if options.get_preferred_allocation_available && reuse.is_none() {
             let request = PreferredAllocationRequest {
                 container_requests: vec![ContainerPreferredAllocationRequest {
                     available_device_i_ds: free.clone(),
