@@ -365,16 +365,23 @@ async fn a_reload_changing_two_resources_settles_them_side_by_side() {
     .await;
     let log = daemon.log_text();
     let reload: Vec<&str> = log[before..].lines().collect();
-    let first = |what: &str, resource: &str| {
-        reload
+    // From the old plugin's end on: the kubelet may count a registration
+    // before the plugin has logged it, so older lines can follow `before`.
+    let after_stop = |what: &str, resource: &str| {
+        let from = reload
+            .iter()
+            .position(|l| l.contains(" stopped") && l.contains(&format!("resource={resource}")))
+            .unwrap_or_else(|| panic!("{resource} never stopped:\n{log}"));
+        let at = reload[from..]
             .iter()
             .position(|l| l.contains(what) && l.contains(&format!("resource={resource}")))
-            .unwrap_or_else(|| panic!("no {what:?} for {resource}:\n{log}"))
+            .unwrap_or_else(|| panic!("no {what:?} for {resource}:\n{log}"));
+        (from, from + at)
     };
     let resources = ["gpu-memory", "gpu-core"];
     // Each new plugin waits out the settle pause (kubernetes#121994)...
     for r in resources {
-        let (stopped, registered) = (first("stopped", r), first("registered with the kubelet", r));
+        let (stopped, registered) = after_stop("registered with the kubelet", r);
         let paused = logged_at(reload[registered]) - logged_at(reload[stopped]);
         assert!(
             paused >= 0.2,
@@ -383,8 +390,8 @@ async fn a_reload_changing_two_resources_settles_them_side_by_side() {
     }
     // ...but both pauses run at once: the second starts before the first
     // has ended in a registration.
-    let settles = resources.map(|r| first("settling before registering", r));
-    let registered = resources.map(|r| first("registered with the kubelet", r));
+    let settles = resources.map(|r| after_stop("settling before registering", r).1);
+    let registered = resources.map(|r| after_stop("registered with the kubelet", r).1);
     assert!(
         settles.iter().max() < registered.iter().min(),
         "the settle pauses ran one after the other:\n{log}"
