@@ -10,7 +10,7 @@ use std::time::Duration;
 use futures::{Stream, StreamExt};
 use ractor::Actor;
 
-use crate::config::{Config, ConfigError};
+use crate::config::{Backend, Config, ConfigError};
 use crate::device::{DiscoverError, Gpu, Plan, PlanError, discover};
 use crate::metrics::Metrics;
 use crate::supervisor::{Supervisor, SupervisorArgs, SupervisorMsg};
@@ -121,8 +121,24 @@ pub async fn run(
 ) -> Result<(), RunError> {
     let plan = plan(&config).await?;
     for gpu in plan.gpus() {
-        tracing::info!(uuid = %gpu.uuid, index = gpu.index, memory_mib = gpu.memory_mib, numa_node = ?gpu.numa_node, "GPU");
+        tracing::info!(uuid = %gpu.uuid, index = gpu.index, memory_mib = gpu.memory_mib, numa_node = gpu.numa_node, "GPU");
     }
+    let health = crate::health::mode(&config, plan.gpus()).await;
+    let resources: Vec<String> = plan
+        .models()
+        .map(|m| config.resource_name(m.resource()))
+        .collect();
+    tracing::info!(
+        version = crate::VERSION,
+        config = %source.as_deref().map_or("(built-in default)".into(), |p| p.display().to_string()),
+        backend = match config.devices.backend {
+            Backend::Nvml => "nvml",
+            Backend::Mock => "mock",
+        },
+        resources = resources.join(", "),
+        %health,
+        "starting"
+    );
     let metrics = Arc::new(Metrics::default());
     if !config.http_listen.is_empty() {
         let addr = crate::http::serve(&config.http_listen, metrics.clone())

@@ -1,6 +1,8 @@
 //! The operator's HTTP endpoint (`http_listen`): `/metrics` in Prometheus
 //! text format, `/healthz` (the process answers), `/readyz` (every enabled
-//! resource is registered and its ListAndWatch stream open).
+//! resource is registered and its ListAndWatch stream open, the pod matcher,
+//! when on, has synced its pod cache, and no actor keeps failing; a 503
+//! names each part that is not ready and why).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -29,10 +31,10 @@ async fn readyz(State(m): State<Arc<Metrics>>) -> (StatusCode, String) {
     if waiting.is_empty() {
         (StatusCode::OK, "ready\n".into())
     } else {
-        let list = waiting.join(", ");
+        let list = waiting.join("; ");
         (
             StatusCode::SERVICE_UNAVAILABLE,
-            format!("not registered or not streaming: {list}\n"),
+            format!("not ready: {list}\n"),
         )
     }
 }

@@ -16,6 +16,11 @@ pub mod sim;
 pub mod supervisor;
 pub mod uds;
 
+/// The git revision the binary was built from ("unknown" without git).
+pub const GIT_REVISION: &str = env!("GIT_REVISION");
+/// `<crate version> (<git revision>)`, for `--version` and the logs.
+pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("GIT_REVISION"), ")");
+
 /// The kubelet's v1beta1 device-plugin API (messages, clients, servers).
 pub mod api {
     /// The API version a plugin registers with and a kubelet accepts; it

@@ -10,10 +10,13 @@ use gpu_device_plugin::app::{self, Control};
 use gpu_device_plugin::config::{Config, LogFormat};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use tracing_subscriber::EnvFilter;
+use tracing_subscriber::field::{RecordFields, Visit};
+use tracing_subscriber::fmt::FormatFields;
+use tracing_subscriber::fmt::format::Writer;
 
 #[derive(Parser)]
 #[command(
-    version,
+    version = gpu_device_plugin::VERSION,
     about = "Kubernetes device plugin sharing NVIDIA GPUs by memory and compute"
 )]
 struct Cli {
@@ -50,8 +53,71 @@ fn init_logging(format: LogFormat, default_level: &str) {
         .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     match format {
-        LogFormat::Json => builder.json().init(),
+        LogFormat::Json => builder.json().fmt_fields(SpanFields).init(),
         LogFormat::Text => builder.init(),
+    }
+}
+
+/// Span fields as a JSON object for the JSON log. The formatter adds the
+/// span's own name under `name`, and ractor's actor spans carry the actor's
+/// name in a field `name` too: a duplicate key that parsers drop. Here that
+/// field becomes `actor`.
+struct SpanFields;
+
+#[derive(Default)]
+struct SpanVisitor(serde_json::Map<String, serde_json::Value>);
+
+impl SpanVisitor {
+    fn put(&mut self, field: &tracing::field::Field, value: serde_json::Value) {
+        let key = match field.name() {
+            "name" => "actor",
+            other => other,
+        };
+        self.0.insert(key.to_owned(), value);
+    }
+}
+
+impl Visit for SpanVisitor {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.put(field, format!("{value:?}").into());
+    }
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        self.put(field, value.into());
+    }
+    fn record_i64(&mut self, field: &tracing::field::Field, value: i64) {
+        self.put(field, value.into());
+    }
+    fn record_u64(&mut self, field: &tracing::field::Field, value: u64) {
+        self.put(field, value.into());
+    }
+    fn record_bool(&mut self, field: &tracing::field::Field, value: bool) {
+        self.put(field, value.into());
+    }
+}
+
+impl<'writer> FormatFields<'writer> for SpanFields {
+    fn format_fields<R: RecordFields>(
+        &self,
+        mut writer: Writer<'writer>,
+        fields: R,
+    ) -> std::fmt::Result {
+        let mut visitor = SpanVisitor::default();
+        fields.record(&mut visitor);
+        write!(writer, "{}", serde_json::Value::Object(visitor.0))
+    }
+
+    fn add_fields(
+        &self,
+        current: &'writer mut tracing_subscriber::fmt::FormattedFields<Self>,
+        fields: &tracing::span::Record<'_>,
+    ) -> std::fmt::Result {
+        let mut visitor = SpanVisitor::default();
+        if !current.is_empty() {
+            visitor.0 = serde_json::from_str(current).map_err(|_| std::fmt::Error)?;
+        }
+        fields.record(&mut visitor);
+        current.fields = serde_json::Value::Object(visitor.0).to_string();
+        Ok(())
     }
 }
 
@@ -100,7 +166,12 @@ fn controls() -> anyhow::Result<impl futures::Stream<Item = Control> + Unpin> {
     let signals = signal_hook_tokio::Signals::new([SIGHUP, SIGTERM, SIGINT])
         .context("cannot install signal handlers")?;
     Ok(signals.map(|sig| {
-        tracing::info!(signal = sig, "signal received");
+        let name = match sig {
+            SIGHUP => "SIGHUP",
+            SIGTERM => "SIGTERM",
+            _ => "SIGINT",
+        };
+        tracing::info!(signal = name, "signal received");
         if sig == SIGHUP {
             Control::Reload
         } else {

@@ -1,6 +1,9 @@
 //! Counters and gauges for `/metrics` (Prometheus text format) and the
 //! readiness of `/readyz`. One [`ResourceMetrics`] per resource, created by
 //! the supervisor and kept across plugin restarts, so counters accumulate.
+//! Readiness also waits for the other parts that mark themselves unready:
+//! the pod matcher until its pod cache synced, and any actor that keeps
+//! failing.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -122,10 +125,21 @@ type Series = (
     fn(&ResourceMetrics) -> u64,
 );
 
+/// Why a part other than a resource holds readiness back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Hold {
+    /// Not up yet (the pod matcher before its pod cache synced).
+    Waiting,
+    /// Restarted again and again.
+    Failing,
+}
+
 /// Every enabled resource's metrics, by resource name.
 #[derive(Debug, Default)]
 pub struct Metrics {
     resources: RwLock<BTreeMap<String, Arc<ResourceMetrics>>>,
+    /// Parts holding readiness back: (name, hold) → why.
+    held: Mutex<BTreeMap<(String, Hold), String>>,
     /// Pods of this node in the matcher's cache.
     pod_cache: AtomicU64,
     /// API-server requests the matcher made outside its watch, by verb.
@@ -163,18 +177,38 @@ impl Metrics {
             .or_default() += 1;
     }
 
-    /// Names of resources not ready yet; empty when all are.
+    /// Marks `part` unready for `hold` with the reason `why`, or clears
+    /// that mark with None.
+    pub fn hold(&self, part: &str, hold: Hold, why: Option<String>) {
+        let mut held = self.held.lock().expect("metrics lock");
+        let key = (part.to_owned(), hold);
+        match why {
+            Some(why) => held.insert(key, why),
+            None => held.remove(&key),
+        };
+    }
+
+    /// What is not ready yet, each with why; empty when all is.
     pub fn not_ready(&self) -> Vec<String> {
         let all = self.resources.read().expect("metrics lock");
-        all.iter()
+        let resources = all
+            .iter()
             .filter(|(_, m)| !m.ready())
-            .map(|(n, _)| n.clone())
-            .collect()
+            .map(|(n, _)| format!("{n}: not registered or not streaming"));
+        let held = self.held.lock().expect("metrics lock");
+        let parts = held.iter().map(|((part, _), why)| format!("{part}: {why}"));
+        resources.chain(parts).collect()
     }
 
     pub fn render(&self) -> String {
         let all = self.resources.read().expect("metrics lock");
         let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "# HELP gpu_device_plugin_build_info The running binary's version and git revision.\n# TYPE gpu_device_plugin_build_info gauge\ngpu_device_plugin_build_info{{version=\"{}\",git=\"{}\"}} 1",
+            env!("CARGO_PKG_VERSION"),
+            crate::GIT_REVISION
+        );
         let gauges: [Series; 8] = [
             (
                 "devices",
@@ -320,8 +354,20 @@ mod tests {
         assert!(text.contains("reason=\"unknown_id\"} 1"));
         assert!(text.contains("rpc=\"allocate\",le=\"0.001\"} 1"));
         assert!(text.contains("rpc=\"allocate\",le=\"+Inf\"} 2"));
-        assert_eq!(metrics.not_ready(), vec!["doslab.io/gpu-core".to_owned()]);
+        assert!(text.contains(&format!(
+            "gpu_device_plugin_build_info{{version=\"{}\",git=\"{}\"}} 1",
+            env!("CARGO_PKG_VERSION"),
+            crate::GIT_REVISION
+        )));
+        assert_eq!(
+            metrics.not_ready(),
+            ["doslab.io/gpu-core: not registered or not streaming"]
+        );
         metrics.retain(&[]);
         assert!(metrics.not_ready().is_empty());
+        metrics.hold("pod matcher", Hold::Waiting, Some("not synced".into()));
+        metrics.hold("pod matcher", Hold::Failing, Some("failed".into()));
+        metrics.hold("pod matcher", Hold::Waiting, None);
+        assert_eq!(metrics.not_ready(), ["pod matcher: failed"]);
     }
 }

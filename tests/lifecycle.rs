@@ -220,7 +220,16 @@ async fn a_plugin_that_cannot_start_is_retried_and_the_others_keep_serving() {
         s.get(CORE).is_some_and(|v| !v.stream_open)
     };
     assert!(kubelet.wait_until(WAIT, failing).await);
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // A child that keeps failing makes the daemon not ready, by name.
+    let addr = http_addr(&daemon);
+    let deadline = std::time::Instant::now() + WAIT;
+    let mut readyz = http_get(&addr, "/readyz");
+    while !readyz.1.contains("plugin gpu-core") && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        readyz = http_get(&addr, "/readyz");
+    }
+    assert_eq!(readyz.0, 503, "{}", readyz.1);
+    assert!(readyz.1.contains("plugin gpu-core"), "{}", readyz.1);
     let log = daemon.log_text();
     assert!(log.contains("child ended; restarting"), "{log}");
     // The other resources were never disturbed.
@@ -259,4 +268,134 @@ async fn twenty_reloads_in_a_row_each_re_register_the_changed_resource() {
         )
         .await;
     }
+}
+
+/// Seconds since midnight of a text log line's timestamp.
+fn logged_at(line: &str) -> f64 {
+    let time = line.split_whitespace().next().unwrap();
+    let (_, clock) = time.split_once('T').unwrap();
+    let mut parts = clock.trim_end_matches('Z').split(':');
+    let mut secs = 0.0;
+    for _ in 0..3 {
+        secs = secs * 60.0 + parts.next().unwrap().parse::<f64>().unwrap();
+    }
+    secs
+}
+
+/// The number after `key=` in a text log line.
+fn logged_number(line: &str, key: &str) -> Option<u64> {
+    let at = line.find(&format!(" {key}="))? + key.len() + 2;
+    line[at..]
+        .split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kubelet_socket_nobody_answers_yet_is_retried_on_time_not_per_event() {
+    let dir = tempfile::tempdir().unwrap();
+    // kubelet.sock is there, but no kubelet listens on it yet.
+    drop(std::os::unix::net::UnixListener::bind(dir.path().join("kubelet.sock")).unwrap());
+    let daemon = Daemon::start(&mock_config(
+        dir.path(),
+        "resources = [\"gpu-memory\"]",
+        GPUS,
+    ));
+    // A storm of filesystem events, each one a reason to check.
+    let storm = std::time::Instant::now();
+    let mut i = 0;
+    while storm.elapsed() < Duration::from_millis(1500) {
+        let noise = dir.path().join(format!("noise-{}.sock", i % 4));
+        std::fs::write(&noise, "").unwrap();
+        std::fs::remove_file(&noise).unwrap();
+        i += 1;
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let log = daemon.log_text();
+    let attempts: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("registration failed") || l.contains("early registration attempt"))
+        .collect();
+    let scheduled: Vec<(f64, u64)> = attempts
+        .iter()
+        .filter_map(|l| Some((logged_at(l), logged_number(l, "retry_in_ms")?)))
+        .collect();
+    assert!(scheduled.len() >= 3, "{log}");
+    for (n, pair) in scheduled.windows(2).enumerate() {
+        let ((then, delay), (now, next)) = (pair[0], pair[1]);
+        assert_eq!(next, (delay * 2).min(2000), "attempt {n}:\n{log}");
+        assert!(
+            (now - then) * 1000.0 >= delay as f64 - 2.0,
+            "attempt {n} came {:.1} ms after the one before, not {delay} ms:\n{log}",
+            (now - then) * 1000.0
+        );
+    }
+    // Between two scheduled attempts, events bring at most one early one.
+    let mut early = 0;
+    for line in &attempts {
+        if logged_number(line, "retry_in_ms").is_some() {
+            early = 0;
+        } else {
+            early += 1;
+            assert!(early <= 1, "{log}");
+        }
+    }
+
+    let kubelet = KubeletSim::start(dir.path()).unwrap();
+    expect(&kubelet, &daemon, &[(MEM, 1, 4096)]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_changing_two_resources_settles_them_side_by_side() {
+    let (dir, daemon, kubelet) = start("").await;
+    expect(
+        &kubelet,
+        &daemon,
+        &[(MEM, 1, 4096), (CORE, 1, 200), (COUNT, 1, 2)],
+    )
+    .await;
+    let before = daemon.log_text().len();
+    let next = mock_config(dir.path(), "memory_unit_mib = 2\ncores_per_gpu = 50", GPUS);
+    std::fs::write(&daemon.config, next).unwrap();
+    daemon.signal(libc::SIGHUP);
+    expect(
+        &kubelet,
+        &daemon,
+        &[(MEM, 2, 2048), (CORE, 2, 100), (COUNT, 1, 2)],
+    )
+    .await;
+    let log = daemon.log_text();
+    let reload: Vec<&str> = log[before..].lines().collect();
+    // From the old plugin's end on: the kubelet may count a registration
+    // before the plugin has logged it, so older lines can follow `before`.
+    let after_stop = |what: &str, resource: &str| {
+        let from = reload
+            .iter()
+            .position(|l| l.contains(" stopped") && l.contains(&format!("resource={resource}")))
+            .unwrap_or_else(|| panic!("{resource} never stopped:\n{log}"));
+        let at = reload[from..]
+            .iter()
+            .position(|l| l.contains(what) && l.contains(&format!("resource={resource}")))
+            .unwrap_or_else(|| panic!("no {what:?} for {resource}:\n{log}"));
+        (from, from + at)
+    };
+    let resources = ["gpu-memory", "gpu-core"];
+    // Each new plugin waits out the settle pause (kubernetes#121994)...
+    for r in resources {
+        let (stopped, registered) = after_stop("registered with the kubelet", r);
+        let paused = logged_at(reload[registered]) - logged_at(reload[stopped]);
+        assert!(
+            paused >= 0.2,
+            "{r} re-registered {paused:.3} s after it stopped:\n{log}"
+        );
+    }
+    // ...but both pauses run at once: the second starts before the first
+    // has ended in a registration.
+    let settles = resources.map(|r| after_stop("settling before registering", r).1);
+    let registered = resources.map(|r| after_stop("registered with the kubelet", r).1);
+    assert!(
+        settles.iter().max() < registered.iter().min(),
+        "the settle pauses ran one after the other:\n{log}"
+    );
 }

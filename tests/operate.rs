@@ -361,3 +361,245 @@ async fn inspect_reports_what_the_kubelet_sees() {
         "{stdout}"
     );
 }
+
+/// A JSON value whose objects must not repeat a key at any level:
+/// serde_json's own map would keep the last value silently.
+struct Strict(serde_json::Value);
+
+impl<'de> serde::Deserialize<'de> for Strict {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(StrictVisitor)
+    }
+}
+
+struct StrictVisitor;
+
+impl<'de> serde::de::Visitor<'de> for StrictVisitor {
+    type Value = Strict;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("JSON")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<Strict, E> {
+        Ok(Strict(v.into()))
+    }
+
+    fn visit_i64<E>(self, v: i64) -> Result<Strict, E> {
+        Ok(Strict(v.into()))
+    }
+
+    fn visit_u64<E>(self, v: u64) -> Result<Strict, E> {
+        Ok(Strict(v.into()))
+    }
+
+    fn visit_f64<E>(self, v: f64) -> Result<Strict, E> {
+        Ok(Strict(v.into()))
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Strict, E> {
+        Ok(Strict(v.into()))
+    }
+
+    fn visit_unit<E>(self) -> Result<Strict, E> {
+        Ok(Strict(serde_json::Value::Null))
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Strict, A::Error> {
+        let mut items = Vec::new();
+        while let Some(Strict(v)) = seq.next_element()? {
+            items.push(v);
+        }
+        Ok(Strict(items.into()))
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Strict, A::Error> {
+        let mut object = serde_json::Map::new();
+        while let Some((key, Strict(v))) = map.next_entry::<String, Strict>()? {
+            if object.insert(key.clone(), v).is_some() {
+                return Err(serde::de::Error::custom(format!("key {key:?} repeats")));
+            }
+        }
+        Ok(Strict(object.into()))
+    }
+}
+
+/// The daemon's JSON log lines, each parsed strictly.
+fn json_lines(log: &str) -> Vec<serde_json::Value> {
+    log.lines()
+        .map(|line| {
+            let mut de = serde_json::Deserializer::from_str(line);
+            let Strict(v) =
+                serde::Deserialize::deserialize(&mut de).unwrap_or_else(|e| panic!("{e}: {line}"));
+            v
+        })
+        .collect()
+}
+
+/// The `fields` of the first line whose message is `message`.
+fn fields_of<'a>(lines: &'a [serde_json::Value], message: &str) -> &'a serde_json::Value {
+    lines
+        .iter()
+        .map(|l| &l["fields"])
+        .find(|f| f["message"] == message)
+        .unwrap_or_else(|| panic!("no {message:?} line in {lines:#?}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_logs_have_unique_keys_numbers_and_signal_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut toml = mock_config(
+        dir.path(),
+        "log_format = \"json\"",
+        &[("GPU-a", 1024), ("GPU-b", 1024)],
+    );
+    // GPU-a sits on NUMA node 0; GPU-b's node is unknown.
+    toml = toml.replacen(
+        "memory_mib = 1024\n",
+        "memory_mib = 1024\nnuma_node = 0\n",
+        1,
+    );
+    let mut daemon = Daemon::start(&toml);
+    let kubelet = KubeletSim::start(dir.path()).unwrap();
+    let listed = [
+        (MEM, 2048),
+        ("doslab.io/gpu-core", 200),
+        ("doslab.io/gpu-count", 2),
+    ];
+    assert!(
+        kubelet.wait_until(WAIT, all_listed(&listed)).await,
+        "{}",
+        daemon.log_text()
+    );
+    kubelet.admit(&[(MEM, 100)]).await.unwrap();
+    daemon.signal(libc::SIGHUP);
+    let deadline = std::time::Instant::now() + WAIT;
+    while !daemon.log_text().contains("config reloaded") && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    daemon.signal(libc::SIGTERM);
+    assert!(daemon.wait_exit(WAIT).unwrap().success());
+
+    let lines = json_lines(&daemon.log_text());
+    let gpus: Vec<&serde_json::Value> = lines
+        .iter()
+        .map(|l| &l["fields"])
+        .filter(|f| f["message"] == "GPU")
+        .collect();
+    assert_eq!(gpus.len(), 2, "{lines:#?}");
+    assert_eq!(gpus[0]["numa_node"], 0, "a plain number: {:?}", gpus[0]);
+    assert!(gpus[1].get("numa_node").is_none(), "absent: {:?}", gpus[1]);
+    assert!(
+        gpus.iter()
+            .all(|g| g["memory_mib"] == 1024 && g["index"].is_u64())
+    );
+    assert!(
+        fields_of(&lines, "serving")["devices"].is_u64(),
+        "{lines:#?}"
+    );
+    // The actor's name survives in the span, under a key of its own.
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["span"]["actor"].as_str() == Some("plugin gpu-memory")),
+        "{lines:#?}"
+    );
+    let signals: Vec<&str> = lines
+        .iter()
+        .filter(|l| l["fields"]["message"] == "signal received")
+        .map(|l| l["fields"]["signal"].as_str().unwrap())
+        .collect();
+    assert_eq!(signals, ["SIGHUP", "SIGTERM"]);
+
+    // One start-up line says what runs, from where, and how health is checked.
+    let start = fields_of(&lines, "starting");
+    assert_eq!(start["version"], gpu_device_plugin::VERSION);
+    assert_eq!(start["config"], daemon.config.display().to_string());
+    assert_eq!(start["backend"], "mock");
+    assert_eq!(
+        start["resources"],
+        "doslab.io/gpu-memory, doslab.io/gpu-core, doslab.io/gpu-count"
+    );
+    assert_eq!(start["health"], "polling only (mock backend)");
+}
+
+#[test]
+fn version_and_build_info_carry_the_git_revision() {
+    let rev = std::process::Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map_or("unknown".into(), |o| {
+            String::from_utf8_lossy(&o.stdout).trim().to_owned()
+        });
+    let version = format!("{} ({rev})", env!("CARGO_PKG_VERSION"));
+    let (status, stdout, _) = run_to_end(&["--version"], &[]);
+    assert!(status.success());
+    assert_eq!(stdout.trim(), format!("gpu-device-plugin {version}"));
+
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start(&mock_config(dir.path(), "", &[("GPU-a", 1024)]));
+    let (_, m) = http_get(&http_addr(&daemon), "/metrics");
+    let series = format!(
+        "gpu_device_plugin_build_info{{version=\"{}\",git=\"{rev}\"}}",
+        env!("CARGO_PKG_VERSION")
+    );
+    assert_eq!(sample(&m, &series), Some(1.0), "{m}");
+}
+
+/// The daemon with pod matching against an API server at `kubeconfig`,
+/// once every resource is registered.
+async fn matching_daemon(dir: &Path, kubeconfig: &Path) -> (Daemon, KubeletSim, String) {
+    let extra = format!(
+        "pod_matching = true\nnode_name = \"n\"\n[matcher]\nkubeconfig = {:?}",
+        kubeconfig.display().to_string()
+    );
+    let daemon = Daemon::start(&mock_config(dir, &extra, &[("GPU-a", 1024)]));
+    let kubelet = KubeletSim::start(dir).unwrap();
+    let listed = [
+        (MEM, 1024),
+        ("doslab.io/gpu-core", 100),
+        ("doslab.io/gpu-count", 1),
+    ];
+    assert!(
+        kubelet.wait_until(WAIT, all_listed(&listed)).await,
+        "{}",
+        daemon.log_text()
+    );
+    let addr = http_addr(&daemon);
+    (daemon, kubelet, addr)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_waits_for_the_pod_matcher_to_sync() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = tempfile::tempdir().unwrap();
+    let kubeconfig = files.path().join("kubeconfig");
+    // An API server that was there once: the address answers no more.
+    let api = gpu_device_plugin::sim::apiserver::ApiServerSim::start()
+        .await
+        .unwrap();
+    api.write_kubeconfig(&kubeconfig).unwrap();
+    api.stop();
+    let (daemon, _kubelet, addr) = matching_daemon(dir.path(), &kubeconfig).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (code, body) = http_get(&addr, "/readyz");
+    assert_eq!(code, 503, "{body}\n{}", daemon.log_text());
+    assert!(body.contains("pod matcher"), "{body}");
+    assert!(!body.contains(MEM), "the resources are registered: {body}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let api = gpu_device_plugin::sim::apiserver::ApiServerSim::start()
+        .await
+        .unwrap();
+    api.write_kubeconfig(&kubeconfig).unwrap();
+    let (daemon, _kubelet, addr) = matching_daemon(dir.path(), &kubeconfig).await;
+    let deadline = std::time::Instant::now() + WAIT;
+    while http_get(&addr, "/readyz").0 != 200 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (code, body) = http_get(&addr, "/readyz");
+    assert_eq!(code, 200, "{body}\n{}", daemon.log_text());
+}

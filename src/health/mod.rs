@@ -9,5 +9,15 @@ mod probe;
 mod tracker;
 
 pub use actor::{HealthArgs, HealthMonitor, HealthMsg};
-pub use probe::ProbeSpec;
+pub use probe::{HealthMode, ProbeSpec};
 pub use tracker::HealthTracker;
+
+/// How the configured backend will check `gpus`: asks NVML off the async
+/// threads, as the probe thread will.
+pub async fn mode(config: &crate::config::Config, gpus: &[crate::device::Gpu]) -> HealthMode {
+    let spec = ProbeSpec::new(config);
+    let uuids: Vec<String> = gpus.iter().map(|g| g.uuid.clone()).collect();
+    tokio::task::spawn_blocking(move || probe::mode(&spec, &uuids))
+        .await
+        .expect("health mode probe panicked")
+}

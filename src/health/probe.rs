@@ -2,13 +2,16 @@
 //! the thread owns its NVML handle and event set and ends when its monitor
 //! is gone.
 
+use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use nvml_wrapper::Nvml;
 use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::{EventSet, Nvml};
+
+use crate::config::{Backend, Config};
 
 /// XIDs caused by an application, not the GPU (as NVIDIA's plugin skips
 /// them): a crashing container must not take a GPU from everyone else.
@@ -22,6 +25,68 @@ pub enum ProbeSpec {
         dir: Option<PathBuf>,
     },
     Nvml,
+}
+
+impl ProbeSpec {
+    pub fn new(config: &Config) -> ProbeSpec {
+        let dir = &config.health.mock_dir;
+        match config.devices.backend {
+            Backend::Nvml => ProbeSpec::Nvml,
+            Backend::Mock => ProbeSpec::Mock {
+                dir: (!dir.as_os_str().is_empty()).then(|| dir.clone()),
+            },
+        }
+    }
+}
+
+/// How GPU failures are noticed, for the start-up log line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HealthMode {
+    /// Critical XID events arrive as they happen, on this many GPUs.
+    XidEvents(usize),
+    /// Only the periodic query, and why.
+    Polling(String),
+}
+
+impl fmt::Display for HealthMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            HealthMode::XidEvents(n) => write!(f, "XID events registered on {n} GPUs"),
+            HealthMode::Polling(why) => write!(f, "polling only ({why})"),
+        }
+    }
+}
+
+/// What the probe thread will do with `spec` (blocks: NVML).
+pub fn mode(spec: &ProbeSpec, uuids: &[String]) -> HealthMode {
+    match spec {
+        ProbeSpec::Mock { .. } => HealthMode::Polling("mock backend".into()),
+        ProbeSpec::Nvml => match Nvml::init() {
+            Err(e) => HealthMode::Polling(format!("NVML: {e}")),
+            Ok(nvml) => match xid_events(&nvml, uuids) {
+                Ok((_, n)) => HealthMode::XidEvents(n),
+                Err(why) => HealthMode::Polling(why),
+            },
+        },
+    }
+}
+
+/// An event set with critical XID events registered on every GPU NVML
+/// finds, and how many that is; Err says why events are not available.
+fn xid_events<'n>(nvml: &'n Nvml, uuids: &[String]) -> Result<(EventSet<'n>, usize), String> {
+    let mut set = nvml
+        .create_event_set()
+        .map_err(|e| format!("no NVML event set: {e}"))?;
+    let mut registered = 0;
+    for u in uuids {
+        if let Ok(d) = nvml.device_by_uuid(u.as_str()) {
+            set = d
+                .register_events(EventTypes::CRITICAL_XID_ERROR, set)
+                .map_err(|e| format!("XID events not supported on {u}: {e}"))?;
+            registered += 1;
+        }
+    }
+    Ok((set, registered))
 }
 
 /// One round: per GPU, `Some(reason)` when it failed.
@@ -60,19 +125,8 @@ fn run_nvml(uuids: &[String], poll: Duration, report: &impl Fn(Round) -> bool) {
             return;
         }
     };
-    let events = nvml.create_event_set().ok().map(|mut set| {
-        for u in uuids {
-            if let Ok(d) = nvml.device_by_uuid(u.as_str()) {
-                set = match d.register_events(EventTypes::CRITICAL_XID_ERROR, set) {
-                    Ok(s) => s,
-                    // Not supported on this GPU: the polled query still runs.
-                    Err(_) => return None,
-                };
-            }
-        }
-        Some(set)
-    });
-    let events = events.flatten();
+    // Without events (not supported on some GPU) the polled query still runs.
+    let events = xid_events(&nvml, uuids).ok().map(|(set, _)| set);
     loop {
         let mut round: Round = uuids.iter().map(|u| query(&nvml, u).err()).collect();
         let wait_ms = u32::try_from(poll.as_millis()).unwrap_or(u32::MAX);

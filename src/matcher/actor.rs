@@ -19,7 +19,7 @@ use super::cache::PodCache;
 use super::ledger::Ledger;
 use super::matching::{Ask, Decision, MatchError, Node, Usage, decide, decide_with, record};
 use super::pods::{Keys, PodKey, PodView};
-use crate::metrics::Metrics;
+use crate::metrics::{Hold, Metrics};
 
 /// Pause between attempts at an API server that failed.
 const RETRY: Duration = Duration::from_millis(200);
@@ -72,10 +72,15 @@ impl MatcherArgs {
     }
 }
 
+/// What `/readyz` calls the matcher.
+pub const READY_NAME: &str = "pod matcher";
+
 pub struct MatcherState {
     args: MatcherArgs,
     client: Client,
     cache: PodCache,
+    /// Clears the matcher's unready mark once the pod cache has synced.
+    synced: tokio::task::JoinHandle<()>,
     /// Our writes by pod UID: the next Allocate may come before the watch
     /// event does.
     written: HashMap<String, Written>,
@@ -352,10 +357,17 @@ impl Actor for PodMatcher {
         let client = client(&args.kubeconfig).await?;
         let cache = PodCache::start(client.clone(), &args.node_name);
         tracing::info!(node = %args.node_name, "pod matcher watching this node's pods");
+        let (sync, metrics) = (cache.synced(), args.metrics.clone());
+        let synced = tokio::spawn(async move {
+            sync.await;
+            tracing::info!("pod cache synced with the API server");
+            metrics.hold(READY_NAME, Hold::Waiting, None);
+        });
         Ok(MatcherState {
             args,
             client,
             cache,
+            synced,
             written: HashMap::new(),
         })
     }
@@ -388,6 +400,16 @@ impl Actor for PodMatcher {
                 let _ = reply.send(state.prefer(&ask));
             }
         }
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _: ActorRef<MatcherMsg>,
+        state: &mut MatcherState,
+    ) -> Result<(), ActorProcessingErr> {
+        // A successor's cache is not ours: this one must not mark it synced.
+        state.synced.abort();
         Ok(())
     }
 }

@@ -56,6 +56,14 @@ impl PodCache {
             .is_ok_and(|r| r.is_ok())
     }
 
+    /// Resolves once the first full list is in, however long that takes.
+    pub fn synced(&self) -> impl Future<Output = ()> + Send + 'static {
+        let store = self.store.clone();
+        async move {
+            let _ = store.wait_until_ready().await;
+        }
+    }
+
     /// Waits for the store to change, until `deadline`; false when it passed.
     pub async fn changed(&mut self, deadline: Instant) -> bool {
         tokio::time::timeout_at(deadline.into(), self.changes.changed())

@@ -11,7 +11,7 @@ pub mod ledger;
 pub mod matching;
 pub mod pods;
 
-pub use actor::{MatcherArgs, PodMatcher};
+pub use actor::{MatcherArgs, PodMatcher, READY_NAME};
 pub use api::{MatcherHandle, MatcherMsg, Steer};
 
 #[cfg(test)]

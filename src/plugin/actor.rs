@@ -56,6 +56,9 @@ pub struct PluginArgs {
     pub placement: Placement,
     pub healthy: Arc<[bool]>,
     pub metrics: Arc<ResourceMetrics>,
+    /// Set when a predecessor's stream ended just now (a reload): no
+    /// registration before this instant with the same kubelet (see SETTLE).
+    pub settle_until: Option<Instant>,
 }
 
 impl PluginArgs {
@@ -90,13 +93,15 @@ impl PluginArgs {
             model,
             placement,
             healthy,
+            settle_until: None,
         }
     }
 }
 
 pub enum PluginMsg {
-    /// Try to register the server of this generation.
-    Register(u64),
+    /// Try to register the server of this generation: the retry scheduled
+    /// for the given instant, or (None) at once, on start or on a trigger.
+    Register(u64, Option<Instant>),
     /// The outcome of a registration attempt of a generation, against this
     /// kubelet socket.
     Registered(u64, FileId, Result<(), RegisterError>),
@@ -130,7 +135,7 @@ pub struct PluginState {
     /// still the one that held our old stream (see SETTLE); a new kubelet is
     /// registered at once.
     settle: Option<(Instant, Option<FileId>)>,
-    failed_attempts: u32,
+    retry: Retry,
 }
 
 impl PluginState {
@@ -177,6 +182,45 @@ fn file_id(path: &Path) -> Option<FileId> {
 /// one that is gone costs a few wake-ups a second at most.
 fn backoff(failed_attempts: u32) -> Duration {
     Duration::from_millis(100u64 << failed_attempts.min(5)).min(Duration::from_secs(2))
+}
+
+/// When to register again after failures: on time, not per trigger. A
+/// filesystem event or check may try once early within the current backoff
+/// window; only a failure once the window is over (the scheduled retry)
+/// makes the next window longer. A burst of events (a `kubelet.sock` that
+/// appears before the kubelet listens) so costs one extra attempt at most.
+#[derive(Debug, Default)]
+struct Retry {
+    /// Windows that ended in a failure, in a row.
+    failures: u32,
+    /// When the scheduled retry is due; None: no failure since the last
+    /// success or server start.
+    due: Option<Instant>,
+    /// A trigger already tried early in this window.
+    tried_early: bool,
+}
+
+impl Retry {
+    /// Whether a trigger at `now` may try now.
+    fn early(&mut self, now: Instant) -> bool {
+        match self.due {
+            Some(due) if now < due => !std::mem::replace(&mut self.tried_early, true),
+            _ => true,
+        }
+    }
+
+    /// An attempt failed at `now`: the delay to the next scheduled retry,
+    /// or None when it was an early one and the scheduled retry stands.
+    fn failed(&mut self, now: Instant) -> Option<Duration> {
+        if self.due.is_some_and(|due| now < due) {
+            return None;
+        }
+        let delay = backoff(self.failures);
+        self.failures += 1;
+        self.due = Some(now + delay);
+        self.tried_early = false;
+        Some(delay)
+    }
 }
 
 impl PluginActor {
@@ -264,13 +308,32 @@ impl PluginActor {
         state.generation += 1;
         state.registering = false;
         state.set_registered(None);
-        state.failed_attempts = 0;
+        state.retry = Retry::default();
+        let until = (settle && held_by.is_some()).then(|| Instant::now() + SETTLE);
+        Self::first_registration(myself, state, until, held_by)
+    }
+
+    /// Registers the current server at once, or with `settle_until` once
+    /// that has passed, unless the kubelet is no longer `held_by` then.
+    fn first_registration(
+        myself: &ActorRef<PluginMsg>,
+        state: &mut PluginState,
+        settle_until: Option<Instant>,
+        held_by: Option<FileId>,
+    ) -> Result<(), ActorProcessingErr> {
         let generation = state.generation;
-        if settle && held_by.is_some() {
-            state.settle = Some((Instant::now() + SETTLE, held_by));
-            myself.send_after(SETTLE, move || PluginMsg::Register(generation));
-        } else {
-            myself.send_message(PluginMsg::Register(generation))?;
+        match settle_until {
+            Some(until) => {
+                let wait = until.saturating_duration_since(Instant::now());
+                tracing::info!(
+                    resource = %state.resource(),
+                    settle_ms = wait.as_millis() as u64,
+                    "settling before registering: the kubelet must drop the old stream first"
+                );
+                state.settle = Some((until, held_by));
+                myself.send_after(wait, move || PluginMsg::Register(generation, None));
+            }
+            None => myself.send_message(PluginMsg::Register(generation, None))?,
         }
         Ok(())
     }
@@ -286,6 +349,9 @@ impl Actor for PluginActor {
         myself: ActorRef<PluginMsg>,
         args: PluginArgs,
     ) -> Result<PluginState, ActorProcessingErr> {
+        // The kubelet now is the one that held the predecessor's stream.
+        let held_by = file_id(&args.kubelet_socket);
+        let settle_until = args.settle_until;
         let mut state = PluginState {
             placement: watch::Sender::new(args.placement.clone()),
             args,
@@ -294,10 +360,10 @@ impl Actor for PluginActor {
             registering: false,
             registered: None,
             settle: None,
-            failed_attempts: 0,
+            retry: Retry::default(),
         };
         state.server = Some(Self::start_server(&state)?);
-        myself.send_message(PluginMsg::Register(0))?;
+        Self::first_registration(&myself, &mut state, settle_until, held_by)?;
         Ok(state)
     }
 
@@ -308,7 +374,7 @@ impl Actor for PluginActor {
         state: &mut PluginState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            PluginMsg::Register(generation) => {
+            PluginMsg::Register(generation, scheduled) => {
                 if generation != state.generation || state.registering || state.registered.is_some()
                 {
                     return Ok(());
@@ -319,6 +385,14 @@ impl Actor for PluginActor {
                         return Ok(()); // the deferred attempt comes at `until`
                     }
                     state.settle = None;
+                }
+                let on_time = match scheduled {
+                    // A retry of a window that has since been replaced.
+                    Some(due) => state.retry.due == Some(due),
+                    None => state.retry.early(Instant::now()),
+                };
+                if !on_time {
+                    return Ok(());
                 }
                 let Some(kubelet_id) = file_id(&kubelet) else {
                     let err = RegisterError::NoKubelet(kubelet.display().to_string());
@@ -340,7 +414,7 @@ impl Actor for PluginActor {
             PluginMsg::Registered(generation, _, _) if generation != state.generation => {}
             PluginMsg::Registered(_, kubelet_id, Ok(())) => {
                 state.registering = false;
-                state.failed_attempts = 0;
+                state.retry = Retry::default();
                 state.set_registered(Some((kubelet_id, Instant::now())));
                 state
                     .args
@@ -355,11 +429,17 @@ impl Actor for PluginActor {
             }
             PluginMsg::Registered(generation, _, Err(reason)) => {
                 state.registering = false;
-                let delay = backoff(state.failed_attempts);
-                state.failed_attempts += 1;
+                let Some(delay) = state.retry.failed(Instant::now()) else {
+                    tracing::debug!(
+                        resource = %state.resource(),
+                        %reason,
+                        "early registration attempt failed; the scheduled retry stands"
+                    );
+                    return Ok(());
+                };
                 // Waiting for a kubelet is normal at boot: say it once, calmly.
                 match reason {
-                    RegisterError::NoKubelet(_) if state.failed_attempts > 1 => {}
+                    RegisterError::NoKubelet(_) if state.retry.failures > 1 => {}
                     RegisterError::NoKubelet(_) => tracing::info!(
                         resource = %state.resource(),
                         %reason,
@@ -372,7 +452,8 @@ impl Actor for PluginActor {
                         "registration failed"
                     ),
                 }
-                myself.send_after(delay, move || PluginMsg::Register(generation));
+                let due = state.retry.due;
+                myself.send_after(delay, move || PluginMsg::Register(generation, due));
             }
             PluginMsg::Check => {
                 let ours = state.server.as_ref().map(|s| s.socket_id);
@@ -395,7 +476,7 @@ impl Actor for PluginActor {
                     }
                     (Some(_), None) if !state.registering => {
                         // A kubelet appeared: no need to sit out the backoff.
-                        myself.send_message(PluginMsg::Register(state.generation))?;
+                        myself.send_message(PluginMsg::Register(state.generation, None))?;
                     }
                     _ => {}
                 }
@@ -435,5 +516,66 @@ impl Actor for PluginActor {
         state.set_registered(None);
         tracing::info!(resource = %state.resource(), "stopped");
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Registration attempts against a kubelet socket nobody answers, with
+    /// a burst of triggers every millisecond: (ms since start, delay to the
+    /// next scheduled retry) of each attempt that failed on schedule.
+    fn scheduled_failures(until_ms: u64) -> (Vec<(u64, u64)>, u32) {
+        let start = Instant::now();
+        let at = |ms: u64| start + Duration::from_millis(ms);
+        let mut retry = Retry::default();
+        let mut scheduled = Vec::new();
+        let mut early = 0;
+        for ms in 0..until_ms {
+            // The first attempt at start, then each time the timer fires.
+            let mut attempts = u32::from(retry.due.is_none_or(|due| at(ms) >= due));
+            if attempts == 0 {
+                attempts = (0..10).map(|_| u32::from(retry.early(at(ms)))).sum();
+                early += attempts;
+            }
+            for _ in 0..attempts {
+                if let Some(delay) = retry.failed(at(ms)) {
+                    scheduled.push((ms, delay.as_millis() as u64));
+                }
+            }
+        }
+        (scheduled, early)
+    }
+
+    #[test]
+    fn backoff_grows_on_time_and_a_burst_of_triggers_tries_once_per_window() {
+        let (scheduled, early) = scheduled_failures(3200);
+        assert_eq!(
+            scheduled,
+            [
+                (0, 100),
+                (100, 200),
+                (300, 400),
+                (700, 800),
+                (1500, 1600),
+                (3100, 2000)
+            ]
+        );
+        assert_eq!(early, scheduled.len() as u32);
+    }
+
+    #[test]
+    fn a_success_starts_the_backoff_afresh_and_a_stale_window_is_over() {
+        let now = Instant::now();
+        let mut retry = Retry::default();
+        assert_eq!(retry.failed(now), Some(Duration::from_millis(100)));
+        assert!(retry.early(now));
+        assert!(!retry.early(now), "one early attempt per window");
+        let later = now + Duration::from_millis(100);
+        assert!(retry.early(later), "the window is over: a trigger may try");
+        assert_eq!(retry.failed(later), Some(Duration::from_millis(200)));
+        retry = Retry::default();
+        assert_eq!(retry.failed(later), Some(Duration::from_millis(100)));
     }
 }

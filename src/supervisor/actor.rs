@@ -8,16 +8,19 @@ use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent, call_t};
 
-use crate::config::{Backend, Config};
+use crate::config::Config;
 use crate::device::{Plan, Resource};
 use crate::health::{HealthArgs, HealthMonitor, ProbeSpec};
 use crate::kubelet_watch::{KubeletWatcher, WatcherArgs};
-use crate::matcher::{MatcherArgs, MatcherHandle, PodMatcher};
-use crate::metrics::Metrics;
+use crate::matcher::{self, MatcherArgs, MatcherHandle, PodMatcher};
+use crate::metrics::{Hold, Metrics};
 use crate::plugin::{LastShared, Placement, PluginActor, PluginArgs, PluginMsg, SETTLE};
 
-/// A child that ran this long before ending starts its backoff afresh.
+/// A child that ran this long works again: its backoff starts afresh and
+/// it no longer holds readiness back.
 const STABLE_AFTER: Duration = Duration::from_secs(60);
+/// Quick failures in a row after which a child makes the daemon unready.
+const FAILING_AFTER: u32 = 3;
 /// How long a stopping child may take (a plugin ends its stream and server).
 const CHILD_STOP_TIMEOUT: Duration = Duration::from_secs(4);
 /// The watcher's periodic check, for filesystem events that never came.
@@ -59,6 +62,8 @@ pub enum SupervisorMsg {
     Health(Arc<[bool]>),
     /// A new, valid config and its plan (SIGHUP).
     Reload(Box<(Config, Plan)>),
+    /// A child that was failing may have run STABLE_AFTER by now.
+    Stable(Child),
 }
 
 struct Running {
@@ -90,6 +95,10 @@ pub struct SupervisorState {
     children: BTreeMap<Child, Running>,
     /// Consecutive quick failures per child, for the backoff.
     failures: BTreeMap<Child, u32>,
+    /// Plugins stopped by a reload whose successor registers no earlier
+    /// than this (see SETTLE); each successor waits on its own, so they
+    /// settle side by side.
+    settling: BTreeMap<Resource, Instant>,
 }
 
 fn restart_delay(failures: u32) -> Duration {
@@ -97,6 +106,21 @@ fn restart_delay(failures: u32) -> Duration {
 }
 
 impl SupervisorState {
+    /// `child` works again: a fresh backoff, and it no longer holds
+    /// readiness back.
+    fn steady(&mut self, child: Child) {
+        if self.failures.remove(&child).is_some() {
+            self.metrics.hold(&child.to_string(), Hold::Failing, None);
+        }
+    }
+
+    /// `child` goes on purpose: whatever it held back goes with it (a
+    /// successor marks its own).
+    fn release(&mut self, child: Child) {
+        self.metrics.hold(&child.to_string(), Hold::Waiting, None);
+        self.steady(child);
+    }
+
     fn plugin_args(&self, resource: Resource) -> Option<PluginArgs> {
         let model = self.plan.model(resource)?.clone();
         Some(PluginArgs::new(
@@ -160,9 +184,10 @@ impl Supervisor {
         let supervisor = myself.get_cell();
         let spawned: Result<Running, String> = match child {
             Child::Plugin(r) => {
-                let Some(args) = state.plugin_args(r) else {
+                let Some(mut args) = state.plugin_args(r) else {
                     return;
                 };
+                args.settle_until = state.settling.remove(&r);
                 Actor::spawn_linked(name, PluginActor, args.clone(), supervisor)
                     .await
                     .map(|(actor, _)| Running {
@@ -173,6 +198,9 @@ impl Supervisor {
                     .map_err(|e| e.to_string())
             }
             Child::Matcher => {
+                let why = "has not synced its pod cache with the API server";
+                let metrics = &state.metrics;
+                metrics.hold(matcher::READY_NAME, Hold::Waiting, Some(why.into()));
                 let args = state.matcher_args();
                 Actor::spawn_linked(name, PodMatcher, args, supervisor)
                     .await
@@ -204,6 +232,9 @@ impl Supervisor {
         match spawned {
             Ok(running) => {
                 state.children.insert(child, running);
+                if state.failures.contains_key(&child) {
+                    myself.send_after(STABLE_AFTER, move || SupervisorMsg::Stable(child));
+                }
             }
             Err(e) => Self::schedule_restart(myself, state, child, &format!("cannot start: {e}")),
         }
@@ -218,6 +249,11 @@ impl Supervisor {
         let failures = state.failures.entry(child).or_default();
         *failures += 1;
         let delay = restart_delay(*failures);
+        if *failures >= FAILING_AFTER {
+            let why = format!("failed {failures} times in a row, last: {reason}");
+            let metrics = &state.metrics;
+            metrics.hold(&child.to_string(), Hold::Failing, Some(why));
+        }
         tracing::warn!(
             %child,
             %reason,
@@ -230,6 +266,7 @@ impl Supervisor {
     /// Stops a child on purpose (reload, shutdown): it leaves the map
     /// first, so its end is not taken for a crash.
     async fn stop(state: &mut SupervisorState, child: Child, why: &str) {
+        state.release(child);
         if let Some(running) = state.remove(child) {
             tracing::info!(%child, reason = why, "stopping");
             if let Err(e) = running
@@ -300,12 +337,22 @@ impl Supervisor {
                 // Stopped and awaited before its successor starts: the old
                 // stream ends before the new registration (kubernetes#121994).
                 Self::stop(state, child, reason).await;
-                if matches!(child, Child::Plugin(_)) {
-                    tokio::time::sleep(SETTLE).await;
+                if let Child::Plugin(r) = child {
+                    state.settling.insert(r, Instant::now() + SETTLE);
                 }
             }
         }
-        for child in state.wanted() {
+        // A child waiting out a restart backoff that is no longer wanted
+        // holds nothing back any more.
+        let wanted = state.wanted();
+        let dropped: Vec<Child> = (state.failures.keys())
+            .filter(|c| !wanted.contains(c))
+            .copied()
+            .collect();
+        for child in dropped {
+            state.release(child);
+        }
+        for child in wanted {
             if !state.children.contains_key(&child) {
                 tracing::info!(%child, "starting after reload");
                 Self::start(myself, state, child).await;
@@ -345,14 +392,8 @@ impl Supervisor {
 
 fn health_args(myself: &ActorRef<SupervisorMsg>, state: &SupervisorState) -> HealthArgs {
     let h = &state.config.health;
-    let spec = match state.config.devices.backend {
-        Backend::Nvml => ProbeSpec::Nvml,
-        Backend::Mock => ProbeSpec::Mock {
-            dir: (!h.mock_dir.as_os_str().is_empty()).then(|| h.mock_dir.clone()),
-        },
-    };
     HealthArgs {
-        spec,
+        spec: ProbeSpec::new(&state.config),
         uuids: state.plan.gpus().iter().map(|g| g.uuid.clone()).collect(),
         poll: Duration::from_millis(h.poll_ms),
         recovery: Duration::from_millis(h.recovery_ms),
@@ -379,6 +420,7 @@ impl Actor for Supervisor {
             matcher: MatcherHandle::default(),
             children: BTreeMap::new(),
             failures: BTreeMap::new(),
+            settling: BTreeMap::new(),
         };
         for child in state.wanted() {
             Self::start(&myself, &mut state, child).await;
@@ -411,6 +453,15 @@ impl Actor for Supervisor {
                 let (config, plan) = *new;
                 Self::reload(&myself, state, config, plan).await;
             }
+            SupervisorMsg::Stable(child) => {
+                if state
+                    .children
+                    .get(&child)
+                    .is_some_and(|r| r.started.elapsed() >= STABLE_AFTER)
+                {
+                    state.steady(child);
+                }
+            }
         }
         Ok(())
     }
@@ -438,7 +489,7 @@ impl Actor for Supervisor {
         };
         let running = state.remove(child).expect("found above");
         if running.started.elapsed() >= STABLE_AFTER {
-            state.failures.remove(&child);
+            state.steady(child);
         }
         Self::schedule_restart(&myself, state, child, &reason);
         Ok(())
