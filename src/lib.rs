@@ -15,6 +15,7 @@ pub mod plugin;
 pub mod sim;
 pub mod supervisor;
 pub mod uds;
+pub mod usage;
 
 /// The kubelet's v1beta1 device-plugin API (messages, clients, servers).
 pub mod api {
