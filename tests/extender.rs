@@ -9,7 +9,9 @@ mod support;
 use std::sync::Arc;
 
 use gpu_device_plugin::extender::memory::{MemoryCluster, gpu_node, gpu_pod, node_with};
-use gpu_device_plugin::extender::{Extender, ExtenderConfig, start};
+use gpu_device_plugin::extender::{
+    BindError, Binder, Extender, ExtenderConfig, KubeBinder, client, start,
+};
 use gpu_device_plugin::sim::apiserver::PodContainer;
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};
@@ -329,6 +331,44 @@ async fn bad_requests_get_a_clear_error() {
     )
     .await;
     assert!(r["Error"].as_str().unwrap().contains("no Pod"), "{r}");
+}
+
+/// The real kube client's writes, against the API-server stand-in: a stale
+/// resourceVersion is a conflict, never a lost update; removal works.
+#[tokio::test]
+async fn the_kube_binder_patches_with_a_precondition() {
+    use gpu_device_plugin::sim::apiserver::ApiServerSim;
+    let sim = ApiServerSim::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    sim.write_kubeconfig(&kubeconfig).unwrap();
+    let binder = KubeBinder::new(client(&kubeconfig).await.unwrap());
+    sim.add_pod("ns", "p", "n1", &[c("app", 1024, 0, 0)], &[]);
+    let key = ("ns".to_owned(), "p".to_owned());
+
+    let pod = binder.get_pod(&key).await.unwrap().unwrap();
+    let rv = pod.metadata.resource_version.clone().unwrap();
+    let set = [("doslab.io/gpu-uuid".to_owned(), Some("GPU-a".to_owned()))].into();
+    binder.annotate(&key, Some(&rv), &set).await.unwrap();
+    assert_eq!(
+        sim.pod("ns", "p").unwrap()["metadata"]["annotations"]["doslab.io/gpu-uuid"],
+        "GPU-a"
+    );
+    let again = binder.annotate(&key, Some(&rv), &set).await;
+    assert_eq!(again.unwrap_err(), BindError::Conflict);
+    let unset = [("doslab.io/gpu-uuid".to_owned(), None)].into();
+    binder.annotate(&key, None, &unset).await.unwrap();
+    let annotations = &sim.pod("ns", "p").unwrap()["metadata"]["annotations"];
+    assert!(
+        annotations.get("doslab.io/gpu-uuid").is_none(),
+        "{annotations}"
+    );
+    let ghost = ("ns".to_owned(), "ghost".to_owned());
+    assert!(binder.get_pod(&ghost).await.unwrap().is_none());
+    assert_eq!(
+        binder.annotate(&ghost, None, &unset).await.unwrap_err(),
+        BindError::NotFound
+    );
 }
 
 #[test]

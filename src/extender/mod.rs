@@ -21,7 +21,7 @@ pub mod wire;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-pub use cluster::{BindError, Binder, KubeBinder, Reflectors};
+pub use cluster::{BindError, Binder, KubeBinder, Reflectors, client};
 pub use config::ExtenderConfig;
 pub use index::{Index, PodName};
 pub use plan::Planner;
