@@ -4,6 +4,7 @@
 pub mod app;
 pub mod config;
 pub mod device;
+pub mod extender;
 pub mod health;
 pub mod http;
 pub mod inspect;
@@ -15,6 +16,7 @@ pub mod plugin;
 pub mod sim;
 pub mod supervisor;
 pub mod uds;
+pub mod usage;
 
 /// The git revision the binary was built from ("unknown" without git).
 pub const GIT_REVISION: &str = env!("GIT_REVISION");

@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand};
 use futures::StreamExt;
 use gpu_device_plugin::app::{self, Control};
 use gpu_device_plugin::config::{Config, LogFormat};
+use gpu_device_plugin::extender::ExtenderConfig;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::field::{RecordFields, Visit};
@@ -36,6 +37,9 @@ enum Command {
     Demo,
     /// Validate a config and print the device plan.
     CheckConfig,
+    /// Run the kube-scheduler extender (filter, prioritize, bind) on the
+    /// config's `[extender]` section.
+    SchedulerExtender,
     /// Dial the plugin sockets in a device-plugin directory and report them.
     Inspect {
         /// The directory; default: the config's device_plugin_dir.
@@ -193,6 +197,24 @@ async fn main() -> anyhow::Result<()> {
         Command::Demo => {
             init_logging(LogFormat::Text, "warn");
             print!("{}", gpu_device_plugin::sim::demo::run().await?);
+        }
+        Command::SchedulerExtender => {
+            let config = match &cli.config {
+                Some(p) => {
+                    ExtenderConfig::load(p).with_context(|| format!("config {}", p.display()))?
+                }
+                None => ExtenderConfig::default(),
+            };
+            init_logging(LogFormat::Text, "info");
+            let mut controls = controls()?;
+            let stop = async move {
+                while let Some(c) = controls.next().await {
+                    if matches!(c, Control::Stop) {
+                        break;
+                    }
+                }
+            };
+            gpu_device_plugin::extender::run(config, stop).await?;
         }
         Command::Inspect { dir } => {
             init_logging(LogFormat::Text, "warn");

@@ -55,3 +55,47 @@ pub struct Gpu {
     pub index: u32,
     pub numa_node: Option<u32>,
 }
+
+/// One value per resource, so code says `x[Resource::GpuCore]` rather than
+/// indexing an array by a cast.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct PerResource<T> {
+    pub memory: T,
+    pub core: T,
+    pub count: T,
+}
+
+impl<T> PerResource<T> {
+    pub fn from_fn(mut f: impl FnMut(Resource) -> T) -> Self {
+        PerResource {
+            memory: f(Resource::GpuMemory),
+            core: f(Resource::GpuCore),
+            count: f(Resource::GpuCount),
+        }
+    }
+
+    pub fn map<U>(&self, mut f: impl FnMut(Resource, &T) -> U) -> PerResource<U> {
+        PerResource::from_fn(|r| f(r, &self[r]))
+    }
+}
+
+impl<T> std::ops::Index<Resource> for PerResource<T> {
+    type Output = T;
+    fn index(&self, r: Resource) -> &T {
+        match r {
+            Resource::GpuMemory => &self.memory,
+            Resource::GpuCore => &self.core,
+            Resource::GpuCount => &self.count,
+        }
+    }
+}
+
+impl<T> std::ops::IndexMut<Resource> for PerResource<T> {
+    fn index_mut(&mut self, r: Resource) -> &mut T {
+        match r {
+            Resource::GpuMemory => &mut self.memory,
+            Resource::GpuCore => &mut self.core,
+            Resource::GpuCount => &mut self.count,
+        }
+    }
+}

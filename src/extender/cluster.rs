@@ -1,0 +1,237 @@
+//! The extender's I/O with the API server: the reflectors that keep the
+//! [`Index`] (Nodes and non-terminal Pods, watched, never listed per
+//! request) and the writes a bind makes, behind the [`Binder`] trait so
+//! that tests run the same bind logic on an in-memory cluster.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::path::Path;
+use std::sync::{Arc, RwLock};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::{WatchStreamExt, watcher as watch};
+use kube::{Api, Client, Resource};
+use tokio::task::JoinHandle;
+
+use super::index::{Index, PodName, pod_name};
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BindError {
+    /// The pod changed since it was read (the precondition failed).
+    #[error("the pod changed while being bound")]
+    Conflict,
+    #[error("the pod no longer exists")]
+    NotFound,
+    #[error("the API server: {0}")]
+    Api(String),
+}
+
+/// The writes of a bind. `annotate` sets (`Some`) or removes (`None`)
+/// annotations; with `resource_version` it fails with
+/// [`BindError::Conflict`] when the pod has moved on, so a concurrent
+/// update is never lost.
+pub trait Binder: Send + Sync + 'static {
+    fn get_pod(&self, pod: &PodName)
+    -> impl Future<Output = Result<Option<Pod>, BindError>> + Send;
+
+    fn annotate(
+        &self,
+        pod: &PodName,
+        resource_version: Option<&str>,
+        annotations: &BTreeMap<String, Option<String>>,
+    ) -> impl Future<Output = Result<Pod, BindError>> + Send;
+
+    /// Creates the pod's Binding to `node`; `uid` makes the API server
+    /// refuse it for another pod of the same name.
+    fn bind(
+        &self,
+        pod: &PodName,
+        uid: &str,
+        node: &str,
+    ) -> impl Future<Output = Result<(), BindError>> + Send;
+}
+
+/// The config's kubeconfig, else `$KUBECONFIG`, else in-cluster.
+pub async fn client(kubeconfig: &Path) -> Result<Client, String> {
+    if kubeconfig.as_os_str().is_empty() {
+        return Client::try_default()
+            .await
+            .map_err(|e| format!("no API server credentials (KUBECONFIG or in-cluster): {e}"));
+    }
+    let named = |e: &dyn std::fmt::Display| {
+        format!(
+            "config key `extender.kubeconfig` ({}): {e}",
+            kubeconfig.display()
+        )
+    };
+    let file = Kubeconfig::read_from(kubeconfig).map_err(|e| named(&e))?;
+    let config = kube::Config::from_custom_kubeconfig(file, &KubeConfigOptions::default())
+        .await
+        .map_err(|e| named(&e))?;
+    Client::try_from(config).map_err(|e| named(&e))
+}
+
+fn api_error(e: kube::Error) -> BindError {
+    match e {
+        kube::Error::Api(s) if s.code == 409 => BindError::Conflict,
+        kube::Error::Api(s) if s.code == 404 => BindError::NotFound,
+        e => BindError::Api(e.to_string()),
+    }
+}
+
+pub struct KubeBinder {
+    client: Client,
+}
+
+impl KubeBinder {
+    pub fn new(client: Client) -> Self {
+        KubeBinder { client }
+    }
+
+    fn pods(&self, namespace: &str) -> Api<Pod> {
+        Api::namespaced(self.client.clone(), namespace)
+    }
+}
+
+impl Binder for KubeBinder {
+    async fn get_pod(&self, (ns, name): &PodName) -> Result<Option<Pod>, BindError> {
+        self.pods(ns).get_opt(name).await.map_err(api_error)
+    }
+
+    async fn annotate(
+        &self,
+        (ns, name): &PodName,
+        resource_version: Option<&str>,
+        annotations: &BTreeMap<String, Option<String>>,
+    ) -> Result<Pod, BindError> {
+        let mut metadata = serde_json::json!({ "annotations": annotations });
+        if let Some(rv) = resource_version {
+            metadata["resourceVersion"] = rv.into();
+        }
+        let patch = serde_json::json!({ "metadata": metadata });
+        self.pods(ns)
+            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(api_error)
+    }
+
+    async fn bind(&self, (ns, name): &PodName, uid: &str, node: &str) -> Result<(), BindError> {
+        let binding = serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "Binding",
+            "metadata": { "name": name, "namespace": ns, "uid": uid },
+            "target": { "apiVersion": "v1", "kind": "Node", "name": node },
+        });
+        self.pods(ns)
+            .create_subresource::<_, serde_json::Value>(
+                "binding",
+                name,
+                &PostParams::default(),
+                &binding,
+            )
+            .await
+            .map(drop)
+            .map_err(api_error)
+    }
+}
+
+/// What a reflector does with the objects of one kind.
+trait Reflect: Resource<DynamicType = ()> + Clone + Send + 'static {
+    fn apply(index: &mut Index, obj: Self);
+    fn delete(index: &mut Index, obj: &Self);
+    fn replace(index: &mut Index, all: Vec<Self>);
+}
+
+impl Reflect for Node {
+    fn apply(index: &mut Index, obj: Self) {
+        index.apply_node(obj);
+    }
+    fn delete(index: &mut Index, obj: &Self) {
+        index.delete_node(obj.metadata.name.as_deref().unwrap_or_default());
+    }
+    fn replace(index: &mut Index, all: Vec<Self>) {
+        index.replace_nodes(all);
+    }
+}
+
+impl Reflect for Pod {
+    fn apply(index: &mut Index, obj: Self) {
+        index.apply_pod(obj);
+    }
+    fn delete(index: &mut Index, obj: &Self) {
+        index.delete_pod(&pod_name(obj));
+    }
+    fn replace(index: &mut Index, all: Vec<Self>) {
+        index.replace_pods(all);
+    }
+}
+
+/// Keeps `index` in step with the API server's objects of one kind; the
+/// watcher relists and rewatches by itself, with backoff, after errors.
+fn reflect<K>(api: Api<K>, config: watcher::Config, index: Arc<RwLock<Index>>) -> JoinHandle<()>
+where
+    K: Reflect + std::fmt::Debug + serde::de::DeserializeOwned + Sync,
+{
+    let kind = K::kind(&()).into_owned();
+    tokio::spawn(async move {
+        let stream = watch(api, config).default_backoff();
+        futures::pin_mut!(stream);
+        // A relist replaces the whole set at its end, so a half-done one
+        // never hides pods that still hold GPUs.
+        let mut relist: Vec<K> = Vec::new();
+        while let Some(event) = stream.next().await {
+            let event = match event {
+                Ok(e) => e,
+                Err(e) => {
+                    tracing::warn!(%kind, error = %e, "watch failed; retrying");
+                    continue;
+                }
+            };
+            let mut ix = index.write().expect("index lock poisoned");
+            match event {
+                Event::Apply(obj) => K::apply(&mut ix, obj),
+                Event::Delete(obj) => K::delete(&mut ix, &obj),
+                Event::Init => relist.clear(),
+                Event::InitApply(obj) => relist.push(obj),
+                Event::InitDone => {
+                    K::replace(&mut ix, std::mem::take(&mut relist));
+                    tracing::info!(%kind, nodes = ix.node_count(), pods = ix.pod_count(), "synced");
+                }
+            }
+        }
+    })
+}
+
+/// The reflectors; dropping this stops them.
+pub struct Reflectors {
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Reflectors {
+    pub fn start(client: &Client, index: Arc<RwLock<Index>>) -> Reflectors {
+        let pods =
+            watcher::Config::default().fields("status.phase!=Succeeded,status.phase!=Failed");
+        Reflectors {
+            tasks: vec![
+                reflect::<Node>(
+                    Api::all(client.clone()),
+                    watcher::Config::default(),
+                    index.clone(),
+                ),
+                reflect::<Pod>(Api::all(client.clone()), pods, index),
+            ],
+        }
+    }
+}
+
+impl Drop for Reflectors {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}

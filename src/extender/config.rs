@@ -1,0 +1,129 @@
+//! The extender's config: the `[extender]` section of the TOML file. Every
+//! key has a default, unknown keys are refused, and a bad value is named
+//! by its key with what would be accepted.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::config::ConfigError;
+use crate::usage::Policy;
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ExtenderConfig {
+    /// Where kube-scheduler reaches the extender (its `urlPrefix`).
+    pub listen: String,
+    /// The domain of the resources and annotations, as on the nodes.
+    pub resource_domain: String,
+    pub policy: Policy,
+    /// A kubeconfig file for the API server; empty: `$KUBECONFIG`, else the
+    /// in-cluster service account.
+    pub kubeconfig: PathBuf,
+    /// How long one bind may take (pod patch, Binding, and undo on failure);
+    /// kube-scheduler's own wait is the extender's `httpTimeout`.
+    pub bind_timeout_ms: u64,
+}
+
+impl Default for ExtenderConfig {
+    fn default() -> Self {
+        ExtenderConfig {
+            listen: "0.0.0.0:8888".into(),
+            resource_domain: "doslab.io".into(),
+            policy: Policy::Binpack,
+            kubeconfig: PathBuf::new(),
+            bind_timeout_ms: 10_000,
+        }
+    }
+}
+
+fn invalid(key: &str, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key: format!("extender.{key}"),
+        reason: reason.into(),
+    }
+}
+
+impl ExtenderConfig {
+    /// The `[extender]` section of the file at `path` (defaults when absent);
+    /// the daemon's other keys are not read here.
+    pub fn load(path: &Path) -> Result<ExtenderConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        ExtenderConfig::from_toml(&text)
+    }
+
+    pub fn from_toml(text: &str) -> Result<ExtenderConfig, ConfigError> {
+        let mut table: toml::Table =
+            toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        let config: ExtenderConfig = match table.remove("extender") {
+            Some(section) => section
+                .try_into()
+                .map_err(|e: toml::de::Error| ConfigError::Parse(format!("[extender]: {e}")))?,
+            None => ExtenderConfig::default(),
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        // The daemon's own check of the domain, reported under our key.
+        let daemon = crate::config::Config {
+            resource_domain: self.resource_domain.clone(),
+            pod_matching: false,
+            ..Default::default()
+        };
+        if let Err(ConfigError::Invalid { key, reason }) = daemon.validate() {
+            return Err(invalid(&key, reason));
+        }
+        if self.listen.parse::<std::net::SocketAddr>().is_err() {
+            return Err(invalid(
+                "listen",
+                format!(
+                    "{:?} is not an address:port like \"0.0.0.0:8888\"",
+                    self.listen
+                ),
+            ));
+        }
+        if !(100..=120_000).contains(&self.bind_timeout_ms) {
+            return Err(invalid(
+                "bind_timeout_ms",
+                "must be between 100 and 120000 (milliseconds)",
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_section_and_errors() {
+        let empty = ExtenderConfig::from_toml("resource_domain = \"other.io\"\n").unwrap();
+        assert_eq!(empty, ExtenderConfig::default());
+
+        let text = "memory_unit_mib = 4\n[extender]\nlisten = \"127.0.0.1:0\"\npolicy = \"spread\"\n\
+                    kubeconfig = \"/etc/kube/config\"\n";
+        let c = ExtenderConfig::from_toml(text).unwrap();
+        assert_eq!(c.policy, Policy::Spread);
+        assert_eq!(c.listen, "127.0.0.1:0");
+        assert_eq!(c.kubeconfig, PathBuf::from("/etc/kube/config"));
+        assert_eq!(c.resource_domain, "doslab.io");
+
+        let err = |t: &str| ExtenderConfig::from_toml(t).unwrap_err().to_string();
+        let e = err("[extender]\npolicy = \"random\"\n");
+        assert!(e.contains("random") && e.contains("binpack"), "{e}");
+        let e = err("[extender]\nlisten_addr = \"x\"\n");
+        assert!(e.contains("listen_addr"), "{e}");
+        let e = err("[extender]\nlisten = \"nowhere\"\n");
+        assert!(e.contains("`extender.listen`"), "{e}");
+        let e = err("[extender]\nresource_domain = \"Bad_Domain\"\n");
+        assert!(e.contains("`extender.resource_domain`"), "{e}");
+        let e = err("[extender]\nbind_timeout_ms = 5\n");
+        assert!(e.contains("`extender.bind_timeout_ms`"), "{e}");
+    }
+}

@@ -1,0 +1,254 @@
+//! An in-memory cluster for tests and the benchmark: it keeps pods with
+//! resourceVersions as the API server does, answers the [`Binder`] calls
+//! (refusing stale patches), and feeds the same [`Index`] the reflectors
+//! would, at once or, while lagging, when told to catch up. Faults can be
+//! injected: conflicting writes by others and failing Bindings.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Mutex, RwLock};
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+
+use super::cluster::{BindError, Binder};
+use super::index::{Index, PodName, pod_name};
+use crate::sim::apiserver::PodContainer;
+
+#[derive(Default)]
+struct State {
+    pods: BTreeMap<PodName, Pod>,
+    rv: u64,
+    /// Writes the index has not seen yet (a lagging watch).
+    unseen: VecDeque<Pod>,
+    lagging: bool,
+    conflicts: u32,
+    failing_bindings: u32,
+    bindings: u64,
+}
+
+#[derive(Clone)]
+pub struct MemoryCluster {
+    index: Arc<RwLock<Index>>,
+    state: Arc<Mutex<State>>,
+}
+
+impl Default for MemoryCluster {
+    fn default() -> Self {
+        MemoryCluster::new()
+    }
+}
+
+impl MemoryCluster {
+    /// An empty cluster whose index counts as synced.
+    pub fn new() -> MemoryCluster {
+        let mut index = Index::default();
+        index.replace_nodes(Vec::new());
+        index.replace_pods(Vec::new());
+        MemoryCluster {
+            index: Arc::new(RwLock::new(index)),
+            state: Arc::default(),
+        }
+    }
+
+    pub fn index(&self) -> Arc<RwLock<Index>> {
+        self.index.clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().expect("memory cluster lock poisoned")
+    }
+
+    pub fn add_node(&self, node: Node) {
+        self.index.write().expect("index").apply_node(node);
+    }
+
+    /// Stores `pod` (a new resourceVersion, a UID from its name if it has
+    /// none), as a create or an update by someone else.
+    pub fn put_pod(&self, mut pod: Pod) {
+        let mut s = self.lock();
+        s.rv += 1;
+        pod.metadata.resource_version = Some(s.rv.to_string());
+        let key = pod_name(&pod);
+        pod.metadata
+            .uid
+            .get_or_insert_with(|| format!("uid-{}-{}", key.0, key.1));
+        s.pods.insert(key, pod.clone());
+        self.publish(&mut s, pod);
+    }
+
+    pub fn delete_pod(&self, key: &PodName) {
+        let mut s = self.lock();
+        s.pods.remove(key);
+        self.index.write().expect("index").delete_pod(key);
+    }
+
+    pub fn pod(&self, key: &PodName) -> Option<Pod> {
+        self.lock().pods.get(key).cloned()
+    }
+
+    /// While lagging, the index sees no write until [`Self::catch_up`].
+    pub fn set_lagging(&self, lagging: bool) {
+        self.lock().lagging = lagging;
+    }
+
+    pub fn catch_up(&self) {
+        let mut s = self.lock();
+        let mut ix = self.index.write().expect("index");
+        for pod in s.unseen.drain(..) {
+            ix.apply_pod(pod);
+        }
+    }
+
+    /// The next `n` precondition-checked patches find the pod changed.
+    pub fn conflict_next(&self, n: u32) {
+        self.lock().conflicts = n;
+    }
+
+    /// The next `n` Bindings fail.
+    pub fn fail_bindings(&self, n: u32) {
+        self.lock().failing_bindings = n;
+    }
+
+    /// Bindings created so far.
+    pub fn bindings(&self) -> u64 {
+        self.lock().bindings
+    }
+
+    fn publish(&self, s: &mut State, pod: Pod) {
+        if s.lagging {
+            s.unseen.push_back(pod);
+        } else {
+            self.index.write().expect("index").apply_pod(pod);
+        }
+    }
+
+    fn update(&self, key: &PodName, change: impl FnOnce(&mut Pod)) -> Result<Pod, BindError> {
+        let mut s = self.lock();
+        s.rv += 1;
+        let rv = s.rv.to_string();
+        let pod = s.pods.get_mut(key).ok_or(BindError::NotFound)?;
+        change(pod);
+        pod.metadata.resource_version = Some(rv);
+        let pod = pod.clone();
+        self.publish(&mut s, pod.clone());
+        Ok(pod)
+    }
+}
+
+impl Binder for MemoryCluster {
+    async fn get_pod(&self, key: &PodName) -> Result<Option<Pod>, BindError> {
+        Ok(self.pod(key))
+    }
+
+    async fn annotate(
+        &self,
+        key: &PodName,
+        resource_version: Option<&str>,
+        annotations: &BTreeMap<String, Option<String>>,
+    ) -> Result<Pod, BindError> {
+        {
+            let mut s = self.lock();
+            let current = s.pods.get(key).ok_or(BindError::NotFound)?;
+            if let Some(rv) = resource_version {
+                if current.metadata.resource_version.as_deref() != Some(rv) {
+                    return Err(BindError::Conflict);
+                }
+                if s.conflicts > 0 {
+                    s.conflicts -= 1;
+                    drop(s);
+                    // Someone else's write lands first.
+                    self.update(key, |_| {})?;
+                    return Err(BindError::Conflict);
+                }
+            }
+        }
+        self.update(key, |pod| {
+            let on_pod = pod.metadata.annotations.get_or_insert_default();
+            for (k, v) in annotations {
+                match v {
+                    Some(v) => on_pod.insert(k.clone(), v.clone()),
+                    None => on_pod.remove(k),
+                };
+            }
+        })
+    }
+
+    async fn bind(&self, key: &PodName, uid: &str, node: &str) -> Result<(), BindError> {
+        {
+            let mut s = self.lock();
+            if s.failing_bindings > 0 {
+                s.failing_bindings -= 1;
+                return Err(BindError::Api("injected Binding failure".into()));
+            }
+            let pod = s.pods.get(key).ok_or(BindError::NotFound)?;
+            let spec = pod.spec.as_ref();
+            if !uid.is_empty() && pod.metadata.uid.as_deref() != Some(uid)
+                || spec.and_then(|s| s.node_name.as_deref()).is_some()
+            {
+                return Err(BindError::Conflict);
+            }
+            s.bindings += 1;
+        }
+        self.update(key, |pod| {
+            pod.spec.get_or_insert_default().node_name = Some(node.to_owned());
+        })
+        .map(drop)
+    }
+}
+
+/// A Node publishing `gpus` (UUID, MiB) in its `doslab.io/gpu-inventory`,
+/// 1 MiB per memory device and 1 % per core device, every resource on.
+pub fn gpu_node(name: &str, gpus: &[(&str, u64)]) -> Node {
+    let inventory = crate::usage::Inventory {
+        version: crate::usage::INVENTORY_VERSION,
+        memory_unit_mib: 1,
+        cores_per_gpu: 100,
+        resources: crate::device::Resource::ALL.to_vec(),
+        gpus: gpus
+            .iter()
+            .map(|&(uuid, memory_mib)| crate::usage::GpuInfo {
+                uuid: uuid.into(),
+                memory_mib,
+                healthy: true,
+                numa_node: None,
+            })
+            .collect(),
+    };
+    node_with(name, Some(&inventory.to_json()))
+}
+
+/// A Node with `inventory` as its `doslab.io/gpu-inventory` text, or none.
+pub fn node_with(name: &str, inventory: Option<&str>) -> Node {
+    let annotations: serde_json::Map<String, serde_json::Value> = inventory
+        .map(|text| ("doslab.io/gpu-inventory".to_owned(), text.into()))
+        .into_iter()
+        .collect();
+    serde_json::from_value(serde_json::json!({
+        "metadata": { "name": name, "annotations": annotations },
+    }))
+    .expect("a valid Node")
+}
+
+/// An unscheduled Pending pod asking, per container, the devices of
+/// `containers` (`doslab.io/…` limits).
+pub fn gpu_pod(namespace: &str, name: &str, containers: &[PodContainer]) -> Pod {
+    let spec = |init: bool| -> Vec<serde_json::Value> {
+        containers
+            .iter()
+            .filter(|c| c.init == init)
+            .map(|c| {
+                let limits: serde_json::Map<String, serde_json::Value> = c
+                    .asks()
+                    .into_iter()
+                    .map(|(r, n)| (r, n.to_string().into()))
+                    .collect();
+                serde_json::json!({"name": c.name, "image": "cuda", "resources": {"limits": limits}})
+            })
+            .collect()
+    };
+    serde_json::from_value(serde_json::json!({
+        "metadata": { "name": name, "namespace": namespace, "uid": format!("uid-{namespace}-{name}") },
+        "spec": { "initContainers": spec(true), "containers": spec(false) },
+        "status": { "phase": "Pending" },
+    }))
+    .expect("a valid Pod")
+}

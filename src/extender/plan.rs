@@ -1,0 +1,378 @@
+//! The extender's decisions over a snapshot of the cluster: whether a pod
+//! fits a node (and why not), how well, and what a bind writes. Pure: the
+//! usage model does the GPU arithmetic, this reads the nodes' inventories
+//! and the pods on them out of the [`Index`].
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+
+use super::index::Index;
+use crate::matcher::ledger::Ledger;
+use crate::usage::{
+    Assignment, Inventory, Keys, NodeUsage, PodAsks, Policy, fit, pod_holdings, score,
+};
+
+/// Why a node is filtered out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub reason: String,
+    /// Waiting or preempting pods cannot change it.
+    pub never: bool,
+}
+
+/// What a bind writes on the pod, and the pod as it will be once bound
+/// (counted while the bind is in flight).
+#[derive(Debug, Clone)]
+pub struct BindPlan {
+    /// Set (`Some`) or removed (`None`).
+    pub annotations: BTreeMap<String, Option<String>>,
+    pub reserved: Pod,
+}
+
+pub struct Planner {
+    keys: Keys,
+    policy: Policy,
+}
+
+/// A node that fits: its GPUs, their usage, and where the pod would go.
+struct Fit {
+    inventory: Inventory,
+    usage: NodeUsage,
+    assignment: Assignment,
+}
+
+fn annotation<'a>(meta: &'a kube::api::ObjectMeta, key: &str) -> Option<&'a str> {
+    meta.annotations.as_ref()?.get(key).map(String::as_str)
+}
+
+impl Planner {
+    pub fn new(domain: &str, policy: Policy) -> Planner {
+        Planner {
+            keys: Keys::new(domain),
+            policy,
+        }
+    }
+
+    /// The pod's GPU asks; `None` when it asks none (it is not ours to
+    /// place, and costs nothing).
+    pub fn asks(&self, pod: &Pod) -> Option<PodAsks> {
+        let asks = PodAsks::from_pod(&self.keys, pod);
+        asks.containers
+            .iter()
+            .any(|c| c.whole() || c.shared())
+            .then_some(asks)
+    }
+
+    fn inventory(&self, node: &Node) -> Result<Inventory, Refusal> {
+        let never = |reason: String| Refusal {
+            reason,
+            never: true,
+        };
+        let key = &self.keys.inventory;
+        let text = annotation(&node.metadata, key).ok_or_else(|| {
+            never(format!(
+                "node has no {key} annotation (the GPU device plugin does not run there, \
+                 or is older than the extender); GPU pods cannot be placed on it"
+            ))
+        })?;
+        Inventory::parse(text).map_err(|e| never(format!("annotation {key}: {e}")))
+    }
+
+    /// What the pods on `node` hold: each by its ledger, or by its
+    /// assignment until the kubelet serves it. A malformed annotation
+    /// counts as absent, as on the node.
+    fn usage(&self, ix: &Index, node: &str, inv: &Inventory) -> NodeUsage {
+        let mut usage = NodeUsage::empty(inv);
+        for pod in ix.pods_on(node) {
+            let meta = &pod.metadata;
+            let ledger = Ledger::parse(annotation(meta, &self.keys.ledger)).unwrap_or_default();
+            let assignment =
+                Assignment::parse(annotation(meta, &self.keys.assignment)).unwrap_or_default();
+            let asks = PodAsks::from_pod(&self.keys, pod);
+            for h in pod_holdings(inv, &asks.containers, &ledger, &assignment) {
+                usage.add(inv, &h);
+            }
+        }
+        usage
+    }
+
+    fn place(&self, ix: &Index, node: &str, asks: &PodAsks) -> Result<Fit, Refusal> {
+        let n = ix.node(node).ok_or_else(|| Refusal {
+            reason: "node is not in the extender's cache yet".into(),
+            never: false,
+        })?;
+        let inventory = self.inventory(n)?;
+        let usage = self.usage(ix, node, &inventory);
+        let assignment = fit(&inventory, &usage, asks).map_err(|e| Refusal {
+            reason: e.to_string(),
+            never: e.unresolvable,
+        })?;
+        Ok(Fit {
+            inventory,
+            usage,
+            assignment,
+        })
+    }
+
+    /// Whether every container of the pod fits on `node` at once.
+    pub fn fits(&self, ix: &Index, node: &str, asks: &PodAsks) -> Result<(), Refusal> {
+        self.place(ix, node, asks).map(drop)
+    }
+
+    /// 0..=10 under the policy; 0 where the pod does not fit.
+    pub fn score(&self, ix: &Index, node: &str, asks: &PodAsks) -> u8 {
+        self.place(ix, node, asks).map_or(0, |f| {
+            score(&f.inventory, &f.usage, asks, &f.assignment, self.policy)
+        })
+    }
+
+    /// Chooses the GPUs of the pod's containers on `node` against the
+    /// current state; `None` for a pod that asks no GPU. `now_nanos` is
+    /// the assume time (UnixNano) the node's matcher orders pods by.
+    pub fn plan_bind(
+        &self,
+        ix: &Index,
+        pod: &Pod,
+        node: &str,
+        now_nanos: u128,
+    ) -> Result<Option<BindPlan>, String> {
+        let Some(asks) = self.asks(pod) else {
+            return Ok(None);
+        };
+        let f = self.place(ix, node, &asks).map_err(|r| r.reason)?;
+        let k = &self.keys;
+        let annotations: BTreeMap<String, Option<String>> = [
+            (k.assignment.clone(), Some(f.assignment.to_json())),
+            (
+                k.gpu_uuid.clone(),
+                f.assignment.single_gpu().map(str::to_owned),
+            ),
+            (k.assume_time.clone(), Some(now_nanos.to_string())),
+            (k.assigned.clone(), Some("false".into())),
+        ]
+        .into();
+        let mut reserved = pod.clone();
+        let on_pod = reserved.metadata.annotations.get_or_insert_default();
+        for (key, value) in &annotations {
+            match value {
+                Some(v) => on_pod.insert(key.clone(), v.clone()),
+                None => on_pod.remove(key),
+            };
+        }
+        reserved.spec.get_or_insert_default().node_name = Some(node.to_owned());
+        Ok(Some(BindPlan {
+            annotations,
+            reserved,
+        }))
+    }
+}
+
+#[cfg(all(test, feature = "sim"))]
+mod tests {
+    use super::*;
+    use crate::extender::memory::{gpu_node, gpu_pod, node_with};
+    use crate::sim::apiserver::PodContainer;
+
+    fn c(name: &str, init: bool, memory: u64, core: u64, count: u64) -> PodContainer {
+        PodContainer {
+            name: name.into(),
+            init,
+            wants: [memory, core, count],
+        }
+    }
+
+    /// `pod` bound to `node` with `annotations`.
+    fn bound(mut pod: Pod, node: &str, annotations: &[(&str, &str)]) -> Pod {
+        pod.spec.get_or_insert_default().node_name = Some(node.into());
+        let on_pod = pod.metadata.annotations.get_or_insert_default();
+        for (k, v) in annotations {
+            on_pod.insert(k.to_string(), v.to_string());
+        }
+        pod
+    }
+
+    fn planner() -> Planner {
+        Planner::new("doslab.io", Policy::Binpack)
+    }
+
+    fn refusal(p: &Planner, ix: &Index, node: &str, pod: &Pod) -> Refusal {
+        p.fits(ix, node, &p.asks(pod).unwrap()).unwrap_err()
+    }
+
+    #[test]
+    fn refusals_say_why_and_whether_waiting_helps() {
+        let mut ix = Index::default();
+        ix.apply_node(gpu_node("big", &[("GPU-a", 40960), ("GPU-b", 24576)]));
+        ix.apply_node(gpu_node("small", &[("GPU-s", 24576)]));
+        ix.apply_node(node_with("bare", None));
+        ix.apply_node(node_with("future", Some(r#"{"version":2}"#)));
+        ix.apply_node(node_with("garbled", Some("{")));
+        // 20480 MiB of GPU-a held by a served pod.
+        let ledger = r#"{"app":{"gpus":["GPU-a"],"gpu-memory":20480}}"#;
+        let holder = gpu_pod("ns", "holder", &[c("app", false, 20480, 0, 0)]);
+        ix.apply_pod(bound(holder, "big", &[("doslab.io/gpu-ledger", ledger)]));
+        let p = planner();
+        let pod = gpu_pod("ns", "p", &[c("app", false, 30720, 10, 0)]);
+
+        let r = refusal(&p, &ix, "big", &pod);
+        assert_eq!(
+            r.reason,
+            "container app: no GPU has 30720 MiB free (largest 24576 MiB on GPU-b)"
+        );
+        assert!(!r.never);
+        let r = refusal(&p, &ix, "small", &pod);
+        assert!(r.never && r.reason.contains("30720 MiB"), "{r:?}");
+        let r = refusal(&p, &ix, "bare", &pod);
+        assert!(r.never && r.reason.contains("no doslab.io/gpu-inventory annotation"));
+        let r = refusal(&p, &ix, "future", &pod);
+        assert!(r.never && r.reason.contains("version 2"), "{r:?}");
+        let r = refusal(&p, &ix, "garbled", &pod);
+        assert!(r.never && r.reason.contains("not valid JSON"), "{r:?}");
+        let r = refusal(&p, &ix, "nowhere", &pod);
+        assert!(!r.never && r.reason.contains("not in the extender's cache"));
+
+        // A pod asking nothing of ours is not planned at all.
+        assert!(
+            p.asks(&gpu_pod("ns", "cpu", &[c("app", false, 0, 0, 0)]))
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn all_containers_count_together_and_assignments_count_until_served() {
+        let mut ix = Index::default();
+        ix.apply_node(gpu_node("n", &[("GPU-a", 40960), ("GPU-b", 40960)]));
+        let p = planner();
+        let two = gpu_pod(
+            "ns",
+            "two",
+            &[c("a", false, 30000, 0, 0), c("b", false, 30000, 0, 0)],
+        );
+        assert!(p.fits(&ix, "n", &p.asks(&two).unwrap()).is_ok());
+        let three = gpu_pod(
+            "ns",
+            "three",
+            &[
+                c("init", true, 30000, 0, 0),
+                c("a", false, 30000, 0, 0),
+                c("b", false, 30000, 0, 0),
+            ],
+        );
+        assert!(p.fits(&ix, "n", &p.asks(&three).unwrap()).is_err());
+        let whole = gpu_pod(
+            "ns",
+            "whole",
+            &[c("w", false, 0, 0, 1), c("s", false, 100, 0, 0)],
+        );
+        assert!(p.fits(&ix, "n", &p.asks(&whole).unwrap()).is_ok());
+
+        // Bound, not admitted: its assignment holds GPU-a whole.
+        let assigned = r#"{"w":["GPU-a"]}"#;
+        let w = gpu_pod("ns", "w", &[c("w", false, 0, 0, 1)]);
+        ix.apply_pod(bound(
+            w.clone(),
+            "n",
+            &[("doslab.io/gpu-assignment", assigned)],
+        ));
+        let big = gpu_pod(
+            "ns",
+            "big",
+            &[c("a", false, 30000, 0, 0), c("b", false, 30000, 0, 0)],
+        );
+        assert!(p.fits(&ix, "n", &p.asks(&big).unwrap()).is_err());
+        // Served: its ledger counts, once (the same GPU, whole).
+        let ledger = r#"{"w":{"gpus":["GPU-a"],"gpu-count":1}}"#;
+        let served = bound(
+            w,
+            "n",
+            &[
+                ("doslab.io/gpu-assignment", assigned),
+                ("doslab.io/gpu-ledger", ledger),
+            ],
+        );
+        ix.apply_pod(served);
+        let one = gpu_pod("ns", "one", &[c("a", false, 40960, 0, 0)]);
+        let a = p
+            .place(&ix, "n", &p.asks(&one).unwrap())
+            .unwrap()
+            .assignment;
+        assert_eq!(a.0["a"], ["GPU-b"]);
+        assert!(p.fits(&ix, "n", &p.asks(&big).unwrap()).is_err());
+    }
+
+    #[test]
+    fn bind_plans_write_the_contract_annotations() {
+        let mut ix = Index::default();
+        ix.apply_node(gpu_node("n", &[("GPU-a", 40960), ("GPU-b", 40960)]));
+        let p = planner();
+        let one = gpu_pod(
+            "ns",
+            "one",
+            &[c("i", true, 1000, 0, 0), c("a", false, 1000, 20, 0)],
+        );
+        let plan = p.plan_bind(&ix, &one, "n", 42).unwrap().unwrap();
+        let get = |k: &str| plan.annotations[&format!("doslab.io/{k}")].clone();
+        assert_eq!(
+            get("gpu-assignment").as_deref(),
+            Some(r#"{"a":["GPU-a"],"i":["GPU-a"]}"#)
+        );
+        assert_eq!(get("gpu-uuid").as_deref(), Some("GPU-a"));
+        assert_eq!(get("gpu-assume-time").as_deref(), Some("42"));
+        assert_eq!(get("gpu-assigned").as_deref(), Some("false"));
+        let reserved = &plan.reserved;
+        assert_eq!(
+            reserved.spec.as_ref().unwrap().node_name.as_deref(),
+            Some("n")
+        );
+        assert_eq!(
+            reserved.metadata.annotations.as_ref().unwrap()["doslab.io/gpu-uuid"],
+            "GPU-a"
+        );
+
+        // Two GPUs: no single UUID, and an old one is removed.
+        let mut two = gpu_pod("ns", "two", &[c("w", false, 0, 0, 2)]);
+        two.metadata
+            .annotations
+            .get_or_insert_default()
+            .insert("doslab.io/gpu-uuid".into(), "GPU-old".into());
+        let plan = p.plan_bind(&ix, &two, "n", 43).unwrap().unwrap();
+        assert_eq!(plan.annotations["doslab.io/gpu-uuid"], None);
+        assert!(
+            !plan
+                .reserved
+                .metadata
+                .annotations
+                .as_ref()
+                .unwrap()
+                .contains_key("doslab.io/gpu-uuid")
+        );
+
+        let cpu = gpu_pod("ns", "cpu", &[c("app", false, 0, 0, 0)]);
+        assert!(p.plan_bind(&ix, &cpu, "n", 44).unwrap().is_none());
+        let huge = gpu_pod("ns", "huge", &[c("app", false, 50000, 0, 0)]);
+        let e = p.plan_bind(&ix, &huge, "n", 45).unwrap_err();
+        assert!(e.contains("50000 MiB"), "{e}");
+    }
+
+    #[test]
+    fn binpack_prefers_the_busier_node_and_spread_the_emptier() {
+        let mut ix = Index::default();
+        ix.apply_node(gpu_node("busy", &[("GPU-a", 40960)]));
+        ix.apply_node(gpu_node("idle", &[("GPU-b", 40960)]));
+        let ledger = r#"{"app":{"gpus":["GPU-a"],"gpu-memory":20480}}"#;
+        let holder = gpu_pod("ns", "holder", &[c("app", false, 20480, 0, 0)]);
+        ix.apply_pod(bound(holder, "busy", &[("doslab.io/gpu-ledger", ledger)]));
+        let pod = gpu_pod("ns", "p", &[c("app", false, 10240, 0, 0)]);
+        let asks = planner().asks(&pod).unwrap();
+        let binpack = planner();
+        assert!(binpack.score(&ix, "busy", &asks) > binpack.score(&ix, "idle", &asks));
+        let spread = Planner::new("doslab.io", Policy::Spread);
+        assert!(spread.score(&ix, "busy", &asks) < spread.score(&ix, "idle", &asks));
+        let huge = gpu_pod("ns", "huge", &[c("app", false, 30000, 0, 0)]);
+        assert_eq!(
+            spread.score(&ix, "busy", &planner().asks(&huge).unwrap()),
+            0
+        );
+    }
+}

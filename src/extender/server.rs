@@ -1,0 +1,77 @@
+//! The HTTP adapter kube-scheduler calls: `POST <urlPrefix>/filter`,
+//! `/prioritize`, `/bind`. Thin: it decodes the body, asks the
+//! [`Extender`], encodes the answer.
+//!
+//! kube-scheduler treats any non-200 status as a failure and then drops our
+//! message, so filter and bind answer every problem, malformed JSON
+//! included, with 200 and the reason in `Error`, which the scheduler puts
+//! on the pod's events. Prioritize has no `Error` field: a body it cannot
+//! use gets 400 with the reason as text (the scheduler ignores prioritize
+//! failures and scores with the rest).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+
+use super::Extender;
+use super::cluster::Binder;
+use super::wire::{ExtenderBindingResult, ExtenderFilterResult};
+
+fn decode<T: serde::de::DeserializeOwned>(verb: &str, body: &[u8]) -> Result<T, String> {
+    serde_json::from_slice(body).map_err(|e| {
+        format!("gpu extender: {verb} request is not the JSON kube-scheduler sends: {e}")
+    })
+}
+
+fn json(answer: &impl serde::Serialize) -> Response {
+    let body = serde_json::to_string(answer).expect("extender answers always serialise");
+    ([(header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+async fn filter<B: Binder>(State(x): State<Arc<Extender<B>>>, body: Bytes) -> Response {
+    let answer = match decode("filter", &body) {
+        Ok(args) => x.filter(&args),
+        Err(e) => ExtenderFilterResult::error(e),
+    };
+    json(&answer)
+}
+
+async fn prioritize<B: Binder>(State(x): State<Arc<Extender<B>>>, body: Bytes) -> Response {
+    match decode("prioritize", &body).and_then(|args| x.prioritize(&args)) {
+        Ok(list) => json(&list),
+        Err(e) => (StatusCode::BAD_REQUEST, e).into_response(),
+    }
+}
+
+async fn bind<B: Binder>(State(x): State<Arc<Extender<B>>>, body: Bytes) -> Response {
+    let error = match decode("bind", &body) {
+        Ok(args) => x.bind(&args).await.err().unwrap_or_default(),
+        Err(e) => e,
+    };
+    json(&ExtenderBindingResult { error })
+}
+
+/// Binds `addr` and serves until the runtime stops; returns the bound
+/// address (`:0` picks a free port).
+pub async fn start<B: Binder>(addr: &str, x: Arc<Extender<B>>) -> std::io::Result<SocketAddr> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    let app = Router::new()
+        .route("/filter", post(filter::<B>))
+        .route("/prioritize", post(prioritize::<B>))
+        .route("/bind", post(bind::<B>))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .with_state(x);
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!(error = %e, "extender HTTP server failed");
+        }
+    });
+    Ok(bound)
+}

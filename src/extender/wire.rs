@@ -1,0 +1,99 @@
+//! The JSON kube-scheduler speaks to an extender (k8s.io/kube-scheduler
+//! extender/v1). The Go types carry no json tags, so every key is the Go
+//! field name; Go reads our answers case-insensitively, but we answer with
+//! the exact names anyway.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::Pod;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// Filter and prioritize arguments. With `nodeCacheCapable: true` the
+/// scheduler sends `Nodes: null` and the candidates in `NodeNames`;
+/// otherwise full Node objects in `Nodes` (a NodeList without
+/// apiVersion/kind).
+#[derive(Debug, Deserialize)]
+pub struct ExtenderArgs {
+    #[serde(rename = "Pod")]
+    pub pod: Option<Pod>,
+    #[serde(rename = "Nodes", default)]
+    pub nodes: Option<NodeList>,
+    #[serde(rename = "NodeNames", default)]
+    pub node_names: Option<Vec<String>>,
+}
+
+/// The nodes kept as sent, so a filter answer returns them untouched.
+#[derive(Debug, Default, PartialEq, Deserialize, Serialize)]
+pub struct NodeList {
+    #[serde(default)]
+    pub items: Vec<Value>,
+}
+
+impl ExtenderArgs {
+    /// The candidate node names, whichever way they came.
+    pub fn names(&self) -> Vec<String> {
+        match (&self.node_names, &self.nodes) {
+            (Some(names), _) => names.clone(),
+            (None, Some(list)) => list.items.iter().map(node_name).collect(),
+            (None, None) => Vec::new(),
+        }
+    }
+}
+
+pub fn node_name(node: &Value) -> String {
+    node["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+#[derive(Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct ExtenderFilterResult {
+    #[serde(rename = "Nodes")]
+    pub nodes: Option<NodeList>,
+    #[serde(rename = "NodeNames")]
+    pub node_names: Option<Vec<String>>,
+    #[serde(rename = "FailedNodes")]
+    pub failed_nodes: BTreeMap<String, String>,
+    #[serde(rename = "FailedAndUnresolvableNodes")]
+    pub failed_and_unresolvable_nodes: BTreeMap<String, String>,
+    #[serde(rename = "Error")]
+    pub error: String,
+}
+
+impl ExtenderFilterResult {
+    pub fn error(message: impl Into<String>) -> Self {
+        ExtenderFilterResult {
+            error: message.into(),
+            ..Default::default()
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostPriority {
+    #[serde(rename = "Host")]
+    pub host: String,
+    /// 0..=10; kube-scheduler multiplies it by the extender's weight.
+    #[serde(rename = "Score")]
+    pub score: i64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ExtenderBindingArgs {
+    #[serde(rename = "PodName")]
+    pub pod_name: String,
+    #[serde(rename = "PodNamespace")]
+    pub pod_namespace: String,
+    #[serde(rename = "PodUID")]
+    pub pod_uid: String,
+    #[serde(rename = "Node")]
+    pub node: String,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ExtenderBindingResult {
+    #[serde(rename = "Error")]
+    pub error: String,
+}

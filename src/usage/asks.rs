@@ -1,0 +1,66 @@
+//! What a pod's containers ask for, in devices, read from its spec.
+
+use k8s_openapi::api::core::v1::{Container, Pod};
+
+use super::Keys;
+use crate::device::{PerResource, Resource};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ContainerAsk {
+    pub name: String,
+    pub init: bool,
+    /// The limit of each resource, in devices (0: not asked).
+    pub devices: PerResource<u64>,
+}
+
+impl ContainerAsk {
+    pub fn from_container(keys: &Keys, c: &Container, init: bool) -> ContainerAsk {
+        let limits = c.resources.as_ref().and_then(|r| r.limits.as_ref());
+        ContainerAsk {
+            name: c.name.clone(),
+            init,
+            devices: keys.resources.map(|_, name| {
+                limits
+                    .and_then(|l| l.get(name))
+                    .and_then(|q| q.0.trim().parse::<u64>().ok())
+                    .unwrap_or(0)
+            }),
+        }
+    }
+
+    pub fn wants(&self, r: Resource) -> u64 {
+        self.devices[r]
+    }
+
+    /// Asks GPUs whole; any memory or core it also asks comes with them.
+    pub fn whole(&self) -> bool {
+        self.devices.count > 0
+    }
+
+    /// Asks a share of one GPU.
+    pub fn shared(&self) -> bool {
+        !self.whole() && (self.devices.memory > 0 || self.devices.core > 0)
+    }
+}
+
+/// Init containers, then app containers, in spec order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PodAsks {
+    pub containers: Vec<ContainerAsk>,
+}
+
+impl PodAsks {
+    pub fn from_pod(keys: &Keys, pod: &Pod) -> PodAsks {
+        let spec = pod.spec.as_ref();
+        let init = spec
+            .into_iter()
+            .flat_map(|s| s.init_containers.iter().flatten());
+        let app = spec.into_iter().flat_map(|s| &s.containers);
+        PodAsks {
+            containers: init
+                .map(|c| ContainerAsk::from_container(keys, c, true))
+                .chain(app.map(|c| ContainerAsk::from_container(keys, c, false)))
+                .collect(),
+        }
+    }
+}

@@ -1,0 +1,209 @@
+//! Where a pod fits on a node, and how well: the same answer for the
+//! extender's filter and the node's GetPreferredAllocation.
+
+use serde::Deserialize;
+
+use super::{Assignment, ContainerAsk, Holding, Inventory, NodeUsage, PodAsks, pod_holdings};
+use crate::device::{PerResource, Resource};
+use crate::matcher::ledger::Ledger;
+
+/// Why a pod does not fit on a node.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("container {container}: {reason}")]
+pub struct FitError {
+    pub container: String,
+    pub reason: String,
+    /// It would not fit even on this node empty with every GPU healthy:
+    /// no amount of waiting helps.
+    pub unresolvable: bool,
+}
+
+/// How to rank the nodes a pod fits on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Policy {
+    /// Fill busy nodes first, keeping whole nodes free for big pods.
+    #[default]
+    Binpack,
+    /// Spread pods over the emptiest nodes.
+    Spread,
+}
+
+/// The healthy GPU with the least room left that still holds `need`
+/// (memory and core, real units), away from whole-GPU work; among equals,
+/// one of `preferred` first, then the lowest index.
+pub fn best_shared(
+    inv: &Inventory,
+    usage: &NodeUsage,
+    need: &PerResource<u64>,
+    preferred: &[usize],
+) -> Option<usize> {
+    let shared = [Resource::GpuMemory, Resource::GpuCore];
+    let left = |g: usize, r: Resource| usage.free(inv, g, r).checked_sub(need[r]);
+    (0..inv.gpus.len())
+        .filter(|&g| inv.gpus[g].healthy && !usage.gpus[g].held_whole())
+        .filter(|&g| shared.iter().all(|&r| left(g, r).is_some()))
+        .min_by_key(|&g| {
+            (
+                !preferred.contains(&g),
+                left(g, Resource::GpuMemory),
+                left(g, Resource::GpuCore),
+                g,
+            )
+        })
+}
+
+/// GPUs for every container of the pod at once: each shared container on
+/// one GPU with room for its memory and its core, each whole ask on GPUs
+/// free of any work. Containers add up as they are placed (init containers
+/// count while the pod lives), and a container goes beside the pod's others
+/// when it fits there: the kubelet hands an init container's devices on.
+pub fn fit(inv: &Inventory, usage: &NodeUsage, asks: &PodAsks) -> Result<Assignment, FitError> {
+    place_all(inv, usage.clone(), asks).map_err(|mut e| {
+        let mut ideal = inv.clone();
+        ideal.gpus.iter_mut().for_each(|g| g.healthy = true);
+        e.unresolvable = place_all(&ideal, NodeUsage::empty(&ideal), asks).is_err();
+        e
+    })
+}
+
+fn place_all(
+    inv: &Inventory,
+    mut usage: NodeUsage,
+    asks: &PodAsks,
+) -> Result<Assignment, FitError> {
+    let mut out = Assignment::default();
+    let mut pods_gpus: Vec<usize> = Vec::new();
+    for c in &asks.containers {
+        let fail = |reason: String| FitError {
+            container: c.name.clone(),
+            reason,
+            unresolvable: false,
+        };
+        if let Some(r) = Resource::ALL
+            .into_iter()
+            .find(|&r| c.wants(r) > 0 && !inv.offers(r))
+        {
+            return Err(fail(format!("asks {r}, which this node does not offer")));
+        }
+        let need = inv.amount(&c.devices);
+        let gpus = if c.whole() {
+            whole(inv, &usage, c).map_err(fail)?
+        } else if c.shared() {
+            let g = best_shared(inv, &usage, &need, &pods_gpus)
+                .ok_or_else(|| fail(shortfall(inv, &usage, &need)))?;
+            vec![g]
+        } else {
+            continue;
+        };
+        let uuids: Vec<String> = gpus.iter().map(|&g| inv.gpus[g].uuid.clone()).collect();
+        usage.add(
+            inv,
+            &Holding {
+                gpus: uuids.clone(),
+                amount: need,
+            },
+        );
+        pods_gpus.extend(gpus);
+        out.0.insert(c.name.clone(), uuids);
+    }
+    Ok(out)
+}
+
+/// The first healthy GPUs free of any work, as many as asked.
+fn whole(inv: &Inventory, usage: &NodeUsage, c: &ContainerAsk) -> Result<Vec<usize>, String> {
+    let free: Vec<usize> = (0..inv.gpus.len())
+        .filter(|&g| {
+            let u = &usage.gpus[g];
+            inv.gpus[g].healthy && !u.held_whole() && !u.carries_shared()
+        })
+        .collect();
+    let k = c.devices.count;
+    if (free.len() as u64) < k {
+        return Err(format!(
+            "wants {k} whole GPUs; {} of {} are healthy and free of other work",
+            free.len(),
+            inv.gpus.len()
+        ));
+    }
+    Ok(free[..k as usize].to_vec())
+}
+
+/// Says what is missing for a shared ask no GPU holds.
+fn shortfall(inv: &Inventory, usage: &NodeUsage, need: &PerResource<u64>) -> String {
+    let open: Vec<usize> = (0..inv.gpus.len())
+        .filter(|&g| inv.gpus[g].healthy && !usage.gpus[g].held_whole())
+        .collect();
+    if open.is_empty() {
+        return if inv.gpus.iter().any(|g| g.healthy) {
+            "every healthy GPU is held whole".into()
+        } else {
+            "no GPU is healthy".into()
+        };
+    }
+    let largest = |r: Resource| {
+        open.iter()
+            .map(|&g| (usage.free(inv, g, r), &inv.gpus[g].uuid))
+            .max_by_key(|&(free, _)| free)
+            .expect("some GPU is open")
+    };
+    let (mem, mem_gpu) = largest(Resource::GpuMemory);
+    let (core, core_gpu) = largest(Resource::GpuCore);
+    if mem < need.memory {
+        format!(
+            "no GPU has {} MiB free (largest {mem} MiB on {mem_gpu})",
+            need.memory
+        )
+    } else if core < need.core {
+        format!(
+            "no GPU has {} % of its compute free (largest {core} % on {core_gpu})",
+            need.core
+        )
+    } else {
+        format!(
+            "no GPU has {} MiB and {} % of its compute free at once",
+            need.memory, need.core
+        )
+    }
+}
+
+/// 0..=10: how much a node is worth to the pod under `policy`, from how
+/// busy its healthy GPUs are once the pod is on them (a GPU held whole is
+/// full; a shared one as full as its fuller resource).
+pub fn score(
+    inv: &Inventory,
+    usage: &NodeUsage,
+    asks: &PodAsks,
+    assignment: &Assignment,
+    policy: Policy,
+) -> u8 {
+    let mut after = usage.clone();
+    for h in pod_holdings(inv, &asks.containers, &Ledger::default(), assignment) {
+        after.add(inv, &h);
+    }
+    let permille: Vec<u64> = (0..inv.gpus.len())
+        .filter(|&g| inv.gpus[g].healthy)
+        .map(|g| {
+            let u = &after.gpus[g];
+            if u.held_whole() {
+                return 1000;
+            }
+            let cap = inv.capacity(g);
+            [Resource::GpuMemory, Resource::GpuCore]
+                .into_iter()
+                .map(|r| (u.used[r] * 1000).checked_div(cap[r]).unwrap_or(1000))
+                .max()
+                .unwrap_or(0)
+                .min(1000)
+        })
+        .collect();
+    if permille.is_empty() {
+        return 0;
+    }
+    let busy = (permille.iter().sum::<u64>() / permille.len() as u64 * 10 + 500) / 1000;
+    let busy = busy as u8;
+    match policy {
+        Policy::Binpack => busy,
+        Policy::Spread => 10 - busy,
+    }
+}

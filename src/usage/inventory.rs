@@ -1,0 +1,136 @@
+//! A node's GPUs as the usage model sees them: what each can hold, in real
+//! units, and what one device of each resource is worth. It is also the
+//! `<domain>/gpu-inventory` annotation the node daemon publishes on its
+//! Node for the extender.
+
+use serde::{Deserialize, Serialize};
+
+use crate::device::{Gpu, PerResource, Resource};
+
+/// The only inventory format this build reads.
+pub const INVENTORY_VERSION: u32 = 1;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuInfo {
+    pub uuid: String,
+    #[serde(rename = "memoryMiB")]
+    pub memory_mib: u64,
+    pub healthy: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numa_node: Option<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Inventory {
+    pub version: u32,
+    #[serde(rename = "memoryUnitMiB")]
+    pub memory_unit_mib: u64,
+    pub cores_per_gpu: u32,
+    /// The resources the node offers.
+    pub resources: Vec<Resource>,
+    pub gpus: Vec<GpuInfo>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InventoryError {
+    #[error("the GPU inventory is not valid JSON: {0}")]
+    Json(String),
+    #[error(
+        "the GPU inventory has version {0}; this build reads version {INVENTORY_VERSION} \
+         (upgrade the extender or the node daemon so they match)"
+    )]
+    Version(u32),
+    #[error("the GPU inventory is unusable: {0}")]
+    Invalid(String),
+}
+
+impl Inventory {
+    /// The node side: every GPU the backend found, healthy.
+    pub fn new(
+        gpus: &[Gpu],
+        memory_unit_mib: u64,
+        cores_per_gpu: u32,
+        resources: &[Resource],
+    ) -> Inventory {
+        Inventory {
+            version: INVENTORY_VERSION,
+            memory_unit_mib,
+            cores_per_gpu,
+            resources: resources.to_vec(),
+            gpus: gpus
+                .iter()
+                .map(|g| GpuInfo {
+                    uuid: g.uuid.clone(),
+                    memory_mib: g.memory_mib,
+                    healthy: true,
+                    numa_node: g.numa_node,
+                })
+                .collect(),
+        }
+    }
+
+    /// Reads the annotation; an unknown version or units that cannot be
+    /// computed with are refused, with the reason.
+    pub fn parse(text: &str) -> Result<Inventory, InventoryError> {
+        #[derive(Deserialize)]
+        struct Versioned {
+            version: u32,
+        }
+        let json = |e: serde_json::Error| InventoryError::Json(e.to_string());
+        let v: Versioned = serde_json::from_str(text).map_err(json)?;
+        if v.version != INVENTORY_VERSION {
+            return Err(InventoryError::Version(v.version));
+        }
+        let inv: Inventory = serde_json::from_str(text).map_err(json)?;
+        if inv.memory_unit_mib == 0 {
+            return Err(InventoryError::Invalid("memoryUnitMiB is 0".into()));
+        }
+        if inv.cores_per_gpu == 0 || 100 % inv.cores_per_gpu != 0 {
+            return Err(InventoryError::Invalid(format!(
+                "coresPerGpu {} does not divide 100",
+                inv.cores_per_gpu
+            )));
+        }
+        Ok(inv)
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("an inventory always serialises")
+    }
+
+    /// What one device is worth: MiB, percent of a GPU, GPUs.
+    pub fn unit(&self) -> PerResource<u64> {
+        PerResource {
+            memory: self.memory_unit_mib,
+            core: u64::from(100 / self.cores_per_gpu),
+            count: 1,
+        }
+    }
+
+    /// What GPU `g` holds in real units, as far as the kubelet can see it
+    /// (memory rounds down to whole devices).
+    pub fn capacity(&self, g: usize) -> PerResource<u64> {
+        let unit = self.unit();
+        PerResource {
+            memory: self.gpus[g].memory_mib / unit.memory * unit.memory,
+            core: u64::from(self.cores_per_gpu) * unit.core,
+            count: 1,
+        }
+    }
+
+    /// `devices` in real units.
+    pub fn amount(&self, devices: &PerResource<u64>) -> PerResource<u64> {
+        let unit = self.unit();
+        devices.map(|r, &d| d * unit[r])
+    }
+
+    pub fn index(&self, uuid: &str) -> Option<usize> {
+        self.gpus.iter().position(|g| g.uuid == uuid)
+    }
+
+    pub fn offers(&self, r: Resource) -> bool {
+        self.resources.contains(&r)
+    }
+}

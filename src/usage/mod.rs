@@ -1,0 +1,24 @@
+//! The one model of GPU usage that the node's pod matcher and the scheduler
+//! extender share, so both agree on what is free: a node's GPUs
+//! ([`Inventory`]), what pods ask ([`PodAsks`]) and hold ([`Holding`]), the
+//! usage that adds up to ([`NodeUsage`]), where a pod fits ([`fit`]) and how
+//! well ([`score`]).
+//!
+//! Usage of a GPU is the ledgers of live pods, plus the assignments of pods
+//! bound but not yet admitted, plus whatever the caller adds (the
+//! extender's binds in flight). Pure: callers bring the pods.
+
+mod annotations;
+mod asks;
+mod fit;
+mod inventory;
+mod node;
+
+pub use annotations::{Assignment, Keys};
+pub use asks::{ContainerAsk, PodAsks};
+pub use fit::{FitError, Policy, best_shared, fit, score};
+pub use inventory::{GpuInfo, INVENTORY_VERSION, Inventory, InventoryError};
+pub use node::{GpuUsage, Holding, NodeUsage, pod_holdings};
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,136 @@
+//! What the pods hold on a node's GPUs, added up per GPU.
+
+use super::{Assignment, ContainerAsk, Inventory};
+use crate::device::{PerResource, Resource};
+use crate::matcher::ledger::{Grant, Ledger};
+
+/// What one container holds: its GPUs and the amounts, in real units
+/// (MiB, percent, GPUs). A holding with GPUs counted holds them whole.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Holding {
+    pub gpus: Vec<String>,
+    pub amount: PerResource<u64>,
+}
+
+impl Holding {
+    pub fn from_grant(g: &Grant) -> Holding {
+        Holding {
+            gpus: g.gpus.clone(),
+            amount: PerResource::from_fn(|r| g.amount(r).unwrap_or(0)),
+        }
+    }
+
+    fn whole(&self) -> bool {
+        self.amount.count > 0
+    }
+}
+
+/// What a live pod holds: each container by its ledger entry when it has
+/// one (the kubelet served it), else by its assignment and its ask (bound,
+/// not yet admitted). Never both, so nothing counts twice.
+pub fn pod_holdings(
+    inv: &Inventory,
+    containers: &[ContainerAsk],
+    ledger: &Ledger,
+    assignment: &Assignment,
+) -> Vec<Holding> {
+    let served = ledger.0.values().map(Holding::from_grant);
+    let assigned = containers
+        .iter()
+        .filter(|c| !ledger.0.contains_key(&c.name))
+        .filter_map(|c| {
+            assignment.0.get(&c.name).map(|gpus| Holding {
+                gpus: gpus.clone(),
+                amount: inv.amount(&c.devices),
+            })
+        });
+    served.chain(assigned).collect()
+}
+
+/// One GPU's usage.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GpuUsage {
+    /// MiB and percent used by shared holdings; GPUs: how many hold it whole.
+    pub used: PerResource<u64>,
+    /// How many shared holdings are on it.
+    pub sharers: u64,
+}
+
+impl GpuUsage {
+    pub fn held_whole(&self) -> bool {
+        self.used.count > 0
+    }
+
+    pub fn carries_shared(&self) -> bool {
+        self.sharers > 0
+    }
+}
+
+/// Per GPU of an [`Inventory`], in its order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeUsage {
+    pub gpus: Vec<GpuUsage>,
+}
+
+impl NodeUsage {
+    pub fn empty(inv: &Inventory) -> NodeUsage {
+        NodeUsage {
+            gpus: vec![GpuUsage::default(); inv.gpus.len()],
+        }
+    }
+
+    pub fn of<'a>(inv: &Inventory, holdings: impl IntoIterator<Item = &'a Holding>) -> NodeUsage {
+        let mut u = NodeUsage::empty(inv);
+        for h in holdings {
+            u.add(inv, h);
+        }
+        u
+    }
+
+    /// Counts `h`; GPUs this node does not have are ignored.
+    pub fn add(&mut self, inv: &Inventory, h: &Holding) {
+        self.apply(inv, h, |total, n| *total += n);
+    }
+
+    /// This usage without `h` (which it counted).
+    pub fn without(&self, inv: &Inventory, h: &Holding) -> NodeUsage {
+        let mut u = self.clone();
+        u.apply(inv, h, |total, n| *total = total.saturating_sub(n));
+        u
+    }
+
+    fn apply(&mut self, inv: &Inventory, h: &Holding, op: impl Fn(&mut u64, u64)) {
+        for g in h.gpus.iter().filter_map(|u| inv.index(u)) {
+            let gpu = &mut self.gpus[g];
+            if h.whole() {
+                op(&mut gpu.used.count, 1);
+            } else if h.amount.memory > 0 || h.amount.core > 0 {
+                op(&mut gpu.sharers, 1);
+                op(&mut gpu.used.memory, h.amount.memory);
+                op(&mut gpu.used.core, h.amount.core);
+            }
+        }
+    }
+
+    /// What is left of `r` on GPU `g`, in real units.
+    pub fn free(&self, inv: &Inventory, g: usize, r: Resource) -> u64 {
+        inv.capacity(g)[r].saturating_sub(self.gpus[g].used[r])
+    }
+
+    /// Per GPU: whether new work of `r` must stay off it (whole and shared
+    /// work do not mix; unhealthy GPUs take none).
+    pub fn avoid(&self, inv: &Inventory, r: Resource) -> Vec<bool> {
+        self.gpus
+            .iter()
+            .zip(&inv.gpus)
+            .map(|(u, info)| {
+                !info.healthy
+                    || if r == Resource::GpuCount {
+                        u.carries_shared()
+                    } else {
+                        u.held_whole()
+                    }
+            })
+            .collect()
+    }
+}

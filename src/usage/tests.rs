@@ -1,0 +1,384 @@
+//! The usage model over hand-built inventories, pods and ledgers.
+
+use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, ResourceRequirements};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+
+use super::*;
+use crate::device::{Gpu, PerResource, Resource};
+use crate::matcher::ledger::{Grant, Ledger};
+
+/// GPUs of the given MiB, 256 MiB per memory device, 1 % per core device.
+fn inventory(mib: &[u64]) -> Inventory {
+    let gpus: Vec<Gpu> = mib
+        .iter()
+        .enumerate()
+        .map(|(i, &m)| Gpu {
+            uuid: format!("GPU-{i}"),
+            memory_mib: m,
+            index: i as u32,
+            numa_node: None,
+        })
+        .collect();
+    Inventory::new(&gpus, 256, 100, &Resource::ALL)
+}
+
+fn ask(name: &str, init: bool, mem: u64, core: u64, count: u64) -> ContainerAsk {
+    ContainerAsk {
+        name: name.into(),
+        init,
+        devices: PerResource {
+            memory: mem,
+            core,
+            count,
+        },
+    }
+}
+
+fn pod(containers: Vec<ContainerAsk>) -> PodAsks {
+    PodAsks { containers }
+}
+
+fn assignment(pairs: &[(&str, &[&str])]) -> Assignment {
+    Assignment(
+        pairs
+            .iter()
+            .map(|(c, g)| (c.to_string(), g.iter().map(|s| s.to_string()).collect()))
+            .collect(),
+    )
+}
+
+fn grant(gpu: &str, memory: Option<u64>, core: Option<u64>, count: Option<u64>) -> Grant {
+    Grant {
+        gpus: vec![gpu.into()],
+        memory,
+        core,
+        count,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn the_inventory_annotation_round_trips_and_refuses_what_it_cannot_read() {
+    let inv = inventory(&[81920, 40000]);
+    let text = inv.to_json();
+    assert!(
+        text.starts_with(r#"{"version":1,"memoryUnitMiB":256,"coresPerGpu":100,"resources":["gpu-memory","gpu-core","gpu-count"],"gpus":[{"uuid":"GPU-0","memoryMiB":81920,"healthy":true}"#),
+        "{text}"
+    );
+    assert_eq!(Inventory::parse(&text).unwrap(), inv);
+    let v2 = text.replace(r#""version":1"#, r#""version":2"#);
+    let err = Inventory::parse(&v2).unwrap_err();
+    assert_eq!(err, InventoryError::Version(2));
+    assert!(err.to_string().contains("version 2"), "{err}");
+    let zero = text.replace(r#""memoryUnitMiB":256"#, r#""memoryUnitMiB":0"#);
+    assert!(matches!(
+        Inventory::parse(&zero),
+        Err(InventoryError::Invalid(_))
+    ));
+    let odd = text.replace(r#""coresPerGpu":100"#, r#""coresPerGpu":30"#);
+    assert!(
+        Inventory::parse(&odd)
+            .unwrap_err()
+            .to_string()
+            .contains("coresPerGpu 30")
+    );
+    assert!(matches!(
+        Inventory::parse("{"),
+        Err(InventoryError::Json(_))
+    ));
+}
+
+#[test]
+fn capacity_is_what_the_kubelet_sees_in_real_units() {
+    let inv = inventory(&[1000]);
+    // 1000 MiB in 256 MiB devices: three devices.
+    assert_eq!(
+        inv.capacity(0),
+        PerResource {
+            memory: 768,
+            core: 100,
+            count: 1
+        }
+    );
+    let mut coarse = inv.clone();
+    coarse.cores_per_gpu = 20;
+    assert_eq!(coarse.capacity(0).core, 100);
+    assert_eq!(coarse.amount(&ask("c", false, 2, 3, 0).devices).core, 15);
+}
+
+#[test]
+fn asks_are_read_from_the_spec_init_containers_first() {
+    let keys = Keys::new("doslab.io");
+    let limits = |pairs: &[(&str, &str)]| {
+        Some(ResourceRequirements {
+            limits: Some(
+                pairs
+                    .iter()
+                    .map(|(k, v)| (format!("doslab.io/{k}"), Quantity(v.to_string())))
+                    .collect(),
+            ),
+            ..Default::default()
+        })
+    };
+    let p = Pod {
+        spec: Some(PodSpec {
+            init_containers: Some(vec![Container {
+                name: "init".into(),
+                resources: limits(&[("gpu-memory", "4")]),
+                ..Default::default()
+            }]),
+            containers: vec![
+                Container {
+                    name: "app".into(),
+                    resources: limits(&[("gpu-memory", "8"), ("gpu-core", "30")]),
+                    ..Default::default()
+                },
+                Container {
+                    name: "train".into(),
+                    resources: limits(&[("gpu-count", "2")]),
+                    ..Default::default()
+                },
+                Container {
+                    name: "sidecar".into(),
+                    ..Default::default()
+                },
+            ],
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    assert_eq!(
+        PodAsks::from_pod(&keys, &p).containers,
+        vec![
+            ask("init", true, 4, 0, 0),
+            ask("app", false, 8, 30, 0),
+            ask("train", false, 0, 0, 2),
+            ask("sidecar", false, 0, 0, 0),
+        ]
+    );
+}
+
+#[test]
+fn usage_is_ledgers_plus_assignments_not_yet_in_the_ledger_never_both() {
+    let inv = inventory(&[8192, 8192]);
+    let containers = vec![ask("a", false, 4, 10, 0), ask("b", false, 2, 5, 0)];
+    // Bound, not yet admitted: both count by their assignment.
+    let assigned = assignment(&[("a", &["GPU-0"]), ("b", &["GPU-1"])]);
+    let h = pod_holdings(&inv, &containers, &Ledger::default(), &assigned);
+    let u = NodeUsage::of(&inv, &h);
+    assert_eq!((u.gpus[0].used.memory, u.gpus[0].used.core), (1024, 10));
+    assert_eq!((u.gpus[1].used.memory, u.gpus[1].used.core), (512, 5));
+    // "a" admitted: its ledger counts (on the GPU the ledger names), its
+    // assignment no more.
+    let mut ledger = Ledger::default();
+    ledger
+        .0
+        .insert("a".into(), grant("GPU-1", Some(1024), Some(10), None));
+    let h = pod_holdings(&inv, &containers, &ledger, &assigned);
+    let u = NodeUsage::of(&inv, &h);
+    assert_eq!(u.gpus[0], GpuUsage::default());
+    assert_eq!((u.gpus[1].used.memory, u.gpus[1].used.core), (1536, 15));
+    assert_eq!(u.gpus[1].sharers, 2);
+    // Removing a holding frees exactly it (a deleted pod: its holdings are
+    // simply not there).
+    let freed = u.without(&inv, &h[1]);
+    assert_eq!(
+        (freed.gpus[1].used.memory, freed.gpus[1].sharers),
+        (1024, 1)
+    );
+    assert_eq!(NodeUsage::of(&inv, &[]), NodeUsage::empty(&inv));
+    // A GPU this node lacks is ignored.
+    let stray = Holding {
+        gpus: vec!["GPU-x".into()],
+        amount: inv.amount(&ask("c", false, 1, 1, 0).devices),
+    };
+    assert_eq!(NodeUsage::of(&inv, [&stray]), NodeUsage::empty(&inv));
+}
+
+#[test]
+fn shared_containers_fit_on_one_gpu_with_room_for_memory_and_core_on_mixed_sizes() {
+    // 16 GiB, 80 GiB, 40 GiB.
+    let inv = inventory(&[16384, 81920, 40960]);
+    let usage = NodeUsage::empty(&inv);
+    // 30 GiB fits on the 80 and 40 GiB GPUs: best fit is the 40 GiB one.
+    let a = fit(&inv, &usage, &pod(vec![ask("c", false, 120, 50, 0)])).unwrap();
+    assert_eq!(a, assignment(&[("c", &["GPU-2"])]));
+    // 60 GiB only on the 80 GiB GPU.
+    let a = fit(&inv, &usage, &pod(vec![ask("c", false, 240, 10, 0)])).unwrap();
+    assert_eq!(a.single_gpu(), Some("GPU-1"));
+    // Room for memory is not enough: the core must fit on the same GPU.
+    let busy = Holding {
+        gpus: vec!["GPU-2".into()],
+        amount: inv.amount(&ask("x", false, 0, 90, 0).devices),
+    };
+    let usage = NodeUsage::of(&inv, [&busy]);
+    let a = fit(&inv, &usage, &pod(vec![ask("c", false, 120, 50, 0)])).unwrap();
+    assert_eq!(a.single_gpu(), Some("GPU-1"));
+}
+
+#[test]
+fn containers_of_one_pod_add_up_and_stay_together_when_they_can() {
+    let inv = inventory(&[8192, 8192]);
+    let usage = NodeUsage::empty(&inv);
+    // Init (counted while the pod lives) and two apps: 12 + 12 + 8 devices
+    // of 256 MiB = 8 GiB, exactly one GPU.
+    let p = pod(vec![
+        ask("init", true, 12, 10, 0),
+        ask("app", false, 12, 10, 0),
+        ask("side", false, 8, 10, 0),
+    ]);
+    let a = fit(&inv, &usage, &p).unwrap();
+    assert_eq!(a.single_gpu(), Some("GPU-0"), "{a:?}");
+    // One more device and the last container spills to the other GPU.
+    let p = pod(vec![
+        ask("init", true, 12, 10, 0),
+        ask("app", false, 12, 10, 0),
+        ask("side", false, 9, 10, 0),
+    ]);
+    let a = fit(&inv, &usage, &p).unwrap();
+    assert_eq!(a.0["side"], ["GPU-1"]);
+    assert_eq!(a.single_gpu(), None);
+}
+
+#[test]
+fn whole_and_shared_work_never_mix_and_unhealthy_gpus_take_none() {
+    let mut inv = inventory(&[8192, 8192, 8192]);
+    let shared = Holding {
+        gpus: vec!["GPU-0".into()],
+        amount: inv.amount(&ask("s", false, 1, 1, 0).devices),
+    };
+    let whole = Holding {
+        gpus: vec!["GPU-1".into()],
+        amount: inv.amount(&ask("w", false, 0, 0, 1).devices),
+    };
+    let usage = NodeUsage::of(&inv, [&shared, &whole]);
+    assert_eq!(usage.avoid(&inv, Resource::GpuCount), [true, false, false]);
+    assert_eq!(usage.avoid(&inv, Resource::GpuMemory), [false, true, false]);
+    // A whole ask takes the one free GPU; two cannot be had.
+    let one = pod(vec![ask("t", false, 0, 0, 1)]);
+    assert_eq!(fit(&inv, &usage, &one).unwrap().single_gpu(), Some("GPU-2"));
+    let two = pod(vec![ask("t", false, 0, 0, 2)]);
+    let err = fit(&inv, &usage, &two).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "container t: wants 2 whole GPUs; 1 of 3 are healthy and free of other work"
+    );
+    assert!(!err.unresolvable, "fits once the node empties");
+    // A shared ask never lands on the GPU held whole, even when it is the
+    // best fit by room.
+    let s = pod(vec![ask("s2", false, 1, 1, 0)]);
+    assert_eq!(fit(&inv, &usage, &s).unwrap().single_gpu(), Some("GPU-0"));
+    // Unhealthy: no new work, and it shows in the steer.
+    inv.gpus[2].healthy = false;
+    assert_eq!(usage.avoid(&inv, Resource::GpuCount), [true, false, true]);
+    let err = fit(&inv, &usage, &one).unwrap_err();
+    assert!(!err.unresolvable, "{err}");
+    inv.gpus.iter_mut().for_each(|g| g.healthy = false);
+    let err = fit(&inv, &NodeUsage::empty(&inv), &s).unwrap_err();
+    assert_eq!(err.reason, "no GPU is healthy");
+    assert!(!err.unresolvable);
+}
+
+#[test]
+fn reasons_say_what_is_missing_and_whether_it_can_ever_fit() {
+    let inv = inventory(&[81920, 40960]);
+    let filler = Holding {
+        gpus: vec!["GPU-0".into()],
+        amount: inv.amount(&ask("f", false, 240, 20, 0).devices),
+    };
+    let usage = NodeUsage::of(&inv, [&filler]);
+    // 30 GiB: 20 GiB left on GPU-0, 40 GiB on GPU-1, so it fits...
+    let thirty = pod(vec![ask("c", false, 120, 10, 0)]);
+    assert_eq!(
+        fit(&inv, &usage, &thirty).unwrap().single_gpu(),
+        Some("GPU-1")
+    );
+    // ...and once GPU-1 is taken whole, it does not, for now.
+    let whole = Holding {
+        gpus: vec!["GPU-1".into()],
+        amount: inv.amount(&ask("w", false, 0, 0, 1).devices),
+    };
+    let usage = NodeUsage::of(&inv, [&filler, &whole]);
+    let err = fit(&inv, &usage, &thirty).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "container c: no GPU has 30720 MiB free (largest 20480 MiB on GPU-0)"
+    );
+    assert!(!err.unresolvable);
+    // Core short.
+    let core = pod(vec![ask("c", false, 1, 90, 0)]);
+    let err = fit(&inv, &usage, &core).unwrap_err();
+    assert_eq!(
+        err.reason,
+        "no GPU has 90 % of its compute free (largest 80 % on GPU-0)"
+    );
+    // 100 GiB never fits here; neither does a resource the node lacks.
+    let huge = pod(vec![ask("c", false, 400, 10, 0)]);
+    let err = fit(&inv, &NodeUsage::empty(&inv), &huge).unwrap_err();
+    assert!(err.unresolvable, "{err}");
+    let mut no_count = inv.clone();
+    no_count.resources = vec![Resource::GpuMemory, Resource::GpuCore];
+    let err = fit(
+        &no_count,
+        &NodeUsage::empty(&inv),
+        &pod(vec![ask("t", false, 0, 0, 1)]),
+    )
+    .unwrap_err();
+    assert_eq!(err.reason, "asks gpu-count, which this node does not offer");
+    assert!(err.unresolvable);
+    // Everything held whole.
+    let usage = NodeUsage::of(
+        &inv,
+        [&Holding {
+            gpus: vec!["GPU-0".into(), "GPU-1".into()],
+            amount: inv.amount(&ask("w", false, 0, 0, 2).devices),
+        }],
+    );
+    assert_eq!(
+        fit(&inv, &usage, &thirty).unwrap_err().reason,
+        "every healthy GPU is held whole"
+    );
+}
+
+#[test]
+fn binpack_prefers_the_busier_node_and_spread_the_emptier() {
+    let inv = inventory(&[8192, 8192]);
+    let p = pod(vec![ask("c", false, 8, 10, 0)]);
+    let empty = NodeUsage::empty(&inv);
+    let busy = NodeUsage::of(
+        &inv,
+        [&Holding {
+            gpus: vec!["GPU-0".into()],
+            amount: inv.amount(&ask("f", false, 24, 80, 0).devices),
+        }],
+    );
+    let on_empty = fit(&inv, &empty, &p).unwrap();
+    let on_busy = fit(&inv, &busy, &p).unwrap();
+    assert_eq!(on_busy.single_gpu(), Some("GPU-0"), "best fit packs");
+    let s = |u: &NodeUsage, a: &Assignment, policy| score(&inv, u, &p, a, policy);
+    assert_eq!(s(&empty, &on_empty, Policy::Binpack), 1);
+    assert_eq!(s(&busy, &on_busy, Policy::Binpack), 5);
+    assert_eq!(s(&empty, &on_empty, Policy::Spread), 9);
+    assert_eq!(s(&busy, &on_busy, Policy::Spread), 5);
+    // A whole GPU counts full.
+    let whole = pod(vec![ask("t", false, 0, 0, 2)]);
+    let a = fit(&inv, &empty, &whole).unwrap();
+    assert_eq!(score(&inv, &empty, &whole, &a, Policy::Binpack), 10);
+    assert_eq!(score(&inv, &empty, &whole, &a, Policy::Spread), 0);
+}
+
+#[test]
+fn the_assignment_annotation_names_a_single_gpu_only_when_there_is_one() {
+    let a = assignment(&[("a", &["GPU-0"]), ("b", &["GPU-0"])]);
+    assert_eq!(a.single_gpu(), Some("GPU-0"));
+    assert_eq!(Assignment::parse(Some(&a.to_json())).unwrap(), a);
+    assert_eq!(a.to_json(), r#"{"a":["GPU-0"],"b":["GPU-0"]}"#);
+    assert_eq!(assignment(&[("t", &["GPU-0", "GPU-1"])]).single_gpu(), None);
+    assert_eq!(Assignment::default().single_gpu(), None);
+    assert_eq!(Assignment::parse(None).unwrap(), Assignment::default());
+    assert!(Assignment::parse(Some("[")).is_err());
+    let keys = Keys::new("example.com");
+    assert_eq!(keys.assignment, "example.com/gpu-assignment");
+    assert_eq!(keys.inventory, "example.com/gpu-inventory");
+    assert_eq!(keys.resources[Resource::GpuCore], "example.com/gpu-core");
+}

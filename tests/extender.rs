@@ -1,0 +1,394 @@
+//! The scheduler extender over real HTTP, fed the JSON kube-scheduler
+//! (v1.32) sends: the Go types of k8s.io/kube-scheduler/extender/v1 have no
+//! json tags, so keys are Go field names, and a node-cache-capable
+//! scheduler sends `"Nodes": null` with `NodeNames`. The cluster behind it
+//! is the in-memory one, with injected faults.
+
+#![cfg(feature = "sim")]
+
+mod support;
+
+use std::sync::Arc;
+
+use gpu_device_plugin::extender::memory::{MemoryCluster, gpu_node, gpu_pod, node_with};
+use gpu_device_plugin::extender::{
+    BindError, Binder, Extender, ExtenderConfig, KubeBinder, client, start,
+};
+use gpu_device_plugin::sim::apiserver::PodContainer;
+use k8s_openapi::api::core::v1::Pod;
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+fn c(name: &str, memory: u64, core: u64, count: u64) -> PodContainer {
+    PodContainer {
+        name: name.into(),
+        init: false,
+        wants: [memory, core, count],
+    }
+}
+
+/// The pod as kube-scheduler serialises it: no apiVersion, no kind.
+fn wire_pod(pod: &Pod) -> Value {
+    let mut v = serde_json::to_value(pod).unwrap();
+    let obj = v.as_object_mut().unwrap();
+    obj.remove("apiVersion");
+    obj.remove("kind");
+    v
+}
+
+struct Setup {
+    cluster: MemoryCluster,
+    addr: std::net::SocketAddr,
+}
+
+/// n1: two 40 GiB GPUs; n2: one 24 GiB GPU; bare: no inventory.
+async fn setup(policy: &str) -> Setup {
+    let cluster = MemoryCluster::new();
+    cluster.add_node(gpu_node("n1", &[("GPU-a", 40960), ("GPU-b", 40960)]));
+    cluster.add_node(gpu_node("n2", &[("GPU-c", 24576)]));
+    cluster.add_node(node_with("bare", None));
+    let toml = format!("[extender]\nlisten = \"127.0.0.1:0\"\npolicy = \"{policy}\"\n");
+    let config = ExtenderConfig::from_toml(&toml).unwrap();
+    let x = Arc::new(Extender::new(&config, cluster.index(), cluster.clone()));
+    let addr = start(&config.listen, x).await.unwrap();
+    Setup { cluster, addr }
+}
+
+/// POSTs `body` as kube-scheduler does; returns (status, body).
+async fn post(addr: std::net::SocketAddr, verb: &str, body: &str) -> (u16, String) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "POST /{verb} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).await.unwrap();
+    let code = text[9..12].parse().unwrap();
+    let body = text.split_once("\r\n\r\n").unwrap().1.to_owned();
+    (code, body)
+}
+
+async fn post_json(addr: std::net::SocketAddr, verb: &str, body: &Value) -> Value {
+    let (code, text) = post(addr, verb, &body.to_string()).await;
+    assert_eq!(code, 200, "{text}");
+    serde_json::from_str(&text).unwrap()
+}
+
+fn keys(v: &Value) -> Vec<&str> {
+    let mut k: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+    k.sort();
+    k
+}
+
+fn bind_args(pod: &str, node: &str) -> Value {
+    json!({"PodName": pod, "PodNamespace": "ns", "PodUID": format!("uid-ns-{pod}"), "Node": node})
+}
+
+fn annotations(cluster: &MemoryCluster, pod: &str) -> serde_json::Map<String, Value> {
+    let p = cluster.pod(&("ns".into(), pod.into())).unwrap();
+    let v = serde_json::to_value(p.metadata.annotations.unwrap_or_default()).unwrap();
+    v.as_object().unwrap().clone()
+}
+
+#[tokio::test]
+async fn filter_answers_node_names_key_by_key_with_reasons() {
+    let s = setup("binpack").await;
+    let pod = gpu_pod("ns", "p", &[c("app", 30720, 0, 0)]);
+    let args =
+        json!({"Pod": wire_pod(&pod), "Nodes": null, "NodeNames": ["n1", "n2", "bare", "gone"]});
+    let r = post_json(s.addr, "filter", &args).await;
+    assert_eq!(
+        keys(&r),
+        [
+            "Error",
+            "FailedAndUnresolvableNodes",
+            "FailedNodes",
+            "NodeNames",
+            "Nodes"
+        ]
+    );
+    assert_eq!(r["Error"], "");
+    assert_eq!(r["Nodes"], Value::Null);
+    assert_eq!(r["NodeNames"], json!(["n1"]));
+    let never = &r["FailedAndUnresolvableNodes"];
+    assert_eq!(
+        never["n2"],
+        "container app: no GPU has 30720 MiB free (largest 24576 MiB on GPU-c)"
+    );
+    assert!(
+        never["bare"]
+            .as_str()
+            .unwrap()
+            .contains("doslab.io/gpu-inventory")
+    );
+    assert!(r["FailedNodes"]["gone"].as_str().unwrap().contains("cache"));
+
+    // Fill GPU-a and GPU-b to 20 GiB each: n1 fails now, but may later.
+    for (name, gpu) in [("h1", "GPU-a"), ("h2", "GPU-b")] {
+        let mut h = gpu_pod("ns", name, &[c("app", 20480, 0, 0)]);
+        h.spec.as_mut().unwrap().node_name = Some("n1".into());
+        let a = json!({"app": [gpu]}).to_string();
+        h.metadata.annotations = Some([("doslab.io/gpu-assignment".to_owned(), a)].into());
+        s.cluster.put_pod(h);
+    }
+    let r = post_json(s.addr, "filter", &args).await;
+    assert_eq!(r["NodeNames"], json!([]));
+    let reason = r["FailedNodes"]["n1"].as_str().unwrap();
+    assert!(
+        reason.starts_with("container app: no GPU has 30720 MiB free (largest 20480 MiB on GPU-"),
+        "{reason}"
+    );
+    // A finished pod frees its share at once.
+    let mut done = s.cluster.pod(&("ns".into(), "h1".into())).unwrap();
+    done.status.as_mut().unwrap().phase = Some("Succeeded".into());
+    s.cluster.put_pod(done);
+    let r = post_json(s.addr, "filter", &args).await;
+    assert_eq!(r["NodeNames"], json!(["n1"]));
+}
+
+#[tokio::test]
+async fn filter_with_node_objects_returns_the_passing_objects() {
+    let s = setup("binpack").await;
+    let pod = gpu_pod("ns", "p", &[c("app", 30720, 0, 0)]);
+    let node = |name: &str| json!({"metadata": {"name": name, "labels": {"zone": "z"}}});
+    let args = json!({"Pod": wire_pod(&pod), "Nodes": {"metadata": {}, "items": [node("n1"), node("n2")]}, "NodeNames": null});
+    let r = post_json(s.addr, "filter", &args).await;
+    assert_eq!(r["Nodes"]["items"], json!([node("n1")]));
+    assert_eq!(r["NodeNames"], Value::Null);
+    assert!(r["FailedAndUnresolvableNodes"]["n2"].is_string());
+}
+
+#[tokio::test]
+async fn pods_without_gpu_asks_pass_everywhere_and_score_nothing() {
+    let s = setup("binpack").await;
+    let pod = gpu_pod("ns", "cpu", &[c("app", 0, 0, 0)]);
+    let args = json!({"Pod": wire_pod(&pod), "Nodes": null, "NodeNames": ["n1", "bare", "gone"]});
+    let r = post_json(s.addr, "filter", &args).await;
+    assert_eq!(r["NodeNames"], json!(["n1", "bare", "gone"]));
+    assert_eq!(r["FailedNodes"], json!({}));
+    let r = post_json(s.addr, "prioritize", &args).await;
+    assert_eq!(
+        r,
+        json!([{"Host": "n1", "Score": 0}, {"Host": "bare", "Score": 0}, {"Host": "gone", "Score": 0}])
+    );
+}
+
+#[tokio::test]
+async fn prioritize_binpacks_by_default_and_spreads_when_asked() {
+    for (policy, busier_wins) in [("binpack", true), ("spread", false)] {
+        let s = setup(policy).await;
+        s.cluster.add_node(gpu_node("n3", &[("GPU-d", 40960)]));
+        let mut h = gpu_pod("ns", "h", &[c("app", 20480, 0, 0)]);
+        h.spec.as_mut().unwrap().node_name = Some("n3".into());
+        let a = json!({"app": ["GPU-d"]}).to_string();
+        h.metadata.annotations = Some([("doslab.io/gpu-assignment".to_owned(), a)].into());
+        s.cluster.put_pod(h);
+        s.cluster.add_node(gpu_node("n4", &[("GPU-e", 40960)]));
+        let pod = gpu_pod("ns", "p", &[c("app", 10240, 0, 0)]);
+        let args = json!({"Pod": wire_pod(&pod), "Nodes": null, "NodeNames": ["n3", "n4", "n2"]});
+        let r = post_json(s.addr, "prioritize", &args).await;
+        let list = r.as_array().unwrap();
+        assert_eq!(keys(&list[0]), ["Host", "Score"]);
+        let score = |i: usize| list[i]["Score"].as_i64().unwrap();
+        assert!(
+            list.iter()
+                .all(|h| (0..=10).contains(&h["Score"].as_i64().unwrap()))
+        );
+        assert_eq!(score(0) > score(1), busier_wins, "{policy}: {r}");
+        assert_eq!(list[2]["Host"], "n2");
+    }
+}
+
+#[tokio::test]
+async fn bind_records_the_assignment_then_binds_and_retries_are_idempotent() {
+    let s = setup("binpack").await;
+    s.cluster
+        .put_pod(gpu_pod("ns", "p", &[c("app", 30720, 50, 0)]));
+    let r = post_json(s.addr, "bind", &bind_args("p", "n1")).await;
+    assert_eq!(r, json!({"Error": ""}));
+    let a = annotations(&s.cluster, "p");
+    assert_eq!(a["doslab.io/gpu-assignment"], r#"{"app":["GPU-a"]}"#);
+    assert_eq!(a["doslab.io/gpu-uuid"], "GPU-a");
+    assert_eq!(a["doslab.io/gpu-assigned"], "false");
+    let t: u128 = a["doslab.io/gpu-assume-time"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(t > 1_600_000_000_000_000_000, "UnixNano: {t}");
+    let p = s.cluster.pod(&("ns".into(), "p".into())).unwrap();
+    assert_eq!(p.spec.unwrap().node_name.as_deref(), Some("n1"));
+
+    // The same bind again: OK, nothing new; to another node: a clear no.
+    let r = post_json(s.addr, "bind", &bind_args("p", "n1")).await;
+    assert_eq!(r["Error"], "");
+    assert_eq!(s.cluster.bindings(), 1);
+    let r = post_json(s.addr, "bind", &bind_args("p", "n2")).await;
+    let e = r["Error"].as_str().unwrap();
+    assert!(
+        e.contains("ns/p") && e.contains("already bound to node n1"),
+        "{e}"
+    );
+
+    // Unknown pods and nodes.
+    let r = post_json(s.addr, "bind", &bind_args("ghost", "n1")).await;
+    assert!(
+        r["Error"].as_str().unwrap().contains("does not exist"),
+        "{r}"
+    );
+    s.cluster
+        .put_pod(gpu_pod("ns", "q", &[c("app", 1024, 0, 0)]));
+    let r = post_json(s.addr, "bind", &bind_args("q", "nowhere")).await;
+    assert!(r["Error"].as_str().unwrap().contains("cache"), "{r}");
+    assert!(!annotations(&s.cluster, "q").contains_key("doslab.io/gpu-assignment"));
+}
+
+#[tokio::test]
+async fn a_failed_binding_undoes_the_annotations_and_reserves_nothing() {
+    let s = setup("binpack").await;
+    s.cluster
+        .put_pod(gpu_pod("ns", "p", &[c("app", 40960, 0, 0)]));
+    s.cluster.fail_bindings(1);
+    let r = post_json(s.addr, "bind", &bind_args("p", "n2")).await;
+    assert!(r["Error"].as_str().unwrap().contains("40960 MiB"), "{r}");
+    let r = post_json(s.addr, "bind", &bind_args("p", "n1")).await;
+    let e = r["Error"].as_str().unwrap();
+    assert!(e.contains("injected Binding failure"), "{e}");
+    let a = annotations(&s.cluster, "p");
+    assert!(
+        !a.keys().any(|k| k.starts_with("doslab.io/")),
+        "left behind: {a:?}"
+    );
+    // Both GPUs of n1 are still free for a pod that needs both.
+    let both = gpu_pod("ns", "both", &[c("a", 40960, 0, 0), c("b", 40960, 0, 0)]);
+    let args = json!({"Pod": wire_pod(&both), "Nodes": null, "NodeNames": ["n1"]});
+    assert_eq!(
+        post_json(s.addr, "filter", &args).await["NodeNames"],
+        json!(["n1"])
+    );
+    // The retry works.
+    let r = post_json(s.addr, "bind", &bind_args("p", "n1")).await;
+    assert_eq!(r["Error"], "");
+}
+
+#[tokio::test]
+async fn a_concurrent_write_is_kept_and_the_bind_replans() {
+    let s = setup("binpack").await;
+    s.cluster
+        .put_pod(gpu_pod("ns", "p", &[c("app", 1024, 0, 0)]));
+    s.cluster.conflict_next(1);
+    let r = post_json(s.addr, "bind", &bind_args("p", "n1")).await;
+    assert_eq!(r["Error"], "");
+    assert_eq!(s.cluster.bindings(), 1);
+
+    s.cluster
+        .put_pod(gpu_pod("ns", "q", &[c("app", 1024, 0, 0)]));
+    s.cluster.conflict_next(10);
+    let r = post_json(s.addr, "bind", &bind_args("q", "n1")).await;
+    assert!(r["Error"].as_str().unwrap().contains("changed"), "{r}");
+    assert_eq!(s.cluster.bindings(), 1);
+}
+
+#[tokio::test]
+async fn binds_in_flight_count_before_the_watch_shows_them() {
+    let s = setup("binpack").await;
+    s.cluster
+        .put_pod(gpu_pod("ns", "a", &[c("app", 24576, 0, 0)]));
+    s.cluster.set_lagging(true);
+    let r = post_json(s.addr, "bind", &bind_args("a", "n2")).await;
+    assert_eq!(r["Error"], "");
+    let b = gpu_pod("ns", "b", &[c("app", 24576, 0, 0)]);
+    let args = json!({"Pod": wire_pod(&b), "Nodes": null, "NodeNames": ["n2"]});
+    let r = post_json(s.addr, "filter", &args).await;
+    assert_eq!(r["NodeNames"], json!([]), "{r}");
+    s.cluster.catch_up();
+    let r = post_json(s.addr, "filter", &args).await;
+    assert_eq!(r["NodeNames"], json!([]), "{r}");
+    // Deleted: its share is free at once.
+    s.cluster.set_lagging(false);
+    s.cluster.delete_pod(&("ns".into(), "a".into()));
+    let r = post_json(s.addr, "filter", &args).await;
+    assert_eq!(r["NodeNames"], json!(["n2"]), "{r}");
+}
+
+#[tokio::test]
+async fn bad_requests_get_a_clear_error() {
+    let s = setup("binpack").await;
+    for verb in ["filter", "bind"] {
+        let (code, text) = post(s.addr, verb, "{not json").await;
+        assert_eq!(code, 200, "{verb}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        let e = v["Error"].as_str().unwrap();
+        assert!(e.contains(verb) && e.contains("JSON"), "{e}");
+    }
+    let (code, text) = post(s.addr, "prioritize", "{not json").await;
+    assert_eq!(code, 400);
+    assert!(text.contains("prioritize"), "{text}");
+    let r = post_json(
+        s.addr,
+        "filter",
+        &json!({"Pod": null, "Nodes": null, "NodeNames": ["n1"]}),
+    )
+    .await;
+    assert!(r["Error"].as_str().unwrap().contains("no Pod"), "{r}");
+}
+
+/// The real kube client's writes, against the API-server stand-in: a stale
+/// resourceVersion is a conflict, never a lost update; removal works.
+#[tokio::test]
+async fn the_kube_binder_patches_with_a_precondition() {
+    use gpu_device_plugin::sim::apiserver::ApiServerSim;
+    let sim = ApiServerSim::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    sim.write_kubeconfig(&kubeconfig).unwrap();
+    let binder = KubeBinder::new(client(&kubeconfig).await.unwrap());
+    sim.add_pod("ns", "p", "n1", &[c("app", 1024, 0, 0)], &[]);
+    let key = ("ns".to_owned(), "p".to_owned());
+
+    let pod = binder.get_pod(&key).await.unwrap().unwrap();
+    let rv = pod.metadata.resource_version.clone().unwrap();
+    let set = [("doslab.io/gpu-uuid".to_owned(), Some("GPU-a".to_owned()))].into();
+    binder.annotate(&key, Some(&rv), &set).await.unwrap();
+    assert_eq!(
+        sim.pod("ns", "p").unwrap()["metadata"]["annotations"]["doslab.io/gpu-uuid"],
+        "GPU-a"
+    );
+    let again = binder.annotate(&key, Some(&rv), &set).await;
+    assert_eq!(again.unwrap_err(), BindError::Conflict);
+    let unset = [("doslab.io/gpu-uuid".to_owned(), None)].into();
+    binder.annotate(&key, None, &unset).await.unwrap();
+    let annotations = &sim.pod("ns", "p").unwrap()["metadata"]["annotations"];
+    assert!(
+        annotations.get("doslab.io/gpu-uuid").is_none(),
+        "{annotations}"
+    );
+    let ghost = ("ns".to_owned(), "ghost".to_owned());
+    assert!(binder.get_pod(&ghost).await.unwrap().is_none());
+    assert_eq!(
+        binder.annotate(&ghost, None, &unset).await.unwrap_err(),
+        BindError::NotFound
+    );
+}
+
+#[test]
+fn the_subcommand_refuses_a_bad_config_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.toml");
+    std::fs::write(&path, "[extender]\npolicy = \"fair\"\n").unwrap();
+    let path = path.to_str().unwrap();
+    let (status, _, err) = support::run_to_end(&["scheduler-extender", "--config", path], &[]);
+    assert!(!status.success());
+    assert!(err.contains("fair") && err.contains("binpack"), "{err}");
+
+    std::fs::write(
+        dir.path().join("config.toml"),
+        "[extender]\nlisten = \"here\"\n",
+    )
+    .unwrap();
+    let (status, _, err) = support::run_to_end(&["scheduler-extender", "--config", path], &[]);
+    assert!(!status.success());
+    assert!(err.contains("extender.listen"), "{err}");
+}
