@@ -5,27 +5,36 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::api::ObjectMeta;
 
 use super::ledger::{Ledger, ids_digest};
-use super::matching::{Ask, Decision, MatchError, Node, decide, record};
-use super::pods::{ContainerView, Keys, PodKey, PodView, PodWarning};
+use super::matching::{Ask, Decision, MatchError, decide, record};
+use super::pods::{PodKey, PodView, PodWarning};
 use crate::device::Resource::{self, GpuCore, GpuCount, GpuMemory};
+use crate::device::{Gpu, PerResource};
+use crate::usage::{Assignment, ContainerAsk, Inventory, Keys};
 
 /// Two GPUs of 1000 MiB, 1 MiB and 1 % per device.
-fn node() -> Node {
-    Node {
-        uuids: vec!["GPU-a".into(), "GPU-b".into()],
-        capacity: vec![[1000, 100, 1]; 2],
-        unit: [1, 1, 1],
-    }
+fn node() -> Inventory {
+    let gpu = |uuid: &str, index| Gpu {
+        uuid: uuid.into(),
+        memory_mib: 1000,
+        index,
+        numa_node: None,
+    };
+    Inventory::new(&[gpu("GPU-a", 0), gpu("GPU-b", 1)], 1, 100, &Resource::ALL)
 }
 
-fn container(name: &str, mem: u64, core: u64, count: u64) -> ContainerView {
-    ContainerView {
+fn container(name: &str, mem: u64, core: u64, count: u64) -> ContainerAsk {
+    ContainerAsk {
         name: name.into(),
-        wants: [mem, core, count],
+        init: false,
+        devices: PerResource {
+            memory: mem,
+            core,
+            count,
+        },
     }
 }
 
-fn pod(name: &str, created: i128, containers: Vec<ContainerView>) -> PodView {
+fn pod(name: &str, created: i128, containers: Vec<ContainerAsk>) -> PodView {
     PodView {
         key: PodKey {
             namespace: "default".into(),
@@ -37,6 +46,7 @@ fn pod(name: &str, created: i128, containers: Vec<ContainerView>) -> PodView {
         assume_time: None,
         created,
         gpu_uuid: None,
+        assignment: Assignment::default(),
         containers,
         ledger: Ledger::default(),
         resource_version: "1".into(),
@@ -388,10 +398,11 @@ fn pods_are_read_from_the_api_with_bad_annotations_named() {
             false,
         ),
     );
-    assert_eq!(
-        view.containers,
-        vec![container("init", 5, 0, 0), container("app", 1024, 0, 0)]
-    );
+    let init = ContainerAsk {
+        init: true,
+        ..container("init", 5, 0, 0)
+    };
+    assert_eq!(view.containers, vec![init, container("app", 1024, 0, 0)]);
     assert_eq!(view.assume_time, None);
     assert!(view.admitting && view.live);
     assert_eq!(warnings.len(), 2);
