@@ -334,8 +334,8 @@ async fn pod_matching_figures() {
     use gpu_device_plugin::matcher::ledger::Ledger;
     use gpu_device_plugin::matcher::matching::{Ask, decide, record};
     use gpu_device_plugin::matcher::pods::PodView;
-    use gpu_device_plugin::usage::{Inventory, Keys};
     use gpu_device_plugin::sim::apiserver::{ApiServerSim, PodContainer};
+    use gpu_device_plugin::usage::{Inventory, Keys};
     use k8s_openapi::api::core::v1::Pod;
     use kube::api::{ListParams, Patch, PatchParams};
 

@@ -330,7 +330,7 @@ fn place(
 }
 
 fn same_set(a: &[usize], b: &[usize]) -> bool {
-    a.len() == b.len() && a.iter().all(|g| b.contains(g))
+    a.iter().all(|g| b.contains(g)) && b.iter().all(|g| a.contains(g))
 }
 
 /// `decision` written into `ledger` (the actor patches the result onto the
