@@ -14,7 +14,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
-use super::api::{MatcherMsg, Steer};
+use super::api::{MatcherMsg, PREFER_TIMEOUT, Steer};
 use super::cache::PodCache;
 use super::ledger::Ledger;
 use super::matching::{Ask, Decision, MatchError, decide, decide_with, record, usage};
@@ -265,11 +265,19 @@ impl MatcherState {
         }
     }
 
-    fn prefer(&mut self, ask: &Ask) -> Steer {
-        let views = self.views(&HashSet::new());
+    async fn prefer(&mut self, ask: &Ask) -> Steer {
+        // The kubelet may ask before the pod's watch event arrives; waiting
+        // a little for it keeps an assigned pod's IDs on its GPU.
+        let deadline = Instant::now() + PREFER_TIMEOUT / 2;
+        let (views, usage, decided) = loop {
+            let views = self.views(&HashSet::new());
+            let usage = usage(&self.args.node, &views);
+            match decide_with(&self.args.node, &views, &usage, ask) {
+                Err(MatchError::NoCandidate { .. }) if self.cache.changed(deadline).await => {}
+                d => break (views, usage, d.ok()),
+            }
+        };
         let inv = &self.args.node;
-        let usage = usage(inv, &views);
-        let decided = decide_with(inv, &views, &usage, ask).ok();
         let assigned = decided.as_ref().is_some_and(|d| {
             views
                 .iter()
@@ -405,7 +413,7 @@ impl Actor for PodMatcher {
                 let _ = reply.send(result);
             }
             MatcherMsg::Prefer(ask, reply) => {
-                let _ = reply.send(state.prefer(&ask));
+                let _ = reply.send(state.prefer(&ask).await);
             }
         }
         Ok(())
