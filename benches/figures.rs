@@ -332,9 +332,10 @@ async fn lifecycle_latency() {
 /// the node's pending pods on every Allocate) against the same API server.
 async fn pod_matching_figures() {
     use gpu_device_plugin::matcher::ledger::Ledger;
-    use gpu_device_plugin::matcher::matching::{Ask, Node, decide, record};
-    use gpu_device_plugin::matcher::pods::{Keys, PodView};
+    use gpu_device_plugin::matcher::matching::{Ask, decide, record};
+    use gpu_device_plugin::matcher::pods::PodView;
     use gpu_device_plugin::sim::apiserver::{ApiServerSim, PodContainer};
+    use gpu_device_plugin::usage::{Inventory, Keys};
     use k8s_openapi::api::core::v1::Pod;
     use kube::api::{ListParams, Patch, PatchParams};
 
@@ -427,7 +428,12 @@ async fn pod_matching_figures() {
         api.add_pod("default", &format!("seed-{i}"), "bench-node", &[c], &[]);
     }
     let config = Config::from_toml(&toml, None).unwrap();
-    let node = Node::new(&config, &gpus(4));
+    let node = Inventory::new(
+        &gpus(4),
+        config.memory_unit_mib,
+        config.cores_per_gpu,
+        &config.resources,
+    );
     let keys = Keys::new("doslab.io");
     let selector = ListParams::default().fields("spec.nodeName=bench-node,status.phase=Pending");
     let mut took = Vec::new();

@@ -505,3 +505,69 @@ async fn a_pod_deleted_before_the_cache_knows_is_skipped_for_the_next() {
     let log = c.daemon.log_text();
     assert!(log.contains("pod went away while being served"), "{log}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_extender_assignment_steers_the_kubelet_and_contradicting_ids_are_refused() {
+    let c = Cluster::start("[matcher]\nwait_ms = 1000").await;
+    let assignment =
+        |container: &str, gpu: usize| format!(r#"{{"{container}":["{}"]}}"#, uuid(gpu));
+    let key = "doslab.io/gpu-assignment";
+    // On an empty node the best fit is GPU 0; the extender said GPU 5.
+    let shared = [container("app", false, [8, 10, 0])];
+    c.api.add_pod(
+        "default",
+        "shared",
+        NODE,
+        &shared,
+        &[(key, &assignment("app", 5))],
+    );
+    let grants = c.admit("shared", &shared, &mut Lcg(1)).await.unwrap();
+    for g in &grants["app"] {
+        assert_eq!(
+            g.response.envs["NVIDIA_VISIBLE_DEVICES"],
+            uuid(5),
+            "{}",
+            g.resource
+        );
+    }
+    // A whole GPU: the kubelet is steered to the assigned one.
+    let whole = [container("train", false, [0, 0, 1])];
+    c.api.add_pod(
+        "default",
+        "whole",
+        NODE,
+        &whole,
+        &[(key, &assignment("train", 6))],
+    );
+    let grants = c.admit("whole", &whole, &mut Lcg(1)).await.unwrap();
+    assert_eq!(grants["train"][0].device_ids, [uuid(6)]);
+    // IDs on another GPU than the assignment: refused, naming both, with
+    // an Event on the pod, and nothing recorded.
+    c.api.add_pod(
+        "default",
+        "stray",
+        NODE,
+        &whole,
+        &[(key, &assignment("train", 3))],
+    );
+    let mut client = c.kubelet.client(RES[2]).unwrap();
+    let err = client
+        .allocate(gpu_device_plugin::api::AllocateRequest {
+            container_requests: vec![gpu_device_plugin::api::ContainerAllocateRequest {
+                devices_ids: vec![uuid(0)],
+            }],
+        })
+        .await
+        .unwrap_err();
+    let message = err.message();
+    assert!(
+        message.contains(&uuid(3)) && message.contains(&uuid(0)) && message.contains(NODE),
+        "{message}"
+    );
+    let events = c.api.events();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0]["involvedObject"]["name"], "stray");
+    assert_eq!(events[0]["message"], message);
+    let pod = c.api.pod("default", "stray").unwrap();
+    assert_eq!(annotation(&pod, "doslab.io/gpu-ledger"), None);
+}

@@ -14,12 +14,13 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
-use super::api::{MatcherMsg, Steer};
+use super::api::{MatcherMsg, PREFER_TIMEOUT, Steer};
 use super::cache::PodCache;
 use super::ledger::Ledger;
-use super::matching::{Ask, Decision, MatchError, Node, Usage, decide, decide_with, record};
-use super::pods::{Keys, PodKey, PodView};
+use super::matching::{Ask, Decision, MatchError, decide, decide_with, record, usage};
+use super::pods::{PodKey, PodView};
 use crate::metrics::{Hold, Metrics};
+use crate::usage::{Inventory, Keys};
 
 /// Pause between attempts at an API server that failed.
 const RETRY: Duration = Duration::from_millis(200);
@@ -31,7 +32,8 @@ pub struct PodMatcher;
 #[derive(Debug, Clone)]
 pub struct MatcherArgs {
     pub node_name: String,
-    pub node: Node,
+    /// This node's GPUs: what matching needs of the config and no more.
+    pub node: Inventory,
     pub keys: Keys,
     pub wait: Duration,
     pub kubeconfig: PathBuf,
@@ -46,7 +48,12 @@ impl MatcherArgs {
     ) -> Self {
         MatcherArgs {
             node_name: config.node_name.clone(),
-            node: Node::new(config, gpus),
+            node: Inventory::new(
+                gpus,
+                config.memory_unit_mib,
+                config.cores_per_gpu,
+                &config.resources,
+            ),
             keys: Keys::new(&config.resource_domain),
             wait: Duration::from_millis(config.matcher.wait_ms),
             kubeconfig: config.matcher.kubeconfig.clone(),
@@ -134,7 +141,7 @@ impl MatcherState {
 
     fn failure(&self, ask: &Ask, why: impl std::fmt::Display) -> String {
         let r = ask.resource;
-        let amount = ask.devices * self.args.node.unit[r as usize];
+        let amount = ask.devices * self.args.node.unit()[r];
         format!(
             "node {}: cannot allocate {amount} {r} ({} devices): {why}",
             self.args.node_name, ask.devices
@@ -263,14 +270,35 @@ impl MatcherState {
         }
     }
 
-    fn prefer(&mut self, ask: &Ask) -> Steer {
-        let views = self.views(&HashSet::new());
-        let usage = Usage::of(&self.args.node, &views);
-        Steer {
-            gpus: decide_with(&self.args.node, &views, &usage, ask)
-                .map(|d| d.gpus)
-                .unwrap_or_default(),
-            avoid: usage.avoid(ask.resource),
+    async fn prefer(&mut self, ask: &Ask) -> Steer {
+        // The kubelet may ask before the pod's watch event arrives; waiting
+        // a little for it keeps an assigned pod's IDs on its GPU.
+        let deadline = Instant::now() + PREFER_TIMEOUT / 2;
+        let (views, usage, decided) = loop {
+            let views = self.views(&HashSet::new());
+            let usage = usage(&self.args.node, &views);
+            match decide_with(&self.args.node, &views, &usage, ask) {
+                Err(MatchError::NoCandidate { .. }) if self.cache.changed(deadline).await => {}
+                d => break (views, usage, d.ok()),
+            }
+        };
+        let inv = &self.args.node;
+        let assigned = decided.as_ref().is_some_and(|d| {
+            views
+                .iter()
+                .any(|v| v.uid == d.uid && v.assignment.0.contains_key(&d.container))
+        });
+        match decided {
+            // The extender's GPUs and no others: the kubelet takes a hint
+            // for each GPU it is not told to avoid.
+            Some(d) if assigned => Steer {
+                avoid: (0..inv.gpus.len()).map(|g| !d.gpus.contains(&g)).collect(),
+                gpus: d.gpus,
+            },
+            d => Steer {
+                gpus: d.map(|d| d.gpus).unwrap_or_default(),
+                avoid: usage.avoid(inv, ask.resource),
+            },
         }
     }
 
@@ -387,7 +415,7 @@ impl Actor for PodMatcher {
                         container = %d.container,
                         resource = %ask.resource,
                         amount = d.amount,
-                        gpus = ?d.gpus.iter().map(|&g| &state.args.node.uuids[g]).collect::<Vec<_>>(),
+                        gpus = ?d.gpus.iter().map(|&g| &state.args.node.gpus[g].uuid).collect::<Vec<_>>(),
                         repeat = d.repeat,
                         "matched"
                     ),
@@ -397,7 +425,7 @@ impl Actor for PodMatcher {
                 let _ = reply.send(result);
             }
             MatcherMsg::Prefer(ask, reply) => {
-                let _ = reply.send(state.prefer(&ask));
+                let _ = reply.send(state.prefer(&ask).await);
             }
         }
         Ok(())

@@ -30,7 +30,7 @@ pub struct MatcherHandle(Arc<RwLock<Option<ActorRef<MatcherMsg>>>>);
 
 /// GetPreferredAllocation must stay fast; without an answer by then the
 /// plugin packs on its own.
-const PREFER_TIMEOUT: Duration = Duration::from_millis(500);
+pub(super) const PREFER_TIMEOUT: Duration = Duration::from_millis(500);
 
 impl MatcherHandle {
     pub fn set(&self, actor: Option<ActorRef<MatcherMsg>>) {

@@ -2,43 +2,10 @@
 //! and which GPU it gets (SPEC §3). Pure: the actor gathers the pods, this
 //! decides, the actor records.
 
-use super::ledger::Grant;
-use super::pods::{ContainerView, PodKey, PodView};
-use crate::config::Config;
-use crate::device::{Gpu, Resource};
-
-/// The node's GPUs and what one device of each resource is worth.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Node {
-    pub uuids: Vec<String>,
-    /// Per GPU, the kubelet-visible capacity of each resource, in the
-    /// resource's unit, in `Resource::ALL` order.
-    pub capacity: Vec<[u64; 3]>,
-    /// MiB, percent, GPUs per device, in `Resource::ALL` order.
-    pub unit: [u64; 3],
-}
-
-impl Node {
-    pub fn new(config: &Config, gpus: &[Gpu]) -> Node {
-        let unit = Resource::ALL.map(|r| config.unit_amount(r));
-        Node {
-            uuids: gpus.iter().map(|g| g.uuid.clone()).collect(),
-            capacity: gpus
-                .iter()
-                .map(|g| {
-                    Resource::ALL.map(|r| {
-                        u64::from(config.units_per_gpu(r, g.memory_mib)) * unit[r as usize]
-                    })
-                })
-                .collect(),
-            unit,
-        }
-    }
-
-    fn index(&self, uuid: &str) -> Option<usize> {
-        self.uuids.iter().position(|u| u == uuid)
-    }
-}
+use super::ledger::{Grant, Ledger};
+use super::pods::{PodKey, PodView};
+use crate::device::Resource;
+use crate::usage::{ContainerAsk, Holding, Inventory, NodeUsage, best_shared, pod_holdings};
 
 /// What is being asked for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -92,6 +59,18 @@ pub enum MatchError {
         resource: Resource,
         gpus: Vec<String>,
     },
+    #[error(
+        "{pod}/{container} is assigned {assigned:?} by the extender, but the kubelet's \
+         {resource} devices are on {ids:?}; refusing them (the kubelet ignored the preferred \
+         allocation, or its view of free devices differs from the pods' ledgers)"
+    )]
+    Contradicts {
+        pod: PodKey,
+        container: String,
+        resource: Resource,
+        ids: Vec<String>,
+        assigned: Vec<String>,
+    },
     #[error("GPU {uuid} is held whole by another container; {pod} wants a share of it")]
     HeldWhole { pod: PodKey, uuid: String },
     #[error("GPU {uuid} carries shared work; {pod} wants it whole")]
@@ -115,6 +94,7 @@ impl MatchError {
             MatchError::NoCandidate { best, .. } => best.as_ref(),
             MatchError::UnknownGpu { pod, .. }
             | MatchError::SpansGpus { pod, .. }
+            | MatchError::Contradicts { pod, .. }
             | MatchError::HeldWhole { pod, .. }
             | MatchError::CarriesShared { pod, .. }
             | MatchError::Full { pod, .. } => Some(pod),
@@ -122,59 +102,15 @@ impl MatchError {
     }
 }
 
-/// What the live pods' ledgers hold on each GPU.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Usage {
-    /// Per GPU: memory and core used, in `Resource::ALL` order (count unused).
-    pub used: Vec<[u64; 3]>,
-    pub whole: Vec<bool>,
-    pub shared: Vec<bool>,
-}
-
-impl Usage {
-    pub fn of(node: &Node, pods: &[PodView]) -> Usage {
-        let n = node.uuids.len();
-        let mut u = Usage {
-            used: vec![[0; 3]; n],
-            whole: vec![false; n],
-            shared: vec![false; n],
-        };
-        for grant in pods
-            .iter()
-            .filter(|p| p.live)
-            .flat_map(|p| p.ledger.0.values())
-        {
-            u.add(node, grant);
-        }
-        u
-    }
-
-    fn add(&mut self, node: &Node, grant: &Grant) {
-        for gpu in grant.gpus.iter().filter_map(|g| node.index(g)) {
-            if grant.whole() {
-                self.whole[gpu] = true;
-            }
-            if grant.shared() && !grant.whole() {
-                self.shared[gpu] = true;
-                self.used[gpu][0] += grant.memory.unwrap_or(0);
-                self.used[gpu][1] += grant.core.unwrap_or(0);
-            }
-        }
-    }
-
-    fn free(&self, node: &Node, gpu: usize, r: Resource) -> u64 {
-        node.capacity[gpu][r as usize].saturating_sub(self.used[gpu][r as usize])
-    }
-
-    /// GPUs `resource` must stay off: whole grants avoid shared GPUs and
-    /// shared grants avoid GPUs held whole.
-    pub fn avoid(&self, resource: Resource) -> Vec<bool> {
-        if resource == Resource::GpuCount {
-            self.shared.clone()
-        } else {
-            self.whole.clone()
-        }
-    }
+/// What the live pods hold on the node's GPUs: their ledgers, and the
+/// assignments of containers not served yet.
+pub fn usage(inv: &Inventory, pods: &[PodView]) -> NodeUsage {
+    let holdings: Vec<Holding> = pods
+        .iter()
+        .filter(|p| p.live)
+        .flat_map(|p| pod_holdings(inv, &p.containers, &p.ledger, &p.assignment))
+        .collect();
+    NodeUsage::of(inv, &holdings)
 }
 
 /// Candidates in SPEC §3 order: assume-time (pods with one first), then
@@ -192,21 +128,21 @@ fn ordered(pods: &[PodView]) -> Vec<&PodView> {
     v
 }
 
-fn unserved<'a>(pod: &'a PodView, r: Resource) -> impl Iterator<Item = &'a ContainerView> + 'a {
+fn unserved<'a>(pod: &'a PodView, r: Resource) -> impl Iterator<Item = &'a ContainerAsk> + 'a {
     pod.containers
         .iter()
         .filter(move |c| c.wants(r) > 0 && !pod.ledger.served(&c.name, r))
 }
 
-pub fn decide(node: &Node, pods: &[PodView], ask: &Ask) -> Result<Decision, MatchError> {
-    decide_with(node, pods, &Usage::of(node, pods), ask)
+pub fn decide(inv: &Inventory, pods: &[PodView], ask: &Ask) -> Result<Decision, MatchError> {
+    decide_with(inv, pods, &usage(inv, pods), ask)
 }
 
 /// [`decide`] with the pods' usage already known.
 pub fn decide_with(
-    node: &Node,
+    inv: &Inventory,
     pods: &[PodView],
-    usage: &Usage,
+    usage: &NodeUsage,
     ask: &Ask,
 ) -> Result<Decision, MatchError> {
     let r = ask.resource;
@@ -223,13 +159,15 @@ pub fn decide_with(
             // container of the pod; otherwise it is asking again.
             let next = unserved(pod, r).find(|c| c.wants(r) == ask.devices);
             match next {
-                Some(c) if pod.admitting => return place(node, usage, pod, c, ask),
+                Some(c) if pod.admitting => {
+                    return place(inv, usage, pod, c, ask, Ids::HandedOn);
+                }
                 _ => {
                     return Ok(Decision {
                         pod: pod.key.clone(),
                         uid: pod.uid.clone(),
                         container: container.clone(),
-                        gpus: grant.gpus.iter().filter_map(|g| node.index(g)).collect(),
+                        gpus: grant.gpus.iter().filter_map(|g| inv.index(g)).collect(),
                         amount: grant.amount(r).unwrap_or(0),
                         repeat: true,
                     });
@@ -241,18 +179,18 @@ pub fn decide_with(
     // The kubelet admits one pod at a time and serves a container's
     // resources back to back: a container, then a pod, already part-served
     // comes before the SPEC order among fresh ones.
-    let part_served = |p: &PodView, c: &ContainerView| p.ledger.0.contains_key(&c.name);
+    let part_served = |p: &PodView, c: &ContainerAsk| p.ledger.0.contains_key(&c.name);
     let started = |p: &PodView| p.containers.iter().any(|c| part_served(p, c));
     for tier in 0..3 {
         for pod in &candidates {
             let mut fits = unserved(pod, r).filter(|c| c.wants(r) == ask.devices);
-            let in_tier = |c: &&ContainerView| match tier {
+            let in_tier = |c: &&ContainerAsk| match tier {
                 0 => part_served(pod, c),
                 1 => started(pod),
                 _ => true,
             };
             if let Some(c) = fits.find(in_tier) {
-                return place(node, usage, pod, c, ask);
+                return place(inv, usage, pod, c, ask, Ids::Chosen);
             }
         }
     }
@@ -266,17 +204,27 @@ pub fn decide_with(
     })
 }
 
+/// Where an Allocate's device IDs came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ids {
+    /// Picked by the kubelet (steered by GetPreferredAllocation).
+    Chosen,
+    /// An init container's, handed on by the kubelet without a choice.
+    HandedOn,
+}
+
 /// The GPUs for container `c` of `pod`, checked against what the other
 /// pods hold.
 fn place(
-    node: &Node,
-    usage: &Usage,
+    inv: &Inventory,
+    usage: &NodeUsage,
     pod: &PodView,
-    c: &ContainerView,
+    c: &ContainerAsk,
     ask: &Ask,
+    ids: Ids,
 ) -> Result<Decision, MatchError> {
     let r = ask.resource;
-    let amount = ask.devices * node.unit[r as usize];
+    let amount = ask.devices * inv.unit()[r];
     let decision = |gpus: Vec<usize>| Decision {
         pod: pod.key.clone(),
         uid: pod.uid.clone(),
@@ -285,30 +233,74 @@ fn place(
         amount,
         repeat: false,
     };
-    let uuid = |g: usize| node.uuids[g].clone();
+    let uuid = |g: usize| inv.gpus[g].uuid.clone();
+    let known = |u: &String, key: &str| {
+        inv.index(u).ok_or_else(|| MatchError::UnknownGpu {
+            pod: pod.key.clone(),
+            uuid: u.clone(),
+            key: key.into(),
+        })
+    };
+    let own = pod.ledger.0.get(&c.name);
+    let assignment = pod.assignment.0.get(&c.name);
+    let assigned: Option<Vec<usize>> = assignment
+        .map(|uuids| uuids.iter().map(|u| known(u, "the extender")).collect())
+        .transpose()?;
+    // Until its ledger has it, the usage counts this container's own
+    // assignment: it must not stand in its own way.
+    let others;
+    let usage = match (assignment, own) {
+        (Some(gpus), None) => {
+            let holding = Holding {
+                gpus: gpus.clone(),
+                amount: inv.amount(&c.devices),
+            };
+            others = usage.without(inv, &holding);
+            &others
+        }
+        _ => usage,
+    };
+    if let Some(assigned) = &assigned {
+        let contradicts = match r {
+            Resource::GpuCount => !same_set(&ask.id_gpus, assigned),
+            _ => ask.id_gpus.iter().any(|g| !assigned.contains(g)),
+        };
+        if ids == Ids::Chosen && !ask.id_gpus.is_empty() && contradicts {
+            return Err(MatchError::Contradicts {
+                pod: pod.key.clone(),
+                container: c.name.clone(),
+                resource: r,
+                ids: ask.id_gpus.iter().map(|&g| uuid(g)).collect(),
+                assigned: assigned.iter().map(|&g| uuid(g)).collect(),
+            });
+        }
+    }
     if r == Resource::GpuCount {
-        if let Some(&g) = ask.id_gpus.iter().find(|&&g| usage.shared[g]) {
+        let gpus = assigned.unwrap_or_else(|| ask.id_gpus.clone());
+        if let Some(&g) = gpus.iter().find(|&&g| usage.gpus[g].carries_shared()) {
             return Err(MatchError::CarriesShared {
                 pod: pod.key.clone(),
                 uuid: uuid(g),
             });
         }
-        return Ok(decision(ask.id_gpus.clone()));
+        return Ok(decision(gpus));
     }
-    let recorded = pod.ledger.0.get(&c.name).and_then(|g| g.gpus.first());
-    let target = match (&pod.gpu_uuid, recorded) {
-        (Some(u), _) => Some(node.index(u).ok_or_else(|| MatchError::UnknownGpu {
-            pod: pod.key.clone(),
-            uuid: u.clone(),
-            key: "the scheduler".into(),
-        })?),
-        (None, Some(u)) => node.index(u),
-        (None, None) => None,
+    let recorded = own.and_then(|g| g.gpus.first());
+    let target = match (assigned.as_deref(), &pod.gpu_uuid, recorded) {
+        (Some([g, ..]), _, _) => Some(*g),
+        (_, Some(u), _) => Some(known(u, "the scheduler")?),
+        (_, None, Some(u)) => inv.index(u),
+        _ => None,
     };
     let gpu = match (target, ask.id_gpus.as_slice()) {
         (Some(g), _) => g,
         (None, [g]) => *g,
-        (None, []) => return Ok(decision(best_fit(node, usage, c).into_iter().collect())),
+        (None, []) => {
+            let need = inv.amount(&c.devices);
+            return Ok(decision(
+                best_shared(inv, usage, &need, &[]).into_iter().collect(),
+            ));
+        }
         (None, many) => {
             return Err(MatchError::SpansGpus {
                 pod: pod.key.clone(),
@@ -317,55 +309,39 @@ fn place(
             });
         }
     };
-    if usage.whole[gpu] && !pod.ledger.0.get(&c.name).is_some_and(Grant::whole) {
+    if usage.gpus[gpu].held_whole() && !own.is_some_and(Grant::whole) {
         return Err(MatchError::HeldWhole {
             pod: pod.key.clone(),
             uuid: uuid(gpu),
         });
     }
-    let free = usage.free(node, gpu, r);
+    let free = usage.free(inv, gpu, r);
     if amount > free {
         return Err(MatchError::Full {
             pod: pod.key.clone(),
             uuid: uuid(gpu),
             resource: r,
             free,
-            capacity: node.capacity[gpu][r as usize],
+            capacity: inv.capacity(gpu)[r],
             amount,
         });
     }
     Ok(decision(vec![gpu]))
 }
 
-/// The GPU with the least room left that still fits all of the container's
-/// shared asks, away from whole grants.
-fn best_fit(node: &Node, usage: &Usage, c: &ContainerView) -> Option<usize> {
-    let need = |r: Resource| c.wants(r) * node.unit[r as usize];
-    (0..node.uuids.len())
-        .filter(|&g| !usage.whole[g])
-        .filter(|&g| {
-            [Resource::GpuMemory, Resource::GpuCore]
-                .iter()
-                .all(|&r| usage.free(node, g, r) >= need(r))
-        })
-        .min_by_key(|&g| {
-            (
-                usage.free(node, g, Resource::GpuMemory) - need(Resource::GpuMemory),
-                usage.free(node, g, Resource::GpuCore) - need(Resource::GpuCore),
-                g,
-            )
-        })
+fn same_set(a: &[usize], b: &[usize]) -> bool {
+    a.iter().all(|g| b.contains(g)) && b.iter().all(|g| a.contains(g))
 }
 
 /// `decision` written into `ledger` (the actor patches the result onto the
 /// pod).
-pub fn record(ledger: &mut super::ledger::Ledger, node: &Node, ask: &Ask, decision: &Decision) {
+pub fn record(ledger: &mut Ledger, inv: &Inventory, ask: &Ask, decision: &Decision) {
     let grant = ledger.0.entry(decision.container.clone()).or_default();
     if grant.gpus.is_empty() || ask.resource == Resource::GpuCount {
         grant.gpus = decision
             .gpus
             .iter()
-            .map(|&g| node.uuids[g].clone())
+            .map(|&g| inv.gpus[g].uuid.clone())
             .collect();
     }
     grant.set(

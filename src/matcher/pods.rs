@@ -1,10 +1,11 @@
 //! A node's pods as the matcher sees them: only what matching needs, read
 //! from the API's `Pod` once per lookup. Pure, so tests build pods by hand.
 
-use k8s_openapi::api::core::v1::{Container, Pod};
+use k8s_openapi::api::core::v1::Pod;
 
 use super::ledger::Ledger;
 use crate::device::Resource;
+use crate::usage::{Assignment, ContainerAsk, Keys, PodAsks};
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct PodKey {
@@ -15,20 +16,6 @@ pub struct PodKey {
 impl std::fmt::Display for PodKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}/{}", self.namespace, self.name)
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ContainerView {
-    pub name: String,
-    /// Devices asked per resource (the limit, in devices), in
-    /// `Resource::ALL` order.
-    pub wants: [u64; 3],
-}
-
-impl ContainerView {
-    pub fn wants(&self, r: Resource) -> u64 {
-        self.wants[r as usize]
     }
 }
 
@@ -46,33 +33,12 @@ pub struct PodView {
     pub created: i128,
     /// `<domain>/gpu-uuid`, set by a scheduler extender.
     pub gpu_uuid: Option<String>,
+    /// `<domain>/gpu-assignment`: the extender's GPUs per container.
+    pub assignment: Assignment,
     /// Init containers, then app containers, in spec order.
-    pub containers: Vec<ContainerView>,
+    pub containers: Vec<ContainerAsk>,
     pub ledger: Ledger,
     pub resource_version: String,
-}
-
-/// The annotation keys of a resource domain.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Keys {
-    pub assume_time: String,
-    pub gpu_uuid: String,
-    pub assigned: String,
-    pub ledger: String,
-    /// `<domain>/<resource>` in `Resource::ALL` order.
-    pub resources: [String; 3],
-}
-
-impl Keys {
-    pub fn new(domain: &str) -> Keys {
-        Keys {
-            assume_time: format!("{domain}/gpu-assume-time"),
-            gpu_uuid: format!("{domain}/gpu-uuid"),
-            assigned: format!("{domain}/gpu-assigned"),
-            ledger: format!("{domain}/gpu-ledger"),
-            resources: Resource::ALL.map(|r| format!("{domain}/{}", r.name())),
-        }
-    }
 }
 
 /// Why a pod's annotations could not all be read; the pod is still used,
@@ -83,17 +49,8 @@ pub enum PodWarning {
     AssumeTime(String, String),
     #[error("annotation {0} is not a valid ledger ({1}); ignoring it")]
     Ledger(String, String),
-}
-
-fn wants(keys: &Keys, c: &Container) -> [u64; 3] {
-    let limits = c.resources.as_ref().and_then(|r| r.limits.as_ref());
-    let get = |i: usize| {
-        limits
-            .and_then(|l| l.get(&keys.resources[i]))
-            .and_then(|q| q.0.trim().parse::<u64>().ok())
-            .unwrap_or(0)
-    };
-    [get(0), get(1), get(2)]
+    #[error("annotation {0} is not a valid GPU assignment ({1}); ignoring it")]
+    Assignment(String, String),
 }
 
 impl PodView {
@@ -113,17 +70,16 @@ impl PodView {
                 warnings.push(PodWarning::Ledger(keys.ledger.clone(), e.to_string()));
                 Ledger::default()
             });
+        let assignment = Assignment::parse(annotations.get(&keys.assignment).map(String::as_str))
+            .unwrap_or_else(|e| {
+                warnings.push(PodWarning::Assignment(
+                    keys.assignment.clone(),
+                    e.to_string(),
+                ));
+                Assignment::default()
+            });
         let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
         let deleting = meta.deletion_timestamp.is_some();
-        let spec = pod.spec.as_ref();
-        let containers = spec
-            .into_iter()
-            .flat_map(|s| s.init_containers.iter().flatten().chain(&s.containers))
-            .map(|c| ContainerView {
-                name: c.name.clone(),
-                wants: wants(keys, c),
-            })
-            .collect();
         let view = PodView {
             key: PodKey {
                 namespace: meta.namespace.clone().unwrap_or_default(),
@@ -141,7 +97,8 @@ impl PodView {
                 .get(&keys.gpu_uuid)
                 .map(|v| v.trim().to_owned())
                 .filter(|v| !v.is_empty()),
-            containers,
+            assignment,
+            containers: PodAsks::from_pod(keys, pod).containers,
             ledger,
             resource_version: meta.resource_version.clone().unwrap_or_default(),
         };

@@ -5,27 +5,36 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::api::ObjectMeta;
 
 use super::ledger::{Ledger, ids_digest};
-use super::matching::{Ask, Decision, MatchError, Node, decide, record};
-use super::pods::{ContainerView, Keys, PodKey, PodView, PodWarning};
+use super::matching::{Ask, Decision, MatchError, decide, record};
+use super::pods::{PodKey, PodView, PodWarning};
 use crate::device::Resource::{self, GpuCore, GpuCount, GpuMemory};
+use crate::device::{Gpu, PerResource};
+use crate::usage::{Assignment, ContainerAsk, Inventory, Keys};
 
 /// Two GPUs of 1000 MiB, 1 MiB and 1 % per device.
-fn node() -> Node {
-    Node {
-        uuids: vec!["GPU-a".into(), "GPU-b".into()],
-        capacity: vec![[1000, 100, 1]; 2],
-        unit: [1, 1, 1],
-    }
+fn node() -> Inventory {
+    let gpu = |uuid: &str, index| Gpu {
+        uuid: uuid.into(),
+        memory_mib: 1000,
+        index,
+        numa_node: None,
+    };
+    Inventory::new(&[gpu("GPU-a", 0), gpu("GPU-b", 1)], 1, 100, &Resource::ALL)
 }
 
-fn container(name: &str, mem: u64, core: u64, count: u64) -> ContainerView {
-    ContainerView {
+fn container(name: &str, mem: u64, core: u64, count: u64) -> ContainerAsk {
+    ContainerAsk {
         name: name.into(),
-        wants: [mem, core, count],
+        init: false,
+        devices: PerResource {
+            memory: mem,
+            core,
+            count,
+        },
     }
 }
 
-fn pod(name: &str, created: i128, containers: Vec<ContainerView>) -> PodView {
+fn pod(name: &str, created: i128, containers: Vec<ContainerAsk>) -> PodView {
     PodView {
         key: PodKey {
             namespace: "default".into(),
@@ -37,6 +46,7 @@ fn pod(name: &str, created: i128, containers: Vec<ContainerView>) -> PodView {
         assume_time: None,
         created,
         gpu_uuid: None,
+        assignment: Assignment::default(),
         containers,
         ledger: Ledger::default(),
         resource_version: "1".into(),
@@ -333,6 +343,123 @@ fn preferred_allocation_steers_to_the_recorded_or_best_fitting_gpu() {
     );
 }
 
+fn assign(pod: &mut PodView, pairs: &[(&str, &[&str])]) {
+    pod.assignment = Assignment(
+        pairs
+            .iter()
+            .map(|(c, g)| (c.to_string(), g.iter().map(|u| u.to_string()).collect()))
+            .collect(),
+    );
+}
+
+#[test]
+fn an_assignment_decides_the_gpu_and_the_order_decides_the_container() {
+    let mut pods = vec![pod(
+        "p",
+        1,
+        vec![container("a", 10, 0, 0), container("b", 10, 0, 0)],
+    )];
+    assign(&mut pods[0], &[("a", &["GPU-b"]), ("b", &["GPU-a"])]);
+    // GetPreferredAllocation: the assigned GPU, not the best fit (GPU-a on
+    // an empty node).
+    let d = decide(&node(), &pods, &ask(GpuMemory, 10, &[], &[])).unwrap();
+    assert_eq!(who(&d), ("p".into(), "a".into(), vec![1]));
+    let d = serve(&mut pods, &ask(GpuMemory, 10, &[1], &["x"])).unwrap();
+    assert_eq!(who(&d), ("p".into(), "a".into(), vec![1]));
+    let d = serve(&mut pods, &ask(GpuMemory, 10, &[0], &["y"])).unwrap();
+    assert_eq!(who(&d), ("p".into(), "b".into(), vec![0]));
+    assert_eq!(pods[0].ledger.0["a"].gpus, ["GPU-b"]);
+    // The assignment wins over the seed's single-GPU annotation.
+    let mut pods = vec![pod("q", 1, vec![container("c", 10, 0, 0)])];
+    pods[0].gpu_uuid = Some("GPU-a".into());
+    assign(&mut pods[0], &[("c", &["GPU-b"])]);
+    assert_eq!(
+        decide(&node(), &pods, &ask(GpuMemory, 10, &[], &[]))
+            .unwrap()
+            .gpus,
+        vec![1]
+    );
+    assign(&mut pods[0], &[("c", &["GPU-zzz"])]);
+    let err = decide(&node(), &pods, &ask(GpuMemory, 10, &[], &[])).unwrap_err();
+    assert!(
+        matches!(&err, MatchError::UnknownGpu { uuid, .. } if uuid == "GPU-zzz"),
+        "{err}"
+    );
+}
+
+#[test]
+fn ids_on_another_gpu_than_the_assignment_are_refused_naming_both() {
+    let mut pods = vec![pod("p", 1, vec![container("c", 10, 5, 0)])];
+    assign(&mut pods[0], &[("c", &["GPU-b"])]);
+    let err = serve(&mut pods, &ask(GpuMemory, 10, &[0], &["x"])).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "default/p/c is assigned [\"GPU-b\"] by the extender, but the kubelet's gpu-memory \
+         devices are on [\"GPU-a\"]; refusing them (the kubelet ignored the preferred \
+         allocation, or its view of free devices differs from the pods' ledgers)"
+    );
+    assert_eq!(err.pod(), Some(&pods[0].key));
+    assert!(!pods[0].ledger.served("c", GpuMemory), "nothing recorded");
+    serve(&mut pods, &ask(GpuMemory, 10, &[1], &["x"])).unwrap();
+    // Whole GPUs: the IDs must be the assigned GPUs, all of them.
+    let mut pods = vec![pod("w", 1, vec![container("t", 0, 0, 1)])];
+    assign(&mut pods[0], &[("t", &["GPU-b"])]);
+    let err = serve(&mut pods, &ask(GpuCount, 1, &[0], &["a"])).unwrap_err();
+    assert!(matches!(err, MatchError::Contradicts { .. }), "{err}");
+    let mut pods = vec![pod("w", 1, vec![container("t", 0, 0, 2)])];
+    assign(&mut pods[0], &[("t", &["GPU-a", "GPU-b"])]);
+    let d = serve(&mut pods, &ask(GpuCount, 2, &[1, 0], &["b", "a"])).unwrap();
+    assert_eq!(d.gpus, vec![0, 1]);
+}
+
+#[test]
+fn devices_handed_on_from_an_init_container_take_the_assigned_gpu() {
+    let mut pods = vec![pod(
+        "p",
+        1,
+        vec![container("init", 10, 0, 0), container("app", 10, 0, 0)],
+    )];
+    assign(&mut pods[0], &[("init", &["GPU-a"]), ("app", &["GPU-b"])]);
+    serve(&mut pods, &ask(GpuMemory, 10, &[0], &["i"])).unwrap();
+    // The kubelet gives the app the init container's IDs, on GPU-a, with
+    // no choice offered: the assignment still says where it runs.
+    let d = serve(&mut pods, &ask(GpuMemory, 10, &[0], &["i"])).unwrap();
+    assert_eq!(who(&d), ("p".into(), "app".into(), vec![1]));
+}
+
+#[test]
+fn assignments_not_yet_served_count_against_other_pods_but_not_themselves() {
+    let mut pods = vec![
+        pod("bound", 1, vec![container("c", 900, 0, 0)]),
+        pod("more", 2, vec![container("c", 200, 0, 0)]),
+    ];
+    assign(&mut pods[0], &[("c", &["GPU-a"])]);
+    // "more" is admitted first (the kubelet's order is its own).
+    let err = serve(&mut pods, &ask(GpuMemory, 200, &[0], &["y"])).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "GPU GPU-a has 100 of 1000 gpu-memory left; default/more wants 200"
+    );
+    // Its best fit steers away from the assigned room.
+    assert_eq!(
+        decide(&node(), &pods[1..], &ask(GpuMemory, 200, &[], &[]))
+            .unwrap()
+            .gpus,
+        vec![0]
+    );
+    let usage = super::matching::usage(&node(), &pods);
+    assert_eq!(usage.gpus[0].used.memory, 900);
+    // The bound pod's own assignment does not stand in its way, and once
+    // its ledger has it, it counts once.
+    let d = serve(&mut pods, &ask(GpuMemory, 900, &[0], &["x"])).unwrap();
+    assert_eq!(who(&d), ("bound".into(), "c".into(), vec![0]));
+    let usage = super::matching::usage(&node(), &pods);
+    assert_eq!(usage.gpus[0].used.memory, 900);
+    // Gone (deleted: not in the store) frees it at once.
+    pods.remove(0);
+    serve(&mut pods, &ask(GpuMemory, 200, &[0], &["y"])).unwrap();
+}
+
 fn api_pod(annotations: &[(&str, &str)], phase: &str, deleting: bool) -> Pod {
     let limits = |mem: &str| {
         Some(ResourceRequirements {
@@ -388,10 +515,11 @@ fn pods_are_read_from_the_api_with_bad_annotations_named() {
             false,
         ),
     );
-    assert_eq!(
-        view.containers,
-        vec![container("init", 5, 0, 0), container("app", 1024, 0, 0)]
-    );
+    let init = ContainerAsk {
+        init: true,
+        ..container("init", 5, 0, 0)
+    };
+    assert_eq!(view.containers, vec![init, container("app", 1024, 0, 0)]);
     assert_eq!(view.assume_time, None);
     assert!(view.admitting && view.live);
     assert_eq!(warnings.len(), 2);
@@ -402,10 +530,21 @@ fn pods_are_read_from_the_api_with_bad_annotations_named() {
 
     let (view, warnings) = PodView::from_pod(
         &keys,
+        &api_pod(&[("doslab.io/gpu-assignment", "{")], "Pending", false),
+    );
+    assert_eq!(view.assignment, Assignment::default());
+    assert!(
+        warnings[0].to_string().contains("doslab.io/gpu-assignment"),
+        "{warnings:?}"
+    );
+
+    let (view, warnings) = PodView::from_pod(
+        &keys,
         &api_pod(
             &[
                 ("doslab.io/gpu-assume-time", "1700000000000000000"),
                 ("doslab.io/gpu-uuid", "GPU-b"),
+                ("doslab.io/gpu-assignment", r#"{"app":["GPU-b"]}"#),
             ],
             "Pending",
             true,
@@ -414,6 +553,7 @@ fn pods_are_read_from_the_api_with_bad_annotations_named() {
     assert!(warnings.is_empty());
     assert_eq!(view.assume_time, Some(1_700_000_000_000_000_000));
     assert_eq!(view.gpu_uuid.as_deref(), Some("GPU-b"));
+    assert_eq!(view.assignment.0["app"], ["GPU-b"]);
     assert!(!view.admitting, "a pod being deleted is not admitted");
     let (view, _) = PodView::from_pod(&keys, &api_pod(&[], "Succeeded", false));
     assert!(!view.live && !view.admitting);
