@@ -3,6 +3,7 @@
 
 pub mod app;
 pub mod config;
+pub mod config_watch;
 pub mod device;
 pub mod extender;
 pub mod health;

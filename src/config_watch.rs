@@ -1,0 +1,142 @@
+//! Reload when the config file's content changes, as on SIGHUP.
+//!
+//! The kubelet never writes a mounted ConfigMap's file in place: it writes
+//! the new data into a fresh timestamped directory beside it, points a
+//! temporary `..data_tmp` symlink there and renames it over `..data`, which
+//! the file's own symlink goes through. An inotify watch on the file would
+//! stay on the old inode, so the directory is watched, and every event in it
+//! (plus a slow poll, for filesystems that drop events) leads to one read of
+//! the file through its symlinks. A reload is asked for only when the bytes
+//! differ from the last ones seen, so the kubelet's several renames, and a
+//! refused edit seen again, ask once.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use futures::Stream;
+use notify::{RecursiveMode, Watcher};
+use tokio::sync::mpsc;
+
+use crate::app::Control;
+
+/// How long the directory must be quiet before the file is read: the
+/// kubelet's swap is a handful of renames in a row.
+const SETTLE: Duration = Duration::from_millis(100);
+
+/// Reads the file anyway this often, in case an event was lost.
+const POLL: Duration = Duration::from_secs(5);
+
+/// The SHA-256 of a config file's bytes, in hex, as `sha256sum` prints it:
+/// what the metrics call the loaded config's hash.
+pub fn digest(bytes: &[u8]) -> String {
+    ring::digest::digest(&ring::digest::SHA256, bytes)
+        .as_ref()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The digest of the file's current content; `None` while it cannot be read
+/// (the middle of a swap, or a file removed for good).
+fn current(path: &Path) -> Option<String> {
+    std::fs::read(path).ok().map(|b| digest(&b))
+}
+
+struct State {
+    path: PathBuf,
+    last: Option<String>,
+    events: mpsc::UnboundedReceiver<()>,
+    poll: tokio::time::Interval,
+    /// Held for the stream's life: dropping it ends the inotify watch.
+    _watcher: notify::RecommendedWatcher,
+}
+
+/// `Control::Reload` each time the content of `path` changes from what it
+/// was when the watch began, or at the last reload asked for.
+pub fn watch(path: &Path) -> notify::Result<impl Stream<Item = Control> + Unpin + use<>> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let (tx, events) = mpsc::unbounded_channel();
+    let mut watcher = notify::recommended_watcher(move |_: notify::Result<notify::Event>| {
+        let _ = tx.send(());
+    })?;
+    watcher.watch(&dir, RecursiveMode::NonRecursive)?;
+    let mut poll = tokio::time::interval(POLL);
+    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let state = State {
+        last: current(path),
+        path: path.to_path_buf(),
+        events,
+        poll,
+        _watcher: watcher,
+    };
+    Ok(Box::pin(futures::stream::unfold(state, next)))
+}
+
+async fn next(mut s: State) -> Option<(Control, State)> {
+    loop {
+        tokio::select! {
+            event = s.events.recv() => {
+                event?;
+                // Let the burst of renames finish, then read once.
+                tokio::time::sleep(SETTLE).await;
+                while s.events.try_recv().is_ok() {}
+            }
+            _ = s.poll.tick() => {}
+        }
+        let now = current(&s.path);
+        if now.is_some() && now != s.last {
+            tracing::info!(config = %s.path.display(), "config file changed; reloading");
+            s.last = now;
+            return Some((Control::Reload, s));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::StreamExt;
+    use std::os::unix::fs::symlink;
+
+    /// Lays out `dir` as the kubelet lays out a ConfigMap volume, with
+    /// `config.toml` in version `v`.
+    fn kubelet_swap(dir: &Path, v: u32, text: &str) {
+        let data = dir.join(format!("..2026_11_23_{v}"));
+        std::fs::create_dir(&data).unwrap();
+        std::fs::write(data.join("config.toml"), text).unwrap();
+        let tmp = dir.join("..data_tmp");
+        symlink(data.file_name().unwrap(), &tmp).unwrap();
+        std::fs::rename(&tmp, dir.join("..data")).unwrap();
+        if !dir.join("config.toml").exists() {
+            symlink("..data/config.toml", dir.join("config.toml")).unwrap();
+        }
+    }
+
+    #[test]
+    fn the_digest_is_sha256_in_hex() {
+        assert_eq!(
+            digest(b"abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_kubelet_style_swap_asks_for_one_reload_and_the_same_bytes_none() {
+        let dir = tempfile::tempdir().unwrap();
+        kubelet_swap(dir.path(), 1, "memory_unit_mib = 1\n");
+        let mut reloads = watch(&dir.path().join("config.toml")).unwrap();
+        // Nothing changed yet.
+        let early = tokio::time::timeout(Duration::from_millis(400), reloads.next()).await;
+        assert!(early.is_err(), "{early:?}");
+        kubelet_swap(dir.path(), 2, "memory_unit_mib = 2\n");
+        let got = tokio::time::timeout(Duration::from_secs(3), reloads.next()).await;
+        assert!(matches!(got, Ok(Some(Control::Reload))), "{got:?}");
+        // The same bytes again (a resync): no reload.
+        kubelet_swap(dir.path(), 3, "memory_unit_mib = 2\n");
+        let again = tokio::time::timeout(Duration::from_millis(600), reloads.next()).await;
+        assert!(again.is_err(), "{again:?}");
+    }
+}
