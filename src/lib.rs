@@ -7,6 +7,7 @@ pub mod device;
 pub mod health;
 pub mod http;
 pub mod inspect;
+pub mod inventory;
 pub mod kubelet_watch;
 pub mod matcher;
 pub mod metrics;
