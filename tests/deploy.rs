@@ -400,6 +400,7 @@ fn the_chart_renders_what_its_values_say() {
         .collect();
     assert_eq!(verbs["pods"], ["get", "list", "watch", "patch"]);
     assert_eq!(verbs["events"], ["create"]);
+    assert_eq!(verbs["nodes"], ["get", "patch"]);
     let svc: Service = typed(&objs, "Service");
     let svc = svc.spec.unwrap();
     assert_eq!(svc.cluster_ip.as_deref(), Some("None"));
@@ -599,7 +600,10 @@ fn the_admission_policy_lets_the_daemon_patch_only_its_nodes_pods_and_domain_ann
     let rendered = chart(&[]);
     let user = "system:serviceaccount:gpu-device-plugin:gpu-device-plugin";
     let request = |user: &str, node: Option<&str>| {
-        let mut r = json!({"userInfo": {"username": user}});
+        let mut r = json!({
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "userInfo": {"username": user}
+        });
         if let Some(node) = node {
             r["userInfo"]["extra"] = json!({"authentication.kubernetes.io/node-name": [node]});
         }
@@ -683,6 +687,112 @@ fn the_admission_policy_lets_the_daemon_patch_only_its_nodes_pods_and_domain_ann
     ];
     for objs in [&kustomized, &rendered] {
         let policy = find(objs, "ValidatingAdmissionPolicy").unwrap();
+        for (what, req, old, new, failures) in &cases {
+            let got = admit(policy, req, old, new);
+            assert_eq!(
+                got.as_ref().map(Vec::len),
+                *failures,
+                "{what}: failed validations {got:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_admission_policy_lets_the_daemon_patch_only_its_own_nodes_gpu_inventory() {
+    let user = "system:serviceaccount:gpu-device-plugin:gpu-device-plugin";
+    let request = |node: Option<&str>| {
+        let mut r = json!({
+            "resource": {"group": "", "version": "v1", "resource": "nodes"},
+            "userInfo": {"username": user}
+        });
+        if let Some(node) = node {
+            r["userInfo"]["extra"] = json!({"authentication.kubernetes.io/node-name": [node]});
+        }
+        r
+    };
+    let node = |name: &str, annotations: Value| {
+        json!({
+            "metadata": {"name": name, "labels": {"gpu": "true"}, "annotations": annotations},
+            "spec": {"podCIDR": "10.0.0.0/24"}
+        })
+    };
+    let inv = |s: &str| json!({"keep": "x", "doslab.io/gpu-inventory": s});
+    let ours = request(Some("gpu-node-1"));
+    let before = node("gpu-node-1", json!({"keep": "x"}));
+    let published = node("gpu-node-1", inv("{\"version\":1}"));
+    let mut relabelled = published.clone();
+    relabelled["metadata"]["labels"]["gpu"] = json!("false");
+    let mut cordoned = published.clone();
+    cordoned["spec"]["unschedulable"] = json!(true);
+    let with_old_domain = node(
+        "gpu-node-1",
+        json!({"keep": "x", "old.example/gpu-inventory": "{}"}),
+    );
+    let cases: [(&str, &Value, &Value, &Value, Option<usize>); 10] = [
+        ("publishes", &ours, &before, &published, Some(0)),
+        (
+            "rewrites",
+            &ours,
+            &published,
+            &node("gpu-node-1", inv("{\"version\":2}")),
+            Some(0),
+        ),
+        (
+            "drops an inventory under a former domain",
+            &ours,
+            &with_old_domain,
+            &published,
+            Some(0),
+        ),
+        (
+            "another node",
+            &request(Some("gpu-node-2")),
+            &before,
+            &published,
+            Some(1),
+        ),
+        (
+            "a token without a node",
+            &request(None),
+            &before,
+            &published,
+            Some(1),
+        ),
+        (
+            "a foreign annotation",
+            &ours,
+            &before,
+            &node("gpu-node-1", json!({"keep": "y"})),
+            Some(1),
+        ),
+        (
+            "another annotation of the domain",
+            &ours,
+            &before,
+            &node(
+                "gpu-node-1",
+                json!({"keep": "x", "doslab.io/gpu-ledger": "{}"}),
+            ),
+            Some(1),
+        ),
+        (
+            "drops a foreign annotation",
+            &ours,
+            &before,
+            &node("gpu-node-1", json!({"doslab.io/gpu-inventory": "{}"})),
+            Some(1),
+        ),
+        ("changes a label", &ours, &published, &relabelled, Some(1)),
+        ("cordons the node", &ours, &published, &cordoned, Some(1)),
+    ];
+    for objs in [&kustomize(), &chart(&[])] {
+        let policy = find(objs, "ValidatingAdmissionPolicy").unwrap();
+        let rules = &policy["spec"]["matchConstraints"]["resourceRules"][0]["resources"];
+        assert!(
+            rules.as_array().unwrap().contains(&json!("nodes")),
+            "{rules}"
+        );
         for (what, req, old, new, failures) in &cases {
             let got = admit(policy, req, old, new);
             assert_eq!(
