@@ -81,7 +81,7 @@ impl ExtenderConfig {
                 .iter()
                 .map(|r| format!("doslab.io/{r}"))
                 .collect(),
-            http_timeout: Duration::from_secs(5),
+            http_timeout: Duration::from_secs(30),
         }
     }
 
