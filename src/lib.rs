@@ -9,6 +9,7 @@ pub mod extender;
 pub mod health;
 pub mod http;
 pub mod inspect;
+pub mod inventory;
 pub mod kubelet_watch;
 pub mod matcher;
 pub mod metrics;

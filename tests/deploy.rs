@@ -19,11 +19,14 @@ use std::process::{Command, Output};
 use k8s_openapi::api::admissionregistration::v1::{
     ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
 };
-use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::admissionregistration::v1alpha1::{
+    MutatingAdmissionPolicy, MutatingAdmissionPolicyBinding,
+};
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{
     ConfigMap, Container, Namespace, PodSpec, Service, ServiceAccount,
 };
-use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, RoleBinding};
 use serde_json::{Value, json};
 use support::BIN;
 
@@ -402,6 +405,7 @@ fn the_chart_renders_what_its_values_say() {
         .collect();
     assert_eq!(verbs["pods"], ["get", "list", "watch", "patch"]);
     assert_eq!(verbs["events"], ["create"]);
+    assert_eq!(verbs["nodes"], ["get", "patch"]);
     let svc: Service = typed(&objs, "Service");
     let svc = svc.spec.unwrap();
     assert_eq!(svc.cluster_ip.as_deref(), Some("None"));
@@ -558,30 +562,21 @@ fn helm_lints_the_chart_and_its_schema_refuses_bad_values() {
 /// request, `old`/`new` the pod before and after the patch. Returns whether
 /// the policy applies and, if so, the messages of the validations it fails.
 fn admit(policy: &Value, request: &Value, old: &Value, new: &Value) -> Option<Vec<String>> {
-    use cel_interpreter::{Context, Program, Value as Cel};
+    use cel_interpreter::{Context, Value as Cel};
     let spec = &policy["spec"];
     let mut ctx = Context::default();
     ctx.add_variable("request", request).unwrap();
     ctx.add_variable("oldObject", old).unwrap();
     ctx.add_variable("object", new).unwrap();
-    let eval = |ctx: &Context, expr: &Value| {
-        let expr = expr.as_str().unwrap();
-        Program::compile(expr)
-            .unwrap_or_else(|e| panic!("{expr}: {e}"))
-            .execute(ctx)
-            .unwrap_or_else(|e| panic!("{expr}: {e}"))
-    };
-    for cond in spec["matchConditions"].as_array().unwrap() {
-        if eval(&ctx, &cond["expression"]) != Cel::Bool(true) {
-            return None;
-        }
+    if !match_conditions_hold(&ctx, policy) {
+        return None;
     }
     let mut variables = std::collections::HashMap::new();
     for var in spec["variables"].as_array().unwrap() {
         // Each variable may use the ones before it.
         ctx.add_variable_from_value("variables", variables.clone());
         let name = var["name"].as_str().unwrap().to_string();
-        variables.insert(name, eval(&ctx, &var["expression"]));
+        variables.insert(name, eval_cel(&ctx, &var["expression"]));
     }
     ctx.add_variable_from_value("variables", variables);
     Some(
@@ -589,10 +584,28 @@ fn admit(policy: &Value, request: &Value, old: &Value, new: &Value) -> Option<Ve
             .as_array()
             .unwrap()
             .iter()
-            .filter(|v| eval(&ctx, &v["expression"]) != Cel::Bool(true))
+            .filter(|v| eval_cel(&ctx, &v["expression"]) != Cel::Bool(true))
             .map(|v| v["message"].as_str().unwrap().to_string())
             .collect(),
     )
+}
+
+/// One CEL expression (a JSON string) evaluated in `ctx`.
+fn eval_cel(ctx: &cel_interpreter::Context, expr: &Value) -> cel_interpreter::Value {
+    let expr = expr.as_str().unwrap();
+    cel_interpreter::Program::compile(expr)
+        .unwrap_or_else(|e| panic!("{expr}: {e}"))
+        .execute(ctx)
+        .unwrap_or_else(|e| panic!("{expr}: {e}"))
+}
+
+/// Whether every matchCondition of an admission policy holds in `ctx`.
+fn match_conditions_hold(ctx: &cel_interpreter::Context, policy: &Value) -> bool {
+    policy["spec"]["matchConditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|c| eval_cel(ctx, &c["expression"]) == cel_interpreter::Value::Bool(true))
 }
 
 #[test]
@@ -601,7 +614,10 @@ fn the_admission_policy_lets_the_daemon_patch_only_its_nodes_pods_and_domain_ann
     let rendered = chart(&[]);
     let user = "system:serviceaccount:gpu-device-plugin:gpu-device-plugin";
     let request = |user: &str, node: Option<&str>| {
-        let mut r = json!({"userInfo": {"username": user}});
+        let mut r = json!({
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "userInfo": {"username": user}
+        });
         if let Some(node) = node {
             r["userInfo"]["extra"] = json!({"authentication.kubernetes.io/node-name": [node]});
         }
@@ -693,5 +709,483 @@ fn the_admission_policy_lets_the_daemon_patch_only_its_nodes_pods_and_domain_ann
                 "{what}: failed validations {got:?}"
             );
         }
+    }
+}
+
+#[test]
+fn the_admission_policy_lets_the_daemon_patch_only_its_own_nodes_gpu_inventory() {
+    let user = "system:serviceaccount:gpu-device-plugin:gpu-device-plugin";
+    let request = |node: Option<&str>| {
+        let mut r = json!({
+            "resource": {"group": "", "version": "v1", "resource": "nodes"},
+            "userInfo": {"username": user}
+        });
+        if let Some(node) = node {
+            r["userInfo"]["extra"] = json!({"authentication.kubernetes.io/node-name": [node]});
+        }
+        r
+    };
+    let node = |name: &str, annotations: Value| {
+        json!({
+            "metadata": {"name": name, "labels": {"gpu": "true"}, "annotations": annotations},
+            "spec": {"podCIDR": "10.0.0.0/24"}
+        })
+    };
+    let inv = |s: &str| json!({"keep": "x", "doslab.io/gpu-inventory": s});
+    let ours = request(Some("gpu-node-1"));
+    let before = node("gpu-node-1", json!({"keep": "x"}));
+    let published = node("gpu-node-1", inv("{\"version\":1}"));
+    let mut relabelled = published.clone();
+    relabelled["metadata"]["labels"]["gpu"] = json!("false");
+    let mut cordoned = published.clone();
+    cordoned["spec"]["unschedulable"] = json!(true);
+    let with_old_domain = node(
+        "gpu-node-1",
+        json!({"keep": "x", "old.example/gpu-inventory": "{}"}),
+    );
+    let cases: [(&str, &Value, &Value, &Value, Option<usize>); 10] = [
+        ("publishes", &ours, &before, &published, Some(0)),
+        (
+            "rewrites",
+            &ours,
+            &published,
+            &node("gpu-node-1", inv("{\"version\":2}")),
+            Some(0),
+        ),
+        (
+            "drops an inventory under a former domain",
+            &ours,
+            &with_old_domain,
+            &published,
+            Some(0),
+        ),
+        (
+            "another node",
+            &request(Some("gpu-node-2")),
+            &before,
+            &published,
+            Some(1),
+        ),
+        (
+            "a token without a node",
+            &request(None),
+            &before,
+            &published,
+            Some(1),
+        ),
+        (
+            "a foreign annotation",
+            &ours,
+            &before,
+            &node("gpu-node-1", json!({"keep": "y"})),
+            Some(1),
+        ),
+        (
+            "another annotation of the domain",
+            &ours,
+            &before,
+            &node(
+                "gpu-node-1",
+                json!({"keep": "x", "doslab.io/gpu-ledger": "{}"}),
+            ),
+            Some(1),
+        ),
+        (
+            "drops a foreign annotation",
+            &ours,
+            &before,
+            &node("gpu-node-1", json!({"doslab.io/gpu-inventory": "{}"})),
+            Some(1),
+        ),
+        ("changes a label", &ours, &published, &relabelled, Some(1)),
+        ("cordons the node", &ours, &published, &cordoned, Some(1)),
+    ];
+    for objs in [&kustomize(), &chart(&[])] {
+        let policy = find(objs, "ValidatingAdmissionPolicy").unwrap();
+        let rules = &policy["spec"]["matchConstraints"]["resourceRules"][0]["resources"];
+        assert!(
+            rules.as_array().unwrap().contains(&json!("nodes")),
+            "{rules}"
+        );
+        for (what, req, old, new, failures) in &cases {
+            let got = admit(policy, req, old, new);
+            assert_eq!(
+                got.as_ref().map(Vec::len),
+                *failures,
+                "{what}: failed validations {got:?}"
+            );
+        }
+    }
+}
+
+/// `obj` as the API type `T`, refused when a key is misspelt: the typed
+/// value, written back, must be the object itself (an unknown key would
+/// be dropped on the way).
+fn strict<T: serde::de::DeserializeOwned + serde::Serialize>(obj: &Value) -> T {
+    let what = format!("{}/{}", obj["kind"], obj["metadata"]["name"]);
+    let typed: T = serde_json::from_value(obj.clone()).unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert_eq!(
+        &serde_json::to_value(&typed).unwrap(),
+        obj,
+        "{what}: a key the API type does not have"
+    );
+    typed
+}
+
+fn named<'a>(objs: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    objs.iter()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} {name}"))
+}
+
+/// The keys of `object` that `known` lacks: kube-scheduler reads its config
+/// strictly, so a misspelt key fails its start.
+fn unknown_keys(object: &Value, known: &[&str]) -> Vec<String> {
+    object
+        .as_object()
+        .unwrap()
+        .keys()
+        .filter(|k| !known.contains(&k.as_str()))
+        .cloned()
+        .collect()
+}
+
+#[test]
+fn the_gpu_scheduler_is_a_second_kube_scheduler_with_the_extender_beside_it() {
+    let objs = objects(&stdout_ok(
+        run("kubectl", &["kustomize", "deploy/scheduler"]),
+        "kubectl kustomize deploy/scheduler",
+    ));
+    let kinds: Vec<&str> = objs.iter().map(|o| o["kind"].as_str().unwrap()).collect();
+    for obj in &objs {
+        match obj["kind"].as_str().unwrap() {
+            "ServiceAccount" => drop(strict::<ServiceAccount>(obj)),
+            "ClusterRole" => drop(strict::<ClusterRole>(obj)),
+            "ClusterRoleBinding" => drop(strict::<ClusterRoleBinding>(obj)),
+            "RoleBinding" => drop(strict::<RoleBinding>(obj)),
+            "ConfigMap" => drop(strict::<ConfigMap>(obj)),
+            "Deployment" => drop(strict::<Deployment>(obj)),
+            other => panic!("unexpected kind {other} in {kinds:?}"),
+        }
+    }
+    let sa: ServiceAccount = strict(named(&objs, "ServiceAccount", "doslab-gpu-scheduler"));
+    let ns = sa.metadata.namespace.clone().unwrap();
+    let deployment: Deployment = strict(named(&objs, "Deployment", "doslab-gpu-scheduler"));
+    let pod = deployment.spec.unwrap().template.spec.unwrap();
+    assert_eq!(pod.service_account_name, sa.metadata.name);
+    let container = |name: &str| {
+        pod.containers
+            .iter()
+            .find(|c| c.name == name)
+            .unwrap_or_else(|| panic!("no container {name}"))
+            .clone()
+    };
+    let cm: ConfigMap = strict(named(&objs, "ConfigMap", "doslab-gpu-scheduler"));
+    let data = cm.data.unwrap();
+    let volume =
+        pod.volumes.as_ref().unwrap().iter().find(|v| {
+            v.config_map.as_ref().map(|c| c.name.as_str()) == Some("doslab-gpu-scheduler")
+        });
+    let volume = volume.expect("the ConfigMap is mounted").name.clone();
+    // The file a container reads at `path`: the ConfigMap key under the
+    // config volume's mount.
+    let file = |c: &Container, path: &str| -> String {
+        let mount = c
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| m.name == volume)
+            .unwrap_or_else(|| panic!("{} does not mount the config", c.name));
+        let key = path
+            .strip_prefix(&format!("{}/", mount.mount_path))
+            .unwrap_or_else(|| panic!("{path} is not under {}", mount.mount_path));
+        data.get(key)
+            .unwrap_or_else(|| panic!("no key {key}"))
+            .clone()
+    };
+
+    // kube-scheduler: the official image at a pinned v1.32 patch release.
+    let scheduler = container("kube-scheduler");
+    let image = scheduler.image.clone().unwrap();
+    let tag = image
+        .strip_prefix("registry.k8s.io/kube-scheduler:v1.32.")
+        .unwrap_or_else(|| panic!("{image} is not kube-scheduler v1.32.x"));
+    assert!(
+        tag.parse::<u32>().is_ok(),
+        "{image} is not a pinned patch release"
+    );
+    let command = scheduler.command.clone().unwrap();
+    assert_eq!(command[0], "kube-scheduler");
+    let config_path = command
+        .iter()
+        .find_map(|a| a.strip_prefix("--config="))
+        .expect("--config=");
+    let config: Value = serde_yaml::from_str(&file(&scheduler, config_path)).unwrap();
+
+    // Its config, key by key as kube-scheduler reads it.
+    assert_eq!(config["apiVersion"], "kubescheduler.config.k8s.io/v1");
+    assert_eq!(config["kind"], "KubeSchedulerConfiguration");
+    let top = [
+        "apiVersion",
+        "kind",
+        "parallelism",
+        "leaderElection",
+        "clientConnection",
+        "healthzBindAddress",
+        "metricsBindAddress",
+        "enableProfiling",
+        "enableContentionProfiling",
+        "percentageOfNodesToScore",
+        "podInitialBackoffSeconds",
+        "podMaxBackoffSeconds",
+        "profiles",
+        "extenders",
+        "delayCacheMutationForTesting",
+    ];
+    assert_eq!(unknown_keys(&config, &top), Vec::<String>::new());
+    let le = &config["leaderElection"];
+    let le_keys = [
+        "leaderElect",
+        "leaseDuration",
+        "renewDeadline",
+        "retryPeriod",
+        "resourceLock",
+        "resourceName",
+        "resourceNamespace",
+    ];
+    assert_eq!(unknown_keys(le, &le_keys), Vec::<String>::new());
+    assert_eq!(le["leaderElect"], true);
+    assert_eq!(le["resourceLock"], "leases");
+    assert_eq!(le["resourceName"], "doslab-gpu-scheduler", "its own lease");
+    assert_eq!(le["resourceNamespace"], ns.as_str());
+    let profiles = config["profiles"].as_array().unwrap();
+    assert_eq!(profiles.len(), 1);
+    assert_eq!(profiles[0]["schedulerName"], "doslab-gpu-scheduler");
+    let extenders = config["extenders"].as_array().unwrap();
+    assert_eq!(extenders.len(), 1);
+    let e = &extenders[0];
+    let e_keys = [
+        "urlPrefix",
+        "filterVerb",
+        "preemptVerb",
+        "prioritizeVerb",
+        "weight",
+        "bindVerb",
+        "enableHTTPS",
+        "tlsConfig",
+        "httpTimeout",
+        "nodeCacheCapable",
+        "managedResources",
+        "ignorable",
+    ];
+    assert_eq!(unknown_keys(e, &e_keys), Vec::<String>::new());
+    assert_eq!(
+        (&e["filterVerb"], &e["prioritizeVerb"], &e["bindVerb"]),
+        (&json!("filter"), &json!("prioritize"), &json!("bind"))
+    );
+    assert_eq!(e["weight"], 1);
+    assert_eq!(e["nodeCacheCapable"], true);
+    assert_eq!(e["ignorable"], false);
+    let managed: Vec<(String, Value)> = e["managedResources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            assert_eq!(
+                unknown_keys(m, &["name", "ignoredByScheduler"]),
+                Vec::<String>::new()
+            );
+            (
+                m["name"].as_str().unwrap().to_owned(),
+                m["ignoredByScheduler"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        managed,
+        ["gpu-memory", "gpu-core", "gpu-count"].map(|r| (format!("doslab.io/{r}"), json!(false)))
+    );
+    let url = e["urlPrefix"].as_str().unwrap();
+    let port = url
+        .strip_prefix("http://127.0.0.1:")
+        .unwrap_or_else(|| panic!("{url}: the extender is not reached on loopback"));
+
+    // The extender: the same image, the subcommand, listening on loopback
+    // at the port the scheduler calls.
+    let extender = container("extender");
+    let ours = pod_spec(&kustomize()).containers[0].image.clone();
+    assert_eq!(
+        extender.image, ours,
+        "the extender is not the daemon's image"
+    );
+    let argv = container_argv(Some(&extender));
+    assert_eq!(argv[0], exec_form(&dockerfile(), "ENTRYPOINT")[0]);
+    assert_eq!(argv[1..3], ["scheduler-extender", "--config"]);
+    assert_eq!(argv.len(), 4, "{argv:?}");
+    let toml: toml::Table = file(&extender, &argv[3]).parse().unwrap();
+    let section = toml["extender"].as_table().unwrap();
+    assert_eq!(
+        section["listen"].as_str(),
+        Some(format!("127.0.0.1:{port}").as_str())
+    );
+    assert_eq!(section["resource_domain"].as_str(), Some("doslab.io"));
+
+    // RBAC: kube-scheduler's own roles, its lease, and the extender's needs.
+    let bound_to = |kind: &str, role: &str| {
+        objs.iter()
+            .filter(|o| o["kind"] == kind && o["roleRef"]["name"] == role)
+            .flat_map(|o| o["subjects"].as_array().unwrap().clone())
+            .any(|s| s["name"] == "doslab-gpu-scheduler" && s["namespace"] == ns.as_str())
+    };
+    for role in [
+        "system:kube-scheduler",
+        "system:volume-scheduler",
+        "doslab-gpu-scheduler",
+    ] {
+        assert!(bound_to("ClusterRoleBinding", role), "{role} not bound");
+    }
+    assert!(bound_to(
+        "RoleBinding",
+        "extension-apiserver-authentication-reader"
+    ));
+    let rb: RoleBinding = strict(named(
+        &objs,
+        "RoleBinding",
+        "doslab-gpu-scheduler-authentication-reader",
+    ));
+    assert_eq!(rb.metadata.namespace.as_deref(), Some("kube-system"));
+    let role: ClusterRole = strict(named(&objs, "ClusterRole", "doslab-gpu-scheduler"));
+    let rules = role.rules.unwrap();
+    let grants = |group: &str, resource: &str, verb: &str, name: Option<&str>| {
+        rules.iter().any(|r: &PolicyRule| {
+            r.api_groups.iter().flatten().any(|g| g == group)
+                && r.resources.iter().flatten().any(|x| x == resource)
+                && r.verbs.iter().any(|v| v == verb)
+                && name.is_none_or(|n| {
+                    r.resource_names
+                        .as_ref()
+                        .is_none_or(|names| names.iter().any(|x| x == n))
+                })
+        })
+    };
+    let lease = le["resourceName"].as_str();
+    assert!(grants("coordination.k8s.io", "leases", "create", None));
+    for verb in ["get", "update"] {
+        assert!(
+            grants("coordination.k8s.io", "leases", verb, lease),
+            "lease {verb}"
+        );
+    }
+    for (resource, verbs) in [
+        ("pods", &["get", "list", "watch", "patch"][..]),
+        ("pods/binding", &["create"]),
+        ("nodes", &["get", "list", "watch"]),
+        ("events", &["create"]),
+    ] {
+        for verb in verbs {
+            assert!(grants("", resource, verb, None), "{resource} {verb}");
+        }
+    }
+}
+
+#[test]
+fn the_optional_mutating_policy_sends_gpu_pods_to_the_gpu_scheduler() {
+    use cel_interpreter::Context;
+    let objs = objects(&stdout_ok(
+        run("kubectl", &["kustomize", "deploy/scheduler/mutating"]),
+        "kubectl kustomize deploy/scheduler/mutating",
+    ));
+    // k8s-openapi's v1_33 types have the policy as v1alpha1; the GA v1 has
+    // the same fields.
+    let alpha = |kind: &str| {
+        let mut o = find(&objs, kind)
+            .unwrap_or_else(|| panic!("no {kind}"))
+            .clone();
+        assert_eq!(o["apiVersion"], "admissionregistration.k8s.io/v1");
+        o["apiVersion"] = json!("admissionregistration.k8s.io/v1alpha1");
+        o
+    };
+    let policy: MutatingAdmissionPolicy = strict(&alpha("MutatingAdmissionPolicy"));
+    let binding: MutatingAdmissionPolicyBinding = strict(&alpha("MutatingAdmissionPolicyBinding"));
+    assert_eq!(binding.spec.unwrap().policy_name, policy.metadata.name);
+    let spec = policy.spec.unwrap();
+    let rule = &spec.match_constraints.unwrap().resource_rules.unwrap()[0];
+    assert_eq!(
+        rule.operations.as_deref(),
+        Some(&["CREATE".to_string()][..])
+    );
+    assert_eq!(rule.resources.as_deref(), Some(&["pods".to_string()][..]));
+    let mutation = &spec.mutations.unwrap()[0];
+    assert_eq!(mutation.patch_type, "ApplyConfiguration");
+    let apply = mutation
+        .apply_configuration
+        .as_ref()
+        .unwrap()
+        .expression
+        .clone()
+        .unwrap();
+    assert_eq!(
+        apply.split_whitespace().collect::<String>(),
+        r#"Object{spec:Object.spec{schedulerName:"doslab-gpu-scheduler"}}"#
+    );
+
+    let raw = find(&objs, "MutatingAdmissionPolicy").unwrap();
+    let gpu = json!({"limits": {"doslab.io/gpu-memory": "1024", "cpu": "1"}});
+    let cpu = json!({"limits": {"cpu": "1"}, "requests": {"memory": "1Gi"}});
+    let pod = |scheduler: Option<&str>, init: Option<Value>, app: Option<Value>| {
+        let mut p = json!({"metadata": {"name": "p"}, "spec": {
+            "containers": [{"name": "c", "image": "i"}]
+        }});
+        if let Some(s) = scheduler {
+            p["spec"]["schedulerName"] = json!(s);
+        }
+        if let Some(r) = app {
+            p["spec"]["containers"][0]["resources"] = r;
+        }
+        if let Some(r) = init {
+            p["spec"]["initContainers"] = json!([{"name": "i", "image": "i", "resources": r}]);
+        }
+        p
+    };
+    let cases = [
+        (
+            "a GPU pod",
+            pod(Some("default-scheduler"), None, Some(gpu.clone())),
+            true,
+        ),
+        (
+            "no scheduler named",
+            pod(None, None, Some(gpu.clone())),
+            true,
+        ),
+        (
+            "an init container's GPU",
+            pod(
+                Some("default-scheduler"),
+                Some(gpu.clone()),
+                Some(cpu.clone()),
+            ),
+            true,
+        ),
+        (
+            "no GPU",
+            pod(Some("default-scheduler"), Some(cpu.clone()), Some(cpu)),
+            false,
+        ),
+        (
+            "no resources at all",
+            pod(Some("default-scheduler"), None, None),
+            false,
+        ),
+        (
+            "a scheduler of its own",
+            pod(Some("volcano"), None, Some(gpu)),
+            false,
+        ),
+    ];
+    for (what, object, mutated) in cases {
+        let mut ctx = Context::default();
+        ctx.add_variable("object", &object).unwrap();
+        assert_eq!(match_conditions_hold(&ctx, raw), mutated, "{what}");
     }
 }

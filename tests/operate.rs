@@ -48,6 +48,7 @@ fn manifests_are_valid_and_say_what_matters() {
         rules,
         vec![
             ("events".into(), vec!["create".into()]),
+            ("nodes".into(), vec!["get".into(), "patch".into()]),
             (
                 "pods".into(),
                 vec!["get".into(), "list".into(), "watch".into(), "patch".into()]

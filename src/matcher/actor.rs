@@ -342,7 +342,7 @@ impl MatcherState {
 }
 
 /// The config's kubeconfig, else `$KUBECONFIG`, else in-cluster.
-async fn client(kubeconfig: &Path) -> Result<Client, String> {
+pub(crate) async fn client(kubeconfig: &Path) -> Result<Client, String> {
     if kubeconfig.as_os_str().is_empty() {
         return Client::try_default()
             .await

@@ -1,6 +1,7 @@
 //! Stand-ins for what the product talks to in a cluster: the kubelet (device
 //! plugin registration, ListAndWatch, admission), the API server (pods,
-//! events), and the `demo` that runs the real daemon between them. They
+//! nodes, events), kube-scheduler (with or without an extender), and the
+//! `demo` that runs the real daemon between them. They
 //! serve the demo, the integration tests and the benchmark, and sit behind
 //! the default-on `sim` feature so a production image can be built without
 //! them (`cargo build --release --no-default-features`).
@@ -8,3 +9,4 @@
 pub mod apiserver;
 pub mod demo;
 pub mod kubelet;
+pub mod scheduler;

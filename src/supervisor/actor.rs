@@ -11,6 +11,7 @@ use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent, c
 use crate::config::Config;
 use crate::device::{Plan, Resource};
 use crate::health::{HealthArgs, HealthMonitor, ProbeSpec};
+use crate::inventory::{InventoryArgs, InventoryHandle, InventoryPublisher, Published};
 use crate::kubelet_watch::{KubeletWatcher, WatcherArgs};
 use crate::matcher::{self, MatcherArgs, MatcherHandle, PodMatcher};
 use crate::metrics::{Hold, Metrics};
@@ -40,6 +41,7 @@ pub enum Child {
     Plugin(Resource),
     Watcher,
     Health,
+    Inventory,
 }
 
 impl std::fmt::Display for Child {
@@ -49,6 +51,7 @@ impl std::fmt::Display for Child {
             Child::Plugin(r) => write!(f, "plugin {r}"),
             Child::Watcher => f.write_str("kubelet watcher"),
             Child::Health => f.write_str("health monitor"),
+            Child::Inventory => f.write_str("inventory publisher"),
         }
     }
 }
@@ -90,6 +93,7 @@ pub struct SupervisorState {
     pairing: LastShared,
     /// Filled while the pod matcher runs; every plugin holds a clone.
     matcher: MatcherHandle,
+    inventory: InventoryHandle,
     healthy: Arc<[bool]>,
     metrics: Arc<Metrics>,
     children: BTreeMap<Child, Running>,
@@ -144,6 +148,10 @@ impl SupervisorState {
         }
     }
 
+    fn published(&self) -> Published {
+        Published::of(&self.config, self.plan.gpus(), &self.healthy)
+    }
+
     fn matcher_args(&self) -> MatcherArgs {
         MatcherArgs::new(&self.config, self.plan.gpus(), self.metrics.clone())
     }
@@ -158,12 +166,18 @@ impl SupervisorState {
             .collect();
         children.extend(self.plan.models().map(|m| Child::Plugin(m.resource())));
         children.extend([Child::Watcher, Child::Health]);
+        // The inventory invites placements only a pod-matching node honours.
+        if self.config.pod_matching {
+            children.push(Child::Inventory);
+        }
         children
     }
 
     fn remove(&mut self, child: Child) -> Option<Running> {
-        if child == Child::Matcher {
-            self.matcher.set(None);
+        match child {
+            Child::Matcher => self.matcher.set(None),
+            Child::Inventory => self.inventory.set(None),
+            _ => {}
         }
         self.children.remove(&child)
     }
@@ -228,6 +242,16 @@ impl Supervisor {
                     .map(|(a, _)| Running::untyped(a.get_cell()))
                     .map_err(|e| e.to_string())
             }
+            Child::Inventory => {
+                let args = InventoryArgs::new(&state.config, state.published());
+                Actor::spawn_linked(name, InventoryPublisher, args, supervisor)
+                    .await
+                    .map(|(a, _)| {
+                        state.inventory.set(Some(a.clone()));
+                        Running::untyped(a.get_cell())
+                    })
+                    .map_err(|e| e.to_string())
+            }
         };
         match spawned {
             Ok(running) => {
@@ -289,6 +313,7 @@ impl Supervisor {
         let old_gpus = state.plan.gpus().to_vec();
         let old_health = (state.config.health.clone(), state.config.devices.backend);
         let old_matcher = state.matcher_args();
+        let old_inventory = InventoryArgs::new(&state.config, state.published());
         state.config = config;
         state.plan = plan;
         if state.plan.gpus() != old_gpus.as_slice() {
@@ -332,6 +357,11 @@ impl Supervisor {
                     (now != old_health || state.plan.gpus() != old_gpus.as_slice())
                         .then_some("health settings changed")
                 }
+                Child::Inventory if !state.config.pod_matching => Some("disabled by reload"),
+                Child::Inventory => {
+                    let now = InventoryArgs::new(&state.config, state.published());
+                    (!now.same_target(&old_inventory)).then_some("changed by reload")
+                }
             };
             if let Some(reason) = reason {
                 // Stopped and awaited before its successor starts: the old
@@ -359,6 +389,7 @@ impl Supervisor {
             }
         }
         Self::push_placements(state, true).await;
+        state.inventory.publish(state.published());
         tracing::info!(
             resources = ?state.plan.models().map(|m| m.resource().name()).collect::<Vec<_>>(),
             "config reloaded"
@@ -418,6 +449,7 @@ impl Actor for Supervisor {
             metrics: args.metrics,
             pairing: LastShared::default(),
             matcher: MatcherHandle::default(),
+            inventory: InventoryHandle::default(),
             children: BTreeMap::new(),
             failures: BTreeMap::new(),
             settling: BTreeMap::new(),
@@ -447,6 +479,7 @@ impl Actor for Supervisor {
                     for plugin in state.plugins() {
                         let _ = plugin.send_message(PluginMsg::SetHealth(state.healthy.clone()));
                     }
+                    state.inventory.publish(state.published());
                 }
             }
             SupervisorMsg::Reload(new) => {

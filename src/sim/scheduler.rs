@@ -1,0 +1,939 @@
+//! A kube-scheduler stand-in for the tests and the benchmark: it places the
+//! API-server stand-in's Pending pods that name it as their scheduler, as
+//! kube-scheduler v1.32 does with an HTTP extender configured, or without
+//! one (the node-total placement a GPU-blind scheduler makes).
+//!
+//! What it keeps of the real scheduler, since the extender depends on it:
+//! - one pod at a time, in creation order; a pod that cannot be placed
+//!   waits out a per-pod backoff (1 s doubling to 10 s by default) and is
+//!   tried again;
+//! - its own node-level fit first: per node, allocatable minus the requests
+//!   of the pods bound there, for every resource the pod requests (the
+//!   extended ones included, as with `ignoredByScheduler: false`);
+//! - the extender only for pods asking one of its `managedResources` (in
+//!   requests or limits of any container, init ones included);
+//! - filter: `POST <urlPrefix>/<filterVerb>` with `{"Pod", "Nodes",
+//!   "NodeNames"}` (with `nodeCacheCapable`, `Nodes` is `null` and
+//!   `NodeNames` the candidates; the Pod without `apiVersion`/`kind`); any
+//!   non-200 or a non-empty `Error` fails the attempt unless the extender
+//!   is `ignorable`; a node name it returns that was not sent is an error;
+//!   `FailedNodes` and `FailedAndUnresolvableNodes` only explain;
+//! - a single feasible node is taken without prioritizing; otherwise
+//!   prioritize with the same body, each `Score` × weight × 10 (errors there
+//!   are ignored: no score), the highest total wins (ties: first in name
+//!   order, or random with a seed);
+//! - bind: `POST <urlPrefix>/<bindVerb>` with `{"PodName", "PodNamespace",
+//!   "PodUID", "Node"}`, success only on 200 and an empty `Error`; without
+//!   a binding extender the scheduler creates `pods/<name>/binding` itself;
+//! - answers are read with Go's case-insensitive key matching.
+//!
+//! What it leaves out: score plugins of its own (only the extender scores),
+//! preemption, and the unschedulable queue's wake-up on cluster events
+//! (backoff only).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use k8s_openapi::api::core::v1::{Binding, Container, Node, ObjectReference, Pod};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::api::{ListParams, ObjectMeta, PostParams};
+use kube::{Api, Client};
+use serde_json::{Value, json};
+use tokio::task::JoinHandle;
+
+/// kube-scheduler's extender scores are 0..=10 and its node scores
+/// 0..=100: an extender's score is scaled by this on top of its weight.
+const EXTENDER_SCORE_SCALE: i64 = 10;
+
+/// An `extenders:` entry of a KubeSchedulerConfiguration (the verbs the
+/// stand-in uses; an empty verb is not called).
+#[derive(Debug, Clone)]
+pub struct ExtenderConfig {
+    pub url_prefix: String,
+    pub filter_verb: String,
+    pub prioritize_verb: String,
+    pub bind_verb: String,
+    pub weight: i64,
+    pub node_cache_capable: bool,
+    pub ignorable: bool,
+    /// Resource names; empty: every pod goes to the extender.
+    pub managed_resources: Vec<String>,
+    pub http_timeout: Duration,
+}
+
+impl ExtenderConfig {
+    /// The project's extender at `url_prefix`, configured as deploy/scheduler
+    /// configures it.
+    pub fn doslab(url_prefix: &str) -> ExtenderConfig {
+        ExtenderConfig {
+            url_prefix: url_prefix.to_owned(),
+            filter_verb: "filter".into(),
+            prioritize_verb: "prioritize".into(),
+            bind_verb: "bind".into(),
+            weight: 1,
+            node_cache_capable: true,
+            ignorable: false,
+            managed_resources: ["gpu-memory", "gpu-core", "gpu-count"]
+                .iter()
+                .map(|r| format!("doslab.io/{r}"))
+                .collect(),
+            http_timeout: Duration::from_secs(30),
+        }
+    }
+
+    fn interested(&self, pod: &Pod) -> bool {
+        if self.managed_resources.is_empty() {
+            return true;
+        }
+        let spec = pod.spec.as_ref();
+        let containers = spec.iter().flat_map(|s| {
+            s.containers
+                .iter()
+                .chain(s.init_containers.iter().flatten())
+        });
+        containers
+            .filter_map(|c| c.resources.as_ref())
+            .flat_map(|r| {
+                r.requests
+                    .iter()
+                    .chain(r.limits.iter())
+                    .flat_map(|m| m.keys())
+            })
+            .any(|name| self.managed_resources.contains(name))
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// The `schedulerName` of the pods it places.
+    pub name: String,
+    pub extender: Option<ExtenderConfig>,
+    /// Ties between top-scoring nodes: `None` takes the first in name
+    /// order, `Some(seed)` picks at random, reproducibly.
+    pub seed: Option<u64>,
+    pub initial_backoff: Duration,
+    pub max_backoff: Duration,
+    /// How often it looks for pending pods.
+    pub poll: Duration,
+}
+
+impl SchedulerConfig {
+    pub fn new(extender: Option<ExtenderConfig>) -> SchedulerConfig {
+        SchedulerConfig {
+            name: "doslab-gpu-scheduler".into(),
+            extender,
+            seed: None,
+            initial_backoff: Duration::from_secs(1),
+            max_backoff: Duration::from_secs(10),
+            poll: Duration::from_millis(20),
+        }
+    }
+}
+
+/// What happened to one pod (by `namespace/name`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Outcome {
+    pub attempts: u32,
+    pub node: Option<String>,
+    /// Why the last attempt failed.
+    pub error: Option<String>,
+}
+
+struct Backoff {
+    attempts: u32,
+    until: Instant,
+}
+
+struct Scheduler {
+    config: SchedulerConfig,
+    client: Client,
+    http: hyper_util::client::legacy::Client<
+        hyper_util::client::legacy::connect::HttpConnector,
+        Body,
+    >,
+    backoff: HashMap<String, Backoff>,
+    outcomes: Arc<Mutex<BTreeMap<String, Outcome>>>,
+    rng: u64,
+}
+
+pub struct SchedulerSim {
+    outcomes: Arc<Mutex<BTreeMap<String, Outcome>>>,
+    task: JoinHandle<()>,
+}
+
+impl SchedulerSim {
+    /// Starts placing pods through the API server `kubeconfig` reaches.
+    pub async fn start(kubeconfig: &Path, config: SchedulerConfig) -> Result<SchedulerSim, String> {
+        let client = crate::matcher::client(kubeconfig).await?;
+        let outcomes = Arc::new(Mutex::new(BTreeMap::new()));
+        let http =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build_http();
+        let mut scheduler = Scheduler {
+            rng: config.seed.unwrap_or_default(),
+            config,
+            client,
+            http,
+            backoff: HashMap::new(),
+            outcomes: outcomes.clone(),
+        };
+        let task = tokio::spawn(async move {
+            loop {
+                if let Err(e) = scheduler.round().await {
+                    tracing::warn!(error = %e, "scheduler stand-in: cannot list");
+                }
+                tokio::time::sleep(scheduler.config.poll).await;
+            }
+        });
+        Ok(SchedulerSim { outcomes, task })
+    }
+
+    /// Every pod it tried, by `namespace/name`.
+    pub fn outcomes(&self) -> BTreeMap<String, Outcome> {
+        self.outcomes.lock().expect("outcomes poisoned").clone()
+    }
+
+    pub fn stop(self) {
+        self.task.abort();
+    }
+}
+
+fn key(pod: &Pod) -> String {
+    format!(
+        "{}/{}",
+        pod.metadata.namespace.as_deref().unwrap_or_default(),
+        pod.metadata.name.as_deref().unwrap_or_default()
+    )
+}
+
+/// A quantity in thousandths (`100m` CPU is 100, `1` is 1000, `1Ki` is
+/// 1 024 000); `None` when it does not parse.
+fn milli(q: &Quantity) -> Option<i128> {
+    let s = q.0.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '-' || c == '+'))
+        .unwrap_or(s.len());
+    let (number, suffix) = s.split_at(split);
+    let scale: f64 = match suffix {
+        "m" => 1.0,
+        "" => 1e3,
+        "k" => 1e6,
+        "M" => 1e9,
+        "G" => 1e12,
+        "T" => 1e15,
+        "Ki" => 1024.0 * 1e3,
+        "Mi" => 1024f64.powi(2) * 1e3,
+        "Gi" => 1024f64.powi(3) * 1e3,
+        "Ti" => 1024f64.powi(4) * 1e3,
+        _ => return None,
+    };
+    number
+        .parse::<f64>()
+        .ok()
+        .map(|n| (n * scale).ceil() as i128)
+}
+
+/// A container's requests; an extended resource with only a limit requests
+/// the limit (the API server's defaulting).
+fn container_requests(c: &Container) -> BTreeMap<String, i128> {
+    let Some(r) = &c.resources else {
+        return BTreeMap::new();
+    };
+    let mut out: BTreeMap<String, i128> = BTreeMap::new();
+    for (name, q) in r.limits.iter().flatten() {
+        out.insert(name.clone(), milli(q).unwrap_or(0));
+    }
+    for (name, q) in r.requests.iter().flatten() {
+        out.insert(name.clone(), milli(q).unwrap_or(0));
+    }
+    out
+}
+
+/// A pod's effective requests: the larger of its app containers' sum and
+/// its largest init container, per resource.
+fn pod_requests(pod: &Pod) -> BTreeMap<String, i128> {
+    let Some(spec) = &pod.spec else {
+        return BTreeMap::new();
+    };
+    let mut total: BTreeMap<String, i128> = BTreeMap::new();
+    for c in &spec.containers {
+        for (name, n) in container_requests(c) {
+            *total.entry(name).or_default() += n;
+        }
+    }
+    for c in spec.init_containers.iter().flatten() {
+        for (name, n) in container_requests(c) {
+            let t = total.entry(name).or_default();
+            *t = (*t).max(n);
+        }
+    }
+    total
+}
+
+/// Why `pod` does not fit `node` beside the pods already `bound` there.
+fn node_misfit(node: &Node, bound: &[&Pod], pod: &Pod) -> Option<String> {
+    if node.spec.as_ref().and_then(|s| s.unschedulable) == Some(true) {
+        return Some("node(s) were unschedulable".into());
+    }
+    let allocatable = node.status.as_ref().and_then(|s| s.allocatable.as_ref());
+    let free = |name: &str| -> i128 {
+        let total = allocatable
+            .and_then(|a| a.get(name))
+            .and_then(milli)
+            .unwrap_or(0);
+        let used: i128 = bound
+            .iter()
+            .map(|p| pod_requests(p).get(name).copied().unwrap_or(0))
+            .sum();
+        total - used
+    };
+    let max_pods = allocatable.and_then(|a| a.get("pods")).and_then(milli);
+    if max_pods.is_some_and(|max| (bound.len() as i128 + 1) * 1000 > max) {
+        return Some("Too many pods".into());
+    }
+    pod_requests(pod)
+        .into_iter()
+        .filter(|(_, n)| *n > 0)
+        .find(|(name, n)| free(name) < *n)
+        .map(|(name, _)| format!("Insufficient {name}"))
+}
+
+/// Go's encoding/json matches a struct field to the first key equal to its
+/// name, else to one equal ignoring case.
+fn field<'a>(object: &'a Value, name: &str) -> &'a Value {
+    let Some(map) = object.as_object() else {
+        return &Value::Null;
+    };
+    map.get(name)
+        .or_else(|| {
+            map.iter()
+                .find(|(k, _)| k.eq_ignore_ascii_case(name))
+                .map(|(_, v)| v)
+        })
+        .unwrap_or(&Value::Null)
+}
+
+impl Scheduler {
+    /// One pass over the pods waiting for this scheduler, oldest first.
+    async fn round(&mut self) -> Result<(), kube::Error> {
+        let pods: Api<Pod> = Api::all(self.client.clone());
+        let selector = format!(
+            "spec.nodeName=,spec.schedulerName={},status.phase=Pending",
+            self.config.name
+        );
+        let mut pending = pods
+            .list(&ListParams::default().fields(&selector))
+            .await?
+            .items;
+        pending.retain(|p| p.metadata.deletion_timestamp.is_none());
+        pending.sort_by(|a, b| {
+            let created = |p: &Pod| p.metadata.creation_timestamp.clone().map(|t| t.0);
+            (created(a), key(a)).cmp(&(created(b), key(b)))
+        });
+        for pod in pending {
+            let k = key(&pod);
+            if self
+                .backoff
+                .get(&k)
+                .is_some_and(|b| Instant::now() < b.until)
+            {
+                continue;
+            }
+            let result = self.schedule_one(&pod).await;
+            let mut outcomes = self.outcomes.lock().expect("outcomes poisoned");
+            let outcome = outcomes.entry(k.clone()).or_default();
+            outcome.attempts += 1;
+            match result {
+                Ok(node) => {
+                    outcome.node = Some(node);
+                    outcome.error = None;
+                    self.backoff.remove(&k);
+                }
+                Err(e) => {
+                    tracing::debug!(pod = %k, error = %e, "scheduler stand-in: unschedulable");
+                    outcome.error = Some(e);
+                    let b = self.backoff.entry(k).or_insert(Backoff {
+                        attempts: 0,
+                        until: Instant::now(),
+                    });
+                    b.attempts += 1;
+                    let delay = self
+                        .config
+                        .initial_backoff
+                        .saturating_mul(1 << (b.attempts - 1).min(16))
+                        .min(self.config.max_backoff);
+                    b.until = Instant::now() + delay;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Places one pod: the node the pod was bound to, or why not.
+    async fn schedule_one(&mut self, pod: &Pod) -> Result<String, String> {
+        let list = |e: kube::Error| format!("cannot list: {e}");
+        let mut nodes = Api::<Node>::all(self.client.clone())
+            .list(&ListParams::default())
+            .await
+            .map_err(list)?
+            .items;
+        nodes.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+        let all = Api::<Pod>::all(self.client.clone())
+            .list(&ListParams::default().fields("status.phase!=Succeeded,status.phase!=Failed"))
+            .await
+            .map_err(list)?
+            .items;
+        let mut reasons: BTreeMap<String, String> = BTreeMap::new();
+        let mut feasible = Vec::new();
+        for node in &nodes {
+            let name = node.metadata.name.clone().unwrap_or_default();
+            let bound: Vec<&Pod> = all
+                .iter()
+                .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(&name))
+                .collect();
+            match node_misfit(node, &bound, pod) {
+                Some(why) => {
+                    reasons.insert(name, why);
+                }
+                None => feasible.push(name),
+            }
+        }
+        let extender = self.config.extender.clone().filter(|e| e.interested(pod));
+        if let Some(e) = &extender
+            && !feasible.is_empty()
+            && !e.filter_verb.is_empty()
+        {
+            match self.filter(e, pod, &feasible).await {
+                Ok((passed, failed)) => {
+                    reasons.extend(failed);
+                    feasible = passed;
+                }
+                Err(err) if e.ignorable => {
+                    tracing::info!(error = %err, "scheduler stand-in: ignorable extender failed");
+                }
+                Err(err) => return Err(err),
+            }
+        }
+        let node = match feasible.len() {
+            0 => {
+                let why: Vec<String> = reasons.iter().map(|(n, r)| format!("{n}: {r}")).collect();
+                return Err(format!(
+                    "0/{} nodes are available: {}",
+                    nodes.len(),
+                    why.join("; ")
+                ));
+            }
+            // With one node left there is nothing to prioritize.
+            1 => feasible.remove(0),
+            _ => self.pick(extender.as_ref(), pod, &feasible).await,
+        };
+        match extender.filter(|e| !e.bind_verb.is_empty()) {
+            Some(e) => self.extender_bind(&e, pod, &node).await?,
+            None => self.bind(pod, &node).await?,
+        }
+        Ok(node)
+    }
+
+    /// The extender's filter: the nodes that pass, and the reasons of
+    /// those that do not.
+    async fn filter(
+        &self,
+        e: &ExtenderConfig,
+        pod: &Pod,
+        nodes: &[String],
+    ) -> Result<(Vec<String>, BTreeMap<String, String>), String> {
+        let answer = self.send(e, &e.filter_verb, &args(e, pod, nodes)).await?;
+        let error = field(&answer, "Error").as_str().unwrap_or_default();
+        if !error.is_empty() {
+            return Err(error.to_owned());
+        }
+        let names: Vec<String> = match field(&answer, "NodeNames") {
+            Value::Array(names) if e.node_cache_capable => names
+                .iter()
+                .filter_map(|n| n.as_str().map(String::from))
+                .collect(),
+            _ => field(field(&answer, "Nodes"), "Items")
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|n| n["metadata"]["name"].as_str().map(String::from))
+                .collect(),
+        };
+        if let Some(stranger) = names.iter().find(|n| !nodes.contains(n)) {
+            return Err(format!(
+                "extender {:?} claims a filtered node {stranger:?} which is not found in the input node list",
+                e.url_prefix
+            ));
+        }
+        let mut failed = BTreeMap::new();
+        for map in ["FailedNodes", "FailedAndUnresolvableNodes"] {
+            for (node, why) in field(&answer, map).as_object().into_iter().flatten() {
+                failed.insert(node.clone(), why.as_str().unwrap_or_default().to_owned());
+            }
+        }
+        Ok((names, failed))
+    }
+
+    /// The top-scoring node; an extender that cannot prioritize scores
+    /// nothing.
+    async fn pick(&mut self, e: Option<&ExtenderConfig>, pod: &Pod, nodes: &[String]) -> String {
+        let mut scores: BTreeMap<&str, i64> = nodes.iter().map(|n| (n.as_str(), 0)).collect();
+        if let Some(e) = e.filter(|e| !e.prioritize_verb.is_empty()) {
+            match self.send(e, &e.prioritize_verb, &args(e, pod, nodes)).await {
+                Ok(Value::Array(list)) => {
+                    for hp in &list {
+                        let host = field(hp, "Host").as_str().unwrap_or_default();
+                        let score = field(hp, "Score").as_i64().unwrap_or(0);
+                        if let Some(s) = scores.get_mut(host) {
+                            *s += score * e.weight * EXTENDER_SCORE_SCALE;
+                        }
+                    }
+                }
+                Ok(other) => tracing::info!(answer = %other, "prioritize: not a host list"),
+                Err(err) => tracing::info!(error = %err, "prioritize failed; no scores"),
+            }
+        }
+        let best = scores.values().copied().max().unwrap_or(0);
+        let top: Vec<&str> = scores
+            .iter()
+            .filter(|(_, s)| **s == best)
+            .map(|(n, _)| *n)
+            .collect();
+        let i = match self.config.seed {
+            None => 0,
+            Some(_) => {
+                self.rng = self
+                    .rng
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((self.rng >> 33) % top.len() as u64) as usize
+            }
+        };
+        top[i].to_owned()
+    }
+
+    async fn extender_bind(&self, e: &ExtenderConfig, pod: &Pod, node: &str) -> Result<(), String> {
+        let body = json!({
+            "PodName": pod.metadata.name,
+            "PodNamespace": pod.metadata.namespace,
+            "PodUID": pod.metadata.uid,
+            "Node": node,
+        });
+        let answer = self.send(e, &e.bind_verb, &body).await?;
+        match field(&answer, "Error").as_str().unwrap_or_default() {
+            "" => Ok(()),
+            error => Err(error.to_owned()),
+        }
+    }
+
+    /// The Binding the default binder creates.
+    async fn bind(&self, pod: &Pod, node: &str) -> Result<(), String> {
+        let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let binding = Binding {
+            metadata: ObjectMeta {
+                name: Some(name.clone()),
+                namespace: Some(namespace.to_owned()),
+                uid: pod.metadata.uid.clone(),
+                ..Default::default()
+            },
+            target: ObjectReference {
+                kind: Some("Node".into()),
+                name: Some(node.to_owned()),
+                ..Default::default()
+            },
+        };
+        Api::<Pod>::namespaced(self.client.clone(), namespace)
+            .create_subresource::<_, Value>("binding", &name, &PostParams::default(), &binding)
+            .await
+            .map(drop)
+            .map_err(|e| format!("binding to {node}: {e}"))
+    }
+
+    /// `POST <urlPrefix>/<verb>` as kube-scheduler's HTTP extender sends it.
+    async fn send(&self, e: &ExtenderConfig, verb: &str, body: &Value) -> Result<Value, String> {
+        let url = format!("{}/{verb}", e.url_prefix.trim_end_matches('/'));
+        let request = Request::post(&url)
+            .header("Content-Type", "application/json")
+            .body(Body::from(body.to_string()))
+            .map_err(|err| err.to_string())?;
+        let exchange = async {
+            let response = self
+                .http
+                .request(request)
+                .await
+                .map_err(|err| format!("{verb} at {url}: {err}"))?;
+            if response.status() != StatusCode::OK {
+                return Err(format!(
+                    "failed {verb} with extender at URL {url}, code {}",
+                    response.status().as_u16()
+                ));
+            }
+            let bytes = axum::body::to_bytes(Body::new(response.into_body()), 64 << 20)
+                .await
+                .map_err(|err| format!("{verb} at {url}: {err}"))?;
+            serde_json::from_slice(&bytes).map_err(|err| format!("{verb} at {url}: {err}"))
+        };
+        tokio::time::timeout(e.http_timeout, exchange)
+            .await
+            .map_err(|_| format!("{verb} at {url}: no answer within {:?}", e.http_timeout))?
+    }
+}
+
+/// `ExtenderArgs` as Go marshals it: the Pod as the informer holds it (no
+/// `apiVersion` or `kind`), and either the candidate names (node cache
+/// capable: `Nodes` is an explicit null) or the Node objects.
+fn args(e: &ExtenderConfig, pod: &Pod, nodes: &[String]) -> Value {
+    let mut pod = serde_json::to_value(pod).expect("a pod serialises");
+    if let Some(p) = pod.as_object_mut() {
+        p.remove("apiVersion");
+        p.remove("kind");
+    }
+    if e.node_cache_capable {
+        json!({"Pod": pod, "Nodes": null, "NodeNames": nodes})
+    } else {
+        let items: Vec<Value> = nodes
+            .iter()
+            .map(|n| json!({"metadata": {"name": n}}))
+            .collect();
+        json!({"Pod": pod, "Nodes": {"metadata": {}, "items": items}, "NodeNames": null})
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sim::apiserver::{ApiServerSim, PodContainer};
+
+    /// A recorded extender call: path, content type, body.
+    type Call = (String, String, Value);
+
+    /// A fake extender on loopback: records every call and answers with
+    /// `answer(verb, body)`; a bind it accepts it carries out through the
+    /// API server, as the real extender does.
+    struct FakeExtender {
+        url: String,
+        calls: Arc<Mutex<Vec<Call>>>,
+    }
+
+    impl FakeExtender {
+        async fn start(
+            client: Client,
+            answer: impl Fn(&str, &Value) -> (StatusCode, Value) + Send + Sync + 'static,
+        ) -> FakeExtender {
+            let calls: Arc<Mutex<Vec<Call>>> = Arc::default();
+            let answer = Arc::new(answer);
+            let recorded = calls.clone();
+            let app = axum::Router::new().fallback(move |req: Request<Body>| {
+                let (calls, answer, client) = (recorded.clone(), answer.clone(), client.clone());
+                async move {
+                    let path = req.uri().path().to_owned();
+                    let ctype = req
+                        .headers()
+                        .get("content-type")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or_default()
+                        .to_owned();
+                    let bytes = axum::body::to_bytes(req.into_body(), 1 << 24)
+                        .await
+                        .unwrap();
+                    let body: Value = serde_json::from_slice(&bytes).unwrap();
+                    calls
+                        .lock()
+                        .unwrap()
+                        .push((path.clone(), ctype, body.clone()));
+                    let verb = path.rsplit('/').next().unwrap_or_default().to_owned();
+                    let (status, answer) = answer(&verb, &body);
+                    if verb == "bind" && status == StatusCode::OK && answer["Error"] == "" {
+                        let ns = body["PodNamespace"].as_str().unwrap();
+                        let name = body["PodName"].as_str().unwrap();
+                        let binding = json!({
+                            "apiVersion": "v1", "kind": "Binding",
+                            "metadata": {"name": name, "namespace": ns, "uid": body["PodUID"]},
+                            "target": {"kind": "Node", "name": body["Node"]},
+                        });
+                        Api::<Pod>::namespaced(client, ns)
+                            .create_subresource::<_, Value>(
+                                "binding",
+                                name,
+                                &PostParams::default(),
+                                &binding,
+                            )
+                            .await
+                            .unwrap();
+                    }
+                    axum::http::Response::builder()
+                        .status(status)
+                        .header("content-type", "application/json")
+                        .body(Body::from(answer.to_string()))
+                        .unwrap()
+                }
+            });
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let url = format!("http://{}/gpu", listener.local_addr().unwrap());
+            tokio::spawn(async move {
+                let _ = axum::serve(listener, app).await;
+            });
+            FakeExtender { url, calls }
+        }
+
+        fn calls(&self) -> Vec<Call> {
+            self.calls.lock().unwrap().clone()
+        }
+    }
+
+    struct World {
+        api: ApiServerSim,
+        kubeconfig: tempfile::NamedTempFile,
+    }
+
+    impl World {
+        async fn start() -> World {
+            let api = ApiServerSim::start().await.unwrap();
+            let kubeconfig = tempfile::NamedTempFile::new().unwrap();
+            api.write_kubeconfig(kubeconfig.path()).unwrap();
+            World { api, kubeconfig }
+        }
+
+        async fn client(&self) -> Client {
+            crate::matcher::client(self.kubeconfig.path())
+                .await
+                .unwrap()
+        }
+
+        async fn scheduler(&self, extender: Option<ExtenderConfig>) -> SchedulerSim {
+            let mut config = SchedulerConfig::new(extender);
+            config.initial_backoff = Duration::from_millis(50);
+            config.max_backoff = Duration::from_millis(200);
+            SchedulerSim::start(self.kubeconfig.path(), config)
+                .await
+                .unwrap()
+        }
+    }
+
+    fn gpu(name: &str, memory: u64) -> Vec<PodContainer> {
+        vec![PodContainer {
+            name: name.into(),
+            init: false,
+            wants: [memory, 0, 0],
+        }]
+    }
+
+    const MEM: &str = "doslab.io/gpu-memory";
+
+    async fn wait_for(sim: &SchedulerSim, done: impl Fn(&BTreeMap<String, Outcome>) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !done(&sim.outcomes()) {
+            assert!(Instant::now() < deadline, "{:?}", sim.outcomes());
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn sends_what_kube_scheduler_sends_and_binds_through_the_extender() {
+        let w = World::start().await;
+        for n in ["n1", "n2", "n3"] {
+            w.api.add_node(n, &[(MEM, 100), ("pods", 110)], &[]);
+        }
+        // n2 is full by the node totals: the extender never hears of it.
+        w.api.add_pod("default", "busy", "n2", &gpu("c", 80), &[]);
+        let ext = FakeExtender::start(w.client().await, |verb, _| match verb {
+            "filter" => (
+                StatusCode::OK,
+                json!({"NodeNames": ["n1", "n3"], "FailedNodes": {}, "Error": ""}),
+            ),
+            "prioritize" => (
+                StatusCode::OK,
+                json!([{"Host": "n1", "Score": 3}, {"Host": "n3", "Score": 7}]),
+            ),
+            _ => (StatusCode::OK, json!({"Error": ""})),
+        })
+        .await;
+        w.api
+            .add_unscheduled_pod("default", "p", "doslab-gpu-scheduler", &gpu("main", 30));
+        w.api
+            .add_unscheduled_pod("default", "other", "default-scheduler", &gpu("main", 30));
+        let sim = w.scheduler(Some(ExtenderConfig::doslab(&ext.url))).await;
+        wait_for(&sim, |o| {
+            o.get("default/p").is_some_and(|o| o.node.is_some())
+        })
+        .await;
+        assert_eq!(sim.outcomes()["default/p"].node.as_deref(), Some("n3"));
+        assert_eq!(w.api.pod("default", "p").unwrap()["spec"]["nodeName"], "n3");
+        assert!(!sim.outcomes().contains_key("default/other"));
+
+        let calls = ext.calls();
+        let paths: Vec<&str> = calls.iter().map(|(p, _, _)| p.as_str()).collect();
+        assert_eq!(paths, ["/gpu/filter", "/gpu/prioritize", "/gpu/bind"]);
+        assert!(calls.iter().all(|(_, t, _)| t == "application/json"));
+        let stored = w.api.pod("default", "p").unwrap();
+        for (_, _, body) in &calls[..2] {
+            let keys: Vec<&String> = body.as_object().unwrap().keys().collect();
+            assert_eq!(keys, ["NodeNames", "Nodes", "Pod"]);
+            assert_eq!(body["Nodes"], Value::Null);
+            assert_eq!(body["NodeNames"], json!(["n1", "n3"]));
+            let pod = &body["Pod"];
+            assert!(pod.get("apiVersion").is_none() && pod.get("kind").is_none());
+            assert_eq!(pod["metadata"]["uid"], stored["metadata"]["uid"]);
+            assert_eq!(
+                pod["spec"]["containers"][0]["resources"]["limits"][MEM],
+                "30"
+            );
+        }
+        assert_eq!(
+            calls[2].2,
+            json!({"PodName": "p", "PodNamespace": "default",
+                   "PodUID": stored["metadata"]["uid"], "Node": "n3"})
+        );
+    }
+
+    #[tokio::test]
+    async fn one_feasible_node_is_bound_without_prioritizing_and_answers_read_case_insensitively() {
+        let w = World::start().await;
+        w.api.add_node("n1", &[(MEM, 100)], &[]);
+        w.api.add_node("n2", &[(MEM, 100)], &[]);
+        let ext = FakeExtender::start(w.client().await, |verb, _| match verb {
+            "filter" => (
+                StatusCode::OK,
+                json!({"nodenames": ["n2"], "failedNodes": {"n1": "no GPU has 30 MiB free"}}),
+            ),
+            _ => (StatusCode::OK, json!({"error": ""})),
+        })
+        .await;
+        w.api
+            .add_unscheduled_pod("default", "p", "doslab-gpu-scheduler", &gpu("main", 30));
+        let sim = w.scheduler(Some(ExtenderConfig::doslab(&ext.url))).await;
+        wait_for(&sim, |o| {
+            o.get("default/p").is_some_and(|o| o.node.is_some())
+        })
+        .await;
+        assert_eq!(sim.outcomes()["default/p"].node.as_deref(), Some("n2"));
+        let paths: Vec<String> = ext.calls().into_iter().map(|(p, _, _)| p).collect();
+        assert_eq!(paths, ["/gpu/filter", "/gpu/bind"]);
+    }
+
+    #[tokio::test]
+    async fn extender_failures_leave_the_pod_pending_and_it_is_tried_again() {
+        let w = World::start().await;
+        w.api.add_node("n1", &[(MEM, 100)], &[]);
+        let tries = Arc::new(Mutex::new(0u32));
+        let t = tries.clone();
+        let ext = FakeExtender::start(w.client().await, move |verb, _| {
+            let mut n = t.lock().unwrap();
+            match verb {
+                // First a 500, then a filter Error, then a bind Error,
+                // then all is well.
+                "filter" => {
+                    *n += 1;
+                    match *n {
+                        1 => (StatusCode::INTERNAL_SERVER_ERROR, json!({})),
+                        2 => (StatusCode::OK, json!({"Error": "inventory unreadable"})),
+                        _ => (StatusCode::OK, json!({"NodeNames": ["n1"]})),
+                    }
+                }
+                _ if *n == 3 => (StatusCode::OK, json!({"Error": "patch conflict"})),
+                _ => (StatusCode::OK, json!({"Error": ""})),
+            }
+        })
+        .await;
+        w.api
+            .add_unscheduled_pod("default", "p", "doslab-gpu-scheduler", &gpu("main", 30));
+        let sim = w.scheduler(Some(ExtenderConfig::doslab(&ext.url))).await;
+        wait_for(&sim, |o| {
+            o.get("default/p").is_some_and(|o| o.node.is_some())
+        })
+        .await;
+        assert_eq!(sim.outcomes()["default/p"].attempts, 4);
+        assert_eq!(w.api.pod("default", "p").unwrap()["spec"]["nodeName"], "n1");
+        let paths: Vec<String> = ext.calls().into_iter().map(|(p, _, _)| p).collect();
+        assert_eq!(
+            paths,
+            [
+                "/gpu/filter",
+                "/gpu/filter",
+                "/gpu/filter",
+                "/gpu/bind",
+                "/gpu/filter",
+                "/gpu/bind"
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_node_the_extender_was_not_asked_about_is_an_error() {
+        let w = World::start().await;
+        w.api.add_node("n1", &[(MEM, 100)], &[]);
+        let ext = FakeExtender::start(w.client().await, |_, _| {
+            (StatusCode::OK, json!({"NodeNames": ["n9"]}))
+        })
+        .await;
+        w.api
+            .add_unscheduled_pod("default", "p", "doslab-gpu-scheduler", &gpu("main", 30));
+        let sim = w.scheduler(Some(ExtenderConfig::doslab(&ext.url))).await;
+        wait_for(&sim, |o| o.contains_key("default/p")).await;
+        let error = sim.outcomes()["default/p"].error.clone().unwrap();
+        assert!(error.contains("claims a filtered node \"n9\""), "{error}");
+    }
+
+    #[tokio::test]
+    async fn without_an_extender_it_binds_by_node_totals_itself() {
+        let w = World::start().await;
+        w.api.add_node("n1", &[(MEM, 100)], &[]);
+        w.api.add_node("n2", &[(MEM, 50)], &[]);
+        for (name, memory) in [("a", 60), ("b", 40), ("c", 60)] {
+            w.api.add_unscheduled_pod(
+                "default",
+                name,
+                "doslab-gpu-scheduler",
+                &gpu("main", memory),
+            );
+        }
+        let sim = w.scheduler(None).await;
+        wait_for(&sim, |o| {
+            ["default/a", "default/b", "default/c"].iter().all(|k| {
+                o.get(*k)
+                    .is_some_and(|o| o.attempts >= 2 || o.node.is_some())
+            })
+        })
+        .await;
+        let o = sim.outcomes();
+        // a: only n1 has 60; b: both have room, the first name wins; c:
+        // nothing is left that holds 60 (n1 has 0, n2 50).
+        assert_eq!(o["default/a"].node.as_deref(), Some("n1"));
+        assert_eq!(o["default/b"].node.as_deref(), Some("n1"));
+        assert_eq!(o["default/c"].node, None);
+        let why = o["default/c"].error.clone().unwrap();
+        assert!(why.contains("Insufficient doslab.io/gpu-memory"), "{why}");
+        assert_eq!(
+            w.api.pod("default", "c").unwrap()["spec"]["nodeName"],
+            Value::Null
+        );
+        assert_eq!(w.api.requests().get("bind"), Some(&2));
+    }
+
+    #[test]
+    fn quantities_and_effective_requests() {
+        let q = |s: &str| milli(&Quantity(s.into()));
+        assert_eq!(q("100m"), Some(100));
+        assert_eq!(q("2"), Some(2000));
+        assert_eq!(q("1Ki"), Some(1_024_000));
+        assert_eq!(q("1.5"), Some(1500));
+        assert_eq!(q("1x"), None);
+        let pod: Pod = serde_json::from_value(json!({
+            "spec": {
+                "initContainers": [{"name": "i", "resources": {"limits": {MEM: "70"}}}],
+                "containers": [
+                    {"name": "a", "resources": {"requests": {MEM: "20"}, "limits": {MEM: "30"}}},
+                    {"name": "b", "resources": {"limits": {MEM: "30"}}},
+                ],
+            }
+        }))
+        .unwrap();
+        // Requests win over limits; the init container's 70 beats 20 + 30.
+        assert_eq!(pod_requests(&pod)[MEM], 70_000);
+    }
+}
