@@ -1022,7 +1022,13 @@ fn the_gpu_scheduler_is_a_second_kube_scheduler_with_the_extender_beside_it() {
     assert_eq!(argv[0], exec_form(&dockerfile(), "ENTRYPOINT")[0]);
     assert_eq!(argv[1..3], ["scheduler-extender", "--config"]);
     assert_eq!(argv.len(), 4, "{argv:?}");
-    let toml: toml::Table = file(&extender, &argv[3]).parse().unwrap();
+    let text = file(&extender, &argv[3]);
+    // The file the sidecar reads is one the extender's own loader accepts.
+    let loaded = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(loaded.path(), &text).unwrap();
+    gpu_device_plugin::extender::ExtenderConfig::load(loaded.path())
+        .unwrap_or_else(|e| panic!("the sidecar's config is refused: {e}"));
+    let toml: toml::Table = text.parse().unwrap();
     let section = toml["extender"].as_table().unwrap();
     assert_eq!(
         section["listen"].as_str(),
