@@ -4,6 +4,7 @@
 pub mod app;
 pub mod config;
 pub mod device;
+pub mod enforcement;
 pub mod extender;
 pub mod health;
 pub mod http;
