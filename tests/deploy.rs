@@ -25,7 +25,7 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use serde_json::{Value, json};
-use support::BIN;
+use support::{BIN, real_shared_object};
 
 const CHART: &str = "deploy/helm/gpu-device-plugin";
 
@@ -719,16 +719,6 @@ fn shipped_library() -> String {
         .find(|l| l.starts_with("COPY --from=hami-core "))
         .expect("the image ships no HAMi-core");
     line.rsplit(' ').next().unwrap().to_string()
-}
-
-/// A real shared object for this host: the C library this process maps.
-fn real_shared_object() -> PathBuf {
-    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
-    maps.lines()
-        .filter_map(|l| l.split_whitespace().nth(5))
-        .find(|p| p.contains("/libc.so") || p.contains("/libc-"))
-        .map(PathBuf::from)
-        .expect("no libc mapped")
 }
 
 fn init_container(objs: &[Value]) -> Option<Container> {
