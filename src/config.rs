@@ -54,6 +54,7 @@ pub struct Config {
     pub health: Health,
     pub matcher: Matcher,
     pub allocate: AllocateExtras,
+    pub enforcement: crate::enforcement::EnforcementConfig,
 }
 
 impl Default for Config {
@@ -72,6 +73,7 @@ impl Default for Config {
             health: Health::default(),
             matcher: Matcher::default(),
             allocate: AllocateExtras::default(),
+            enforcement: Default::default(),
         }
     }
 }
@@ -240,6 +242,7 @@ impl Config {
         self.validate_domain()?;
         self.validate_resources()?;
         self.validate_socket_paths()?;
+        self.enforcement.validate()?;
         if self.memory_unit_mib == 0 {
             return Err(invalid(
                 "memory_unit_mib",

@@ -5,6 +5,7 @@ pub mod app;
 pub mod config;
 pub mod config_watch;
 pub mod device;
+pub mod enforcement;
 pub mod extender;
 pub mod health;
 pub mod http;

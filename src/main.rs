@@ -40,6 +40,17 @@ enum Command {
     /// Run the kube-scheduler extender (filter, prioritize, bind) on the
     /// config's `[extender]` section.
     SchedulerExtender,
+    /// Install HAMi-core's libvgpu.so into the host's library directory
+    /// (the init container's job): checked, then written aside and renamed
+    /// into place, so running containers keep the copy they opened.
+    InstallEnforcement {
+        /// The library to install (the image's copy).
+        #[arg(long)]
+        from: PathBuf,
+        /// The host directory (the config's enforcement.library_dir).
+        #[arg(long)]
+        to: PathBuf,
+    },
     /// Dial the plugin sockets in a device-plugin directory and report them.
     Inspect {
         /// The directory; default: the config's device_plugin_dir.
@@ -229,6 +240,15 @@ async fn main() -> anyhow::Result<()> {
             if reports.iter().any(|r| r.outcome.is_err()) {
                 std::process::exit(2);
             }
+        }
+        Command::InstallEnforcement { from, to } => {
+            init_logging(LogFormat::Text, "info");
+            let done = gpu_device_plugin::enforcement::install_library(&from, &to)?;
+            println!(
+                "{}: {done:?}",
+                to.join(gpu_device_plugin::enforcement::LIBRARY_FILE)
+                    .display()
+            );
         }
         Command::CheckConfig => {
             let config = read(cli.config.as_ref())?;

@@ -28,7 +28,7 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, RoleBinding};
 use serde_json::{Value, json};
-use support::BIN;
+use support::{BIN, real_shared_object};
 
 const CHART: &str = "deploy/helm/gpu-device-plugin";
 
@@ -189,6 +189,34 @@ fn container_argv(c: Option<&Container>) -> Vec<String> {
     argv
 }
 
+/// The arguments after the binary in `argv` with in-container paths
+/// (`paths`: container path → host path) rewritten, after checking that
+/// argv[0] is the binary the image installs.
+fn host_args(argv: &[String], paths: &[(String, PathBuf)]) -> Vec<String> {
+    let docker = dockerfile();
+    let copied_binary = docker
+        .lines()
+        .find(|l| l.starts_with("COPY --from=build"))
+        .unwrap();
+    assert!(
+        copied_binary.ends_with(&format!(" {}", argv[0])),
+        "argv[0] {} is not the binary the image installs ({copied_binary})",
+        argv[0]
+    );
+    argv[1..]
+        .iter()
+        .map(|a| {
+            paths
+                .iter()
+                .find_map(|(dst, src)| {
+                    a.strip_prefix(dst.as_str())
+                        .map(|rest| format!("{}{rest}", src.display()))
+                })
+                .unwrap_or_else(|| a.clone())
+        })
+        .collect()
+}
+
 /// Runs `argv check-config` on the real binary as the container would:
 /// in-image paths point at the repository files the image COPYs there, the
 /// config volume's mount at the ConfigMap's data, and the container's env.
@@ -226,26 +254,8 @@ fn check_config_in_container(objs: Option<&[Value]>) -> Output {
         }
     }
     let argv = container_argv(container.as_ref());
-    let copied_binary = docker
-        .lines()
-        .find(|l| l.starts_with("COPY --from=build"))
-        .unwrap();
-    assert!(
-        copied_binary.ends_with(&format!(" {}", argv[0])),
-        "argv[0] {} is not the binary the image installs ({copied_binary})",
-        argv[0]
-    );
-    let args = argv[1..].iter().map(|a| {
-        paths
-            .iter()
-            .find_map(|(dst, src)| {
-                a.strip_prefix(dst.as_str())
-                    .map(|rest| format!("{}{rest}", src.display()))
-            })
-            .unwrap_or_else(|| a.clone())
-    });
     Command::new(BIN)
-        .args(args)
+        .args(host_args(&argv, &paths))
         .arg("check-config")
         .env_remove("RUST_BACKTRACE")
         .envs(env)
@@ -550,6 +560,10 @@ fn helm_lints_the_chart_and_its_schema_refuses_bad_values() {
         ("kubeletRootDir=var/lib/kubelet", "kubeletRootDir"),
         ("nodeSelektor.gpu=true", "nodeSelektor"),
         ("config=device_plugin_dir = \"/x\"", "device_plugin_dir"),
+        ("config=[enforcement]", "enforcement.mode"),
+        ("enforcement.mode=on", "mode"),
+        ("enforcement.libraryDir=usr/local/vgpu", "libraryDir"),
+        ("enforcement.stateDir=/var/lib/a b", "stateDir"),
     ] {
         let out = run("helm", &["template", "x", CHART, "--set-string", set]);
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -1194,4 +1208,140 @@ fn the_optional_mutating_policy_sends_gpu_pods_to_the_gpu_scheduler() {
         ctx.add_variable("object", &object).unwrap();
         assert_eq!(match_conditions_hold(&ctx, raw), mutated, "{what}");
     }
+}
+
+/// The library the image ships (`COPY --from=hami-core … <path>`), where
+/// the init container takes it from.
+fn shipped_library() -> String {
+    let docker = dockerfile();
+    let line = docker
+        .lines()
+        .find(|l| l.starts_with("COPY --from=hami-core "))
+        .expect("the image ships no HAMi-core");
+    line.rsplit(' ').next().unwrap().to_string()
+}
+
+fn init_container(objs: &[Value]) -> Option<Container> {
+    pod_spec(objs)
+        .init_containers
+        .and_then(|c| c.into_iter().find(|c| c.name == "install-enforcement"))
+}
+
+/// The hostPath of the volume `name`.
+fn host_path(objs: &[Value], name: &str) -> Option<String> {
+    pod_spec(objs)
+        .volumes
+        .into_iter()
+        .flatten()
+        .find(|v| v.name == name)
+        .and_then(|v| v.host_path)
+        .map(|h| h.path)
+}
+
+/// The init container's argv, run through the real binary with the image's
+/// library standing in as a real shared object and the host directory as a
+/// temporary one: the library lands there, atomically, and a second run
+/// (a pod restart) leaves it alone.
+fn assert_init_container_installs(objs: &[Value]) {
+    let init = init_container(objs).expect("no install-enforcement init container");
+    let mount = init.volume_mounts.clone().unwrap().remove(0);
+    assert_eq!(mount.read_only, None, "the init container cannot write");
+    let host = tempfile::tempdir().unwrap();
+    let paths = [
+        (shipped_library(), real_shared_object()),
+        (mount.mount_path.clone(), host.path().to_path_buf()),
+    ];
+    let argv = container_argv(Some(&init));
+    for run in ["install", "reinstall"] {
+        let out = Command::new(BIN)
+            .args(host_args(&argv, &paths))
+            .env_remove("RUST_BACKTRACE")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{run}: the binary refused the init container: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let installed = host
+        .path()
+        .join(gpu_device_plugin::enforcement::LIBRARY_FILE);
+    assert_eq!(
+        std::fs::read(&installed).unwrap(),
+        std::fs::read(real_shared_object()).unwrap()
+    );
+    assert_eq!(std::fs::read_dir(host.path()).unwrap().count(), 1);
+    let config =
+        gpu_device_plugin::config::Config::from_toml(&config_toml(objs), Some("n".into())).unwrap();
+    assert_eq!(Path::new(&mount.mount_path), config.enforcement.library_dir);
+    assert_eq!(
+        host_path(objs, &mount.name).as_deref(),
+        Some(mount.mount_path.as_str())
+    );
+}
+
+/// With enforcement on, the daemon sees the config's library and state
+/// directories at their host paths (Allocate hands those paths to the
+/// kubelet), the library read-only; with it off, neither is mounted.
+fn assert_enforcement_dirs_follow_config(objs: &[Value]) {
+    use gpu_device_plugin::enforcement::Mode;
+    let config =
+        gpu_device_plugin::config::Config::from_toml(&config_toml(objs), Some("n".into())).unwrap();
+    let e = &config.enforcement;
+    let pod = pod_spec(objs);
+    let mounts = pod.containers[0].volume_mounts.clone().unwrap();
+    let mounted = |dir: &Path| {
+        mounts
+            .iter()
+            .find(|m| Path::new(&m.mount_path) == dir)
+            .map(|m| (m.read_only, host_path(objs, &m.name)))
+    };
+    match e.mode {
+        Mode::HamiCore => {
+            let lib = e.library_dir.display().to_string();
+            let state = e.state_dir.display().to_string();
+            assert_eq!(mounted(&e.library_dir), Some((Some(true), Some(lib))));
+            assert_eq!(mounted(&e.state_dir), Some((None, Some(state))));
+        }
+        Mode::None => {
+            assert_eq!(mounted(&e.library_dir), None);
+            assert_eq!(mounted(&e.state_dir), None);
+            assert!(init_container(objs).is_none());
+        }
+    }
+}
+
+#[test]
+fn enforcement_installs_the_library_and_mounts_the_host_directories() {
+    // The defaults (kustomize and chart alike): on, installed by the image.
+    for objs in [kustomize(), chart(&[])] {
+        parse_all(&objs);
+        assert_init_container_installs(&objs);
+        assert_enforcement_dirs_follow_config(&objs);
+    }
+    // Elsewhere on the host: the config, the mounts and the init container follow.
+    let objs = chart(&[
+        "--set",
+        "enforcement.libraryDir=/opt/vgpu",
+        "--set",
+        "enforcement.stateDir=/run/gdp",
+    ]);
+    assert_init_container_installs(&objs);
+    assert_enforcement_dirs_follow_config(&objs);
+    // An existing HAMi installation: its directory, no init container.
+    let objs = chart(&["--set", "enforcement.install=false"]);
+    assert!(init_container(&objs).is_none());
+    assert_enforcement_dirs_follow_config(&objs);
+    // Off: nothing mounted, nothing installed.
+    let objs = chart(&["--set", "enforcement.mode=none"]);
+    parse_all(&objs);
+    let config =
+        gpu_device_plugin::config::Config::from_toml(&config_toml(&objs), Some("n".into()))
+            .unwrap();
+    assert_eq!(
+        config.enforcement.mode,
+        gpu_device_plugin::enforcement::Mode::None
+    );
+    assert_enforcement_dirs_follow_config(&objs);
 }

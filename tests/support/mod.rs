@@ -198,3 +198,15 @@ pub fn sample(body: &str, series: &str) -> Option<f64> {
     body.lines()
         .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
 }
+
+/// A real shared object for this host (for the enforcement library's ELF
+/// check): the C library this process maps, wherever the distribution
+/// keeps it.
+pub fn real_shared_object() -> PathBuf {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    maps.lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .find(|p| p.contains("/libc.so") || p.contains("/libc-"))
+        .map(PathBuf::from)
+        .expect("no libc mapped")
+}

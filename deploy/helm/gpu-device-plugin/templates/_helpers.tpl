@@ -26,9 +26,22 @@ then the user's config, which must not set them again.
 {{- fail (printf "config sets %s: the chart sets it from resourceDomain, kubeletRootDir and metricsPort; set those values instead" $key) }}
 {{- end }}
 {{- end -}}
+{{- if regexMatch "(?m)^\\s*\\[\\s*enforcement\\s*\\]|^\\s*enforcement\\s*[.=]" .Values.config }}
+{{- fail "config sets [enforcement]: the chart sets it from enforcement.mode, enforcement.libraryDir and enforcement.stateDir; set those values instead" }}
+{{- end -}}
 # Set by the chart from resourceDomain, kubeletRootDir and metricsPort.
 resource_domain = {{ .Values.resourceDomain | quote }}
 device_plugin_dir = {{ include "gpu-device-plugin.devicePluginDir" . | quote }}
 http_listen = {{ printf "0.0.0.0:%d" (int .Values.metricsPort) | quote }}
 {{ .Values.config }}
+# Set by the chart from enforcement.*.
+[enforcement]
+mode = {{ .Values.enforcement.mode | quote }}
+library_dir = {{ .Values.enforcement.libraryDir | quote }}
+state_dir = {{ .Values.enforcement.stateDir | quote }}
+{{- end }}
+
+{{/* Whether the DaemonSet mounts the enforcement host directories. */}}
+{{- define "gpu-device-plugin.enforcing" -}}
+{{- if eq .Values.enforcement.mode "hami-core" }}true{{ end }}
 {{- end }}

@@ -1,0 +1,180 @@
+//! The `[enforcement]` config section: whether shared grants preload
+//! HAMi-core, where its library and the per-container state live on the
+//! host, and where they appear inside a container.
+
+use std::path::{Component, Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::config::ConfigError;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Mode {
+    /// The limit envs are set and nothing reads them: a shared grant is
+    /// bookkeeping only.
+    None,
+    /// Shared grants preload HAMi-core (`libvgpu.so`), which caps them.
+    HamiCore,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EnforcementConfig {
+    pub mode: Mode,
+    /// Host directory holding `libvgpu.so`; the daemon sees it at the same
+    /// path. HAMi installs into /usr/local/vgpu, so pointing here at a HAMi
+    /// node needs no change.
+    pub library_dir: PathBuf,
+    /// Host directory for the `ld.so.preload` file, the per-container cache
+    /// directories and HAMi-core's lock directory; the daemon sees it at the
+    /// same path.
+    pub state_dir: PathBuf,
+    /// Where the library is mounted in a container; `ld.so.preload` names
+    /// this path.
+    pub container_library_path: PathBuf,
+    /// Where a container's own cache directory is mounted; HAMi-core's
+    /// usage region is a file in it.
+    pub container_cache_dir: PathBuf,
+}
+
+impl Default for EnforcementConfig {
+    fn default() -> Self {
+        EnforcementConfig {
+            mode: Mode::None,
+            library_dir: "/usr/local/vgpu".into(),
+            state_dir: "/var/lib/gpu-device-plugin".into(),
+            container_library_path: "/usr/local/vgpu/libvgpu.so".into(),
+            container_cache_dir: "/usr/local/vgpu/cache".into(),
+        }
+    }
+}
+
+fn invalid(key: &str, reason: String) -> ConfigError {
+    ConfigError::Invalid {
+        key: format!("enforcement.{key}"),
+        reason,
+    }
+}
+
+/// Characters a configured path may hold. glibc splits `ld.so.preload` on
+/// spaces, tabs, newlines and colons, and mount paths travel through the
+/// container runtime's option strings, so anything else is refused rather
+/// than escaped.
+fn path_char_ok(c: char) -> bool {
+    c.is_ascii_alphanumeric() || matches!(c, '/' | '.' | '_' | '-' | '+' | '@')
+}
+
+/// An absolute, normalised path of plain characters, or why not.
+pub(crate) fn check_path(path: &Path) -> Result<(), String> {
+    let text = path
+        .to_str()
+        .ok_or_else(|| format!("{} is not UTF-8", path.display()))?;
+    if let Some(bad) = text.chars().find(|&c| !path_char_ok(c)) {
+        return Err(format!(
+            "{text:?} holds {bad:?}; use letters, digits and / . _ - + @ only \
+             (whitespace or a colon would split the ld.so.preload entry)"
+        ));
+    }
+    if !path.is_absolute() {
+        return Err(format!("{text:?} is not an absolute path"));
+    }
+    if path
+        .components()
+        .any(|c| matches!(c, Component::CurDir | Component::ParentDir))
+        || text.contains("//")
+        || (text.len() > 1 && text.ends_with('/'))
+    {
+        return Err(format!(
+            "{text:?} is not normalised (no ., .., // or trailing /)"
+        ));
+    }
+    if path.parent().is_none() {
+        return Err("the root directory is not allowed".into());
+    }
+    Ok(())
+}
+
+impl EnforcementConfig {
+    /// Every path checked, each error naming its `enforcement.*` key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        for (key, path) in [
+            ("library_dir", &self.library_dir),
+            ("state_dir", &self.state_dir),
+            ("container_library_path", &self.container_library_path),
+            ("container_cache_dir", &self.container_cache_dir),
+        ] {
+            check_path(path).map_err(|reason| invalid(key, reason))?;
+        }
+        if self
+            .container_library_path
+            .starts_with(&self.container_cache_dir)
+        {
+            return Err(invalid(
+                "container_library_path",
+                format!(
+                    "{} is inside container_cache_dir {}: the library would sit in the \
+                     container's writable cache mount",
+                    self.container_library_path.display(),
+                    self.container_cache_dir.display()
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<EnforcementConfig, String> {
+        let c: EnforcementConfig = toml::from_str(text).map_err(|e| e.to_string())?;
+        c.validate().map_err(|e| e.to_string())?;
+        Ok(c)
+    }
+
+    #[test]
+    fn defaults_are_off_with_hami_paths() {
+        let c = parse("").unwrap();
+        assert_eq!(c.mode, Mode::None);
+        assert_eq!(c.library_dir, Path::new("/usr/local/vgpu"));
+        assert_eq!(parse("mode = \"hami-core\"").unwrap().mode, Mode::HamiCore);
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        for (text, key) in [
+            ("mode = \"hami\"", "mode"),
+            ("colour = 1", "colour"),
+            (
+                "library_dir = \"usr/local/vgpu\"",
+                "enforcement.library_dir",
+            ),
+            ("state_dir = \"/var/lib/a b\"", "enforcement.state_dir"),
+            (
+                "container_library_path = \"/x/lib.so\\n/evil.so\"",
+                "enforcement.container_library_path",
+            ),
+            (
+                "container_library_path = \"/x:/y.so\"",
+                "enforcement.container_library_path",
+            ),
+            (
+                "container_cache_dir = \"/a/../b\"",
+                "enforcement.container_cache_dir",
+            ),
+            (
+                "container_cache_dir = \"/\"",
+                "enforcement.container_cache_dir",
+            ),
+            (
+                "container_cache_dir = \"/usr/local/vgpu\"",
+                "enforcement.container_library_path",
+            ),
+        ] {
+            let e = parse(text).unwrap_err();
+            assert!(e.contains(key), "{text}: {e}");
+        }
+    }
+}
