@@ -48,12 +48,7 @@ impl MatcherArgs {
     ) -> Self {
         MatcherArgs {
             node_name: config.node_name.clone(),
-            node: Inventory::new(
-                gpus,
-                config.memory_unit_mib,
-                config.cores_per_gpu,
-                &config.resources,
-            ),
+            node: Inventory::new(gpus, &config.offer()),
             keys: Keys::new(&config.resource_domain),
             wait: Duration::from_millis(config.matcher.wait_ms),
             kubeconfig: config.matcher.kubeconfig.clone(),
