@@ -8,6 +8,7 @@ pub mod extender;
 pub mod health;
 pub mod http;
 pub mod inspect;
+pub mod kube_client;
 pub mod kubelet_watch;
 pub mod matcher;
 pub mod metrics;
