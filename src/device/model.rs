@@ -399,7 +399,7 @@ pub(crate) mod tests {
     #[test]
     fn device_counts_follow_the_units() {
         let gpus = vec![gpu(0, 16_384, Some(0)), gpu(1, 8_000, Some(1))];
-        let plan = Plan::new(&config(&Resource::ALL, 2), gpus).unwrap();
+        let plan = Plan::new(config(&Resource::ALL, 2), gpus).unwrap();
         assert_eq!(
             plan.model(Resource::GpuMemory).unwrap().device_count(),
             8_192 + 4_000
@@ -415,7 +415,7 @@ pub(crate) mod tests {
             gpu(1, 2_000, Some(3)),
             gpu(2, 50, None),
         ];
-        let plan = Plan::new(&config(&Resource::ALL, 1), gpus).unwrap();
+        let plan = Plan::new(config(&Resource::ALL, 1), gpus).unwrap();
         for m in plan.models() {
             for healthy in [
                 [true, true, true],
@@ -436,7 +436,7 @@ pub(crate) mod tests {
     #[test]
     fn every_id_decodes_to_its_device() {
         let gpus = vec![gpu(0, 2_000, None), gpu(1, 1_500, None)];
-        let plan = Plan::new(&config(&Resource::ALL, 1), gpus).unwrap();
+        let plan = Plan::new(config(&Resource::ALL, 1), gpus).unwrap();
         for m in plan.models() {
             let mut n = 0;
             m.for_each_id(|gpu, id| {
@@ -452,7 +452,7 @@ pub(crate) mod tests {
 
     #[test]
     fn unknown_and_duplicate_ids_are_named() {
-        let plan = Plan::new(&config(&[Resource::GpuCore], 1), vec![gpu(0, 10, None)]).unwrap();
+        let plan = Plan::new(config(&[Resource::GpuCore], 1), vec![gpu(0, 10, None)]).unwrap();
         let m = plan.model(Resource::GpuCore).unwrap();
         let first = m.id(DeviceRef { gpu: 0, unit: 0 });
         let past_end = m.id(DeviceRef { gpu: 0, unit: 100 });
@@ -476,7 +476,7 @@ pub(crate) mod tests {
     #[test]
     fn two_80gb_gpus_fit_at_one_mib() {
         let gpus = vec![gpu(0, 81_920, Some(0)), gpu(1, 81_920, Some(1))];
-        let plan = Plan::new(&config(&Resource::ALL, 1), gpus).unwrap();
+        let plan = Plan::new(config(&Resource::ALL, 1), gpus).unwrap();
         let m = plan.model(Resource::GpuMemory).unwrap();
         let per_device = m.wire_len(|_| true) as f64 / m.device_count() as f64;
         assert!(per_device < 20.0, "{per_device} bytes per device");
@@ -485,39 +485,39 @@ pub(crate) mod tests {
     #[test]
     fn too_large_names_the_smallest_unit_that_fits() {
         let gpus: Vec<Gpu> = (0..8).map(|i| gpu(i, 81_920, None)).collect();
-        let err = Plan::new(&config(&Resource::ALL, 1), gpus.clone()).unwrap_err();
+        let err = Plan::new(config(&Resource::ALL, 1), gpus.clone()).unwrap_err();
         let PlanError::TooLarge { fits, .. } = err.clone() else {
             panic!("{err}")
         };
         assert!(err.to_string().contains("memory_unit_mib"));
-        assert!(Plan::new(&config(&Resource::ALL, fits), gpus.clone()).is_ok());
-        assert!(Plan::new(&config(&Resource::ALL, fits - 1), gpus).is_err());
+        assert!(Plan::new(config(&Resource::ALL, fits), gpus.clone()).is_ok());
+        assert!(Plan::new(config(&Resource::ALL, fits - 1), gpus).is_err());
     }
 
     #[test]
     fn a_memory_unit_over_a_gpus_memory_is_refused_naming_the_gpu() {
         let gpus = vec![gpu(0, 81_920, None), gpu(1, 24_576, None)];
-        let err = Plan::new(&config(&Resource::ALL, 32_768), gpus.clone()).unwrap_err();
+        let err = Plan::new(config(&Resource::ALL, 32_768), gpus.clone()).unwrap_err();
         let text = err.to_string();
         assert!(
             text.contains("memory_unit_mib") && text.contains(&gpus[1].uuid),
             "{text}"
         );
         assert!(text.contains("can take is 24576"), "{text}");
-        assert!(Plan::new(&config(&Resource::ALL, 24_576), gpus.clone()).is_ok());
+        assert!(Plan::new(config(&Resource::ALL, 24_576), gpus.clone()).is_ok());
         // Without gpu-memory the unit gives no resource its devices.
         let others = [Resource::GpuCore, Resource::GpuCount];
-        assert!(Plan::new(&config(&others, 32_768), gpus).is_ok());
+        assert!(Plan::new(config(&others, 32_768), gpus).is_ok());
     }
 
     #[test]
     fn no_gpus_and_duplicate_uuids_are_refused() {
         assert_eq!(
-            Plan::new(&config(&Resource::ALL, 1), vec![]).unwrap_err(),
+            Plan::new(config(&Resource::ALL, 1), vec![]).unwrap_err(),
             PlanError::NoGpus
         );
         let g = gpu(0, 10, None);
-        let err = Plan::new(&config(&Resource::ALL, 1), vec![g.clone(), g.clone()]).unwrap_err();
+        let err = Plan::new(config(&Resource::ALL, 1), vec![g.clone(), g.clone()]).unwrap_err();
         assert_eq!(err, PlanError::DuplicateUuid(g.uuid));
     }
 }

@@ -69,13 +69,6 @@ pub struct Offer {
     pub units: Units,
 }
 
-/// Lets callers that keep an [`Offer`] pass it by reference.
-impl From<&Offer> for Offer {
-    fn from(offer: &Offer) -> Offer {
-        offer.clone()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
