@@ -428,12 +428,7 @@ async fn pod_matching_figures() {
         api.add_pod("default", &format!("seed-{i}"), "bench-node", &[c], &[]);
     }
     let config = Config::from_toml(&toml, None).unwrap();
-    let node = Inventory::new(
-        &gpus(4),
-        config.memory_unit_mib,
-        config.cores_per_gpu,
-        &config.resources,
-    );
+    let node = Inventory::new(&gpus(4), &config.offer());
     let keys = Keys::new("doslab.io");
     let selector = ListParams::default().fields("spec.nodeName=bench-node,status.phase=Pending");
     let mut took = Vec::new();

@@ -1,4 +1,5 @@
-//! The TOML config (SPEC §5): schema, defaults and validation.
+//! The TOML config: schema, defaults and validation, and the values the
+//! domain takes from it ([`Offer`], [`GpuSource`]); nothing here computes.
 //!
 //! Every key has a default, so an empty file is a valid config. Unknown keys
 //! are refused by serde; every other rule is checked in [`Config::validate`]
@@ -11,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::device::Resource;
+use crate::device::{Gpu, GpuSource, Offer, Resource, Units, UnitsError};
 
 /// The config a node runs when nothing else is said: the in-cluster default.
 pub const DEFAULT_TOML: &str = include_str!("../config/gpu-device-plugin.toml");
@@ -161,7 +162,8 @@ pub struct MockGpu {
     pub numa_node: Option<u32>,
 }
 
-/// What operators add to every Allocate response (SPEC §4).
+/// What operators add to every Allocate response, beside the envs the
+/// plugin computes per allocation.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AllocateExtras {
@@ -176,6 +178,28 @@ pub struct MountConfig {
     pub container_path: PathBuf,
     #[serde(default)]
     pub read_only: bool,
+}
+
+/// The domain of every resource and annotation name: a DNS subdomain
+/// outside Kubernetes' own. Reported under `resource_domain`.
+pub(crate) fn validate_resource_domain(d: &str) -> Result<(), ConfigError> {
+    let ok_chars = d
+        .chars()
+        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.');
+    if d.is_empty() || d.len() > 253 || !ok_chars || d.starts_with(['-', '.']) {
+        return Err(invalid(
+            "resource_domain",
+            format!("{d:?} is not a DNS subdomain (lowercase letters, digits, '-', '.')"),
+        ));
+    }
+    // The kubelet refuses any resource name containing "kubernetes.io/".
+    if format!("{d}/").contains("kubernetes.io/") {
+        return Err(invalid(
+            "resource_domain",
+            format!("{d:?} is reserved by Kubernetes; use your own domain"),
+        ));
+    }
+    Ok(())
 }
 
 /// Envs the plugin computes per allocation; an operator value would make a
@@ -239,26 +263,23 @@ impl Config {
     /// Every rule a value alone decides (the node's name aside, see
     /// [`Config::require_node_name`]).
     pub fn validate(&self) -> Result<(), ConfigError> {
-        self.validate_domain()?;
+        validate_resource_domain(&self.resource_domain)?;
         self.validate_resources()?;
         self.validate_socket_paths()?;
         self.enforcement.validate()?;
-        if self.memory_unit_mib == 0 {
-            return Err(invalid(
+        self.units().check().map_err(|e| match e {
+            UnitsError::MemoryUnitZero => invalid(
                 "memory_unit_mib",
                 "must be at least 1 (MiB per gpu-memory device)",
-            ));
-        }
-        if self.cores_per_gpu == 0 || self.cores_per_gpu > 100 || 100 % self.cores_per_gpu != 0 {
-            return Err(invalid(
+            ),
+            UnitsError::CoresNotDividing100(cores) => invalid(
                 "cores_per_gpu",
                 format!(
-                    "is {}; it must divide 100 (1, 2, 4, 5, 10, 20, 25, 50 or 100) so that \
-                     every grant is a whole percent for CUDA_DEVICE_SM_LIMIT",
-                    self.cores_per_gpu
+                    "is {cores}; it must divide 100 (1, 2, 4, 5, 10, 20, 25, 50 or 100) so that \
+                     every grant is a whole percent for CUDA_DEVICE_SM_LIMIT"
                 ),
-            ));
-        }
+            ),
+        })?;
         if !self.http_listen.is_empty() && self.http_listen.parse::<std::net::SocketAddr>().is_err()
         {
             return Err(invalid(
@@ -315,27 +336,6 @@ impl Config {
                     ),
                 ));
             }
-        }
-        Ok(())
-    }
-
-    fn validate_domain(&self) -> Result<(), ConfigError> {
-        let d = &self.resource_domain;
-        let ok_chars = d
-            .chars()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.');
-        if d.is_empty() || d.len() > 253 || !ok_chars || d.starts_with(['-', '.']) {
-            return Err(invalid(
-                "resource_domain",
-                format!("{d:?} is not a DNS subdomain (lowercase letters, digits, '-', '.')"),
-            ));
-        }
-        // The kubelet refuses any resource name containing "kubernetes.io/".
-        if format!("{d}/").contains("kubernetes.io/") {
-            return Err(invalid(
-                "resource_domain",
-                format!("{d:?} is reserved by Kubernetes; use your own domain"),
-            ));
         }
         Ok(())
     }
@@ -427,23 +427,19 @@ impl Config {
         Ok(())
     }
 
-    /// What one device of `r` is worth: MiB, percent of a GPU, GPUs.
-    pub fn unit_amount(&self, r: Resource) -> u64 {
-        match r {
-            Resource::GpuMemory => self.memory_unit_mib,
-            Resource::GpuCore => u64::from(100 / self.cores_per_gpu),
-            Resource::GpuCount => 1,
+    /// The size of one device of each resource.
+    pub fn units(&self) -> Units {
+        Units {
+            memory_unit_mib: self.memory_unit_mib,
+            cores_per_gpu: self.cores_per_gpu,
         }
     }
 
-    /// Devices of `r` on a GPU with `memory_mib` of memory.
-    pub fn units_per_gpu(&self, r: Resource, memory_mib: u64) -> u32 {
-        match r {
-            Resource::GpuMemory => {
-                u32::try_from(memory_mib / self.memory_unit_mib).unwrap_or(u32::MAX)
-            }
-            Resource::GpuCore => self.cores_per_gpu,
-            Resource::GpuCount => 1,
+    /// What this node advertises.
+    pub fn offer(&self) -> Offer {
+        Offer {
+            resources: self.resources.clone(),
+            units: self.units(),
         }
     }
 
@@ -473,6 +469,35 @@ impl Config {
 
     pub fn kubelet_socket(&self) -> PathBuf {
         self.device_plugin_dir.join("kubelet.sock")
+    }
+}
+
+impl From<&Config> for Offer {
+    fn from(config: &Config) -> Offer {
+        config.offer()
+    }
+}
+
+/// The mock backend's GPUs carry their list position as their index.
+impl From<&Config> for GpuSource {
+    fn from(config: &Config) -> GpuSource {
+        match config.devices.backend {
+            Backend::Nvml => GpuSource::Nvml,
+            Backend::Mock => GpuSource::Listed(
+                config
+                    .devices
+                    .mock
+                    .iter()
+                    .zip(0..)
+                    .map(|(m, index)| Gpu {
+                        uuid: m.uuid.clone(),
+                        memory_mib: m.memory_mib,
+                        index,
+                        numa_node: m.numa_node,
+                    })
+                    .collect(),
+            ),
+        }
     }
 }
 
@@ -630,5 +655,18 @@ mod tests {
         assert_eq!(c.resource_name(Resource::GpuCore), "example.com/gpu-core");
         assert_eq!(c.amount_env(Resource::GpuMemory), "EXAMPLE_COM_GPU_MEMORY");
         assert_eq!(c.endpoint(Resource::GpuCount), "example.com-gpu-count.sock");
+    }
+
+    #[test]
+    fn mock_backend_lists_the_configured_gpus_in_order() {
+        let c = parse(include_str!("../config/demo.toml")).unwrap();
+        let gpus = crate::device::discover(&c).unwrap();
+        assert_eq!(gpus.len(), c.devices.mock.len());
+        for (i, (g, m)) in gpus.iter().zip(&c.devices.mock).enumerate() {
+            assert_eq!(
+                (g.uuid.as_str(), g.memory_mib, g.index as usize),
+                (m.uuid.as_str(), m.memory_mib, i)
+            );
+        }
     }
 }

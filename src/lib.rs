@@ -11,6 +11,7 @@ pub mod health;
 pub mod http;
 pub mod inspect;
 pub mod inventory;
+pub mod kube_client;
 pub mod kubelet_watch;
 pub mod matcher;
 pub mod metrics;

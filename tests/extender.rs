@@ -11,9 +11,8 @@ mod support;
 use std::sync::Arc;
 
 use gpu_device_plugin::extender::memory::{MemoryCluster, gpu_node, gpu_pod, node_with};
-use gpu_device_plugin::extender::{
-    BindError, Binder, Extender, ExtenderConfig, KubeBinder, client, start,
-};
+use gpu_device_plugin::extender::{BindError, Binder, Extender, ExtenderConfig, KubeBinder, start};
+use gpu_device_plugin::kube_client::from_kubeconfig;
 use gpu_device_plugin::sim::apiserver::PodContainer;
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};
@@ -344,7 +343,10 @@ async fn the_kube_binder_patches_with_a_precondition() {
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");
     sim.write_kubeconfig(&kubeconfig).unwrap();
-    let binder = KubeBinder::new(client(&kubeconfig).await.unwrap());
+    let client = from_kubeconfig(&kubeconfig, "extender.kubeconfig")
+        .await
+        .unwrap();
+    let binder = KubeBinder::new(client);
     sim.add_pod("ns", "p", "n1", &[c("app", 1024, 0, 0)], &[]);
     let key = ("ns".to_owned(), "p".to_owned());
 

@@ -6,7 +6,14 @@
 use nvml_wrapper::Nvml;
 
 use super::Gpu;
-use crate::config::{Backend, Config};
+
+/// Where [`discover`] finds the GPUs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GpuSource {
+    Nvml,
+    /// Stand-in GPUs, reported as listed.
+    Listed(Vec<Gpu>),
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum DiscoverError {
@@ -22,21 +29,11 @@ pub enum DiscoverError {
     },
 }
 
-pub fn discover(config: &Config) -> Result<Vec<Gpu>, DiscoverError> {
-    match config.devices.backend {
-        Backend::Mock => Ok(config
-            .devices
-            .mock
-            .iter()
-            .zip(0..)
-            .map(|(m, index)| Gpu {
-                uuid: m.uuid.clone(),
-                memory_mib: m.memory_mib,
-                index,
-                numa_node: m.numa_node,
-            })
-            .collect()),
-        Backend::Nvml => discover_nvml(),
+/// `source` is a [`GpuSource`], or a `&Config`, which names one.
+pub fn discover(source: impl Into<GpuSource>) -> Result<Vec<Gpu>, DiscoverError> {
+    match source.into() {
+        GpuSource::Listed(gpus) => Ok(gpus),
+        GpuSource::Nvml => discover_nvml(),
     }
 }
 
@@ -81,26 +78,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn mock_backend_lists_the_configured_gpus_in_order() {
-        let c = Config::from_toml(include_str!("../../config/demo.toml"), None).unwrap();
-        let gpus = discover(&c).unwrap();
-        assert_eq!(gpus.len(), c.devices.mock.len());
-        for (i, (g, m)) in gpus.iter().zip(&c.devices.mock).enumerate() {
-            assert_eq!(
-                (g.uuid.as_str(), g.memory_mib, g.index as usize),
-                (m.uuid.as_str(), m.memory_mib, i)
-            );
-        }
-    }
-
-    #[test]
     fn nvml_absence_is_a_clear_error() {
         // These test machines have no driver; on a GPU machine this proves nothing.
         if Nvml::init().is_ok() {
             return;
         }
-        let c = Config::from_toml("pod_matching = false", None).unwrap();
-        let e = discover(&c).unwrap_err().to_string();
+        let e = discover(GpuSource::Nvml).unwrap_err().to_string();
         assert!(e.contains("NVML") && e.contains("mock"), "{e}");
     }
 }

@@ -122,7 +122,7 @@ mod tests {
             gpu(1, 1_300, Some(200)),
             gpu(2, 40, None),
         ];
-        let plan = Plan::new(&config(&Resource::ALL, 1), gpus).unwrap();
+        let plan = Plan::new(config(&Resource::ALL, 1), gpus).unwrap();
         for m in plan.models() {
             let healthy: Arc<[bool]> = vec![true, false, true].into();
             let lazy = DeviceListMessage::new(m.clone(), healthy.clone());

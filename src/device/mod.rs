@@ -7,17 +7,20 @@ mod ids;
 mod list;
 mod model;
 pub mod packing;
+mod units;
 
-pub use backend::{DiscoverError, discover};
+pub use backend::{DiscoverError, GpuSource, discover};
 pub use ids::validate_uuid;
 pub use list::DeviceListMessage;
 pub use model::{
     DeviceModel, DeviceRef, IdError, KUBELET_MAX_MESSAGE_BYTES, Plan, PlanError, device_entry_len,
 };
+pub use units::{Offer, Units, UnitsError};
 
 use serde::Deserialize;
 
-/// One of the three extended resources (SPEC §1).
+/// One of the three extended resources; the kubelet sees each as
+/// `<resource_domain>/<name>`.
 #[derive(
     Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Deserialize, serde::Serialize,
 )]
@@ -76,6 +79,17 @@ impl<T> PerResource<T> {
 
     pub fn map<U>(&self, mut f: impl FnMut(Resource, &T) -> U) -> PerResource<U> {
         PerResource::from_fn(|r| f(r, &self[r]))
+    }
+}
+
+/// In [`Resource::ALL`]'s order: gpu-memory, gpu-core, gpu-count.
+impl<T> From<[T; 3]> for PerResource<T> {
+    fn from([memory, core, count]: [T; 3]) -> Self {
+        PerResource {
+            memory,
+            core,
+            count,
+        }
     }
 }
 

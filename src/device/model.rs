@@ -7,10 +7,10 @@ use std::sync::Arc;
 use prost::encoding::encoded_len_varint;
 
 use super::ids::{MAX_ID_LEN, Tags, index_len};
-use super::{Gpu, Resource};
-use crate::config::Config;
+use super::{Gpu, Offer, Resource, Units};
 
-/// The kubelet's gRPC receive limit for one ListAndWatch message (SPEC §2).
+/// The kubelet's gRPC receive limit for one message: a ListAndWatch update
+/// over it is dropped by the kubelet, so the plan must never build one.
 pub const KUBELET_MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 
 pub const HEALTHY: &str = "Healthy";
@@ -43,18 +43,17 @@ pub struct DeviceModel {
 }
 
 impl DeviceModel {
-    fn new(resource: Resource, gpus: Arc<[Gpu]>, tags: Arc<Tags>, config: &Config) -> Self {
+    fn new(resource: Resource, gpus: Arc<[Gpu]>, tags: Arc<Tags>, size: Units) -> Self {
         let units = gpus
             .iter()
-            .map(|g| config.units_per_gpu(resource, g.memory_mib))
+            .map(|g| size.per_gpu(resource, g.memory_mib))
             .collect();
-        let unit_amount = config.unit_amount(resource);
         DeviceModel {
             resource,
             gpus,
             tags,
             units,
-            unit_amount,
+            unit_amount: size.amount(resource),
         }
     }
 
@@ -259,7 +258,9 @@ pub struct Plan {
 }
 
 impl Plan {
-    pub fn new(config: &Config, gpus: Vec<Gpu>) -> Result<Plan, PlanError> {
+    /// `offer` is an [`Offer`], or a `&Config`, which makes one.
+    pub fn new(offer: impl Into<Offer>, gpus: Vec<Gpu>) -> Result<Plan, PlanError> {
+        let Offer { resources, units } = offer.into();
         if gpus.is_empty() {
             return Err(PlanError::NoGpus);
         }
@@ -274,13 +275,13 @@ impl Plan {
         })?;
         // gpu-core has cores_per_gpu (at least 1) devices on every GPU and
         // gpu-count one, so only gpu-memory can leave a GPU without devices.
-        if config.resources.contains(&Resource::GpuMemory)
+        if resources.contains(&Resource::GpuMemory)
             && let Some(g) = gpus
                 .iter()
-                .find(|g| config.units_per_gpu(Resource::GpuMemory, g.memory_mib) == 0)
+                .find(|g| units.per_gpu(Resource::GpuMemory, g.memory_mib) == 0)
         {
             return Err(PlanError::UnitOverGpu {
-                unit: config.memory_unit_mib,
+                unit: units.memory_unit_mib,
                 uuid: g.uuid.clone(),
                 memory_mib: g.memory_mib,
                 fits: gpus.iter().map(|g| g.memory_mib).min().unwrap_or(1),
@@ -289,15 +290,15 @@ impl Plan {
         let gpus: Arc<[Gpu]> = gpus.into();
         let tags = Arc::new(tags);
         let mut models = BTreeMap::new();
-        for &resource in &config.resources {
-            let model = DeviceModel::new(resource, gpus.clone(), tags.clone(), config);
+        for resource in resources {
+            let model = DeviceModel::new(resource, gpus.clone(), tags.clone(), units);
             let bytes = model.worst_case_wire_len();
             if bytes > KUBELET_MAX_MESSAGE_BYTES {
-                let fits = smallest_fitting_unit(config, &gpus, &tags);
+                let fits = smallest_fitting_unit(units, &gpus, &tags);
                 return Err(PlanError::TooLarge {
                     resource,
                     bytes,
-                    unit: config.memory_unit_mib,
+                    unit: units.memory_unit_mib,
                     limit: KUBELET_MAX_MESSAGE_BYTES,
                     fits,
                 });
@@ -325,22 +326,23 @@ impl Plan {
 }
 
 /// Only gpu-memory's size depends on a config value, so only it can be fixed.
-fn smallest_fitting_unit(config: &Config, gpus: &Arc<[Gpu]>, tags: &Arc<Tags>) -> u64 {
+fn smallest_fitting_unit(units: Units, gpus: &Arc<[Gpu]>, tags: &Arc<Tags>) -> u64 {
     let largest = gpus.iter().map(|g| g.memory_mib).max().unwrap_or(1);
     // Doubling then bisecting: the size only shrinks as the unit grows.
     let fits = |unit: u64| {
-        let c = Config {
+        let units = Units {
             memory_unit_mib: unit,
-            ..config.clone()
+            ..units
         };
-        DeviceModel::new(Resource::GpuMemory, gpus.clone(), tags.clone(), &c).worst_case_wire_len()
+        DeviceModel::new(Resource::GpuMemory, gpus.clone(), tags.clone(), units)
+            .worst_case_wire_len()
             <= KUBELET_MAX_MESSAGE_BYTES
     };
-    let mut hi = config.memory_unit_mib.max(1);
+    let mut hi = units.memory_unit_mib.max(1);
     while !fits(hi) && hi < largest {
         hi = (hi * 2).min(largest);
     }
-    let mut lo = config.memory_unit_mib;
+    let mut lo = units.memory_unit_mib;
     while lo + 1 < hi {
         let mid = lo + (hi - lo) / 2;
         if fits(mid) {
@@ -367,12 +369,15 @@ pub(crate) mod tests {
         }
     }
 
-    pub(crate) fn config(resources: &[Resource], unit: u64) -> Config {
-        Config {
+    /// The offer of a config enabling `resources` at `unit` MiB per memory
+    /// device and the default 100 gpu-core devices per GPU.
+    pub(crate) fn config(resources: &[Resource], unit: u64) -> Offer {
+        Offer {
             resources: resources.to_vec(),
-            memory_unit_mib: unit,
-            pod_matching: false,
-            ..Config::default()
+            units: Units {
+                memory_unit_mib: unit,
+                cores_per_gpu: 100,
+            },
         }
     }
 
@@ -394,7 +399,7 @@ pub(crate) mod tests {
     #[test]
     fn device_counts_follow_the_units() {
         let gpus = vec![gpu(0, 16_384, Some(0)), gpu(1, 8_000, Some(1))];
-        let plan = Plan::new(&config(&Resource::ALL, 2), gpus).unwrap();
+        let plan = Plan::new(config(&Resource::ALL, 2), gpus).unwrap();
         assert_eq!(
             plan.model(Resource::GpuMemory).unwrap().device_count(),
             8_192 + 4_000
@@ -410,7 +415,7 @@ pub(crate) mod tests {
             gpu(1, 2_000, Some(3)),
             gpu(2, 50, None),
         ];
-        let plan = Plan::new(&config(&Resource::ALL, 1), gpus).unwrap();
+        let plan = Plan::new(config(&Resource::ALL, 1), gpus).unwrap();
         for m in plan.models() {
             for healthy in [
                 [true, true, true],
@@ -431,7 +436,7 @@ pub(crate) mod tests {
     #[test]
     fn every_id_decodes_to_its_device() {
         let gpus = vec![gpu(0, 2_000, None), gpu(1, 1_500, None)];
-        let plan = Plan::new(&config(&Resource::ALL, 1), gpus).unwrap();
+        let plan = Plan::new(config(&Resource::ALL, 1), gpus).unwrap();
         for m in plan.models() {
             let mut n = 0;
             m.for_each_id(|gpu, id| {
@@ -447,7 +452,7 @@ pub(crate) mod tests {
 
     #[test]
     fn unknown_and_duplicate_ids_are_named() {
-        let plan = Plan::new(&config(&[Resource::GpuCore], 1), vec![gpu(0, 10, None)]).unwrap();
+        let plan = Plan::new(config(&[Resource::GpuCore], 1), vec![gpu(0, 10, None)]).unwrap();
         let m = plan.model(Resource::GpuCore).unwrap();
         let first = m.id(DeviceRef { gpu: 0, unit: 0 });
         let past_end = m.id(DeviceRef { gpu: 0, unit: 100 });
@@ -471,7 +476,7 @@ pub(crate) mod tests {
     #[test]
     fn two_80gb_gpus_fit_at_one_mib() {
         let gpus = vec![gpu(0, 81_920, Some(0)), gpu(1, 81_920, Some(1))];
-        let plan = Plan::new(&config(&Resource::ALL, 1), gpus).unwrap();
+        let plan = Plan::new(config(&Resource::ALL, 1), gpus).unwrap();
         let m = plan.model(Resource::GpuMemory).unwrap();
         let per_device = m.wire_len(|_| true) as f64 / m.device_count() as f64;
         assert!(per_device < 20.0, "{per_device} bytes per device");
@@ -480,39 +485,39 @@ pub(crate) mod tests {
     #[test]
     fn too_large_names_the_smallest_unit_that_fits() {
         let gpus: Vec<Gpu> = (0..8).map(|i| gpu(i, 81_920, None)).collect();
-        let err = Plan::new(&config(&Resource::ALL, 1), gpus.clone()).unwrap_err();
+        let err = Plan::new(config(&Resource::ALL, 1), gpus.clone()).unwrap_err();
         let PlanError::TooLarge { fits, .. } = err.clone() else {
             panic!("{err}")
         };
         assert!(err.to_string().contains("memory_unit_mib"));
-        assert!(Plan::new(&config(&Resource::ALL, fits), gpus.clone()).is_ok());
-        assert!(Plan::new(&config(&Resource::ALL, fits - 1), gpus).is_err());
+        assert!(Plan::new(config(&Resource::ALL, fits), gpus.clone()).is_ok());
+        assert!(Plan::new(config(&Resource::ALL, fits - 1), gpus).is_err());
     }
 
     #[test]
     fn a_memory_unit_over_a_gpus_memory_is_refused_naming_the_gpu() {
         let gpus = vec![gpu(0, 81_920, None), gpu(1, 24_576, None)];
-        let err = Plan::new(&config(&Resource::ALL, 32_768), gpus.clone()).unwrap_err();
+        let err = Plan::new(config(&Resource::ALL, 32_768), gpus.clone()).unwrap_err();
         let text = err.to_string();
         assert!(
             text.contains("memory_unit_mib") && text.contains(&gpus[1].uuid),
             "{text}"
         );
         assert!(text.contains("can take is 24576"), "{text}");
-        assert!(Plan::new(&config(&Resource::ALL, 24_576), gpus.clone()).is_ok());
+        assert!(Plan::new(config(&Resource::ALL, 24_576), gpus.clone()).is_ok());
         // Without gpu-memory the unit gives no resource its devices.
         let others = [Resource::GpuCore, Resource::GpuCount];
-        assert!(Plan::new(&config(&others, 32_768), gpus).is_ok());
+        assert!(Plan::new(config(&others, 32_768), gpus).is_ok());
     }
 
     #[test]
     fn no_gpus_and_duplicate_uuids_are_refused() {
         assert_eq!(
-            Plan::new(&config(&Resource::ALL, 1), vec![]).unwrap_err(),
+            Plan::new(config(&Resource::ALL, 1), vec![]).unwrap_err(),
             PlanError::NoGpus
         );
         let g = gpu(0, 10, None);
-        let err = Plan::new(&config(&Resource::ALL, 1), vec![g.clone(), g.clone()]).unwrap_err();
+        let err = Plan::new(config(&Resource::ALL, 1), vec![g.clone(), g.clone()]).unwrap_err();
         assert_eq!(err, PlanError::DuplicateUuid(g.uuid));
     }
 }

@@ -5,13 +5,11 @@
 
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::path::Path;
 use std::sync::{Arc, RwLock};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Patch, PatchParams, PostParams};
-use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::{WatchStreamExt, watcher as watch};
 use kube::{Api, Client, Resource};
@@ -53,26 +51,6 @@ pub trait Binder: Send + Sync + 'static {
         uid: &str,
         node: &str,
     ) -> impl Future<Output = Result<(), BindError>> + Send;
-}
-
-/// The config's kubeconfig, else `$KUBECONFIG`, else in-cluster.
-pub async fn client(kubeconfig: &Path) -> Result<Client, String> {
-    if kubeconfig.as_os_str().is_empty() {
-        return Client::try_default()
-            .await
-            .map_err(|e| format!("no API server credentials (KUBECONFIG or in-cluster): {e}"));
-    }
-    let named = |e: &dyn std::fmt::Display| {
-        format!(
-            "config key `extender.kubeconfig` ({}): {e}",
-            kubeconfig.display()
-        )
-    };
-    let file = Kubeconfig::read_from(kubeconfig).map_err(|e| named(&e))?;
-    let config = kube::Config::from_custom_kubeconfig(file, &KubeConfigOptions::default())
-        .await
-        .map_err(|e| named(&e))?;
-    Client::try_from(config).map_err(|e| named(&e))
 }
 
 fn api_error(e: kube::Error) -> BindError {

@@ -70,12 +70,9 @@ impl ExtenderConfig {
 
     pub fn validate(&self) -> Result<(), ConfigError> {
         // The daemon's own check of the domain, reported under our key.
-        let daemon = crate::config::Config {
-            resource_domain: self.resource_domain.clone(),
-            pod_matching: false,
-            ..Default::default()
-        };
-        if let Err(ConfigError::Invalid { key, reason }) = daemon.validate() {
+        if let Err(ConfigError::Invalid { key, reason }) =
+            crate::config::validate_resource_domain(&self.resource_domain)
+        {
             return Err(invalid(&key, reason));
         }
         if self.listen.parse::<std::net::SocketAddr>().is_err() {

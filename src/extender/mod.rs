@@ -21,7 +21,7 @@ pub mod wire;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-pub use cluster::{BindError, Binder, KubeBinder, Reflectors, client};
+pub use cluster::{BindError, Binder, KubeBinder, Reflectors};
 pub use config::ExtenderConfig;
 pub use index::{Index, PodName};
 pub use plan::Planner;
@@ -246,8 +246,8 @@ impl<B: Binder> Extender<B> {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExtenderError {
-    #[error("{0}")]
-    Client(String),
+    #[error(transparent)]
+    Client(#[from] crate::kube_client::KubeClientError),
     #[error("cannot listen on {addr} (config key `extender.listen`): {source}")]
     Listen {
         addr: String,
@@ -260,9 +260,8 @@ pub async fn run(
     config: ExtenderConfig,
     stop: impl Future<Output = ()>,
 ) -> Result<(), ExtenderError> {
-    let client = cluster::client(&config.kubeconfig)
-        .await
-        .map_err(ExtenderError::Client)?;
+    let client =
+        crate::kube_client::from_kubeconfig(&config.kubeconfig, "extender.kubeconfig").await?;
     let index = Arc::new(RwLock::new(Index::default()));
     let _reflectors = Reflectors::start(&client, index.clone());
     let extender = Arc::new(Extender::new(&config, index, KubeBinder::new(client)));

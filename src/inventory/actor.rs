@@ -91,7 +91,9 @@ impl InventoryState {
         let client = match &self.client {
             Some(c) => c.clone(),
             None => {
-                let c = crate::matcher::client(&self.kubeconfig).await?;
+                let c = crate::kube_client::from_kubeconfig(&self.kubeconfig, "matcher.kubeconfig")
+                    .await
+                    .map_err(|e| e.to_string())?;
                 self.client = Some(c.clone());
                 c
             }

@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use serde_json::{Value, json};
 
 use crate::config::Config;
-use crate::device::{Gpu, Resource};
+use crate::device::{Gpu, Offer, Resource};
 use crate::usage::Inventory;
 
 /// What the annotation says for `gpus` under `config`; `healthy[g]` is GPU
@@ -24,16 +24,14 @@ use crate::usage::Inventory;
 /// monitor has not reported yet). The resources follow `Resource::ALL`, so
 /// reordering the config's list changes nothing on the Node.
 fn inventory(config: &Config, gpus: &[Gpu], healthy: &[bool]) -> Inventory {
-    let resources: Vec<Resource> = Resource::ALL
-        .into_iter()
-        .filter(|r| config.resources.contains(r))
-        .collect();
-    let mut inventory = Inventory::new(
-        gpus,
-        config.memory_unit_mib,
-        config.cores_per_gpu,
-        &resources,
-    );
+    let offer = Offer {
+        resources: Resource::ALL
+            .into_iter()
+            .filter(|r| config.resources.contains(r))
+            .collect(),
+        units: config.units(),
+    };
+    let mut inventory = Inventory::new(gpus, &offer);
     for (g, gpu) in inventory.gpus.iter_mut().enumerate() {
         gpu.healthy = healthy.get(g) != Some(&false);
     }

@@ -3,14 +3,13 @@
 //! Allocates on different sockets can never claim the same container.
 
 use std::collections::{HashMap, HashSet};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
-use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
@@ -48,12 +47,7 @@ impl MatcherArgs {
     ) -> Self {
         MatcherArgs {
             node_name: config.node_name.clone(),
-            node: Inventory::new(
-                gpus,
-                config.memory_unit_mib,
-                config.cores_per_gpu,
-                &config.resources,
-            ),
+            node: Inventory::new(gpus, &config.offer()),
             keys: Keys::new(&config.resource_domain),
             wait: Duration::from_millis(config.matcher.wait_ms),
             kubeconfig: config.matcher.kubeconfig.clone(),
@@ -341,26 +335,6 @@ impl MatcherState {
     }
 }
 
-/// The config's kubeconfig, else `$KUBECONFIG`, else in-cluster.
-pub(crate) async fn client(kubeconfig: &Path) -> Result<Client, String> {
-    if kubeconfig.as_os_str().is_empty() {
-        return Client::try_default()
-            .await
-            .map_err(|e| format!("no API server credentials (KUBECONFIG or in-cluster): {e}"));
-    }
-    let named = |e: &dyn std::fmt::Display| {
-        format!(
-            "config key `matcher.kubeconfig` ({}): {e}",
-            kubeconfig.display()
-        )
-    };
-    let file = Kubeconfig::read_from(kubeconfig).map_err(|e| named(&e))?;
-    let config = kube::Config::from_custom_kubeconfig(file, &KubeConfigOptions::default())
-        .await
-        .map_err(|e| named(&e))?;
-    Client::try_from(config).map_err(|e| named(&e))
-}
-
 /// The client retries 503s and 429s by itself, for longer than an Allocate
 /// may wait: every call ends at the deadline.
 async fn within<T>(
@@ -382,7 +356,8 @@ impl Actor for PodMatcher {
         _: ActorRef<MatcherMsg>,
         args: MatcherArgs,
     ) -> Result<MatcherState, ActorProcessingErr> {
-        let client = client(&args.kubeconfig).await?;
+        let client =
+            crate::kube_client::from_kubeconfig(&args.kubeconfig, "matcher.kubeconfig").await?;
         let cache = PodCache::start(client.clone(), &args.node_name);
         tracing::info!(node = %args.node_name, "pod matcher watching this node's pods");
         let (sync, metrics) = (cache.synced(), args.metrics.clone());

@@ -1,5 +1,5 @@
 //! Which pod and container an Allocate (or GetPreferredAllocation) is for,
-//! and which GPU it gets (SPEC §3). Pure: the actor gathers the pods, this
+//! and which GPU it gets. Pure: the actor gathers the pods, this
 //! decides, the actor records.
 
 use super::ledger::{Grant, Ledger};
@@ -113,8 +113,9 @@ pub fn usage(inv: &Inventory, pods: &[PodView]) -> NodeUsage {
     NodeUsage::of(inv, &holdings)
 }
 
-/// Candidates in SPEC §3 order: assume-time (pods with one first), then
-/// creation, then namespace/name.
+/// Candidates in the order they are served: pods the scheduler stamped
+/// with an assume-time first, earliest first; then by creation time; then
+/// by namespace/name.
 fn ordered(pods: &[PodView]) -> Vec<&PodView> {
     let mut v: Vec<&PodView> = pods.iter().filter(|p| p.admitting).collect();
     v.sort_by(|a, b| {
@@ -178,7 +179,7 @@ pub fn decide_with(
     let candidates = ordered(pods);
     // The kubelet admits one pod at a time and serves a container's
     // resources back to back: a container, then a pod, already part-served
-    // comes before the SPEC order among fresh ones.
+    // comes before the candidate order among fresh ones.
     let part_served = |p: &PodView, c: &ContainerAsk| p.ledger.0.contains_key(&c.name);
     let started = |p: &PodView| p.containers.iter().any(|c| part_served(p, c));
     for tier in 0..3 {

@@ -11,7 +11,6 @@ pub mod ledger;
 pub mod matching;
 pub mod pods;
 
-pub(crate) use actor::client;
 pub use actor::{MatcherArgs, PodMatcher, READY_NAME};
 pub use api::{MatcherHandle, MatcherMsg, Steer};
 

@@ -1,4 +1,5 @@
-//! The matching rules of SPEC §3 over hand-built pods.
+//! The matching rules over hand-built pods: which container an Allocate
+//! serves, and which GPU it gets.
 
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, PodStatus, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -8,7 +9,7 @@ use super::ledger::{Ledger, ids_digest};
 use super::matching::{Ask, Decision, MatchError, decide, record};
 use super::pods::{PodKey, PodView, PodWarning};
 use crate::device::Resource::{self, GpuCore, GpuCount, GpuMemory};
-use crate::device::{Gpu, PerResource};
+use crate::device::{Gpu, Offer, PerResource, Units};
 use crate::usage::{Assignment, ContainerAsk, Inventory, Keys};
 
 /// Two GPUs of 1000 MiB, 1 MiB and 1 % per device.
@@ -19,7 +20,14 @@ fn node() -> Inventory {
         index,
         numa_node: None,
     };
-    Inventory::new(&[gpu("GPU-a", 0), gpu("GPU-b", 1)], 1, 100, &Resource::ALL)
+    let offer = Offer {
+        resources: Resource::ALL.to_vec(),
+        units: Units {
+            memory_unit_mib: 1,
+            cores_per_gpu: 100,
+        },
+    };
+    Inventory::new(&[gpu("GPU-a", 0), gpu("GPU-b", 1)], &offer)
 }
 
 fn container(name: &str, mem: u64, core: u64, count: u64) -> ContainerAsk {
@@ -205,7 +213,7 @@ fn a_part_served_container_then_pod_comes_before_the_order() {
         "busy"
     );
     // ...then its core: "early" asks the same 20 and comes first in the
-    // SPEC order, but the container half-served wins.
+    // candidate order, but the container half-served wins.
     let d = serve(&mut pods, &ask(GpuCore, 20, &[1], &["c1"])).unwrap();
     assert_eq!(who(&d), ("busy".into(), "a".into(), vec![0]));
     // The next container of the pod being admitted comes next.

@@ -10,7 +10,7 @@ use super::apiserver::{ApiServerSim, PodContainer, admission_order};
 use super::kubelet::{KubeletSim, ResourceView, merged_envs, plugin_sockets};
 use crate::api::{AllocateRequest, ContainerAllocateRequest};
 use crate::config::{Config, ConfigError};
-use crate::device::{KUBELET_MAX_MESSAGE_BYTES, Resource};
+use crate::device::{KUBELET_MAX_MESSAGE_BYTES, PerResource, Resource};
 
 /// The demo's config: mock GPUs, pod matching on.
 const DEMO_TOML: &str = include_str!("../../config/demo.toml");
@@ -222,16 +222,19 @@ pub async fn run() -> Result<String, DemoError> {
 /// does (init containers first; per container, each resource's
 /// GetPreferredAllocation then Allocate), and shows what each got.
 async fn admit_pods(config: &Config, kubelet: &KubeletSim, api: &ApiServerSim, out: &mut String) {
-    let unit = Resource::ALL.map(|r| config.unit_amount(r));
+    let units = config.units();
     let pods: Vec<Vec<PodContainer>> = PODS
         .iter()
         .map(|(pod, annotations, containers)| {
             let containers: Vec<PodContainer> = containers
                 .iter()
-                .map(|(name, init, amounts)| PodContainer {
-                    name: (*name).into(),
-                    init: *init,
-                    wants: [0, 1, 2].map(|i| amounts[i] / unit[i]),
+                .map(|(name, init, amounts)| {
+                    let amounts = PerResource::from(*amounts);
+                    PodContainer {
+                        name: (*name).into(),
+                        init: *init,
+                        wants: Resource::ALL.map(|r| amounts[r] / units.amount(r)),
+                    }
                 })
                 .collect();
             api.add_pod("default", pod, NODE, &containers, annotations);

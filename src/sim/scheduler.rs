@@ -168,7 +168,9 @@ pub struct SchedulerSim {
 impl SchedulerSim {
     /// Starts placing pods through the API server `kubeconfig` reaches.
     pub async fn start(kubeconfig: &Path, config: SchedulerConfig) -> Result<SchedulerSim, String> {
-        let client = crate::matcher::client(kubeconfig).await?;
+        let client = crate::kube_client::from_kubeconfig(kubeconfig, "kubeconfig")
+            .await
+            .map_err(|e| e.to_string())?;
         let outcomes = Arc::new(Mutex::new(BTreeMap::new()));
         let http =
             hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
@@ -700,7 +702,7 @@ mod tests {
         }
 
         async fn client(&self) -> Client {
-            crate::matcher::client(self.kubeconfig.path())
+            crate::kube_client::from_kubeconfig(self.kubeconfig.path(), "kubeconfig")
                 .await
                 .unwrap()
         }

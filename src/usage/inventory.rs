@@ -5,7 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::device::{Gpu, PerResource, Resource};
+use crate::device::{Gpu, Offer, PerResource, Resource, Units, UnitsError};
 
 /// The only inventory format this build reads.
 pub const INVENTORY_VERSION: u32 = 1;
@@ -48,17 +48,12 @@ pub enum InventoryError {
 
 impl Inventory {
     /// The node side: every GPU the backend found, healthy.
-    pub fn new(
-        gpus: &[Gpu],
-        memory_unit_mib: u64,
-        cores_per_gpu: u32,
-        resources: &[Resource],
-    ) -> Inventory {
+    pub fn new(gpus: &[Gpu], offer: &Offer) -> Inventory {
         Inventory {
             version: INVENTORY_VERSION,
-            memory_unit_mib,
-            cores_per_gpu,
-            resources: resources.to_vec(),
+            memory_unit_mib: offer.units.memory_unit_mib,
+            cores_per_gpu: offer.units.cores_per_gpu,
+            resources: offer.resources.clone(),
             gpus: gpus
                 .iter()
                 .map(|g| GpuInfo {
@@ -84,15 +79,14 @@ impl Inventory {
             return Err(InventoryError::Version(v.version));
         }
         let inv: Inventory = serde_json::from_str(text).map_err(json)?;
-        if inv.memory_unit_mib == 0 {
-            return Err(InventoryError::Invalid("memoryUnitMiB is 0".into()));
-        }
-        if inv.cores_per_gpu == 0 || 100 % inv.cores_per_gpu != 0 {
-            return Err(InventoryError::Invalid(format!(
-                "coresPerGpu {} does not divide 100",
-                inv.cores_per_gpu
-            )));
-        }
+        inv.units().check().map_err(|e| {
+            InventoryError::Invalid(match e {
+                UnitsError::MemoryUnitZero => "memoryUnitMiB is 0".into(),
+                UnitsError::CoresNotDividing100(cores) => {
+                    format!("coresPerGpu {cores} does not divide 100")
+                }
+            })
+        })?;
         Ok(inv)
     }
 
@@ -100,24 +94,24 @@ impl Inventory {
         serde_json::to_string(self).expect("an inventory always serialises")
     }
 
-    /// What one device is worth: MiB, percent of a GPU, GPUs.
-    pub fn unit(&self) -> PerResource<u64> {
-        PerResource {
-            memory: self.memory_unit_mib,
-            core: u64::from(100 / self.cores_per_gpu),
-            count: 1,
+    /// The size of one device of each resource on this node.
+    pub fn units(&self) -> Units {
+        Units {
+            memory_unit_mib: self.memory_unit_mib,
+            cores_per_gpu: self.cores_per_gpu,
         }
     }
 
-    /// What GPU `g` holds in real units, as far as the kubelet can see it
-    /// (memory rounds down to whole devices).
+    /// What one device is worth: MiB, percent of a GPU, GPUs.
+    pub fn unit(&self) -> PerResource<u64> {
+        self.units().amounts()
+    }
+
+    /// What GPU `g` holds in real units, as far as the kubelet can see it:
+    /// its devices times what each is worth.
     pub fn capacity(&self, g: usize) -> PerResource<u64> {
-        let unit = self.unit();
-        PerResource {
-            memory: self.gpus[g].memory_mib / unit.memory * unit.memory,
-            core: u64::from(self.cores_per_gpu) * unit.core,
-            count: 1,
-        }
+        let (units, memory_mib) = (self.units(), self.gpus[g].memory_mib);
+        PerResource::from_fn(|r| u64::from(units.per_gpu(r, memory_mib)) * units.amount(r))
     }
 
     /// `devices` in real units.

@@ -4,7 +4,7 @@ use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 use super::*;
-use crate::device::{Gpu, PerResource, Resource};
+use crate::device::{Gpu, Offer, PerResource, Resource, Units};
 use crate::matcher::ledger::{Grant, Ledger};
 
 /// GPUs of the given MiB, 256 MiB per memory device, 1 % per core device.
@@ -19,7 +19,14 @@ fn inventory(mib: &[u64]) -> Inventory {
             numa_node: None,
         })
         .collect();
-    Inventory::new(&gpus, 256, 100, &Resource::ALL)
+    let offer = Offer {
+        resources: Resource::ALL.to_vec(),
+        units: Units {
+            memory_unit_mib: 256,
+            cores_per_gpu: 100,
+        },
+    };
+    Inventory::new(&gpus, &offer)
 }
 
 fn ask(name: &str, init: bool, mem: u64, core: u64, count: u64) -> ContainerAsk {

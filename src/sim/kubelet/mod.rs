@@ -1,12 +1,13 @@
-//! A kubelet stand-in for the demo and the tests, behaving as SPEC §2 says
-//! the real one does: Register dials the plugin back (10 s) and opens
-//! ListAndWatch before it returns; each list replaces the device set; a
-//! message over 4 MiB fails the stream; an ended stream marks every device
-//! unhealthy and is never reopened; an older stream that ends after a
-//! re-registration drops the new client too (kubernetes#121994); admission
-//! asks GetPreferredAllocation, keeps valid IDs, fills the shortfall itself,
-//! then calls Allocate; an app container reuses its init container's
-//! devices without asking GetPreferredAllocation.
+//! A kubelet stand-in for the demo and the tests, behaving as the real
+//! one's device manager (pkg/kubelet/cm/devicemanager) does: Register dials
+//! the plugin back (10 s) and opens ListAndWatch before it returns; each
+//! list replaces the device set; a message over 4 MiB fails the stream; an
+//! ended stream marks every device unhealthy and is never reopened; an
+//! older stream that ends after a re-registration drops the new client too
+//! (kubernetes#121994); admission asks GetPreferredAllocation, keeps valid
+//! IDs, fills the shortfall itself, then calls Allocate; an app container
+//! reuses its init container's devices without asking
+//! GetPreferredAllocation.
 
 mod registration;
 
