@@ -4,16 +4,18 @@
 
 mod backend;
 mod ids;
-mod list;
 mod model;
 pub mod packing;
 
 pub use backend::{DiscoverError, discover};
 pub use ids::validate_uuid;
-pub use list::DeviceListMessage;
 pub use model::{
     DeviceModel, DeviceRef, IdError, KUBELET_MAX_MESSAGE_BYTES, Plan, PlanError, device_entry_len,
 };
+// The wire-size rules the plugin's ListAndWatch encoder writes by.
+#[cfg(test)]
+pub(crate) use model::tests as model_tests;
+pub(crate) use model::{HEALTHY, UNHEALTHY, device_len, numa_len, topology_len};
 
 use serde::Deserialize;
 
