@@ -11,7 +11,7 @@ use crate::device::{DeviceModel, DeviceRef, Resource};
 
 /// What the operator adds to every container (config `[allocate]`).
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Extras {
+pub(crate) struct Extras {
     pub envs: BTreeMap<String, String>,
     pub mounts: Vec<Mount>,
 }
@@ -28,13 +28,13 @@ pub struct ResponseTemplate {
 /// What a container gets: GPUs (indexes; one for a shared resource) and an
 /// amount in the resource's unit.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Grant {
+pub(crate) struct Grant {
     pub gpus: Vec<usize>,
     pub amount: u64,
 }
 
 impl ResponseTemplate {
-    pub fn new(amount_env: String, extras: &Extras) -> Self {
+    pub(crate) fn new(amount_env: String, extras: &Extras) -> Self {
         let mut envs: HashMap<String, String> = HashMap::from([(
             "NVIDIA_DRIVER_CAPABILITIES".to_owned(),
             "compute,utility".to_owned(),
@@ -48,7 +48,7 @@ impl ResponseTemplate {
     }
 
     /// The response for `grant` of `model`'s resource.
-    pub fn response(&self, model: &DeviceModel, grant: &Grant) -> ContainerAllocateResponse {
+    pub(crate) fn response(&self, model: &DeviceModel, grant: &Grant) -> ContainerAllocateResponse {
         let gpus = model.gpus();
         let mut envs = self.envs.clone();
         let uuids: Vec<&str> = grant.gpus.iter().map(|&g| gpus[g].uuid.as_str()).collect();
@@ -90,7 +90,7 @@ pub enum AllocateError {
 
 impl AllocateError {
     /// The kind of failure, for `rpc_failures_total{reason}`.
-    pub fn reason(&self) -> &'static str {
+    pub(crate) fn reason(&self) -> &'static str {
         match self {
             AllocateError::Empty => "empty",
             AllocateError::SpansGpus { .. } => "spans_gpus",
@@ -100,7 +100,10 @@ impl AllocateError {
 
 /// The grant of `devices` of `model`'s resource, its GPUs read from the
 /// IDs (no pod matching): a shared resource's devices must be on one GPU.
-pub fn ids_grant(model: &DeviceModel, devices: &[DeviceRef]) -> Result<Grant, AllocateError> {
+pub(crate) fn ids_grant(
+    model: &DeviceModel,
+    devices: &[DeviceRef],
+) -> Result<Grant, AllocateError> {
     let first = devices.first().ok_or(AllocateError::Empty)?;
     let gpus = model.gpus();
     let resource = model.resource();

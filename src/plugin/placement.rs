@@ -24,7 +24,7 @@ pub enum Placement {
 
 /// Why a container gets nothing.
 #[derive(Debug, thiserror::Error)]
-pub enum PlaceError {
+pub(crate) enum PlaceError {
     /// The request itself is wrong (IDs only).
     #[error(transparent)]
     Ids(#[from] AllocateError),
@@ -37,7 +37,7 @@ pub enum PlaceError {
 
 impl PlaceError {
     /// The kind of failure, for `rpc_failures_total{reason}`.
-    pub fn reason(&self) -> &'static str {
+    pub(crate) fn reason(&self) -> &'static str {
         match self {
             PlaceError::Ids(e) => e.reason(),
             PlaceError::Split(_) => "split_container",
@@ -63,7 +63,7 @@ impl Placement {
     /// GetPreferredAllocation: `size` devices of `model`'s resource out of
     /// `available`, with `must`, on the GPU the container will get when
     /// that is known, and off the GPUs it should keep off.
-    pub async fn steer(
+    pub(crate) async fn steer(
         &self,
         model: &DeviceModel,
         mut available: Vec<DeviceRef>,
@@ -86,7 +86,7 @@ impl Placement {
 
     /// Allocate: what a container granted `devices` of `model`'s resource
     /// gets. `ids` are the same devices as the kubelet named them.
-    pub async fn grant<'a>(
+    pub(crate) async fn grant<'a>(
         &self,
         model: &DeviceModel,
         devices: &[DeviceRef],
