@@ -60,15 +60,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_client(false)
         .extern_path(
             ".v1beta1.ListAndWatchResponse",
-            "crate::device::DeviceListMessage",
+            "crate::plugin::codec::DeviceListMessage",
         )
         .extern_path(
             ".v1beta1.PreferredAllocationRequest",
-            "crate::plugin::request::PreferredRequest",
+            "crate::plugin::codec::PreferredRequest",
         )
         .extern_path(
             ".v1beta1.AllocateRequest",
-            "crate::plugin::request::AllocateIdsRequest",
+            "crate::plugin::codec::AllocateIdsRequest",
         )
         .extern_path(".v1beta1", "crate::api")
         .compile_fds(fds)?;

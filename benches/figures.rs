@@ -11,7 +11,7 @@ use gpu_device_plugin::api::{
 };
 use gpu_device_plugin::config::Config;
 use gpu_device_plugin::device::{Gpu, KUBELET_MAX_MESSAGE_BYTES, Plan, Resource, packing};
-use gpu_device_plugin::plugin::request::PreferredRequest;
+use gpu_device_plugin::plugin::codec::PreferredRequest;
 use gpu_device_plugin::sim::kubelet::{KubeletSim, ResourceView};
 use prost::Message;
 

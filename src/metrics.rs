@@ -7,11 +7,9 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
-
-use crate::plugin::service::Streams;
 
 /// Latency buckets, in seconds.
 const BUCKETS: [f64; 10] = [
@@ -48,6 +46,32 @@ impl Histogram {
         let sum = self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
         let _ = writeln!(out, "{name}_sum{{{labels}}} {sum}");
         let _ = writeln!(out, "{name}_count{{{labels}}} {count}");
+    }
+}
+
+/// Counts the open ListAndWatch streams, so the plugin can tell when the
+/// kubelet dropped it (it never reconnects by itself). The streams hold
+/// guards; the plugin's check and `/readyz` read the count.
+#[derive(Debug, Clone, Default)]
+pub struct Streams(Arc<AtomicUsize>);
+
+impl Streams {
+    pub fn open(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn guard(&self) -> StreamGuard {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        StreamGuard(self.0.clone())
+    }
+}
+
+/// Held by a stream for its life.
+pub(crate) struct StreamGuard(Arc<AtomicUsize>);
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

@@ -15,7 +15,7 @@ use gpu_device_plugin::api::{
     AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest,
     PreferredAllocationRequest, RegisterRequest,
 };
-use gpu_device_plugin::plugin::request::MAX_CONTAINERS;
+use gpu_device_plugin::plugin::codec::MAX_CONTAINERS;
 use gpu_device_plugin::sim::kubelet::{Grant, merged_envs};
 use support::*;
 use tonic::Code;

@@ -4,18 +4,20 @@
 
 mod backend;
 mod ids;
-mod list;
 mod model;
 pub mod packing;
 mod units;
 
 pub use backend::{DiscoverError, GpuSource, discover};
 pub use ids::validate_uuid;
-pub use list::DeviceListMessage;
 pub use model::{
     DeviceModel, DeviceRef, IdError, KUBELET_MAX_MESSAGE_BYTES, Plan, PlanError, device_entry_len,
 };
 pub use units::{Offer, Units, UnitsError};
+// The wire-size rules the plugin's ListAndWatch encoder writes by.
+#[cfg(test)]
+pub(crate) use model::tests as model_tests;
+pub(crate) use model::{HEALTHY, UNHEALTHY, device_len, numa_len, topology_len};
 
 use serde::Deserialize;
 

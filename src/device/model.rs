@@ -189,7 +189,7 @@ impl DeviceModel {
 }
 
 /// Bytes of a `NUMANode`; proto3 leaves out a zero ID, so node 0 is empty.
-pub(super) fn numa_len(node: u32) -> usize {
+pub(crate) fn numa_len(node: u32) -> usize {
     if node == 0 {
         0
     } else {
@@ -198,13 +198,13 @@ pub(super) fn numa_len(node: u32) -> usize {
 }
 
 /// Bytes of a `TopologyInfo` holding one NUMA node.
-pub(super) fn topology_len(node: u32) -> usize {
+pub(crate) fn topology_len(node: u32) -> usize {
     let n = numa_len(node);
     1 + encoded_len_varint(n as u64) + n
 }
 
 /// Bytes of one `Device` message.
-pub(super) fn device_len(id_len: usize, health: &str, numa: Option<u32>) -> usize {
+pub(crate) fn device_len(id_len: usize, health: &str, numa: Option<u32>) -> usize {
     let mut len = 1 + encoded_len_varint(id_len as u64) + id_len;
     len += 1 + encoded_len_varint(health.len() as u64) + health.len();
     if let Some(node) = numa {

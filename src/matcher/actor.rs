@@ -13,7 +13,7 @@ use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
-use super::api::{MatcherMsg, PREFER_TIMEOUT, Steer};
+use super::api::{MatcherError, MatcherMsg, Refusal, Steer, UNSEEN_POD_WAIT};
 use super::cache::PodCache;
 use super::ledger::Ledger;
 use super::matching::{Ask, Decision, MatchError, decide, decide_with, record, usage};
@@ -133,26 +133,22 @@ impl MatcherState {
         Api::namespaced(self.client.clone(), namespace)
     }
 
-    fn failure(&self, ask: &Ask, why: impl std::fmt::Display) -> String {
-        let r = ask.resource;
-        let amount = ask.devices * self.args.node.unit()[r];
-        format!(
-            "node {}: cannot allocate {amount} {r} ({} devices): {why}",
-            self.args.node_name, ask.devices
-        )
+    fn failure(&self, ask: &Ask, why: impl Into<Refusal>) -> MatcherError {
+        let resource = ask.resource;
+        MatcherError::Refused {
+            node: self.args.node_name.clone(),
+            amount: ask.devices * self.args.node.unit()[resource],
+            resource,
+            devices: ask.devices,
+            why: why.into(),
+        }
     }
 
     /// Finds the container, places it and records it on the pod.
-    async fn allocate(&mut self, ask: &Ask) -> Result<Decision, String> {
+    async fn allocate(&mut self, ask: &Ask) -> Result<Decision, MatcherError> {
         let deadline = Instant::now() + self.args.wait;
         if !self.cache.ready(deadline).await {
-            return Err(self.failure(
-                ask,
-                format!(
-                    "the pod cache has not synced with the API server within {} ms",
-                    self.args.wait.as_millis()
-                ),
-            ));
+            return Err(self.failure(ask, Refusal::NotSynced(self.args.wait.as_millis())));
         }
         let mut gone = HashSet::new();
         loop {
@@ -171,7 +167,7 @@ impl MatcherState {
                             gone.insert(d.uid);
                         }
                         Err(WriteError::Unreachable(e)) => {
-                            return Err(self.failure(ask, format!("the API server: {e}")));
+                            return Err(self.failure(ask, Refusal::ApiServer(e)));
                         }
                     }
                 }
@@ -182,9 +178,10 @@ impl MatcherState {
                     {
                         continue;
                     }
-                    let message = self.failure(ask, &e);
-                    self.post_event(e.pod(), &message).await;
-                    return Err(message);
+                    let pod = e.pod().cloned();
+                    let failure = self.failure(ask, e);
+                    self.post_event(pod.as_ref(), &failure.to_string()).await;
+                    return Err(failure);
                 }
             }
         }
@@ -265,9 +262,9 @@ impl MatcherState {
     }
 
     async fn prefer(&mut self, ask: &Ask) -> Steer {
-        // The kubelet may ask before the pod's watch event arrives; waiting
-        // a little for it keeps an assigned pod's IDs on its GPU.
-        let deadline = Instant::now() + PREFER_TIMEOUT / 2;
+        // Waiting a little for a pod the cache has not seen keeps an
+        // assigned pod's IDs on its GPU.
+        let deadline = Instant::now() + UNSEEN_POD_WAIT;
         let (views, usage, decided) = loop {
             let views = self.views(&HashSet::new());
             let usage = usage(&self.args.node, &views);

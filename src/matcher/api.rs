@@ -1,13 +1,27 @@
-//! The typed handle the plugins call, and the matcher's messages. The
-//! supervisor fills the handle when it (re)starts the matcher, so plugins
-//! never hold a stale actor.
+//! The typed handle the plugins call, the matcher's messages, its errors
+//! and its time bounds. The supervisor fills the handle when it (re)starts
+//! the matcher, so plugins never hold a stale actor.
 
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use ractor::{ActorRef, RpcReplyPort, call_t};
+use ractor::{ActorRef, RactorErr, RpcReplyPort, call_t};
 
-use super::matching::{Ask, Decision};
+use super::ledger::ids_digest;
+use super::matching::{Ask, Decision, MatchError};
+use crate::device::{DeviceRef, Resource};
+
+/// Beyond the matcher's own wait (`matcher.wait_ms`), what an Allocate
+/// allows for its queue: it answers one lookup at a time.
+const QUEUE_SLACK: Duration = Duration::from_secs(5);
+/// GetPreferredAllocation must stay fast; without an answer by then the
+/// plugin packs on its own.
+const PREFER_TIMEOUT: Duration = Duration::from_millis(500);
+/// How long GetPreferredAllocation waits for a pod the pod cache has not
+/// seen yet (the kubelet may ask before the pod's watch event arrives):
+/// half of [`PREFER_TIMEOUT`], leaving the rest for the lookup and reply.
+pub(super) const UNSEEN_POD_WAIT: Duration =
+    Duration::from_millis(PREFER_TIMEOUT.as_millis() as u64 / 2);
 
 /// Where GetPreferredAllocation should take devices from.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -20,17 +34,78 @@ pub struct Steer {
 
 pub enum MatcherMsg {
     /// Find, place and record the container an Allocate is for.
-    Allocate(Ask, RpcReplyPort<Result<Decision, String>>),
+    Allocate(Ask, RpcReplyPort<Result<Decision, MatcherError>>),
     /// The same lookup, recording nothing, for GetPreferredAllocation.
     Prefer(Ask, RpcReplyPort<Steer>),
 }
 
+/// Why the matcher gave no container for an Allocate. The text is what
+/// the kubelet shows; [`MatcherError::reason`] is what metrics count.
+#[derive(Debug, thiserror::Error)]
+pub enum MatcherError {
+    #[error("the pod matcher is not running (see the log for why)")]
+    Down,
+    /// The call failed: `timed_out`, or the matcher stopped meanwhile.
+    #[error("the pod matcher did not answer: {detail}")]
+    NoAnswer { timed_out: bool, detail: String },
+    #[error("node {node}: cannot allocate {amount} {resource} ({devices} devices): {why}")]
+    Refused {
+        node: String,
+        amount: u64,
+        resource: Resource,
+        devices: u64,
+        why: Refusal,
+    },
+}
+
+/// Why the matcher refused.
+#[derive(Debug, thiserror::Error)]
+pub enum Refusal {
+    #[error("the pod cache has not synced with the API server within {0} ms")]
+    NotSynced(u128),
+    #[error("the API server: {0}")]
+    ApiServer(String),
+    #[error(transparent)]
+    Match(#[from] MatchError),
+}
+
+impl MatcherError {
+    /// The kind of failure, for `rpc_failures_total{reason}`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            MatcherError::Down
+            | MatcherError::NoAnswer {
+                timed_out: false, ..
+            } => "matcher_down",
+            MatcherError::NoAnswer {
+                timed_out: true, ..
+            } => "timeout",
+            MatcherError::Refused { why, .. } => match why {
+                Refusal::NotSynced(_) => "not_synced",
+                Refusal::ApiServer(_) => "api_server",
+                Refusal::Match(e) => match e {
+                    MatchError::NoCandidate { .. } => "no_match",
+                    MatchError::UnknownGpu { .. } => "unknown_gpu",
+                    MatchError::SpansGpus { .. } => "spans_gpus",
+                    MatchError::Contradicts { .. } => "contradicts_assignment",
+                    MatchError::HeldWhole { .. } => "held_whole",
+                    MatchError::CarriesShared { .. } => "carries_shared",
+                    MatchError::Full { .. } => "full",
+                },
+            },
+        }
+    }
+}
+
+fn no_answer<T>(e: RactorErr<T>) -> MatcherError {
+    MatcherError::NoAnswer {
+        timed_out: matches!(e, RactorErr::Timeout),
+        detail: e.to_string(),
+    }
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct MatcherHandle(Arc<RwLock<Option<ActorRef<MatcherMsg>>>>);
-
-/// GetPreferredAllocation must stay fast; without an answer by then the
-/// plugin packs on its own.
-pub(super) const PREFER_TIMEOUT: Duration = Duration::from_millis(500);
 
 impl MatcherHandle {
     pub fn set(&self, actor: Option<ActorRef<MatcherMsg>>) {
@@ -41,21 +116,175 @@ impl MatcherHandle {
         self.0.read().expect("matcher handle poisoned").clone()
     }
 
-    /// `timeout` covers the matcher's own bounded waits plus its queue.
-    pub async fn allocate(&self, ask: Ask, timeout: Duration) -> Result<Decision, String> {
-        let actor = self
-            .actor()
-            .ok_or("the pod matcher is not running (see the log for why)")?;
-        let ms = timeout.as_millis() as u64;
-        call_t!(actor, MatcherMsg::Allocate, ms, ask)
-            .map_err(|e| format!("the pod matcher did not answer: {e}"))?
+    /// The container granted `devices` of `resource`, named by `ids` (the
+    /// same devices, as the kubelet sent them). `wait` is the matcher's
+    /// own bound (`matcher.wait_ms`); the call allows for its queue too.
+    pub async fn allocate<'a>(
+        &self,
+        resource: Resource,
+        devices: &[DeviceRef],
+        ids: impl Iterator<Item = &'a str>,
+        wait: Duration,
+    ) -> Result<Decision, MatcherError> {
+        let actor = self.actor().ok_or(MatcherError::Down)?;
+        let mut id_gpus: Vec<usize> = Vec::new();
+        for d in devices {
+            if !id_gpus.contains(&d.gpu) {
+                id_gpus.push(d.gpu);
+            }
+        }
+        let ask = Ask {
+            resource,
+            devices: devices.len() as u64,
+            digest: Some(ids_digest(ids)),
+            id_gpus,
+        };
+        let ms = (wait + QUEUE_SLACK).as_millis() as u64;
+        call_t!(actor, MatcherMsg::Allocate, ms, ask).map_err(no_answer)?
     }
 
-    pub async fn prefer(&self, ask: Ask) -> Steer {
+    /// Where `size` devices of `resource` should come from; no opinion
+    /// when the matcher is down or slow.
+    pub async fn prefer(&self, resource: Resource, size: usize) -> Steer {
         let Some(actor) = self.actor() else {
             return Steer::default();
         };
+        let ask = Ask {
+            resource,
+            devices: size as u64,
+            digest: None,
+            id_gpus: Vec::new(),
+        };
         let ms = PREFER_TIMEOUT.as_millis() as u64;
         call_t!(actor, MatcherMsg::Prefer, ms, ask).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::matcher::pods::PodKey;
+    use ractor::{Actor, ActorProcessingErr};
+
+    fn refused(e: MatchError) -> MatcherError {
+        MatcherError::Refused {
+            node: "n".into(),
+            amount: 512,
+            resource: Resource::GpuMemory,
+            devices: 4,
+            why: e.into(),
+        }
+    }
+
+    #[test]
+    fn failures_are_counted_by_kind_and_read_as_before() {
+        let pod = PodKey {
+            namespace: "default".into(),
+            name: "p".into(),
+        };
+        let e = refused(MatchError::NoCandidate {
+            resource: Resource::GpuMemory,
+            devices: 4,
+            best: None,
+        });
+        assert_eq!(e.reason(), "no_match");
+        assert_eq!(
+            e.to_string(),
+            "node n: cannot allocate 512 gpu-memory (4 devices): no pending pod on this node has \
+             a container waiting for 4 gpu-memory devices"
+        );
+        let full = refused(MatchError::Full {
+            pod: pod.clone(),
+            uuid: "GPU-a".into(),
+            resource: Resource::GpuMemory,
+            free: 1,
+            capacity: 2,
+            amount: 3,
+        });
+        assert_eq!(full.reason(), "full");
+        let held = refused(MatchError::HeldWhole {
+            pod,
+            uuid: "GPU-a".into(),
+        });
+        assert_eq!(held.reason(), "held_whole");
+        let synced = MatcherError::Refused {
+            node: "n".into(),
+            amount: 5,
+            resource: Resource::GpuCore,
+            devices: 1,
+            why: Refusal::NotSynced(500),
+        };
+        assert_eq!(synced.reason(), "not_synced");
+        assert_eq!(
+            synced.to_string(),
+            "node n: cannot allocate 5 gpu-core (1 devices): the pod cache has not synced with \
+             the API server within 500 ms"
+        );
+    }
+
+    /// A matcher that drops every Allocate unanswered, as one stopping
+    /// mid-call does.
+    struct Dropping;
+
+    impl Actor for Dropping {
+        type Msg = MatcherMsg;
+        type State = ();
+        type Arguments = ();
+
+        async fn pre_start(
+            &self,
+            _: ActorRef<MatcherMsg>,
+            _: (),
+        ) -> Result<(), ActorProcessingErr> {
+            Ok(())
+        }
+
+        async fn handle(
+            &self,
+            _: ActorRef<MatcherMsg>,
+            _: MatcherMsg,
+            _: &mut (),
+        ) -> Result<(), ActorProcessingErr> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_missing_matcher_a_lost_call_and_a_timeout_fail_by_kind() {
+        let handle = MatcherHandle::default();
+        let devices = [DeviceRef { gpu: 0, unit: 0 }];
+        let ask = |h: MatcherHandle| async move {
+            h.allocate(
+                Resource::GpuMemory,
+                &devices,
+                ["a"].into_iter(),
+                Duration::ZERO,
+            )
+            .await
+            .unwrap_err()
+        };
+        let down = ask(handle.clone()).await;
+        assert_eq!(down.reason(), "matcher_down");
+        assert_eq!(
+            down.to_string(),
+            "the pod matcher is not running (see the log for why)"
+        );
+        let (actor, task) = Actor::spawn(None, Dropping, ()).await.unwrap();
+        handle.set(Some(actor.clone()));
+        let lost = ask(handle).await;
+        assert_eq!(lost.reason(), "matcher_down");
+        assert!(
+            lost.to_string()
+                .starts_with("the pod matcher did not answer: "),
+            "{lost}"
+        );
+        actor.stop(None);
+        task.await.unwrap();
+        let late = no_answer(RactorErr::<()>::Timeout);
+        assert_eq!(late.reason(), "timeout");
+        assert!(
+            late.to_string()
+                .starts_with("the pod matcher did not answer: ")
+        );
     }
 }

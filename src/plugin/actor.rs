@@ -19,13 +19,14 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 
-use super::allocate::ResponseTemplate;
+use super::allocate::{Extras, ResponseTemplate};
+use super::codec::DeviceListMessage;
 use super::placement::Placement;
 use super::registration::{RegisterError, register};
 use super::service::{DevicePluginService, StreamItem};
 use crate::api::lazy::device_plugin_server::DevicePluginServer;
 use crate::config::Config;
-use crate::device::{DeviceListMessage, DeviceModel, Resource};
+use crate::device::{DeviceModel, Resource};
 use crate::metrics::{Metrics, ResourceMetrics};
 
 /// GetPreferredAllocation lists every free ID: hundreds of thousands of
@@ -89,13 +90,32 @@ impl PluginArgs {
             socket: config.device_plugin_dir.join(&endpoint),
             endpoint,
             kubelet_socket: config.kubelet_socket(),
-            template: Arc::new(ResponseTemplate::new(config, r)),
+            template: Arc::new(template(config, r)),
             model,
             placement,
             healthy,
             settle_until: None,
         }
     }
+}
+
+/// What `resource`'s Allocate responses take from the config.
+pub(super) fn template(config: &Config, resource: Resource) -> ResponseTemplate {
+    let mounts = config
+        .allocate
+        .mounts
+        .iter()
+        .map(|m| crate::api::Mount {
+            container_path: m.container_path.display().to_string(),
+            host_path: m.host_path.display().to_string(),
+            read_only: m.read_only,
+        })
+        .collect();
+    let extras = Extras {
+        envs: config.allocate.envs.clone(),
+        mounts,
+    };
+    ResponseTemplate::new(config.amount_env(resource), &extras)
 }
 
 pub enum PluginMsg {
@@ -158,6 +178,31 @@ impl PluginState {
             .metrics
             .registered
             .store(registered.is_some(), Ordering::SeqCst);
+    }
+
+    /// Pod matching was switched on or off, or its wait changed.
+    fn set_placement(&mut self, placement: Placement) {
+        tracing::info!(resource = %self.resource(), ?placement, "placement changed");
+        self.args.placement = placement.clone();
+        self.placement.send_replace(placement);
+    }
+
+    /// Streams the new list when the GPUs' health changed.
+    fn set_health(&mut self, healthy: Arc<[bool]>) {
+        if healthy.len() != self.args.model.gpus().len() || healthy == self.args.healthy {
+            return;
+        }
+        self.args.healthy = healthy;
+        let list = self.list();
+        tracing::info!(
+            resource = %self.resource(),
+            healthy = list.healthy_count(),
+            devices = list.device_count(),
+            "device health changed"
+        );
+        if let Some(server) = &self.server {
+            server.lists.send_replace(StreamItem { list, last: false });
+        }
     }
 }
 
@@ -337,6 +382,140 @@ impl PluginActor {
         }
         Ok(())
     }
+
+    /// Registers generation `generation` unless it is stale, already under
+    /// way or done, settling, or an early trigger inside the backoff window.
+    fn on_register(
+        myself: &ActorRef<PluginMsg>,
+        state: &mut PluginState,
+        generation: u64,
+        scheduled: Option<Instant>,
+    ) -> Result<(), ActorProcessingErr> {
+        if generation != state.generation || state.registering || state.registered.is_some() {
+            return Ok(());
+        }
+        let kubelet = state.args.kubelet_socket.clone();
+        if let Some((until, held_by)) = state.settle {
+            if Instant::now() < until && file_id(&kubelet) == held_by {
+                return Ok(()); // the deferred attempt comes at `until`
+            }
+            state.settle = None;
+        }
+        let on_time = match scheduled {
+            // A retry of a window that has since been replaced.
+            Some(due) => state.retry.due == Some(due),
+            None => state.retry.early(Instant::now()),
+        };
+        if !on_time {
+            return Ok(());
+        }
+        let Some(kubelet_id) = file_id(&kubelet) else {
+            let err = RegisterError::NoKubelet(kubelet.display().to_string());
+            let none = FileId::default();
+            myself.send_message(PluginMsg::Registered(generation, none, Err(err)))?;
+            return Ok(());
+        };
+        state.registering = true;
+        let endpoint = state.args.endpoint.clone();
+        let name = state.args.resource_name.clone();
+        let myself = myself.clone();
+        // Register blocks until the kubelet has dialled us back; the actor
+        // keeps answering meanwhile.
+        tokio::spawn(async move {
+            let result = register(&kubelet, &endpoint, &name).await;
+            let _ = myself.send_message(PluginMsg::Registered(generation, kubelet_id, result));
+        });
+        Ok(())
+    }
+
+    /// The outcome of a registration attempt: registered, or the next
+    /// retry scheduled on the backoff.
+    fn on_registered(
+        myself: &ActorRef<PluginMsg>,
+        state: &mut PluginState,
+        generation: u64,
+        kubelet_id: FileId,
+        result: Result<(), RegisterError>,
+    ) {
+        if generation != state.generation {
+            return;
+        }
+        state.registering = false;
+        let reason = match result {
+            Ok(()) => {
+                state.retry = Retry::default();
+                state.set_registered(Some((kubelet_id, Instant::now())));
+                state
+                    .args
+                    .metrics
+                    .registrations
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::info!(
+                    resource = %state.resource(),
+                    name = %state.args.resource_name,
+                    "registered with the kubelet"
+                );
+                return;
+            }
+            Err(reason) => reason,
+        };
+        let Some(delay) = state.retry.failed(Instant::now()) else {
+            tracing::debug!(
+                resource = %state.resource(),
+                %reason,
+                "early registration attempt failed; the scheduled retry stands"
+            );
+            return;
+        };
+        // Waiting for a kubelet is normal at boot: say it once, calmly.
+        match reason {
+            RegisterError::NoKubelet(_) if state.retry.failures > 1 => {}
+            RegisterError::NoKubelet(_) => tracing::info!(
+                resource = %state.resource(),
+                %reason,
+                "waiting for the kubelet"
+            ),
+            _ => tracing::warn!(
+                resource = %state.resource(),
+                %reason,
+                retry_in_ms = delay.as_millis() as u64,
+                "registration failed"
+            ),
+        }
+        let due = state.retry.due;
+        myself.send_after(delay, move || PluginMsg::Register(generation, due));
+    }
+
+    /// Verifies socket, kubelet and stream; heals what is wrong.
+    async fn on_check(
+        myself: &ActorRef<PluginMsg>,
+        state: &mut PluginState,
+    ) -> Result<(), ActorProcessingErr> {
+        let ours = state.server.as_ref().map(|s| s.socket_id);
+        let kubelet = file_id(&state.args.kubelet_socket);
+        if file_id(&state.args.socket) != ours {
+            // Deleted under a kubelet that still streams from us.
+            let live = state.registered.is_some_and(|(id, _)| Some(id) == kubelet);
+            return Self::restart(myself, state, "socket removed", live).await;
+        }
+        match (kubelet, state.registered) {
+            (Some(now), Some((then, _))) if now != then => {
+                Self::restart(myself, state, "kubelet restarted", false).await
+            }
+            (Some(_), Some((_, at)))
+                if at.elapsed() > STREAM_GRACE && state.args.metrics.streams.open() == 0 =>
+            {
+                let reason = "kubelet closed the ListAndWatch stream";
+                Self::restart(myself, state, reason, false).await
+            }
+            (Some(_), None) if !state.registering => {
+                // A kubelet appeared: no need to sit out the backoff.
+                myself.send_message(PluginMsg::Register(state.generation, None))?;
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
 }
 
 impl Actor for PluginActor {
@@ -375,135 +554,23 @@ impl Actor for PluginActor {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             PluginMsg::Register(generation, scheduled) => {
-                if generation != state.generation || state.registering || state.registered.is_some()
-                {
-                    return Ok(());
-                }
-                let kubelet = state.args.kubelet_socket.clone();
-                if let Some((until, held_by)) = state.settle {
-                    if Instant::now() < until && file_id(&kubelet) == held_by {
-                        return Ok(()); // the deferred attempt comes at `until`
-                    }
-                    state.settle = None;
-                }
-                let on_time = match scheduled {
-                    // A retry of a window that has since been replaced.
-                    Some(due) => state.retry.due == Some(due),
-                    None => state.retry.early(Instant::now()),
-                };
-                if !on_time {
-                    return Ok(());
-                }
-                let Some(kubelet_id) = file_id(&kubelet) else {
-                    let err = RegisterError::NoKubelet(kubelet.display().to_string());
-                    let none = FileId::default();
-                    myself.send_message(PluginMsg::Registered(generation, none, Err(err)))?;
-                    return Ok(());
-                };
-                state.registering = true;
-                let endpoint = state.args.endpoint.clone();
-                let name = state.args.resource_name.clone();
-                // Register blocks until the kubelet has dialled us back; the
-                // actor keeps answering meanwhile.
-                tokio::spawn(async move {
-                    let result = register(&kubelet, &endpoint, &name).await;
-                    let _ =
-                        myself.send_message(PluginMsg::Registered(generation, kubelet_id, result));
-                });
+                Self::on_register(&myself, state, generation, scheduled)
             }
-            PluginMsg::Registered(generation, _, _) if generation != state.generation => {}
-            PluginMsg::Registered(_, kubelet_id, Ok(())) => {
-                state.registering = false;
-                state.retry = Retry::default();
-                state.set_registered(Some((kubelet_id, Instant::now())));
-                state
-                    .args
-                    .metrics
-                    .registrations
-                    .fetch_add(1, Ordering::Relaxed);
-                tracing::info!(
-                    resource = %state.resource(),
-                    name = %state.args.resource_name,
-                    "registered with the kubelet"
-                );
+            PluginMsg::Registered(generation, kubelet_id, result) => {
+                Self::on_registered(&myself, state, generation, kubelet_id, result);
+                Ok(())
             }
-            PluginMsg::Registered(generation, _, Err(reason)) => {
-                state.registering = false;
-                let Some(delay) = state.retry.failed(Instant::now()) else {
-                    tracing::debug!(
-                        resource = %state.resource(),
-                        %reason,
-                        "early registration attempt failed; the scheduled retry stands"
-                    );
-                    return Ok(());
-                };
-                // Waiting for a kubelet is normal at boot: say it once, calmly.
-                match reason {
-                    RegisterError::NoKubelet(_) if state.retry.failures > 1 => {}
-                    RegisterError::NoKubelet(_) => tracing::info!(
-                        resource = %state.resource(),
-                        %reason,
-                        "waiting for the kubelet"
-                    ),
-                    _ => tracing::warn!(
-                        resource = %state.resource(),
-                        %reason,
-                        retry_in_ms = delay.as_millis() as u64,
-                        "registration failed"
-                    ),
-                }
-                let due = state.retry.due;
-                myself.send_after(delay, move || PluginMsg::Register(generation, due));
-            }
-            PluginMsg::Check => {
-                let ours = state.server.as_ref().map(|s| s.socket_id);
-                let kubelet = file_id(&state.args.kubelet_socket);
-                if file_id(&state.args.socket) != ours {
-                    // Deleted under a kubelet that still streams from us.
-                    let live = state.registered.is_some_and(|(id, _)| Some(id) == kubelet);
-                    return Self::restart(&myself, state, "socket removed", live).await;
-                }
-                match (kubelet, state.registered) {
-                    (Some(now), Some((then, _))) if now != then => {
-                        Self::restart(&myself, state, "kubelet restarted", false).await?;
-                    }
-                    (Some(_), Some((_, at)))
-                        if at.elapsed() > STREAM_GRACE
-                            && state.args.metrics.streams.open() == 0 =>
-                    {
-                        let reason = "kubelet closed the ListAndWatch stream";
-                        Self::restart(&myself, state, reason, false).await?;
-                    }
-                    (Some(_), None) if !state.registering => {
-                        // A kubelet appeared: no need to sit out the backoff.
-                        myself.send_message(PluginMsg::Register(state.generation, None))?;
-                    }
-                    _ => {}
-                }
-            }
+            PluginMsg::Check => Self::on_check(&myself, state).await,
             PluginMsg::SetPlacement(placement, reply) => {
-                tracing::info!(resource = %state.resource(), ?placement, "placement changed");
-                state.args.placement = placement.clone();
-                state.placement.send_replace(placement);
+                state.set_placement(placement);
                 let _ = reply.send(());
+                Ok(())
             }
             PluginMsg::SetHealth(healthy) => {
-                if healthy.len() == state.args.model.gpus().len() && healthy != state.args.healthy {
-                    state.args.healthy = healthy;
-                    let list = state.list();
-                    tracing::info!(
-                        resource = %state.resource(),
-                        healthy = list.healthy_count(),
-                        devices = list.device_count(),
-                        "device health changed"
-                    );
-                    if let Some(server) = &state.server {
-                        server.lists.send_replace(StreamItem { list, last: false });
-                    }
-                }
+                state.set_health(healthy);
+                Ok(())
             }
         }
-        Ok(())
     }
 
     async fn post_stop(

@@ -1,41 +1,73 @@
-//! What a container gets (SPEC §4), from the devices the kubelet granted.
-//! Pure: the tonic service validates IDs and calls [`container_response`].
+//! What a container gets, from the devices the kubelet granted: the GPUs'
+//! UUIDs in `NVIDIA_VISIBLE_DEVICES`, and for a shared resource the amount
+//! in the domain's env and the limit the in-container enforcement reads.
+//! Pure: [`ResponseTemplate::response`] is the one place a response is
+//! built, so a new env or mount is added there.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use crate::api::{ContainerAllocateResponse, Mount};
-use crate::config::Config;
 use crate::device::{DeviceModel, DeviceRef, Resource};
 
-/// The per-resource parts of the config an Allocate response needs.
+/// What the operator adds to every container (config `[allocate]`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct Extras {
+    pub envs: BTreeMap<String, String>,
+    pub mounts: Vec<Mount>,
+}
+
+/// One resource's fixed part of every Allocate response.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ResponseTemplate {
+    /// The env carrying a shared grant's amount, e.g. `DOSLAB_IO_GPU_MEMORY`.
     amount_env: String,
     envs: HashMap<String, String>,
     mounts: Vec<Mount>,
 }
 
+/// What a container gets: GPUs (indexes; one for a shared resource) and an
+/// amount in the resource's unit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Grant {
+    pub gpus: Vec<usize>,
+    pub amount: u64,
+}
+
 impl ResponseTemplate {
-    pub fn new(config: &Config, resource: Resource) -> Self {
+    pub(crate) fn new(amount_env: String, extras: &Extras) -> Self {
         let mut envs: HashMap<String, String> = HashMap::from([(
             "NVIDIA_DRIVER_CAPABILITIES".to_owned(),
             "compute,utility".to_owned(),
         )]);
-        envs.extend(config.allocate.envs.clone());
-        let mounts = config
-            .allocate
-            .mounts
-            .iter()
-            .map(|m| Mount {
-                container_path: m.container_path.display().to_string(),
-                host_path: m.host_path.display().to_string(),
-                read_only: m.read_only,
-            })
-            .collect();
+        envs.extend(extras.envs.clone());
         ResponseTemplate {
-            amount_env: config.amount_env(resource),
+            amount_env,
             envs,
-            mounts,
+            mounts: extras.mounts.clone(),
+        }
+    }
+
+    /// The response for `grant` of `model`'s resource.
+    pub(crate) fn response(&self, model: &DeviceModel, grant: &Grant) -> ContainerAllocateResponse {
+        let gpus = model.gpus();
+        let mut envs = self.envs.clone();
+        let uuids: Vec<&str> = grant.gpus.iter().map(|&g| gpus[g].uuid.as_str()).collect();
+        envs.insert("NVIDIA_VISIBLE_DEVICES".into(), uuids.join(","));
+        let shared = model.resource();
+        let amount = grant.amount;
+        if shared != Resource::GpuCount {
+            envs.insert(self.amount_env.clone(), amount.to_string());
+            let (key, value) = if shared == Resource::GpuMemory {
+                ("CUDA_DEVICE_MEMORY_LIMIT_0", format!("{amount}m"))
+            } else {
+                ("CUDA_DEVICE_SM_LIMIT", amount.to_string())
+            };
+            envs.insert(key.into(), value);
+        }
+        ContainerAllocateResponse {
+            envs,
+            mounts: self.mounts.clone(),
+            ..Default::default()
         }
     }
 }
@@ -56,13 +88,22 @@ pub enum AllocateError {
     },
 }
 
-/// The response for one container granted `devices` of `model`'s resource,
-/// its GPUs read from the IDs (no pod matching).
-pub fn container_response(
+impl AllocateError {
+    /// The kind of failure, for `rpc_failures_total{reason}`.
+    pub(crate) fn reason(&self) -> &'static str {
+        match self {
+            AllocateError::Empty => "empty",
+            AllocateError::SpansGpus { .. } => "spans_gpus",
+        }
+    }
+}
+
+/// The grant of `devices` of `model`'s resource, its GPUs read from the
+/// IDs (no pod matching): a shared resource's devices must be on one GPU.
+pub(crate) fn ids_grant(
     model: &DeviceModel,
     devices: &[DeviceRef],
-    template: &ResponseTemplate,
-) -> Result<ContainerAllocateResponse, AllocateError> {
+) -> Result<Grant, AllocateError> {
     let first = devices.first().ok_or(AllocateError::Empty)?;
     let gpus = model.gpus();
     let resource = model.resource();
@@ -76,47 +117,31 @@ pub fn container_response(
             units: devices.len(),
         });
     }
-    let on: Vec<usize> = match resource {
+    let gpus = match resource {
         Resource::GpuCount => devices.iter().map(|d| d.gpu).collect(),
         _ => vec![first.gpu],
     };
-    let amount = devices.len() as u64 * model.unit_amount();
-    Ok(grant_response(model, &on, amount, template))
-}
-
-/// The response for a grant of `amount` (in the resource's unit) on `on`
-/// (GPU indexes; one for a shared resource).
-pub fn grant_response(
-    model: &DeviceModel,
-    on: &[usize],
-    amount: u64,
-    template: &ResponseTemplate,
-) -> ContainerAllocateResponse {
-    let gpus = model.gpus();
-    let mut envs = template.envs.clone();
-    let uuids: Vec<&str> = on.iter().map(|&g| gpus[g].uuid.as_str()).collect();
-    envs.insert("NVIDIA_VISIBLE_DEVICES".into(), uuids.join(","));
-    let shared = model.resource();
-    if shared != Resource::GpuCount {
-        envs.insert(template.amount_env.clone(), amount.to_string());
-        let (key, value) = if shared == Resource::GpuMemory {
-            ("CUDA_DEVICE_MEMORY_LIMIT_0", format!("{amount}m"))
-        } else {
-            ("CUDA_DEVICE_SM_LIMIT", amount.to_string())
-        };
-        envs.insert(key.into(), value);
-    }
-    ContainerAllocateResponse {
-        envs,
-        mounts: template.mounts.clone(),
-        ..Default::default()
-    }
+    Ok(Grant {
+        gpus,
+        amount: devices.len() as u64 * model.unit_amount(),
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Config;
     use crate::device::Plan;
+    use crate::plugin::actor::template;
+
+    /// What the service answers for a container granted `devices`.
+    fn container_response(
+        model: &DeviceModel,
+        devices: &[DeviceRef],
+        template: &ResponseTemplate,
+    ) -> Result<ContainerAllocateResponse, AllocateError> {
+        Ok(template.response(model, &ids_grant(model, devices)?))
+    }
 
     fn setup(extra: &str) -> (Config, Plan) {
         let text = format!(
@@ -137,12 +162,7 @@ mod tests {
     fn memory_grant_sets_uuid_amount_and_limit() {
         let (c, p) = setup("");
         let m = p.model(Resource::GpuMemory).unwrap();
-        let r = container_response(
-            m,
-            &on(1, 10),
-            &ResponseTemplate::new(&c, Resource::GpuMemory),
-        )
-        .unwrap();
+        let r = container_response(m, &on(1, 10), &template(&c, Resource::GpuMemory)).unwrap();
         assert_eq!(r.envs["NVIDIA_VISIBLE_DEVICES"], "GPU-b");
         assert_eq!(r.envs["NVIDIA_DRIVER_CAPABILITIES"], "compute,utility");
         assert_eq!(r.envs["DOSLAB_IO_GPU_MEMORY"], "40");
@@ -155,8 +175,7 @@ mod tests {
         let (c, p) = setup("");
         let m = p.model(Resource::GpuCore).unwrap();
         // 20 devices per GPU: each is 5 %.
-        let r = container_response(m, &on(0, 3), &ResponseTemplate::new(&c, Resource::GpuCore))
-            .unwrap();
+        let r = container_response(m, &on(0, 3), &template(&c, Resource::GpuCore)).unwrap();
         assert_eq!(r.envs["DOSLAB_IO_GPU_CORE"], "15");
         assert_eq!(r.envs["CUDA_DEVICE_SM_LIMIT"], "15");
         assert_eq!(r.envs["NVIDIA_VISIBLE_DEVICES"], "GPU-a");
@@ -167,8 +186,7 @@ mod tests {
         let (c, p) = setup("");
         let m = p.model(Resource::GpuCount).unwrap();
         let both = [DeviceRef { gpu: 1, unit: 0 }, DeviceRef { gpu: 0, unit: 0 }];
-        let r =
-            container_response(m, &both, &ResponseTemplate::new(&c, Resource::GpuCount)).unwrap();
+        let r = container_response(m, &both, &template(&c, Resource::GpuCount)).unwrap();
         assert_eq!(r.envs["NVIDIA_VISIBLE_DEVICES"], "GPU-b,GPU-a");
         assert!(!r.envs.contains_key("DOSLAB_IO_GPU_COUNT"));
     }
@@ -179,14 +197,12 @@ mod tests {
         let m = p.model(Resource::GpuMemory).unwrap();
         let mut d = on(0, 2);
         d.extend(on(1, 1));
-        let e =
-            container_response(m, &d, &ResponseTemplate::new(&c, Resource::GpuMemory)).unwrap_err();
+        let e = container_response(m, &d, &template(&c, Resource::GpuMemory)).unwrap_err();
         assert!(
             e.to_string().contains("GPU-a") && e.to_string().contains("GPU-b"),
             "{e}"
         );
-        let e = container_response(m, &[], &ResponseTemplate::new(&c, Resource::GpuMemory))
-            .unwrap_err();
+        let e = container_response(m, &[], &template(&c, Resource::GpuMemory)).unwrap_err();
         assert_eq!(e, AllocateError::Empty);
     }
 
@@ -196,8 +212,7 @@ mod tests {
                      [[allocate.mounts]]\nhost_path = \"/h\"\ncontainer_path = \"/c\"\nread_only = true";
         let (c, p) = setup(extra);
         let m = p.model(Resource::GpuCore).unwrap();
-        let r = container_response(m, &on(0, 1), &ResponseTemplate::new(&c, Resource::GpuCore))
-            .unwrap();
+        let r = container_response(m, &on(0, 1), &template(&c, Resource::GpuCore)).unwrap();
         assert_eq!(r.envs["NVIDIA_DRIVER_CAPABILITIES"], "all");
         assert_eq!(r.envs["LD_PRELOAD"], "/l.so");
         assert_eq!(r.mounts.len(), 1);

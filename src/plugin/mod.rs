@@ -1,12 +1,20 @@
 //! One plugin per enabled resource: an actor that owns the resource's socket
 //! and tonic server, registers with the kubelet, and streams device lists.
+//!
+//! - `actor`: lifecycle (serve, register, heal, stop).
+//! - `service`: the gRPC adapter (decode, delegate, encode, record).
+//! - `placement`: which devices and GPU a container gets, by the pod
+//!   matcher or by the IDs with `pairing`'s hints.
+//! - `allocate`: the Allocate response built from a grant.
+//! - `codec`: the hand-written prost types for the large messages.
+//! - `registration`: the Register call to the kubelet.
 
 mod actor;
 pub mod allocate;
+pub mod codec;
 mod pairing;
 mod placement;
 mod registration;
-pub mod request;
 pub mod service;
 
 pub use actor::{PluginActor, PluginArgs, PluginMsg, SETTLE};

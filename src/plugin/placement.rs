@@ -1,10 +1,15 @@
-//! How a plugin learns which GPU a container gets: from the pod matcher
-//! (SPEC §3), or, with `pod_matching = false`, from the device IDs alone.
+//! Which devices and GPU a container gets: from the pod matcher, or, with
+//! `pod_matching = false`, from the device IDs alone (with the pairing
+//! book's hints). Both paths sit behind [`Placement::steer`] (for
+//! GetPreferredAllocation) and [`Placement::grant`] (for Allocate), so the
+//! gRPC service only decodes, delegates and encodes.
 
 use std::time::Duration;
 
-use super::pairing::LastShared;
-use crate::matcher::MatcherHandle;
+use super::allocate::{AllocateError, Grant, ids_grant};
+use super::pairing::{LastShared, SplitError};
+use crate::device::{DeviceModel, DeviceRef, Resource, packing};
+use crate::matcher::{MatcherError, MatcherHandle};
 
 #[derive(Debug, Clone)]
 pub enum Placement {
@@ -17,8 +22,29 @@ pub enum Placement {
     },
 }
 
-/// Beyond the matcher's own wait: its queue (one lookup at a time).
-const QUEUE_SLACK: Duration = Duration::from_secs(5);
+/// Why a container gets nothing.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum PlaceError {
+    /// The request itself is wrong (IDs only).
+    #[error(transparent)]
+    Ids(#[from] AllocateError),
+    /// A container's shared resources would come from two GPUs (IDs only).
+    #[error(transparent)]
+    Split(#[from] SplitError),
+    #[error(transparent)]
+    Matcher(#[from] MatcherError),
+}
+
+impl PlaceError {
+    /// The kind of failure, for `rpc_failures_total{reason}`.
+    pub(crate) fn reason(&self) -> &'static str {
+        match self {
+            PlaceError::Ids(e) => e.reason(),
+            PlaceError::Split(_) => "split_container",
+            PlaceError::Matcher(e) => e.reason(),
+        }
+    }
+}
 
 impl Placement {
     /// Whether two placements answer alike (a reload keeps the plugin).
@@ -34,7 +60,53 @@ impl Placement {
         matches!(self, Placement::Matcher { .. })
     }
 
-    pub fn allocate_timeout(wait: Duration) -> Duration {
-        wait + QUEUE_SLACK
+    /// GetPreferredAllocation: `size` devices of `model`'s resource out of
+    /// `available`, with `must`, on the GPU the container will get when
+    /// that is known, and off the GPUs it should keep off.
+    pub(crate) async fn steer(
+        &self,
+        model: &DeviceModel,
+        mut available: Vec<DeviceRef>,
+        must: &[DeviceRef],
+        size: usize,
+    ) -> Vec<DeviceRef> {
+        let resource = model.resource();
+        let steer = match self {
+            Placement::Ids(book) => book.steer(model, &available, size),
+            Placement::Matcher { handle, .. } => handle.prefer(resource, size).await,
+        };
+        available.retain(|d| !steer.avoid.get(d.gpu).copied().unwrap_or(false));
+        match resource {
+            Resource::GpuCount => {
+                packing::whole(&available, must, size, |g| model.gpus()[g].numa_node)
+            }
+            _ => packing::shared(&available, must, size, steer.gpus.first().copied()),
+        }
+    }
+
+    /// Allocate: what a container granted `devices` of `model`'s resource
+    /// gets. `ids` are the same devices as the kubelet named them.
+    pub(crate) async fn grant<'a>(
+        &self,
+        model: &DeviceModel,
+        devices: &[DeviceRef],
+        ids: impl Iterator<Item = &'a str>,
+    ) -> Result<Grant, PlaceError> {
+        match self {
+            Placement::Ids(book) => {
+                let grant = ids_grant(model, devices)?;
+                book.grant(model, devices)?;
+                Ok(grant)
+            }
+            Placement::Matcher { handle, wait } => {
+                let d = handle
+                    .allocate(model.resource(), devices, ids, *wait)
+                    .await?;
+                Ok(Grant {
+                    gpus: d.gpus,
+                    amount: d.amount,
+                })
+            }
+        }
     }
 }

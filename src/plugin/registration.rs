@@ -1,5 +1,8 @@
-//! Registering a plugin with the kubelet (SPEC §2). The kubelet dials the
-//! plugin back inside this call, so the plugin must already be serving.
+//! Registering a plugin with the kubelet (API version, endpoint socket name,
+//! resource name, options; see
+//! <https://kubernetes.io/docs/concepts/extend-kubernetes/compute-storage-net/device-plugins/#device-plugin-registration>).
+//! The kubelet dials the plugin back inside this call, so the plugin must
+//! already be serving.
 
 use std::path::Path;
 use std::time::Duration;

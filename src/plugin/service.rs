@@ -1,9 +1,11 @@
-//! The DevicePlugin gRPC service: a thin adapter from tonic to the device
-//! model, packing and Allocate logic. The plugin actor owns its lifecycle.
+//! The DevicePlugin gRPC service: a thin adapter from tonic to the plugin.
+//! Each RPC decodes the kubelet's IDs, delegates to [`Placement`] and the
+//! [`ResponseTemplate`], encodes the answer and records it in the metrics.
+//! The plugin actor owns its lifecycle.
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use futures::Stream;
@@ -11,17 +13,15 @@ use prost::Message;
 use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 
-use super::allocate::{AllocateError, ResponseTemplate, container_response, grant_response};
-use super::placement::Placement;
-use super::request::{AllocateIdsRequest, Oversize, PreferredRequest};
+use super::allocate::ResponseTemplate;
+use super::codec::{AllocateIdsRequest, DeviceListMessage, Oversize, PreferredRequest};
+use super::placement::{PlaceError, Placement};
 use crate::api::lazy::device_plugin_server::DevicePlugin;
 use crate::api::{
     AllocateResponse, ContainerPreferredAllocationResponse, DevicePluginOptions, Empty,
     PreStartContainerRequest, PreStartContainerResponse, PreferredAllocationResponse,
 };
-use crate::device::{DeviceListMessage, DeviceModel, DeviceRef, IdError, Resource, packing};
-use crate::matcher::ledger::ids_digest;
-use crate::matcher::matching::Ask;
+use crate::device::{DeviceModel, DeviceRef, IdError, Resource};
 use crate::metrics::{ResourceMetrics, Rpc};
 
 /// What ListAndWatch streams: the current list, and whether it is the last
@@ -30,31 +30,6 @@ use crate::metrics::{ResourceMetrics, Rpc};
 pub struct StreamItem {
     pub list: DeviceListMessage,
     pub last: bool,
-}
-
-/// Counts the open ListAndWatch streams, so the plugin can tell when the
-/// kubelet dropped it (it never reconnects by itself).
-#[derive(Debug, Clone, Default)]
-pub struct Streams(Arc<AtomicUsize>);
-
-impl Streams {
-    pub fn open(&self) -> usize {
-        self.0.load(Ordering::SeqCst)
-    }
-
-    pub(super) fn guard(&self) -> StreamGuard {
-        self.0.fetch_add(1, Ordering::SeqCst);
-        StreamGuard(self.0.clone())
-    }
-}
-
-/// Held by a stream for its life.
-pub(super) struct StreamGuard(Arc<AtomicUsize>);
-
-impl Drop for StreamGuard {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
 }
 
 pub fn options() -> DevicePluginOptions {
@@ -124,6 +99,20 @@ impl DevicePluginService {
         })
     }
 
+    /// A wrong request is an invalid argument; a container the plugin
+    /// cannot place is a failed precondition.
+    fn unplaced(&self, e: PlaceError) -> Refusal {
+        let reason = e.reason();
+        let status = match &e {
+            PlaceError::Ids(_) => return self.refuse(reason, e),
+            PlaceError::Split(_) => {
+                Status::failed_precondition(format!("{}: {e}", self.resource()))
+            }
+            PlaceError::Matcher(_) => Status::failed_precondition(e.to_string()),
+        };
+        Refusal(status, reason)
+    }
+
     /// Times and counts an RPC's outcome.
     fn record<T>(
         &self,
@@ -138,40 +127,20 @@ impl DevicePluginService {
             .map_err(|Refusal(status, _)| status)
     }
 
-    async fn preferred(
+    async fn answer_preferred(
         &self,
         request: PreferredRequest,
     ) -> Result<PreferredAllocationResponse, Refusal> {
-        let resource = self.resource();
         let containers = request.containers.checked().map_err(|e| self.oversize(e))?;
         let mut container_responses = Vec::new();
         for req in containers {
-            let mut available = self.decode(req.available.iter())?;
+            let available = self.decode(req.available.iter())?;
             let must = self.decode(req.must_include.iter())?;
             let size = usize::try_from(req.size)
                 .map_err(|_| self.refuse("bad_size", format!("allocation size {}", req.size)))?;
+            tracing::debug!(resource = %self.resource(), available = available.len(), size, "GetPreferredAllocation");
             let placement = self.placement.borrow().clone();
-            let steer = match &placement {
-                Placement::Ids(book) => book.steer(&self.model, &available, size),
-                Placement::Matcher { handle, .. } => {
-                    let ask = Ask {
-                        resource,
-                        devices: size as u64,
-                        digest: None,
-                        id_gpus: Vec::new(),
-                    };
-                    handle.prefer(ask).await
-                }
-            };
-            available.retain(|d| !steer.avoid.get(d.gpu).copied().unwrap_or(false));
-            let prefer = steer.gpus.first().copied();
-            let chosen = match resource {
-                Resource::GpuCount => {
-                    packing::whole(&available, &must, size, |g| self.model.gpus()[g].numa_node)
-                }
-                _ => packing::shared(&available, &must, size, prefer),
-            };
-            tracing::debug!(%resource, available = available.len(), size, "GetPreferredAllocation");
+            let chosen = placement.steer(&self.model, available, &must, size).await;
             container_responses.push(ContainerPreferredAllocationResponse {
                 device_i_ds: chosen.into_iter().map(|d| self.model.id(d)).collect(),
             });
@@ -181,54 +150,24 @@ impl DevicePluginService {
         })
     }
 
-    async fn allocate(&self, request: AllocateIdsRequest) -> Result<AllocateResponse, Refusal> {
-        let resource = self.resource();
+    async fn answer_allocate(
+        &self,
+        request: AllocateIdsRequest,
+    ) -> Result<AllocateResponse, Refusal> {
         let containers = request.containers.checked().map_err(|e| self.oversize(e))?;
         let mut container_responses = Vec::new();
         for req in containers {
             let devices = self.decode(req.ids.iter())?;
+            // Decoded, so every ID is a known (ASCII) one.
+            let ids = req.ids.iter().filter_map(|id| std::str::from_utf8(id).ok());
             let placement = self.placement.borrow().clone();
-            let response = match &placement {
-                Placement::Ids(book) => {
-                    let response = container_response(&self.model, &devices, &self.template)
-                        .map_err(|e| {
-                            let reason = match e {
-                                AllocateError::Empty => "empty",
-                                AllocateError::SpansGpus { .. } => "spans_gpus",
-                            };
-                            self.refuse(reason, e)
-                        })?;
-                    book.grant(&self.model, &devices).map_err(|e| {
-                        let status = Status::failed_precondition(format!("{resource}: {e}"));
-                        Refusal(status, "split_container")
-                    })?;
-                    response
-                }
-                Placement::Matcher { handle, wait } => {
-                    let mut id_gpus: Vec<usize> = Vec::new();
-                    for d in &devices {
-                        if !id_gpus.contains(&d.gpu) {
-                            id_gpus.push(d.gpu);
-                        }
-                    }
-                    let ask = Ask {
-                        resource,
-                        devices: devices.len() as u64,
-                        // Decoded, so every ID is a known (ASCII) one.
-                        digest: Some(ids_digest(
-                            req.ids.iter().filter_map(|id| std::str::from_utf8(id).ok()),
-                        )),
-                        id_gpus,
-                    };
-                    let d = handle
-                        .allocate(ask, Placement::allocate_timeout(*wait))
-                        .await
-                        .map_err(|e| Refusal(Status::failed_precondition(e), "no_match"))?;
-                    grant_response(&self.model, &d.gpus, d.amount, &self.template)
-                }
-            };
+            let grant = placement
+                .grant(&self.model, &devices, ids)
+                .await
+                .map_err(|e| self.unplaced(e))?;
+            let response = self.template.response(&self.model, &grant);
             tracing::info!(
-                %resource,
+                resource = %self.resource(),
                 devices = devices.len(),
                 gpus = %response.envs.get("NVIDIA_VISIBLE_DEVICES").map_or("", String::as_str),
                 "Allocate"
@@ -294,7 +233,7 @@ impl DevicePlugin for DevicePluginService {
         request: Request<PreferredRequest>,
     ) -> Result<Response<PreferredAllocationResponse>, Status> {
         let started = Instant::now();
-        let result = self.preferred(request.into_inner()).await;
+        let result = self.answer_preferred(request.into_inner()).await;
         self.record(Rpc::PreferredAllocation, started, result)
     }
 
@@ -303,7 +242,7 @@ impl DevicePlugin for DevicePluginService {
         request: Request<AllocateIdsRequest>,
     ) -> Result<Response<AllocateResponse>, Status> {
         let started = Instant::now();
-        let result = DevicePluginService::allocate(self, request.into_inner()).await;
+        let result = self.answer_allocate(request.into_inner()).await;
         self.record(Rpc::Allocate, started, result)
     }
 
@@ -312,5 +251,58 @@ impl DevicePlugin for DevicePluginService {
         _: Request<PreStartContainerRequest>,
     ) -> Result<Response<PreStartContainerResponse>, Status> {
         Ok(Response::new(PreStartContainerResponse {}))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::config::Config;
+    use crate::device::Plan;
+    use crate::matcher::MatcherHandle;
+    use crate::metrics::Metrics;
+    use crate::plugin::actor::template;
+
+    #[tokio::test]
+    async fn an_allocate_the_matcher_cannot_serve_is_counted_by_kind() {
+        let text =
+            "[devices]\nbackend = \"mock\"\n[[devices.mock]]\nuuid = \"GPU-a\"\nmemory_mib = 1024";
+        let config = Config::from_toml(text, Some("n".into())).unwrap();
+        let plan = Plan::new(&config, crate::device::discover(&config).unwrap()).unwrap();
+        let model = plan.model(Resource::GpuMemory).unwrap().clone();
+        let metrics = Metrics::default();
+        let (_lists, lists) = watch::channel(StreamItem::default());
+        let (_placement, placement) = watch::channel(Placement::Matcher {
+            handle: MatcherHandle::default(),
+            wait: Duration::from_millis(100),
+        });
+        let service = DevicePluginService::new(
+            model.clone(),
+            Arc::new(template(&config, Resource::GpuMemory)),
+            lists,
+            placement,
+            metrics.resource("doslab.io/gpu-memory"),
+        );
+        let request = crate::api::AllocateRequest {
+            container_requests: vec![crate::api::ContainerAllocateRequest {
+                devices_ids: vec![model.id(DeviceRef { gpu: 0, unit: 0 })],
+            }],
+        };
+        let request = AllocateIdsRequest::decode(request.encode_to_vec().as_slice()).unwrap();
+        let status = DevicePlugin::allocate(&service, Request::new(request))
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), tonic::Code::FailedPrecondition);
+        assert_eq!(
+            status.message(),
+            "the pod matcher is not running (see the log for why)"
+        );
+        let text = metrics.render();
+        assert!(
+            text.contains("rpc=\"allocate\",reason=\"matcher_down\"} 1"),
+            "{text}"
+        );
     }
 }

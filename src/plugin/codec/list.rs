@@ -11,7 +11,7 @@ use prost::DecodeError;
 use prost::bytes::{Buf, BufMut};
 use prost::encoding::{DecodeContext, WireType, encode_key, encode_varint, skip_field};
 
-use super::model::{DeviceModel, HEALTHY, UNHEALTHY, device_len, numa_len, topology_len};
+use crate::device::{DeviceModel, HEALTHY, UNHEALTHY, device_len, numa_len, topology_len};
 
 /// One ListAndWatch message: every device of a model with its GPU's health,
 /// or the empty list a stopping plugin sends.
@@ -111,7 +111,7 @@ impl prost::Message for DeviceListMessage {
 mod tests {
     use super::*;
     use crate::api;
-    use crate::device::model::tests::{config, eager_list, gpu};
+    use crate::device::model_tests::{config, eager_list, gpu};
     use crate::device::{Plan, Resource};
     use prost::Message;
 
