@@ -21,15 +21,6 @@ pub enum Placement {
 const QUEUE_SLACK: Duration = Duration::from_secs(5);
 
 impl Placement {
-    /// Whether two placements answer alike (a reload keeps the plugin).
-    pub fn same_as(&self, other: &Placement) -> bool {
-        match (self, other) {
-            (Placement::Ids(_), Placement::Ids(_)) => true,
-            (Placement::Matcher { wait: a, .. }, Placement::Matcher { wait: b, .. }) => a == b,
-            _ => false,
-        }
-    }
-
     pub fn uses_matcher(&self) -> bool {
         matches!(self, Placement::Matcher { .. })
     }
