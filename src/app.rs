@@ -151,7 +151,7 @@ pub async fn run(
         plan,
         metrics,
     };
-    let (supervisor, handle) = Actor::spawn(Some("supervisor".into()), Supervisor, args)
+    let (supervisor, handle) = Actor::spawn(None, Supervisor, args)
         .await
         .map_err(|e| RunError::Spawn(e.to_string()))?;
     while let Some(Control::Reload) = controls.next().await {

@@ -1,5 +1,6 @@
 //! The health monitor actor: receives the probe thread's rounds, keeps the
-//! tracker, tells the supervisor when health changes.
+//! tracker, reports when health changes. It knows nothing of who listens:
+//! its one outgoing message goes through [`HealthReport`].
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -9,16 +10,20 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use super::probe::{self, ProbeSpec, Round};
 use super::tracker::HealthTracker;
-use crate::supervisor::SupervisorMsg;
 
 pub struct HealthMonitor;
 
+/// Where the monitor sends every change of the GPUs' health (one flag per
+/// GPU, in plan order).
+pub type HealthReport = Arc<dyn Fn(Arc<[bool]>) + Send + Sync>;
+
+#[derive(Clone)]
 pub struct HealthArgs {
     pub spec: ProbeSpec,
     pub uuids: Vec<String>,
     pub poll: Duration,
     pub recovery: Duration,
-    pub supervisor: ActorRef<SupervisorMsg>,
+    pub report: HealthReport,
 }
 
 pub enum HealthMsg {
@@ -28,7 +33,7 @@ pub enum HealthMsg {
 pub struct HealthState {
     uuids: Vec<String>,
     tracker: HealthTracker,
-    supervisor: ActorRef<SupervisorMsg>,
+    report: HealthReport,
     /// Tells the probe thread to end (it also ends when we are gone).
     stop: Arc<AtomicBool>,
 }
@@ -56,7 +61,7 @@ impl Actor for HealthMonitor {
         Ok(HealthState {
             tracker: HealthTracker::new(args.uuids.len(), args.recovery),
             uuids: args.uuids,
-            supervisor: args.supervisor,
+            report: args.report,
             stop,
         })
     }
@@ -82,7 +87,7 @@ impl Actor for HealthMonitor {
                     _ => {}
                 }
             }
-            let _ = state.supervisor.send_message(SupervisorMsg::Health(now));
+            (state.report)(now);
         }
         Ok(())
     }
@@ -94,5 +99,41 @@ impl Actor for HealthMonitor {
     ) -> Result<(), ActorProcessingErr> {
         state.stop.store(true, Ordering::SeqCst);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::sync::mpsc;
+
+    const WAIT: Duration = Duration::from_secs(10);
+
+    #[tokio::test]
+    async fn reports_a_gpu_failing_and_recovering_to_whoever_listens() {
+        let dir = tempfile::tempdir().unwrap();
+        let (tx, mut reports) = mpsc::unbounded_channel();
+        let args = HealthArgs {
+            spec: ProbeSpec::Mock {
+                dir: Some(dir.path().to_owned()),
+            },
+            uuids: vec!["GPU-a".into(), "GPU-b".into()],
+            poll: Duration::from_millis(10),
+            recovery: Duration::ZERO,
+            report: Arc::new(move |healthy| {
+                let _ = tx.send(healthy);
+            }),
+        };
+        let (monitor, handle) = Actor::spawn(None, HealthMonitor, args).await.unwrap();
+        let mut next = async || {
+            let r = tokio::time::timeout(WAIT, reports.recv()).await;
+            r.expect("no report").expect("monitor gone")
+        };
+        std::fs::write(dir.path().join("GPU-b"), "").unwrap();
+        assert_eq!(*next().await, [true, false]);
+        std::fs::remove_file(dir.path().join("GPU-b")).unwrap();
+        assert_eq!(*next().await, [true, true]);
+        monitor.stop(None);
+        handle.await.unwrap();
     }
 }

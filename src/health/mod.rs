@@ -1,14 +1,14 @@
 //! GPU health. A probe thread checks the GPUs (NVML: critical XID events and
 //! a query that fails when a GPU fell off the bus; mock: a file per UUID in
 //! `health.mock_dir`), the monitor actor turns its rounds into Healthy /
-//! Unhealthy with a recovery window, and the supervisor pushes every change
-//! to all plugins, whose ListAndWatch streams send the new list.
+//! Unhealthy with a recovery window and reports every change (the supervisor
+//! pushes it to all plugins, whose ListAndWatch streams send the new list).
 
 mod actor;
 mod probe;
 mod tracker;
 
-pub use actor::{HealthArgs, HealthMonitor, HealthMsg};
+pub use actor::{HealthArgs, HealthMonitor, HealthMsg, HealthReport};
 pub use probe::{HealthMode, ProbeSpec};
 pub use tracker::HealthTracker;
 

@@ -6,7 +6,6 @@
 //! moves on, and plugins never talk to it.
 
 use std::path::PathBuf;
-use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Node;
@@ -41,12 +40,6 @@ impl InventoryArgs {
             published,
         }
     }
-
-    /// Whether a publisher started with `other` would talk to the same
-    /// Node through the same credentials (the inventory itself is sent).
-    pub fn same_target(&self, other: &InventoryArgs) -> bool {
-        (&self.node_name, &self.kubeconfig) == (&other.node_name, &other.kubeconfig)
-    }
 }
 
 pub enum InventoryMsg {
@@ -54,24 +47,6 @@ pub enum InventoryMsg {
     Publish(Published),
     /// Bring the Node in line (at start, and the backoff's retries).
     Sync,
-}
-
-/// The supervisor's way to reach the running publisher, if any.
-#[derive(Debug, Clone, Default)]
-pub struct InventoryHandle(Arc<RwLock<Option<ActorRef<InventoryMsg>>>>);
-
-impl InventoryHandle {
-    pub fn set(&self, actor: Option<ActorRef<InventoryMsg>>) {
-        *self.0.write().expect("inventory handle poisoned") = actor;
-    }
-
-    /// Hands the publisher a new inventory; without one running, the next
-    /// one starts from the supervisor's current state anyway.
-    pub fn publish(&self, published: Published) {
-        if let Some(actor) = self.0.read().expect("inventory handle poisoned").as_ref() {
-            let _ = actor.send_message(InventoryMsg::Publish(published));
-        }
-    }
 }
 
 pub struct InventoryState {

@@ -9,7 +9,7 @@
 
 mod actor;
 
-pub use actor::{InventoryArgs, InventoryHandle, InventoryMsg, InventoryPublisher};
+pub use actor::{InventoryArgs, InventoryMsg, InventoryPublisher};
 
 use std::collections::BTreeMap;
 

@@ -1,21 +1,25 @@
 //! The watcher actor. It does not decide anything: on every relevant event
-//! and on every tick it asks the supervisor to have each plugin `Check`
-//! itself, which is idempotent, so a burst of events costs a few `stat`s.
+//! and on every tick it sends its one message, [`CheckPlugins`] (the
+//! supervisor has each plugin `Check` itself, which is idempotent, so a
+//! burst of events costs a few `stat`s).
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use notify::{EventKind, RecommendedWatcher, RecursiveMode, Watcher};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
 
-use crate::supervisor::SupervisorMsg;
-
 pub struct KubeletWatcher;
 
+/// Asks for every plugin to check its socket, kubelet and stream.
+pub type CheckPlugins = Arc<dyn Fn() + Send + Sync>;
+
+#[derive(Clone)]
 pub struct WatcherArgs {
     pub dir: PathBuf,
-    pub supervisor: ActorRef<SupervisorMsg>,
+    pub check: CheckPlugins,
     /// The periodic check, for events the filesystem did not deliver.
     pub tick: Duration,
 }
@@ -26,7 +30,7 @@ pub enum WatcherMsg {
 }
 
 pub struct WatcherState {
-    supervisor: ActorRef<SupervisorMsg>,
+    check: CheckPlugins,
     _watcher: RecommendedWatcher,
     ticker: JoinHandle<()>,
 }
@@ -69,7 +73,7 @@ impl Actor for KubeletWatcher {
         let ticker = myself.send_interval(args.tick, || WatcherMsg::Changed);
         tracing::info!(dir = %args.dir.display(), "watching the device-plugin directory");
         Ok(WatcherState {
-            supervisor: args.supervisor,
+            check: args.check,
             _watcher: watcher,
             ticker,
         })
@@ -82,10 +86,7 @@ impl Actor for KubeletWatcher {
         state: &mut WatcherState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            WatcherMsg::Changed => {
-                // A stopped supervisor is shutting down: nothing to heal.
-                let _ = state.supervisor.send_message(SupervisorMsg::CheckPlugins);
-            }
+            WatcherMsg::Changed => (state.check)(),
         }
         Ok(())
     }
@@ -97,5 +98,44 @@ impl Actor for KubeletWatcher {
     ) -> Result<(), ActorProcessingErr> {
         state.ticker.abort();
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::sync::mpsc;
+
+    const WAIT: Duration = Duration::from_secs(10);
+
+    async fn watch(dir: &std::path::Path, tick: Duration) -> mpsc::UnboundedReceiver<()> {
+        let (tx, checks) = mpsc::unbounded_channel();
+        let args = WatcherArgs {
+            dir: dir.to_owned(),
+            check: Arc::new(move || {
+                let _ = tx.send(());
+            }),
+            tick,
+        };
+        Actor::spawn(None, KubeletWatcher, args).await.unwrap();
+        checks
+    }
+
+    #[tokio::test]
+    async fn a_socket_appearing_asks_for_a_check() {
+        let dir = tempfile::tempdir().unwrap();
+        // No tick within the test: only the filesystem event can ask.
+        let mut checks = watch(dir.path(), Duration::from_secs(3600)).await;
+        std::fs::write(dir.path().join("kubelet.sock"), "").unwrap();
+        let asked = tokio::time::timeout(WAIT, checks.recv()).await;
+        assert_eq!(asked, Ok(Some(())));
+    }
+
+    #[tokio::test]
+    async fn the_tick_asks_for_a_check_without_any_event() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut checks = watch(dir.path(), Duration::from_millis(20)).await;
+        let asked = tokio::time::timeout(WAIT, checks.recv()).await;
+        assert_eq!(asked, Ok(Some(())));
     }
 }

@@ -5,4 +5,4 @@
 
 mod actor;
 
-pub use actor::{KubeletWatcher, WatcherArgs, WatcherMsg};
+pub use actor::{CheckPlugins, KubeletWatcher, WatcherArgs, WatcherMsg};

@@ -54,23 +54,6 @@ impl MatcherArgs {
             metrics,
         }
     }
-
-    /// Whether a matcher started with `other` would behave the same.
-    pub fn same_as(&self, other: &MatcherArgs) -> bool {
-        (
-            &self.node_name,
-            &self.node,
-            &self.keys,
-            self.wait,
-            &self.kubeconfig,
-        ) == (
-            &other.node_name,
-            &other.node,
-            &other.keys,
-            other.wait,
-            &other.kubeconfig,
-        )
-    }
 }
 
 /// What `/readyz` calls the matcher.

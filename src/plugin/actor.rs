@@ -63,17 +63,6 @@ pub struct PluginArgs {
 }
 
 impl PluginArgs {
-    /// Whether a reload can keep the running plugin: same devices, names,
-    /// paths and responses (health and placement are pushed to a running
-    /// plugin instead).
-    pub fn serves_like(&self, other: &PluginArgs) -> bool {
-        self.model == other.model
-            && self.resource_name == other.resource_name
-            && self.socket == other.socket
-            && self.kubelet_socket == other.kubelet_socket
-            && self.template == other.template
-    }
-
     pub fn new(
         config: &Config,
         model: Arc<DeviceModel>,

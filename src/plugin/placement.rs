@@ -47,15 +47,6 @@ impl PlaceError {
 }
 
 impl Placement {
-    /// Whether two placements answer alike (a reload keeps the plugin).
-    pub fn same_as(&self, other: &Placement) -> bool {
-        match (self, other) {
-            (Placement::Ids(_), Placement::Ids(_)) => true,
-            (Placement::Matcher { wait: a, .. }, Placement::Matcher { wait: b, .. }) => a == b,
-            _ => false,
-        }
-    }
-
     pub fn uses_matcher(&self) -> bool {
         matches!(self, Placement::Matcher { .. })
     }

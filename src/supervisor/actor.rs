@@ -1,21 +1,27 @@
-//! The supervisor actor. Its children are linked, so their ends arrive in
-//! `handle_supervisor_evt`; ractor's default there would stop the
+//! The supervisor actor: restart policy and message handling. Which
+//! children there are and how each is built live in `children`; what a
+//! reload changes, in `reload`. Its children are linked, so their ends
+//! arrive in `handle_supervisor_evt`; ractor's default there would stop the
 //! supervisor itself, which is exactly what must not happen.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent, call_t};
+use ractor::{
+    Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent, call_t,
+};
 
+use super::children::{Args, Child, Shared, Spawned, wanted};
+use super::reload;
 use crate::config::Config;
 use crate::device::{Plan, Resource};
-use crate::health::{HealthArgs, HealthMonitor, ProbeSpec};
-use crate::inventory::{InventoryArgs, InventoryHandle, InventoryPublisher, Published};
-use crate::kubelet_watch::{KubeletWatcher, WatcherArgs};
-use crate::matcher::{self, MatcherArgs, MatcherHandle, PodMatcher};
+use crate::health::HealthReport;
+use crate::inventory::{InventoryMsg, Published};
+use crate::kubelet_watch::CheckPlugins;
+use crate::matcher::{self, MatcherHandle};
 use crate::metrics::{Hold, Metrics};
-use crate::plugin::{LastShared, Placement, PluginActor, PluginArgs, PluginMsg, SETTLE};
+use crate::plugin::{LastShared, Placement, PluginMsg, SETTLE};
 
 /// A child that ran this long works again: its backoff starts afresh and
 /// it no longer holds readiness back.
@@ -24,8 +30,6 @@ const STABLE_AFTER: Duration = Duration::from_secs(60);
 const FAILING_AFTER: u32 = 3;
 /// How long a stopping child may take (a plugin ends its stream and server).
 const CHILD_STOP_TIMEOUT: Duration = Duration::from_secs(4);
-/// The watcher's periodic check, for filesystem events that never came.
-const WATCH_TICK: Duration = Duration::from_secs(5);
 
 pub struct Supervisor;
 
@@ -33,27 +37,6 @@ pub struct SupervisorArgs {
     pub config: Config,
     pub plan: Plan,
     pub metrics: Arc<Metrics>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Child {
-    Matcher,
-    Plugin(Resource),
-    Watcher,
-    Health,
-    Inventory,
-}
-
-impl std::fmt::Display for Child {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Child::Matcher => f.write_str("pod matcher"),
-            Child::Plugin(r) => write!(f, "plugin {r}"),
-            Child::Watcher => f.write_str("kubelet watcher"),
-            Child::Health => f.write_str("health monitor"),
-            Child::Inventory => f.write_str("inventory publisher"),
-        }
-    }
 }
 
 pub enum SupervisorMsg {
@@ -67,24 +50,16 @@ pub enum SupervisorMsg {
     Reload(Box<(Config, Plan)>),
     /// A child that was failing may have run STABLE_AFTER by now.
     Stable(Child),
+    /// The running children, each with its actor: which ones a reload
+    /// restarted or a crash brought back shows in their ids.
+    Children(RpcReplyPort<BTreeMap<Child, ActorCell>>),
 }
 
 struct Running {
-    cell: ActorCell,
+    spawned: Spawned,
     started: Instant,
-    /// For plugins: what it serves, to tell a changed one on reload.
-    plugin: Option<(ActorRef<PluginMsg>, PluginArgs)>,
-}
-
-impl Running {
-    /// A child the supervisor only starts and stops.
-    fn untyped(cell: ActorCell) -> Running {
-        Running {
-            cell,
-            started: Instant::now(),
-            plugin: None,
-        }
-    }
+    /// What it was started with, to tell what a reload changes.
+    args: Args,
 }
 
 pub struct SupervisorState {
@@ -93,9 +68,11 @@ pub struct SupervisorState {
     pairing: LastShared,
     /// Filled while the pod matcher runs; every plugin holds a clone.
     matcher: MatcherHandle,
-    inventory: InventoryHandle,
     healthy: Arc<[bool]>,
     metrics: Arc<Metrics>,
+    /// The children's two messages to the supervisor.
+    report_health: HealthReport,
+    check_plugins: CheckPlugins,
     children: BTreeMap<Child, Running>,
     /// Consecutive quick failures per child, for the backoff.
     failures: BTreeMap<Child, u32>,
@@ -125,15 +102,16 @@ impl SupervisorState {
         self.steady(child);
     }
 
-    fn plugin_args(&self, resource: Resource) -> Option<PluginArgs> {
-        let model = self.plan.model(resource)?.clone();
-        Some(PluginArgs::new(
-            &self.config,
-            model,
-            self.placement(),
-            self.healthy.clone(),
-            &self.metrics,
-        ))
+    /// `child`'s arguments under the current config and plan.
+    fn args(&self, child: Child) -> Option<Args> {
+        let shared = Shared {
+            metrics: &self.metrics,
+            healthy: &self.healthy,
+            placement: self.placement(),
+            report_health: &self.report_health,
+            check_plugins: &self.check_plugins,
+        };
+        Args::new(child, &self.config, &self.plan, &shared)
     }
 
     /// How plugins place containers under the current config.
@@ -148,113 +126,62 @@ impl SupervisorState {
         }
     }
 
-    fn published(&self) -> Published {
-        Published::of(&self.config, self.plan.gpus(), &self.healthy)
-    }
-
-    fn matcher_args(&self) -> MatcherArgs {
-        MatcherArgs::new(&self.config, self.plan.gpus(), self.metrics.clone())
-    }
-
-    /// In start order: the matcher before the plugins that ask it.
-    fn wanted(&self) -> Vec<Child> {
-        let mut children: Vec<Child> = self
-            .config
-            .pod_matching
-            .then_some(Child::Matcher)
-            .into_iter()
-            .collect();
-        children.extend(self.plan.models().map(|m| Child::Plugin(m.resource())));
-        children.extend([Child::Watcher, Child::Health]);
-        // The inventory invites placements only a pod-matching node honours.
-        if self.config.pod_matching {
-            children.push(Child::Inventory);
-        }
-        children
-    }
-
     fn remove(&mut self, child: Child) -> Option<Running> {
-        match child {
-            Child::Matcher => self.matcher.set(None),
-            Child::Inventory => self.inventory.set(None),
-            _ => {}
+        if child == Child::Matcher {
+            self.matcher.set(None);
         }
         self.children.remove(&child)
     }
 
+    /// Hands the running inventory publisher what the Node should carry now
+    /// (it patches only when that differs).
+    fn publish_inventory(&self) {
+        for running in self.children.values() {
+            if let Spawned::Inventory(actor) = &running.spawned {
+                let published = Published::of(&self.config, self.plan.gpus(), &self.healthy);
+                let _ = actor.send_message(InventoryMsg::Publish(published));
+            }
+        }
+    }
+
     fn plugins(&self) -> impl Iterator<Item = &ActorRef<PluginMsg>> {
-        self.children
-            .values()
-            .filter_map(|r| r.plugin.as_ref().map(|(a, _)| a))
+        self.children.values().filter_map(|r| match &r.spawned {
+            Spawned::Plugin(actor) => Some(actor),
+            _ => None,
+        })
     }
 }
 
 impl Supervisor {
     async fn start(myself: &ActorRef<SupervisorMsg>, state: &mut SupervisorState, child: Child) {
-        if state.children.contains_key(&child) || !state.wanted().contains(&child) {
+        if state.children.contains_key(&child) {
             return;
         }
-        let name = Some(child.to_string());
-        let supervisor = myself.get_cell();
-        let spawned: Result<Running, String> = match child {
-            Child::Plugin(r) => {
-                let Some(mut args) = state.plugin_args(r) else {
-                    return;
-                };
-                args.settle_until = state.settling.remove(&r);
-                Actor::spawn_linked(name, PluginActor, args.clone(), supervisor)
-                    .await
-                    .map(|(actor, _)| Running {
-                        cell: actor.get_cell(),
-                        started: Instant::now(),
-                        plugin: Some((actor, args)),
-                    })
-                    .map_err(|e| e.to_string())
+        let Some(mut args) = state.args(child) else {
+            return; // no longer wanted
+        };
+        match (&mut args, child) {
+            (Args::Plugin(plugin), Child::Plugin(r)) => {
+                plugin.settle_until = state.settling.remove(&r);
             }
-            Child::Matcher => {
+            (Args::Matcher(_), _) => {
                 let why = "has not synced its pod cache with the API server";
                 let metrics = &state.metrics;
                 metrics.hold(matcher::READY_NAME, Hold::Waiting, Some(why.into()));
-                let args = state.matcher_args();
-                Actor::spawn_linked(name, PodMatcher, args, supervisor)
-                    .await
-                    .map(|(a, _)| {
-                        state.matcher.set(Some(a.clone()));
-                        Running::untyped(a.get_cell())
-                    })
-                    .map_err(|e| e.to_string())
             }
-            Child::Watcher => {
-                let args = WatcherArgs {
-                    dir: state.config.device_plugin_dir.clone(),
-                    supervisor: myself.clone(),
-                    tick: WATCH_TICK,
+            _ => {}
+        }
+        match args.clone().spawn(child, myself.get_cell()).await {
+            Ok(spawned) => {
+                if let Spawned::Matcher(actor) = &spawned {
+                    state.matcher.set(Some(actor.clone()));
+                }
+                let started = Instant::now();
+                let running = Running {
+                    spawned,
+                    started,
+                    args,
                 };
-                Actor::spawn_linked(name, KubeletWatcher, args, supervisor)
-                    .await
-                    .map(|(a, _)| Running::untyped(a.get_cell()))
-                    .map_err(|e| e.to_string())
-            }
-            Child::Health => {
-                let args = health_args(myself, state);
-                Actor::spawn_linked(name, HealthMonitor, args, supervisor)
-                    .await
-                    .map(|(a, _)| Running::untyped(a.get_cell()))
-                    .map_err(|e| e.to_string())
-            }
-            Child::Inventory => {
-                let args = InventoryArgs::new(&state.config, state.published());
-                Actor::spawn_linked(name, InventoryPublisher, args, supervisor)
-                    .await
-                    .map(|(a, _)| {
-                        state.inventory.set(Some(a.clone()));
-                        Running::untyped(a.get_cell())
-                    })
-                    .map_err(|e| e.to_string())
-            }
-        };
-        match spawned {
-            Ok(running) => {
                 state.children.insert(child, running);
                 if state.failures.contains_key(&child) {
                     myself.send_after(STABLE_AFTER, move || SupervisorMsg::Stable(child));
@@ -293,13 +220,7 @@ impl Supervisor {
         state.release(child);
         if let Some(running) = state.remove(child) {
             tracing::info!(%child, reason = why, "stopping");
-            if let Err(e) = running
-                .cell
-                .stop_and_wait(Some(why.to_owned()), Some(CHILD_STOP_TIMEOUT))
-                .await
-            {
-                tracing::warn!(%child, error = %e, "did not stop cleanly");
-            }
+            stop_and_wait(child, &running, why).await;
         }
     }
 
@@ -309,14 +230,17 @@ impl Supervisor {
         config: Config,
         plan: Plan,
     ) {
-        let old_dir = state.config.device_plugin_dir.clone();
-        let old_gpus = state.plan.gpus().to_vec();
-        let old_health = (state.config.health.clone(), state.config.devices.backend);
-        let old_matcher = state.matcher_args();
-        let old_inventory = InventoryArgs::new(&state.config, state.published());
+        let uuids = |plan: &Plan| {
+            plan.gpus()
+                .iter()
+                .map(|g| g.uuid.clone())
+                .collect::<Vec<_>>()
+        };
+        let old_uuids = uuids(&state.plan);
         state.config = config;
         state.plan = plan;
-        if state.plan.gpus() != old_gpus.as_slice() {
+        // Health is per GPU: it holds while the GPUs are the same ones.
+        if uuids(&state.plan) != old_uuids {
             state.healthy = vec![true; state.plan.gpus().len()].into();
         }
         let names: Vec<String> = state
@@ -330,51 +254,21 @@ impl Supervisor {
         Self::push_placements(state, false).await;
         let running: Vec<Child> = state.children.keys().copied().collect();
         for child in running {
-            let reason = match child {
-                Child::Plugin(r) => {
-                    let wanted = state.plugin_args(r);
-                    let running = state
-                        .children
-                        .get_mut(&child)
-                        .and_then(|c| c.plugin.as_mut());
-                    match (running, wanted) {
-                        (_, None) => Some("disabled by reload"),
-                        (Some((_, old)), Some(new)) if !old.serves_like(&new) => {
-                            Some("changed by reload")
-                        }
-                        _ => None,
-                    }
-                }
-                Child::Matcher if !state.config.pod_matching => Some("disabled by reload"),
-                Child::Matcher => {
-                    (!state.matcher_args().same_as(&old_matcher)).then_some("changed by reload")
-                }
-                Child::Watcher => {
-                    (state.config.device_plugin_dir != old_dir).then_some("directory changed")
-                }
-                Child::Health => {
-                    let now = (state.config.health.clone(), state.config.devices.backend);
-                    (now != old_health || state.plan.gpus() != old_gpus.as_slice())
-                        .then_some("health settings changed")
-                }
-                Child::Inventory if !state.config.pod_matching => Some("disabled by reload"),
-                Child::Inventory => {
-                    let now = InventoryArgs::new(&state.config, state.published());
-                    (!now.same_target(&old_inventory)).then_some("changed by reload")
-                }
+            let wanted = state.args(child);
+            let Some(reason) = reload::restart(&state.children[&child].args, wanted.as_ref())
+            else {
+                continue;
             };
-            if let Some(reason) = reason {
-                // Stopped and awaited before its successor starts: the old
-                // stream ends before the new registration (kubernetes#121994).
-                Self::stop(state, child, reason).await;
-                if let Child::Plugin(r) = child {
-                    state.settling.insert(r, Instant::now() + SETTLE);
-                }
+            // Stopped and awaited before its successor starts: the old
+            // stream ends before the new registration (kubernetes#121994).
+            Self::stop(state, child, reason).await;
+            if let Child::Plugin(r) = child {
+                state.settling.insert(r, Instant::now() + SETTLE);
             }
         }
         // A child waiting out a restart backoff that is no longer wanted
         // holds nothing back any more.
-        let wanted = state.wanted();
+        let wanted = wanted(&state.config, &state.plan);
         let dropped: Vec<Child> = (state.failures.keys())
             .filter(|c| !wanted.contains(c))
             .copied()
@@ -389,7 +283,7 @@ impl Supervisor {
             }
         }
         Self::push_placements(state, true).await;
-        state.inventory.publish(state.published());
+        state.publish_inventory();
         tracing::info!(
             resources = ?state.plan.models().map(|m| m.resource().name()).collect::<Vec<_>>(),
             "config reloaded"
@@ -406,8 +300,9 @@ impl Supervisor {
         }
         let mut pushes = Vec::new();
         for running in state.children.values_mut() {
-            if let Some((actor, args)) = &mut running.plugin
-                && !args.placement.same_as(&new)
+            if let (Spawned::Plugin(actor), Args::Plugin(args)) =
+                (&running.spawned, &mut running.args)
+                && reload::repoint(&args.placement, &new)
             {
                 args.placement = new.clone();
                 pushes.push(actor.clone());
@@ -421,14 +316,13 @@ impl Supervisor {
     }
 }
 
-fn health_args(myself: &ActorRef<SupervisorMsg>, state: &SupervisorState) -> HealthArgs {
-    let h = &state.config.health;
-    HealthArgs {
-        spec: ProbeSpec::new(&state.config),
-        uuids: state.plan.gpus().iter().map(|g| g.uuid.clone()).collect(),
-        poll: Duration::from_millis(h.poll_ms),
-        recovery: Duration::from_millis(h.recovery_ms),
-        supervisor: myself.clone(),
+async fn stop_and_wait(child: Child, running: &Running, why: &str) {
+    let cell = running.spawned.cell();
+    if let Err(e) = cell
+        .stop_and_wait(Some(why.to_owned()), Some(CHILD_STOP_TIMEOUT))
+        .await
+    {
+        tracing::warn!(%child, error = %e, "did not stop cleanly");
     }
 }
 
@@ -442,19 +336,29 @@ impl Actor for Supervisor {
         myself: ActorRef<SupervisorMsg>,
         args: SupervisorArgs,
     ) -> Result<SupervisorState, ActorProcessingErr> {
+        let me = myself.clone();
+        let report_health: HealthReport = Arc::new(move |healthy| {
+            let _ = me.send_message(SupervisorMsg::Health(healthy));
+        });
+        let me = myself.clone();
+        let check_plugins: CheckPlugins = Arc::new(move || {
+            // A stopped supervisor is shutting down: nothing to heal.
+            let _ = me.send_message(SupervisorMsg::CheckPlugins);
+        });
         let mut state = SupervisorState {
             healthy: vec![true; args.plan.gpus().len()].into(),
+            report_health,
+            check_plugins,
             config: args.config,
             plan: args.plan,
             metrics: args.metrics,
             pairing: LastShared::default(),
             matcher: MatcherHandle::default(),
-            inventory: InventoryHandle::default(),
             children: BTreeMap::new(),
             failures: BTreeMap::new(),
             settling: BTreeMap::new(),
         };
-        for child in state.wanted() {
+        for child in wanted(&state.config, &state.plan) {
             Self::start(&myself, &mut state, child).await;
         }
         Ok(state)
@@ -479,7 +383,7 @@ impl Actor for Supervisor {
                     for plugin in state.plugins() {
                         let _ = plugin.send_message(PluginMsg::SetHealth(state.healthy.clone()));
                     }
-                    state.inventory.publish(state.published());
+                    state.publish_inventory();
                 }
             }
             SupervisorMsg::Reload(new) => {
@@ -494,6 +398,10 @@ impl Actor for Supervisor {
                 {
                     state.steady(child);
                 }
+            }
+            SupervisorMsg::Children(reply) => {
+                let cells = state.children.iter();
+                let _ = reply.send(cells.map(|(c, r)| (*c, r.spawned.cell())).collect());
             }
         }
         Ok(())
@@ -515,7 +423,7 @@ impl Actor for Supervisor {
         let Some(child) = state
             .children
             .iter()
-            .find(|(_, r)| r.cell.get_id() == cell.get_id())
+            .find(|(_, r)| r.spawned.cell().get_id() == cell.get_id())
             .map(|(c, _)| *c)
         else {
             return Ok(()); // stopped on purpose
@@ -534,15 +442,8 @@ impl Actor for Supervisor {
         state: &mut SupervisorState,
     ) -> Result<(), ActorProcessingErr> {
         let children = std::mem::take(&mut state.children);
-        let stops = children.into_iter().map(|(child, running)| async move {
-            if let Err(e) = running
-                .cell
-                .stop_and_wait(Some("shutdown".into()), Some(CHILD_STOP_TIMEOUT))
-                .await
-            {
-                tracing::warn!(%child, error = %e, "did not stop cleanly");
-            }
-        });
+        let stops =
+            (children.iter()).map(|(child, running)| stop_and_wait(*child, running, "shutdown"));
         futures::future::join_all(stops).await;
         Ok(())
     }

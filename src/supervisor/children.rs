@@ -1,0 +1,232 @@
+//! The supervisor's children: which ones the config and plan call for, the
+//! one way each one's arguments are built, and how each is spawned. Adding
+//! a child is a variant of [`Child`] and one arm in each `match` here; the
+//! compiler points at every one.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SpawnErr, SupervisionEvent};
+use tracing::Instrument;
+
+use crate::config::Config;
+use crate::device::{Plan, Resource};
+use crate::health::{HealthArgs, HealthMonitor, HealthReport, ProbeSpec};
+use crate::inventory::{InventoryArgs, InventoryMsg, InventoryPublisher, Published};
+use crate::kubelet_watch::{CheckPlugins, KubeletWatcher, WatcherArgs};
+use crate::matcher::{MatcherArgs, MatcherMsg, PodMatcher};
+use crate::metrics::Metrics;
+use crate::plugin::{Placement, PluginActor, PluginArgs, PluginMsg};
+
+/// The watcher's periodic check, for filesystem events that never came.
+const WATCH_TICK: Duration = Duration::from_secs(5);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Child {
+    Matcher,
+    Plugin(Resource),
+    Inventory,
+    Watcher,
+    Health,
+}
+
+impl std::fmt::Display for Child {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Child::Matcher => f.write_str("pod matcher"),
+            Child::Plugin(r) => write!(f, "plugin {r}"),
+            Child::Inventory => f.write_str("inventory publisher"),
+            Child::Watcher => f.write_str("kubelet watcher"),
+            Child::Health => f.write_str("health monitor"),
+        }
+    }
+}
+
+/// The children `config` and `plan` call for, in start order: the matcher
+/// before the plugins that ask it. The inventory on the Node serves the
+/// scheduler extender, whose assignments only a matching node honours.
+pub(crate) fn wanted(config: &Config, plan: &Plan) -> Vec<Child> {
+    let mut children: Vec<Child> = config
+        .pod_matching
+        .then_some(Child::Matcher)
+        .into_iter()
+        .collect();
+    children.extend(plan.models().map(|m| Child::Plugin(m.resource())));
+    if config.pod_matching {
+        children.push(Child::Inventory);
+    }
+    children.extend([Child::Watcher, Child::Health]);
+    children
+}
+
+/// What the supervisor keeps across its children's lives and hands to
+/// them, beside the config and plan.
+pub(crate) struct Shared<'a> {
+    pub metrics: &'a Arc<Metrics>,
+    pub healthy: &'a Arc<[bool]>,
+    pub placement: Placement,
+    pub report_health: &'a HealthReport,
+    pub check_plugins: &'a CheckPlugins,
+}
+
+/// One child's arguments.
+#[derive(Clone)]
+pub(crate) enum Args {
+    Matcher(MatcherArgs),
+    Plugin(PluginArgs),
+    Inventory(InventoryArgs),
+    Watcher(WatcherArgs),
+    Health(HealthArgs),
+}
+
+/// A spawned child, by its typed address where the supervisor talks to it.
+pub(crate) enum Spawned {
+    Matcher(ActorRef<MatcherMsg>),
+    Plugin(ActorRef<PluginMsg>),
+    Inventory(ActorRef<InventoryMsg>),
+    Other(ActorCell),
+}
+
+impl Spawned {
+    pub(crate) fn cell(&self) -> ActorCell {
+        match self {
+            Spawned::Matcher(a) => a.get_cell(),
+            Spawned::Plugin(a) => a.get_cell(),
+            Spawned::Inventory(a) => a.get_cell(),
+            Spawned::Other(cell) => cell.clone(),
+        }
+    }
+}
+
+impl Args {
+    /// `child`'s arguments under `config` and `plan`; None when they do not
+    /// call for it.
+    pub(crate) fn new(child: Child, config: &Config, plan: &Plan, shared: &Shared) -> Option<Args> {
+        if !wanted(config, plan).contains(&child) {
+            return None;
+        }
+        Some(match child {
+            Child::Matcher => Args::Matcher(MatcherArgs::new(
+                config,
+                plan.gpus(),
+                shared.metrics.clone(),
+            )),
+            Child::Plugin(r) => Args::Plugin(PluginArgs::new(
+                config,
+                plan.model(r)?.clone(),
+                shared.placement.clone(),
+                shared.healthy.clone(),
+                shared.metrics,
+            )),
+            Child::Inventory => Args::Inventory(InventoryArgs::new(
+                config,
+                Published::of(config, plan.gpus(), shared.healthy),
+            )),
+            Child::Watcher => Args::Watcher(WatcherArgs {
+                dir: config.device_plugin_dir.clone(),
+                check: shared.check_plugins.clone(),
+                tick: WATCH_TICK,
+            }),
+            Child::Health => Args::Health(HealthArgs {
+                spec: ProbeSpec::new(config),
+                uuids: plan.gpus().iter().map(|g| g.uuid.clone()).collect(),
+                poll: Duration::from_millis(config.health.poll_ms),
+                recovery: Duration::from_millis(config.health.recovery_ms),
+                report: shared.report_health.clone(),
+            }),
+        })
+    }
+
+    /// Spawns the child, unnamed (two actor trees may run in one process),
+    /// linked to `supervisor`, its log lines under a span that names it.
+    pub(crate) async fn spawn(
+        self,
+        child: Child,
+        supervisor: ActorCell,
+    ) -> Result<Spawned, SpawnErr> {
+        let span = tracing::info_span!("actor", actor = %child);
+        Ok(match self {
+            Args::Matcher(a) => Spawned::Matcher(spawn(PodMatcher, a, span, supervisor).await?),
+            Args::Plugin(a) => Spawned::Plugin(spawn(PluginActor, a, span, supervisor).await?),
+            Args::Inventory(a) => {
+                Spawned::Inventory(spawn(InventoryPublisher, a, span, supervisor).await?)
+            }
+            Args::Watcher(a) => {
+                Spawned::Other(spawn(KubeletWatcher, a, span, supervisor).await?.get_cell())
+            }
+            Args::Health(a) => {
+                Spawned::Other(spawn(HealthMonitor, a, span, supervisor).await?.get_cell())
+            }
+        })
+    }
+}
+
+async fn spawn<A: Actor>(
+    actor: A,
+    args: A::Arguments,
+    span: tracing::Span,
+    supervisor: ActorCell,
+) -> Result<ActorRef<A::Msg>, SpawnErr> {
+    let named = Named { actor, span };
+    Ok(Actor::spawn_linked(None, named, args, supervisor).await?.0)
+}
+
+/// An actor whose every callback runs in `span`: what a registered name
+/// gave its log lines, without the process-wide name registry.
+struct Named<A> {
+    actor: A,
+    span: tracing::Span,
+}
+
+impl<A: Actor> Actor for Named<A> {
+    type Msg = A::Msg;
+    type State = A::State;
+    type Arguments = A::Arguments;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<A::Msg>,
+        args: A::Arguments,
+    ) -> Result<A::State, ActorProcessingErr> {
+        let started = self.actor.pre_start(myself, args);
+        started.instrument(self.span.clone()).await
+    }
+
+    async fn post_start(
+        &self,
+        myself: ActorRef<A::Msg>,
+        state: &mut A::State,
+    ) -> Result<(), ActorProcessingErr> {
+        let done = self.actor.post_start(myself, state);
+        done.instrument(self.span.clone()).await
+    }
+
+    async fn post_stop(
+        &self,
+        myself: ActorRef<A::Msg>,
+        state: &mut A::State,
+    ) -> Result<(), ActorProcessingErr> {
+        let done = self.actor.post_stop(myself, state);
+        done.instrument(self.span.clone()).await
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<A::Msg>,
+        msg: A::Msg,
+        state: &mut A::State,
+    ) -> Result<(), ActorProcessingErr> {
+        let done = self.actor.handle(myself, msg, state);
+        done.instrument(self.span.clone()).await
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        myself: ActorRef<A::Msg>,
+        event: SupervisionEvent,
+        state: &mut A::State,
+    ) -> Result<(), ActorProcessingErr> {
+        let done = self.actor.handle_supervisor_evt(myself, event, state);
+        done.instrument(self.span.clone()).await
+    }
+}

@@ -1,0 +1,263 @@
+//! What a reload changes, as pure rules: whether a running child must
+//! restart (the one notion, from the arguments it runs with and those the
+//! new config gives it) and whether a running plugin must be handed the new
+//! placement (which it takes without a restart).
+
+use crate::health::HealthArgs;
+use crate::inventory::InventoryArgs;
+use crate::kubelet_watch::WatcherArgs;
+use crate::matcher::MatcherArgs;
+use crate::plugin::{Placement, PluginArgs};
+
+use super::children::Args;
+
+/// Why a child running with `old` must restart when the config now gives
+/// it `new` (None: the config no longer calls for it); None when it keeps
+/// running.
+///
+/// Each child's arguments are taken apart field by field, so a field added
+/// to them does not compile until it is sorted into "restarts the child" or
+/// "reaches the running child otherwise".
+pub(crate) fn restart(old: &Args, new: Option<&Args>) -> Option<&'static str> {
+    let Some(new) = new else {
+        return Some("disabled by reload");
+    };
+    let same = match (old, new) {
+        (Args::Matcher(a), Args::Matcher(b)) => matcher(a) == matcher(b),
+        (Args::Plugin(a), Args::Plugin(b)) => plugin(a) == plugin(b),
+        (Args::Inventory(a), Args::Inventory(b)) => inventory(a) == inventory(b),
+        (Args::Watcher(a), Args::Watcher(b)) => watcher(a) == watcher(b),
+        (Args::Health(a), Args::Health(b)) => health(a) == health(b),
+        _ => false,
+    };
+    (!same).then_some(match new {
+        Args::Watcher(_) => "directory changed",
+        Args::Health(_) => "health settings changed",
+        Args::Matcher(_) | Args::Plugin(_) | Args::Inventory(_) => "changed by reload",
+    })
+}
+
+/// Whether a plugin placing with `old` must be handed `new`: switching
+/// between IDs and the matcher, or a new matcher wait (which pairing hint
+/// or matcher handle it holds is the supervisor's, the same either way).
+pub(crate) fn repoint(old: &Placement, new: &Placement) -> bool {
+    match (old, new) {
+        (Placement::Ids(_), Placement::Ids(_)) => false,
+        (Placement::Matcher { wait: a, .. }, Placement::Matcher { wait: b, .. }) => a != b,
+        _ => true,
+    }
+}
+
+fn matcher(a: &MatcherArgs) -> impl PartialEq + '_ {
+    // The metrics registry is the supervisor's, the same across reloads.
+    let MatcherArgs {
+        node_name,
+        node,
+        keys,
+        wait,
+        kubeconfig,
+        metrics: _,
+    } = a;
+    (node_name, node, keys, wait, kubeconfig)
+}
+
+fn plugin(a: &PluginArgs) -> impl PartialEq + '_ {
+    // Health and placement are pushed to a running plugin; its metrics are
+    // looked up by resource name; the settle instant is set at its start.
+    let PluginArgs {
+        model,
+        resource_name,
+        endpoint,
+        socket,
+        kubelet_socket,
+        template,
+        placement: _,
+        healthy: _,
+        metrics: _,
+        settle_until: _,
+    } = a;
+    (
+        model,
+        resource_name,
+        endpoint,
+        socket,
+        kubelet_socket,
+        template,
+    )
+}
+
+fn inventory(a: &InventoryArgs) -> impl PartialEq + '_ {
+    // The inventory itself is sent to the running publisher.
+    let InventoryArgs {
+        node_name,
+        kubeconfig,
+        published: _,
+    } = a;
+    (node_name, kubeconfig)
+}
+
+fn watcher(a: &WatcherArgs) -> impl PartialEq + '_ {
+    // Where it sends is the supervisor's, the same across reloads.
+    let WatcherArgs {
+        dir,
+        check: _,
+        tick,
+    } = a;
+    (dir, tick)
+}
+
+fn health(a: &HealthArgs) -> impl PartialEq + '_ {
+    // Where it reports is the supervisor's, the same across reloads.
+    let HealthArgs {
+        spec,
+        uuids,
+        poll,
+        recovery,
+        report: _,
+    } = a;
+    (spec, uuids, poll, recovery)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::config::Config;
+    use crate::device::{Plan, Resource, discover};
+    use crate::health::HealthReport;
+    use crate::kubelet_watch::CheckPlugins;
+    use crate::matcher::MatcherHandle;
+    use crate::metrics::Metrics;
+    use crate::plugin::LastShared;
+    use crate::supervisor::children::{Child, Shared, wanted};
+
+    const NODE: &str = "node_name = \"node-1\"\nhttp_listen = \"\"\n";
+    const GPUS: &str = "[devices]\nbackend = \"mock\"\n\
+        [[devices.mock]]\nuuid = \"GPU-a\"\nmemory_mib = 1024\n\
+        [[devices.mock]]\nuuid = \"GPU-b\"\nmemory_mib = 2048\n";
+
+    /// Every child the config with `extra` calls for, with its arguments.
+    fn children(extra: &str) -> BTreeMap<Child, Args> {
+        let config = Config::parse(&format!("{NODE}{extra}\n{GPUS}"), None).unwrap();
+        let plan = Plan::new(&config, discover(&config).unwrap()).unwrap();
+        let placement = if config.pod_matching {
+            Placement::Matcher {
+                handle: MatcherHandle::default(),
+                wait: Duration::from_millis(config.matcher.wait_ms),
+            }
+        } else {
+            Placement::Ids(LastShared::default())
+        };
+        let report_health: HealthReport = Arc::new(|_| {});
+        let check_plugins: CheckPlugins = Arc::new(|| {});
+        let shared = Shared {
+            metrics: &Arc::new(Metrics::default()),
+            healthy: &vec![true; plan.gpus().len()].into(),
+            placement,
+            report_health: &report_health,
+            check_plugins: &check_plugins,
+        };
+        let args = |c| Args::new(c, &config, &plan, &shared).map(|a| (c, a));
+        wanted(&config, &plan)
+            .into_iter()
+            .filter_map(args)
+            .collect()
+    }
+
+    /// The running children of `old` that `new` restarts, with why.
+    fn restarts(old: &str, new: &str) -> BTreeMap<Child, &'static str> {
+        let (old, new) = (children(old), children(new));
+        (old.iter())
+            .filter_map(|(c, a)| Some((*c, restart(a, new.get(c))?)))
+            .collect()
+    }
+
+    const MEMORY: Child = Child::Plugin(Resource::GpuMemory);
+    const CORE: Child = Child::Plugin(Resource::GpuCore);
+
+    #[test]
+    fn the_same_config_restarts_nothing() {
+        assert_eq!(restarts("", ""), BTreeMap::new());
+        assert_eq!(
+            restarts("pod_matching = false", "pod_matching = false"),
+            BTreeMap::new()
+        );
+    }
+
+    #[test]
+    fn a_new_memory_unit_restarts_the_memory_plugin_and_the_matcher_only() {
+        let old = "pod_matching = true";
+        let new = "pod_matching = true\nmemory_unit_mib = 2";
+        assert_eq!(
+            restarts(old, new),
+            BTreeMap::from([
+                (Child::Matcher, "changed by reload"),
+                (MEMORY, "changed by reload")
+            ])
+        );
+    }
+
+    #[test]
+    fn cores_per_gpu_restarts_the_core_plugin() {
+        let new = "pod_matching = false\ncores_per_gpu = 50";
+        assert_eq!(
+            restarts("pod_matching = false", new),
+            BTreeMap::from([(CORE, "changed by reload")])
+        );
+    }
+
+    #[test]
+    fn a_dropped_resource_or_matching_is_disabled() {
+        let new = "pod_matching = false\nresources = [\"gpu-memory\", \"gpu-count\"]";
+        assert_eq!(
+            restarts("", new),
+            BTreeMap::from([
+                (Child::Matcher, "disabled by reload"),
+                (CORE, "disabled by reload")
+            ])
+        );
+    }
+
+    #[test]
+    fn a_new_directory_restarts_every_plugin_and_the_watcher() {
+        let old = "pod_matching = false\ndevice_plugin_dir = \"/a\"";
+        let new = "pod_matching = false\ndevice_plugin_dir = \"/b\"";
+        let restarted = restarts(old, new);
+        assert_eq!(restarted.len(), 4, "{restarted:?}");
+        assert_eq!(restarted[&Child::Watcher], "directory changed");
+        assert!(!restarted.contains_key(&Child::Health));
+    }
+
+    #[test]
+    fn health_settings_restart_the_monitor_only() {
+        let old = "pod_matching = false";
+        for new in ["[health]\npoll_ms = 10", "[health]\nmock_dir = \"/flags\""] {
+            assert_eq!(
+                restarts(old, &format!("{old}\n{new}")),
+                BTreeMap::from([(Child::Health, "health settings changed")]),
+                "{new}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_new_matcher_wait_restarts_the_matcher_and_repoints_the_plugins() {
+        let new = "[matcher]\nwait_ms = 100";
+        assert_eq!(
+            restarts("", new),
+            BTreeMap::from([(Child::Matcher, "changed by reload")])
+        );
+        let placement = |extra| match children(extra).remove(&MEMORY) {
+            Some(Args::Plugin(p)) => p.placement,
+            _ => unreachable!("the memory plugin runs"),
+        };
+        let (ids, matcher) = (placement("pod_matching = false"), placement(""));
+        assert!(repoint(&matcher, &placement(new)));
+        assert!(repoint(&ids, &matcher) && repoint(&matcher, &ids));
+        assert!(!repoint(&matcher, &placement("")));
+        assert!(!repoint(&ids, &placement("pod_matching = false")));
+    }
+}
