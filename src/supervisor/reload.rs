@@ -216,6 +216,7 @@ mod tests {
             restarts("", new),
             BTreeMap::from([
                 (Child::Matcher, "disabled by reload"),
+                (Child::Inventory, "disabled by reload"),
                 (CORE, "disabled by reload")
             ])
         );
