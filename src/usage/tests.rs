@@ -241,6 +241,39 @@ fn containers_of_one_pod_add_up_and_stay_together_when_they_can() {
 }
 
 #[test]
+fn a_container_handed_its_init_containers_devices_goes_on_their_gpu() {
+    // 32 devices of 256 MiB per GPU.
+    let inv = inventory(&[8192, 8192]);
+    let usage = NodeUsage::empty(&inv);
+    // The kubelet hands the app 16 of the init container's 20 memory
+    // devices, on GPU-0: beside the init container (counted while the pod
+    // lives) it has no room, and GPU-1 would contradict those IDs.
+    let p = pod(vec![
+        ask("init", true, 20, 10, 0),
+        ask("app", false, 16, 10, 0),
+    ]);
+    let e = fit(&inv, &usage, &p).unwrap_err();
+    assert_eq!(e.container, "app");
+    assert!(e.reason.contains("init containers on GPU-0"), "{e}");
+    assert!(e.unresolvable, "{e}");
+    // Core only from the init container, memory fresh: still GPU-0.
+    let p = pod(vec![
+        ask("init", true, 0, 10, 0),
+        ask("app", false, 8, 10, 0),
+    ]);
+    assert_eq!(fit(&inv, &usage, &p).unwrap().single_gpu(), Some("GPU-0"));
+    // Once the apps took all it handed on, the next goes anywhere.
+    let p = pod(vec![
+        ask("init", true, 12, 10, 0),
+        ask("app", false, 12, 10, 0),
+        ask("side", false, 0, 81, 0),
+    ]);
+    let a = fit(&inv, &usage, &p).unwrap();
+    assert_eq!(a.0["app"], ["GPU-0"]);
+    assert_eq!(a.0["side"], ["GPU-1"]);
+}
+
+#[test]
 fn whole_and_shared_work_never_mix_and_unhealthy_gpus_take_none() {
     let mut inv = inventory(&[8192, 8192, 8192]);
     let shared = Holding {
