@@ -244,9 +244,20 @@ impl World {
     /// nothing; no GPU over capacity; whole GPUs alone. Returns (bound,
     /// unbound) and the GiB in use.
     fn check(&self, names: &[String], admitted: &Admitted) -> (usize, usize, u64) {
+        // Each refusal with what its node's daemon logged about the pod.
         let failures: Vec<String> = admitted
             .iter()
-            .filter_map(|(n, (node, r))| r.as_ref().err().map(|e| format!("{n} on {node}: {e}")))
+            .filter_map(|(n, (node, r))| {
+                let e = r.as_ref().err()?;
+                let log = self
+                    .nodes
+                    .iter()
+                    .find(|x| &x.name == node)?
+                    .daemon
+                    .log_text();
+                let said: Vec<&str> = log.lines().filter(|l| l.contains(n.as_str())).collect();
+                Some(format!("{n} on {node}: {e}\n  {}", said.join("\n  ")))
+            })
             .collect();
         assert!(
             failures.is_empty(),
