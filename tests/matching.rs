@@ -32,19 +32,6 @@ fn uuid(i: usize) -> String {
     format!("GPU-{i:08x}-0000-4000-8000-00000000000{i}")
 }
 
-/// A small deterministic generator (no rand crate for the tests).
-struct Lcg(u64);
-
-impl Lcg {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (self.0 >> 33) % n
-    }
-}
-
 struct Cluster {
     _dir: tempfile::TempDir,
     files: tempfile::TempDir,

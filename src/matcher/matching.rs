@@ -4,7 +4,7 @@
 
 use super::ledger::{Grant, Ledger};
 use super::pods::{PodKey, PodView};
-use crate::device::Resource;
+use crate::device::{PerResource, Resource};
 use crate::usage::{ContainerAsk, Holding, Inventory, NodeUsage, best_shared, pod_holdings};
 
 /// What is being asked for.
@@ -247,14 +247,16 @@ fn place(
     let assigned: Option<Vec<usize>> = assignment
         .map(|uuids| uuids.iter().map(|u| known(u, "the extender")).collect())
         .transpose()?;
-    // Until its ledger has it, the usage counts this container's own
-    // assignment: it must not stand in its own way.
+    // Until its ledger has this resource, the usage counts the container's
+    // own assigned ask of it: it must not stand in its own way.
     let others;
-    let usage = match (assignment, own) {
-        (Some(gpus), None) => {
+    let usage = match assignment {
+        Some(gpus) if own.and_then(|g| g.amount(r)).is_none() => {
+            let mut amount = PerResource::default();
+            amount[r] = inv.amount(&c.devices)[r];
             let holding = Holding {
                 gpus: gpus.clone(),
-                amount: inv.amount(&c.devices),
+                amount,
             };
             others = usage.without(inv, &holding);
             &others

@@ -1,4 +1,4 @@
-//! Pod matching (SPEC §3): which pod and container an Allocate is for, the
+//! Pod matching: which pod and container an Allocate is for, the
 //! GPU it gets, and the ledger on the pod that records it.
 //!
 //! `matching`, `pods` and `ledger` are pure; `actor` does the I/O (pod

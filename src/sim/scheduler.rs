@@ -141,6 +141,9 @@ pub struct Outcome {
     pub node: Option<String>,
     /// Why the last attempt failed.
     pub error: Option<String>,
+    /// Why each node was filtered out on the last attempt (node totals or
+    /// the extender's `FailedNodes` and `FailedAndUnresolvableNodes`).
+    pub filtered: BTreeMap<String, String>,
 }
 
 struct Backoff {
@@ -345,10 +348,12 @@ impl Scheduler {
             {
                 continue;
             }
-            let result = self.schedule_one(&pod).await;
+            let mut filtered = BTreeMap::new();
+            let result = self.schedule_one(&pod, &mut filtered).await;
             let mut outcomes = self.outcomes.lock().expect("outcomes poisoned");
             let outcome = outcomes.entry(k.clone()).or_default();
             outcome.attempts += 1;
+            outcome.filtered = filtered;
             match result {
                 Ok(node) => {
                     outcome.node = Some(node);
@@ -375,8 +380,13 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Places one pod: the node the pod was bound to, or why not.
-    async fn schedule_one(&mut self, pod: &Pod) -> Result<String, String> {
+    /// Places one pod: the node the pod was bound to, or why not; `reasons`
+    /// gets why each filtered node was.
+    async fn schedule_one(
+        &mut self,
+        pod: &Pod,
+        reasons: &mut BTreeMap<String, String>,
+    ) -> Result<String, String> {
         let list = |e: kube::Error| format!("cannot list: {e}");
         let mut nodes = Api::<Node>::all(self.client.clone())
             .list(&ListParams::default())
@@ -389,7 +399,6 @@ impl Scheduler {
             .await
             .map_err(list)?
             .items;
-        let mut reasons: BTreeMap<String, String> = BTreeMap::new();
         let mut feasible = Vec::new();
         for node in &nodes {
             let name = node.metadata.name.clone().unwrap_or_default();
@@ -814,6 +823,8 @@ mod tests {
         })
         .await;
         assert_eq!(sim.outcomes()["default/p"].node.as_deref(), Some("n2"));
+        let filtered = &sim.outcomes()["default/p"].filtered;
+        assert_eq!(filtered["n1"], "no GPU has 30 MiB free");
         let paths: Vec<String> = ext.calls().into_iter().map(|(p, _, _)| p).collect();
         assert_eq!(paths, ["/gpu/filter", "/gpu/bind"]);
     }

@@ -38,11 +38,9 @@ pub fn best_shared(
     need: &PerResource<u64>,
     preferred: &[usize],
 ) -> Option<usize> {
-    let shared = [Resource::GpuMemory, Resource::GpuCore];
-    let left = |g: usize, r: Resource| usage.free(inv, g, r).checked_sub(need[r]);
+    let left = |g: usize, r: Resource| usage.free(inv, g, r).saturating_sub(need[r]);
     (0..inv.gpus.len())
-        .filter(|&g| inv.gpus[g].healthy && !usage.gpus[g].held_whole())
-        .filter(|&g| shared.iter().all(|&r| left(g, r).is_some()))
+        .filter(|&g| holds(inv, usage, g, need))
         .min_by_key(|&g| {
             (
                 !preferred.contains(&g),
@@ -53,11 +51,34 @@ pub fn best_shared(
         })
 }
 
+const SHARED: [Resource; 2] = [Resource::GpuMemory, Resource::GpuCore];
+
+/// Whether GPU `g` is healthy, away from whole-GPU work, and has `need`
+/// (memory and core, real units) free.
+fn holds(inv: &Inventory, usage: &NodeUsage, g: usize, need: &PerResource<u64>) -> bool {
+    inv.gpus[g].healthy
+        && !usage.gpus[g].held_whole()
+        && SHARED.iter().all(|&r| usage.free(inv, g, r) >= need[r])
+}
+
+/// The devices of a resource the kubelet keeps from a pod's init containers
+/// and hands to the containers after them before taking fresh ones (its
+/// `devicesToReuse`): how many are left, and the GPU they are on (`None`:
+/// several).
+#[derive(Debug, Clone, Copy, Default)]
+struct HandedOn {
+    devices: u64,
+    gpu: Option<usize>,
+}
+
 /// GPUs for every container of the pod at once: each shared container on
 /// one GPU with room for its memory and its core, each whole ask on GPUs
 /// free of any work. Containers add up as they are placed (init containers
 /// count while the pod lives), and a container goes beside the pod's others
-/// when it fits there: the kubelet hands an init container's devices on.
+/// when it fits there. A shared container that the kubelet will hand
+/// devices of the pod's init containers (it does for every resource of
+/// which they left some) must go on their GPU: IDs there contradict any
+/// other assignment.
 pub fn fit(inv: &Inventory, usage: &NodeUsage, asks: &PodAsks) -> Result<Assignment, FitError> {
     place_all(inv, usage.clone(), asks).map_err(|mut e| {
         let mut ideal = inv.clone();
@@ -74,6 +95,7 @@ fn place_all(
 ) -> Result<Assignment, FitError> {
     let mut out = Assignment::default();
     let mut pods_gpus: Vec<usize> = Vec::new();
+    let mut handed: PerResource<HandedOn> = PerResource::default();
     for c in &asks.containers {
         let fail = |reason: String| FitError {
             container: c.name.clone(),
@@ -90,8 +112,47 @@ fn place_all(
         let gpus = if c.whole() {
             whole(inv, &usage, c).map_err(fail)?
         } else if c.shared() {
-            let g = best_shared(inv, &usage, &need, &pods_gpus)
-                .ok_or_else(|| fail(shortfall(inv, &usage, &need)))?;
+            let reused: Vec<Resource> = SHARED
+                .into_iter()
+                .filter(|&r| c.wants(r) > 0 && handed[r].devices > 0)
+                .collect();
+            let from: Vec<Option<usize>> = reused.iter().map(|&r| handed[r].gpu).collect();
+            let g = match from.first() {
+                None => best_shared(inv, &usage, &need, &pods_gpus)
+                    .ok_or_else(|| fail(shortfall(inv, &usage, &need)))?,
+                Some(&Some(g)) if from.iter().all(|&f| f == Some(g)) => {
+                    if !holds(inv, &usage, g, &need) {
+                        return Err(fail(format!(
+                            "the kubelet hands it devices of its init containers on {}, \
+                             which has no room for it beside them",
+                            inv.gpus[g].uuid
+                        )));
+                    }
+                    g
+                }
+                _ => {
+                    return Err(fail(
+                        "the kubelet would hand it devices of its init containers on \
+                         several GPUs"
+                            .into(),
+                    ));
+                }
+            };
+            for r in SHARED.into_iter().filter(|&r| c.wants(r) > 0) {
+                let h = &mut handed[r];
+                // An init container adds what it took fresh; an app
+                // container keeps what it was handed.
+                if c.init {
+                    if h.devices > 0 && h.gpu != Some(g) {
+                        h.gpu = None;
+                    } else {
+                        h.gpu = Some(g);
+                    }
+                    h.devices = h.devices.max(c.wants(r));
+                } else {
+                    h.devices = h.devices.saturating_sub(c.wants(r));
+                }
+            }
             vec![g]
         } else {
             continue;

@@ -23,28 +23,50 @@ impl Holding {
     fn whole(&self) -> bool {
         self.amount.count > 0
     }
+
+    fn holds(&self) -> bool {
+        Resource::ALL.iter().any(|&r| self.amount[r] > 0)
+    }
 }
 
-/// What a live pod holds: each container by its ledger entry when it has
-/// one (the kubelet served it), else by its assignment and its ask (bound,
-/// not yet admitted). Never both, so nothing counts twice.
+/// What a live pod holds: each resource of each container by its ledger
+/// entry when the kubelet served it, else, when the container has an
+/// assignment, by its ask on the assigned GPUs (bound, not yet admitted, or
+/// in the middle of admission: the kubelet serves a container's resources
+/// one at a time, and a half-served container still holds the rest). Never
+/// both for one resource, so nothing counts twice.
 pub fn pod_holdings(
     inv: &Inventory,
     containers: &[ContainerAsk],
     ledger: &Ledger,
     assignment: &Assignment,
 ) -> Vec<Holding> {
-    let served = ledger.0.values().map(Holding::from_grant);
-    let assigned = containers
-        .iter()
-        .filter(|c| !ledger.0.contains_key(&c.name))
-        .filter_map(|c| {
-            assignment.0.get(&c.name).map(|gpus| Holding {
-                gpus: gpus.clone(),
-                amount: inv.amount(&c.devices),
-            })
+    let mut holdings: Vec<Holding> = Vec::new();
+    for (name, grant) in &ledger.0 {
+        if !containers.iter().any(|c| c.name == *name) {
+            holdings.push(Holding::from_grant(grant));
+        }
+    }
+    for c in containers {
+        let grant = ledger.0.get(&c.name);
+        let served = grant.map(Holding::from_grant);
+        let ask = inv.amount(&c.devices);
+        let rest = assignment.0.get(&c.name).map(|gpus| Holding {
+            gpus: gpus.clone(),
+            amount: PerResource::from_fn(|r| match grant.and_then(|g| g.amount(r)) {
+                Some(_) => 0,
+                None => ask[r],
+            }),
         });
-    served.chain(assigned).collect()
+        match (served, rest) {
+            (Some(mut s), Some(r)) if s.gpus == r.gpus => {
+                s.amount = PerResource::from_fn(|res| s.amount[res] + r.amount[res]);
+                holdings.push(s);
+            }
+            (s, r) => holdings.extend(s.into_iter().chain(r.filter(Holding::holds))),
+        }
+    }
+    holdings
 }
 
 /// One GPU's usage.

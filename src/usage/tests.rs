@@ -203,6 +203,35 @@ fn usage_is_ledgers_plus_assignments_not_yet_in_the_ledger_never_both() {
 }
 
 #[test]
+fn a_half_served_container_still_holds_the_rest_of_its_assigned_ask() {
+    // The kubelet serves a container's resources one at a time: with its
+    // memory in the ledger and its core not yet, the core still counts on
+    // the assigned GPU (the burst over ten nodes over-committed gpu-core
+    // in exactly that window).
+    let inv = inventory(&[8192]);
+    let containers = vec![ask("a", false, 4, 60, 0)];
+    let assigned = assignment(&[("a", &["GPU-0"])]);
+    let mut ledger = Ledger::default();
+    ledger
+        .0
+        .insert("a".into(), grant("GPU-0", Some(1024), None, None));
+    let h = pod_holdings(&inv, &containers, &ledger, &assigned);
+    let u = NodeUsage::of(&inv, &h);
+    assert_eq!((u.gpus[0].used.memory, u.gpus[0].used.core), (1024, 60));
+    assert_eq!(u.gpus[0].sharers, 1, "one container, one holding");
+    // Once the core is served too, the ledger alone counts it.
+    ledger
+        .0
+        .insert("a".into(), grant("GPU-0", Some(1024), Some(60), None));
+    let h = pod_holdings(&inv, &containers, &ledger, &assigned);
+    let u = NodeUsage::of(&inv, &h);
+    assert_eq!((u.gpus[0].used.memory, u.gpus[0].used.core), (1024, 60));
+    // A pod asking 50 % more finds no room on the GPU.
+    let next = pod(vec![ask("b", false, 4, 50, 0)]);
+    assert!(fit(&inv, &u, &next).is_err());
+}
+
+#[test]
 fn shared_containers_fit_on_one_gpu_with_room_for_memory_and_core_on_mixed_sizes() {
     // 16 GiB, 80 GiB, 40 GiB.
     let inv = inventory(&[16384, 81920, 40960]);
@@ -245,6 +274,39 @@ fn containers_of_one_pod_add_up_and_stay_together_when_they_can() {
     let a = fit(&inv, &usage, &p).unwrap();
     assert_eq!(a.0["side"], ["GPU-1"]);
     assert_eq!(a.single_gpu(), None);
+}
+
+#[test]
+fn a_container_handed_its_init_containers_devices_goes_on_their_gpu() {
+    // 32 devices of 256 MiB per GPU.
+    let inv = inventory(&[8192, 8192]);
+    let usage = NodeUsage::empty(&inv);
+    // The kubelet hands the app 16 of the init container's 20 memory
+    // devices, on GPU-0: beside the init container (counted while the pod
+    // lives) it has no room, and GPU-1 would contradict those IDs.
+    let p = pod(vec![
+        ask("init", true, 20, 10, 0),
+        ask("app", false, 16, 10, 0),
+    ]);
+    let e = fit(&inv, &usage, &p).unwrap_err();
+    assert_eq!(e.container, "app");
+    assert!(e.reason.contains("init containers on GPU-0"), "{e}");
+    assert!(e.unresolvable, "{e}");
+    // Core only from the init container, memory fresh: still GPU-0.
+    let p = pod(vec![
+        ask("init", true, 0, 10, 0),
+        ask("app", false, 8, 10, 0),
+    ]);
+    assert_eq!(fit(&inv, &usage, &p).unwrap().single_gpu(), Some("GPU-0"));
+    // Once the apps took all it handed on, the next goes anywhere.
+    let p = pod(vec![
+        ask("init", true, 12, 10, 0),
+        ask("app", false, 12, 10, 0),
+        ask("side", false, 0, 81, 0),
+    ]);
+    let a = fit(&inv, &usage, &p).unwrap();
+    assert_eq!(a.0["app"], ["GPU-0"]);
+    assert_eq!(a.0["side"], ["GPU-1"]);
 }
 
 #[test]

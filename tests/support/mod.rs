@@ -48,12 +48,19 @@ impl Daemon {
 
     /// Starts the binary on `toml` with extra environment variables.
     pub fn start_env(toml: &str, env: &[(&str, &std::ffi::OsStr)]) -> Daemon {
+        Daemon::start_command(&[], toml, env)
+    }
+
+    /// Starts the binary's subcommand `args` (none: the daemon) on `toml`
+    /// with extra environment variables.
+    pub fn start_command(args: &[&str], toml: &str, env: &[(&str, &std::ffi::OsStr)]) -> Daemon {
         let files = tempfile::tempdir().unwrap();
         let work = files.path();
         let config = work.join("config.toml");
         std::fs::write(&config, toml).unwrap();
         let log = work.join("daemon.log");
         let child = Command::new(BIN)
+            .args(args)
             .arg("--config")
             .arg(&config)
             .env("RUST_LOG", "info,gpu_device_plugin=debug")
@@ -159,16 +166,21 @@ pub fn registered_times<'a>(
 
 /// The HTTP endpoint's address, from the daemon's log.
 pub fn http_addr(daemon: &Daemon) -> String {
+    logged_addr(daemon, "HTTP endpoint listening")
+}
+
+/// The `addr=` of the first log line saying `message`.
+pub fn logged_addr(daemon: &Daemon, message: &str) -> String {
     let deadline = Instant::now() + WAIT;
     loop {
         let log = daemon.log_text();
-        if let Some(line) = log.lines().find(|l| l.contains("HTTP endpoint listening")) {
+        if let Some(line) = log.lines().find(|l| l.contains(message)) {
             let at = line.find("addr=").expect("addr field") + 5;
             return line[at..].split_whitespace().next().unwrap().to_owned();
         }
         assert!(
             Instant::now() < deadline,
-            "no HTTP endpoint in the log:\n{log}"
+            "no {message:?} in the log:\n{log}"
         );
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -209,4 +221,17 @@ pub fn real_shared_object() -> PathBuf {
         .find(|p| p.contains("/libc.so") || p.contains("/libc-"))
         .map(PathBuf::from)
         .expect("no libc mapped")
+}
+
+/// A small deterministic generator (no rand crate for the tests).
+pub struct Lcg(pub u64);
+
+impl Lcg {
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (self.0 >> 33) % n
+    }
 }

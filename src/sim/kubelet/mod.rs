@@ -7,9 +7,13 @@
 //! (kubernetes#121994); admission asks GetPreferredAllocation, keeps valid
 //! IDs, fills the shortfall itself, then calls Allocate; an app container
 //! reuses its init container's devices without asking
-//! GetPreferredAllocation.
+//! GetPreferredAllocation; the pods bound to the node are admitted one at a
+//! time (`admission`).
 
+mod admission;
 mod registration;
+
+pub use admission::{Admission, pod_containers};
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::{Path, PathBuf};
@@ -70,6 +74,9 @@ struct SimState {
     /// Device IDs in use per resource; like the kubelet's checkpoint, it
     /// outlives plugin re-registrations and kubelet restarts.
     allocated: BTreeMap<String, BTreeSet<String>>,
+    /// The pods admitted (or refused) by UID, with the device IDs each
+    /// holds per resource.
+    pods: BTreeMap<String, BTreeMap<String, BTreeSet<String>>>,
     generations: u64,
 }
 
