@@ -447,14 +447,17 @@ impl Scheduler for NodeTotalScheduler {
 
 #[derive(Default)]
 struct Outcome {
+    offered: usize,
     placed: usize,
     failures: usize,
     refused: usize,
-    /// At the first pod not served (refused, or failed on its node): pods
-    /// running and the share of GPU memory they hold.
+    /// Pods running and the share of GPU memory they hold at the first pod
+    /// not served (refused, or failed on its node)...
     first_unserved: Option<(usize, f64)>,
-    /// The mean share of GPU memory held after each arrival from then on.
-    steady_utilisation: f64,
+    /// ...and at the scheduler's first refusal.
+    first_refusal: Option<(usize, f64)>,
+    /// The mean share of GPU memory held after each arrival.
+    mean_utilisation: f64,
 }
 
 fn utilisation(sides: &HashMap<String, NodeSide>) -> f64 {
@@ -465,34 +468,37 @@ fn utilisation(sides: &HashMap<String, NodeSide>) -> f64 {
     held as f64 / all as f64
 }
 
-/// Offers `pods` in order. From the first pod not served on, the cluster
-/// keeps as many pods running as it had then: before each arrival one
-/// running pod (at random) ends, so the cluster stays full and fragments.
+/// Offers `pods` in order. Without `lifetime`, nothing ends and the run
+/// stops at the scheduler's first refusal; with it, the pod offered
+/// `lifetime` arrivals earlier ends before each arrival (if it runs), the
+/// same pods at the same time whatever the scheduler.
 async fn run(
     mut s: impl Scheduler,
     nodes: &[k8s_openapi::api::core::v1::Node],
     pods: &[Vec<PodContainer>],
+    lifetime: Option<usize>,
 ) -> Outcome {
     let mut sides: HashMap<String, NodeSide> = nodes
         .iter()
         .map(|n| (n.metadata.name.clone().unwrap(), NodeSide::new(n)))
         .collect();
-    let mut running: Vec<(String, String)> = Vec::new();
-    let mut churn = Rng(SEED ^ 0xc4);
+    let name = |i: usize| format!("p{i:05}");
+    let mut running: HashMap<String, String> = HashMap::new();
     let mut out = Outcome::default();
-    let mut steady = Vec::new();
+    let mut held = 0.0;
     for (i, containers) in pods.iter().enumerate() {
-        if let Some((level, _)) = out.first_unserved {
-            while running.len() >= level.max(1) {
-                let (name, node) = running.swap_remove(churn.below(running.len()));
-                sides.get_mut(&node).unwrap().remove(&name);
-                s.gone(&name);
-            }
+        if let Some(ended) = lifetime.and_then(|l| i.checked_sub(l)).map(name)
+            && let Some(node) = running.remove(&ended)
+        {
+            sides.get_mut(&node).unwrap().remove(&ended);
+            s.gone(&ended);
         }
-        let name = format!("p{i:05}");
-        let served = match s.place(gpu_pod(NAMESPACE, &name, containers)).await {
+        out.offered += 1;
+        let served = match s.place(gpu_pod(NAMESPACE, &name(i), containers)).await {
             None => {
                 out.refused += 1;
+                out.first_refusal
+                    .get_or_insert((running.len(), utilisation(&sides)));
                 false
             }
             Some(bound) => {
@@ -500,31 +506,34 @@ async fn run(
                 match sides.get_mut(&node).unwrap().admit(&bound) {
                     Ok(ledger) => {
                         s.admitted(&bound, &ledger);
-                        running.push((name, node));
+                        running.insert(name(i), node);
                         out.placed += 1;
                         true
                     }
                     Err(_) => {
-                        s.gone(&name);
+                        s.gone(&name(i));
                         out.failures += 1;
                         false
                     }
                 }
             }
         };
-        if !served && out.first_unserved.is_none() {
-            out.first_unserved = Some((running.len(), utilisation(&sides)));
+        if !served {
+            out.first_unserved
+                .get_or_insert((running.len(), utilisation(&sides)));
         }
-        if out.first_unserved.is_some() {
-            steady.push(utilisation(&sides));
+        held += utilisation(&sides);
+        if lifetime.is_none() && out.first_refusal.is_some() {
+            break;
         }
     }
-    out.steady_utilisation = steady.iter().sum::<f64>() / steady.len().max(1) as f64;
+    out.mean_utilisation = held / out.offered as f64;
     out
 }
 
 async fn placement_figures() {
     const PODS: usize = 2_000;
+    const LIFETIME: usize = 140;
     let nodes = mixed_nodes();
     let objects = node_objects(&nodes);
     let names: Vec<String> = nodes.iter().map(|(n, _)| n.clone()).collect();
@@ -534,48 +543,82 @@ async fn placement_figures() {
         "placement: 10 nodes (3 × 8 × 80 GB, 3 × 4 × 40 GB, 2 × 2 × 24 GB, 2 × [2 × 80 + 2 × 40 + 2 × 24 GB]; 3 TiB of GPU memory)"
     );
     println!("placement: {PODS} pods, seed {SEED:#x}: {WORKLOAD}");
-    println!(
-        "placement: from the first pod not served on, one running pod (at random) ends before each arrival"
-    );
-    let runs = [
-        ("extender, binpack", 0),
-        ("extender, spread", 1),
-        ("node totals, default scoring (spread by pods)", 2),
-        ("node totals, MostAllocated gpu-memory", 3),
+    let percent = |x: Option<(usize, f64)>| {
+        x.map_or("never".into(), |(n, u)| {
+            format!("with {n} running, {:.1} % of GPU memory held", u * 100.0)
+        })
+    };
+    let labels = [
+        "extender, binpack",
+        "extender, spread",
+        "node totals, default scoring (spread by pods)",
+        "node totals, MostAllocated gpu-memory",
     ];
-    for (label, which) in runs {
-        let out = match which {
-            0 => run(ExtenderScheduler::new("binpack", &objects), &objects, &pods).await,
-            1 => run(ExtenderScheduler::new("spread", &objects), &objects, &pods).await,
-            2 => {
-                run(
-                    NodeTotalScheduler::new(&sides, &names, false),
-                    &objects,
-                    &pods,
-                )
-                .await
+    for (which, label) in labels.iter().enumerate() {
+        for lifetime in [None, Some(LIFETIME)] {
+            let out = match which {
+                0 => {
+                    run(
+                        ExtenderScheduler::new("binpack", &objects),
+                        &objects,
+                        &pods,
+                        lifetime,
+                    )
+                    .await
+                }
+                1 => {
+                    run(
+                        ExtenderScheduler::new("spread", &objects),
+                        &objects,
+                        &pods,
+                        lifetime,
+                    )
+                    .await
+                }
+                2 => {
+                    run(
+                        NodeTotalScheduler::new(&sides, &names, false),
+                        &objects,
+                        &pods,
+                        lifetime,
+                    )
+                    .await
+                }
+                _ => {
+                    run(
+                        NodeTotalScheduler::new(&sides, &names, true),
+                        &objects,
+                        &pods,
+                        lifetime,
+                    )
+                    .await
+                }
+            };
+            let per_1000 = |n: usize| n as f64 * 1000.0 / out.offered as f64;
+            match lifetime {
+                None => println!(
+                    "placement: {label}: filling, nothing ends: first refusal {}; \
+                     first pod not served {}; {} admission failures in {} pods offered \
+                     ({:.1} per 1,000)",
+                    percent(out.first_refusal),
+                    percent(out.first_unserved),
+                    out.failures,
+                    out.offered,
+                    per_1000(out.failures),
+                ),
+                Some(l) => println!(
+                    "placement: {label}: each pod lives {l} arrivals: of {} pods {} placed, \
+                     {} refused by the scheduler, {} failed admission ({:.1} per 1,000); \
+                     {:.1} % of GPU memory held on average",
+                    out.offered,
+                    out.placed,
+                    out.refused,
+                    out.failures,
+                    per_1000(out.failures),
+                    out.mean_utilisation * 100.0,
+                ),
             }
-            _ => {
-                run(
-                    NodeTotalScheduler::new(&sides, &names, true),
-                    &objects,
-                    &pods,
-                )
-                .await
-            }
-        };
-        let (running, util) = out.first_unserved.unwrap_or_default();
-        println!(
-            "placement: {label}: first pod not served with {running} running, {:.1} % of GPU \
-             memory held; over {PODS} pods: {} placed, {} refused by the scheduler, {} failed \
-             admission ({:.1} per 1,000 pods), {:.1} % held on average from the first pod not served on",
-            util * 100.0,
-            out.placed,
-            out.refused,
-            out.failures,
-            out.failures as f64 * 1000.0 / PODS as f64,
-            out.steady_utilisation * 100.0,
-        );
+        }
     }
 }
 
