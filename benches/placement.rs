@@ -764,13 +764,15 @@ async fn latency_figures() {
     // What the extender itself keeps: its index alone, built again from
     // the same objects (the in-memory API server holds a copy of its own).
     let bare = vm_rss_kib();
-    let pods: Vec<Pod> = (0..CACHED)
-        .filter_map(|i| cluster.pod(&key_of(&format!("cached-{i:05}"))))
-        .collect();
-    let objects = node_objects(&nodes);
     let mut index = Index::default();
-    index.replace_nodes(objects);
-    index.replace_pods(pods);
+    for n in node_objects(&nodes) {
+        index.apply_node(n);
+    }
+    for i in 0..CACHED {
+        if let Some(pod) = cluster.pod(&key_of(&format!("cached-{i:05}"))) {
+            index.apply_pod(pod);
+        }
+    }
     let with_index = vm_rss_kib();
     println!(
         "latency: resident memory {:.1} MiB before the cache, {:.1} MiB with it (+{:.1} MiB, \
