@@ -348,6 +348,25 @@ impl Scheduler {
             {
                 continue;
             }
+            // The real scheduler's queue drops a pod the moment its
+            // informer sees it deleted or bound; a round listed long ago
+            // must not spend time on those.
+            let ns = pod.metadata.namespace.clone().unwrap_or_default();
+            let name = pod.metadata.name.clone().unwrap_or_default();
+            let current = Api::<Pod>::namespaced(self.client.clone(), &ns)
+                .get_opt(&name)
+                .await?;
+            let waiting = current.as_ref().is_some_and(|p| {
+                p.metadata.deletion_timestamp.is_none()
+                    && p.spec
+                        .as_ref()
+                        .and_then(|s| s.node_name.as_ref())
+                        .is_none_or(String::is_empty)
+            });
+            if !waiting {
+                self.backoff.remove(&k);
+                continue;
+            }
             let mut filtered = BTreeMap::new();
             let result = self.schedule_one(&pod, &mut filtered).await;
             let mut outcomes = self.outcomes.lock().expect("outcomes poisoned");
