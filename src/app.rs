@@ -12,6 +12,7 @@ use ractor::Actor;
 
 use crate::config::{Backend, Config, ConfigError};
 use crate::device::{DiscoverError, Gpu, Plan, PlanError, discover};
+use crate::enforcement::{EnforcementError, Enforcer};
 use crate::metrics::Metrics;
 use crate::supervisor::{Supervisor, SupervisorArgs, SupervisorMsg};
 
@@ -35,6 +36,11 @@ pub enum RunError {
         dir: PathBuf,
         source: std::io::Error,
     },
+    #[error(
+        "config section `[enforcement]`: {0}; shared grants would be refused (install it with \
+         `install-enforcement`, or set `mode = \"none\"`)"
+    )]
+    Enforcement(EnforcementError),
 }
 
 /// Checks that the plugins can bind their sockets, finds the node's GPUs
@@ -90,6 +96,18 @@ pub async fn check(config: &Config) -> Result<Checked, RunError> {
                 dir.display()
             )),
         other => other?,
+    }
+    if let Some(enforcer) = Enforcer::new(&config.enforcement) {
+        let dir = &config.enforcement.library_dir;
+        if dir.exists() {
+            enforcer.check().map_err(RunError::Enforcement)?;
+        } else {
+            notes.push(format!(
+                "enforcement.library_dir {} does not exist here; on a node, shared grants are \
+                 refused until libvgpu.so is installed there",
+                dir.display()
+            ));
+        }
     }
     let plan = match gpus(config).await {
         Err(DiscoverError::Load(e)) => {

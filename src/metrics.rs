@@ -168,6 +168,8 @@ pub struct Metrics {
     pod_cache: AtomicU64,
     /// API-server requests the matcher made outside its watch, by verb.
     api_requests: Mutex<BTreeMap<&'static str, u64>>,
+    /// Enforcement's series; None (absent) with enforcement off.
+    enforcement: Mutex<Option<EnforcementSeries>>,
 }
 
 impl Metrics {
@@ -352,7 +354,58 @@ impl Metrics {
                 "gpu_device_plugin_api_requests_total{{verb=\"{verb}\"}} {n}"
             );
         }
+        self.render_enforcement(&mut out);
         out
+    }
+}
+
+/// What enforcement's sweeper last found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EnforcementSeries {
+    /// Per-container cache directories in the state directory.
+    pub cache_dirs: u64,
+    /// Device memory per container and GPU, from the usage regions that
+    /// could be read.
+    pub memory_used: Vec<ContainerMemory>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ContainerMemory {
+    pub namespace: String,
+    pub pod: String,
+    pub container: String,
+    /// The GPU's UUID.
+    pub gpu: String,
+    pub bytes: u64,
+}
+
+impl Metrics {
+    /// Replaces enforcement's series; None removes them.
+    pub fn set_enforcement(&self, series: Option<EnforcementSeries>) {
+        *self.enforcement.lock().expect("metrics lock") = series;
+    }
+
+    fn render_enforcement(&self, out: &mut String) {
+        let series = self.enforcement.lock().expect("metrics lock");
+        let Some(series) = series.as_ref() else {
+            return;
+        };
+        let _ = writeln!(
+            out,
+            "# HELP gpu_device_plugin_enforcement_cache_dirs Per-container enforcement cache directories on the host.\n# TYPE gpu_device_plugin_enforcement_cache_dirs gauge\ngpu_device_plugin_enforcement_cache_dirs {}",
+            series.cache_dirs
+        );
+        let _ = writeln!(
+            out,
+            "# HELP gpu_device_plugin_container_memory_used_bytes Device memory a container uses on a GPU, as its enforcement library reports it.\n# TYPE gpu_device_plugin_container_memory_used_bytes gauge"
+        );
+        for m in &series.memory_used {
+            let _ = writeln!(
+                out,
+                "gpu_device_plugin_container_memory_used_bytes{{namespace=\"{}\",pod=\"{}\",container=\"{}\",gpu=\"{}\"}} {}",
+                m.namespace, m.pod, m.container, m.gpu, m.bytes
+            );
+        }
     }
 }
 
@@ -393,5 +446,31 @@ mod tests {
         metrics.hold("pod matcher", Hold::Failing, Some("failed".into()));
         metrics.hold("pod matcher", Hold::Waiting, None);
         assert_eq!(metrics.not_ready(), ["pod matcher: failed"]);
+    }
+
+    #[test]
+    fn enforcement_series_are_absent_until_set() {
+        let metrics = Metrics::default();
+        assert!(!metrics.render().contains("enforcement_cache_dirs"));
+        metrics.set_enforcement(Some(EnforcementSeries {
+            cache_dirs: 2,
+            memory_used: vec![ContainerMemory {
+                namespace: "ns".into(),
+                pod: "p".into(),
+                container: "app".into(),
+                gpu: "GPU-a".into(),
+                bytes: 5 << 20,
+            }],
+        }));
+        let text = metrics.render();
+        assert!(
+            text.contains("gpu_device_plugin_enforcement_cache_dirs 2\n"),
+            "{text}"
+        );
+        assert!(text.contains(
+            "gpu_device_plugin_container_memory_used_bytes{namespace=\"ns\",pod=\"p\",container=\"app\",gpu=\"GPU-a\"} 5242880\n"
+        ));
+        metrics.set_enforcement(None);
+        assert!(!metrics.render().contains("container_memory_used_bytes"));
     }
 }

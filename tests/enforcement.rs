@@ -90,3 +90,323 @@ fn check_config_names_a_bad_enforcement_path() {
         "{err}"
     );
 }
+
+const MEMORY: &str = "doslab.io/gpu-memory";
+const COUNT: &str = "doslab.io/gpu-count";
+const NODE: &str = "node-1";
+
+/// A node with enforcement on: the kubelet stand-in, the daemon, and the
+/// host's library and state directories in a temporary directory.
+struct Node {
+    _dir: tempfile::TempDir,
+    host: tempfile::TempDir,
+    kubelet: support::KubeletSim,
+    daemon: support::Daemon,
+}
+
+impl Node {
+    /// `library`: whether `libvgpu.so` is installed before the start.
+    async fn start(library: bool, extra: &str, env: &[(&str, &std::ffi::OsStr)]) -> Node {
+        let dir = tempfile::tempdir().unwrap();
+        let host = tempfile::tempdir().unwrap();
+        let lib = host.path().join("vgpu");
+        std::fs::create_dir(&lib).unwrap();
+        if library {
+            install_library(&lib);
+        }
+        let toml = support::mock_config(
+            dir.path(),
+            &format!(
+                "{extra}\n[health]\npoll_ms = 100\n[enforcement]\nmode = \"hami-core\"\nlibrary_dir = {:?}\nstate_dir = {:?}",
+                lib.display().to_string(),
+                host.path().join("state").display().to_string()
+            ),
+            &[("GPU-a", 1024), ("GPU-b", 1024)],
+        );
+        let kubelet = support::KubeletSim::start(dir.path()).unwrap();
+        let daemon = support::Daemon::start_env(&toml, env);
+        let ok = kubelet
+            .wait_until(
+                support::WAIT,
+                support::all_listed(&[(MEMORY, 2048), (COUNT, 2)]),
+            )
+            .await;
+        assert!(ok, "{}", daemon.log_text());
+        Node {
+            _dir: dir,
+            host,
+            kubelet,
+            daemon,
+        }
+    }
+
+    fn library_dir(&self) -> std::path::PathBuf {
+        self.host.path().join("vgpu")
+    }
+
+    fn containers(&self) -> std::path::PathBuf {
+        self.host.path().join("state/containers")
+    }
+
+    fn cache_dirs(&self) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(self.containers())
+            .map(|r| {
+                r.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        names.sort();
+        names
+    }
+
+    /// Polls `path` until `done` holds for (status, body), or time is up.
+    fn get_until(&self, path: &str, done: impl Fn(u16, &str) -> bool) -> (u16, String) {
+        let addr = support::http_addr(&self.daemon);
+        let deadline = std::time::Instant::now() + support::WAIT;
+        loop {
+            let (code, body) = support::http_get(&addr, path);
+            if done(code, &body) || std::time::Instant::now() > deadline {
+                return (code, body);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+
+    fn readyz_until(&self, done: impl Fn(u16, &str) -> bool) -> (u16, String) {
+        self.get_until("/readyz", done)
+    }
+
+    fn metrics_until(&self, done: impl Fn(&str) -> bool) -> String {
+        self.get_until("/metrics", |_, body| done(body)).1
+    }
+}
+
+fn install_library(dir: &Path) {
+    std::fs::copy(real_shared_object(), dir.join("libvgpu.so")).unwrap();
+}
+
+fn mount<'a>(
+    r: &'a gpu_device_plugin::api::ContainerAllocateResponse,
+    target: &str,
+) -> Option<&'a gpu_device_plugin::api::Mount> {
+    r.mounts.iter().find(|m| m.container_path == target)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_grant_preloads_the_library_and_a_whole_gpu_does_not() {
+    let node = Node::start(true, "", &[]).await;
+    let grants = node.kubelet.admit(&[(MEMORY, 4)]).await.unwrap();
+    let r = &grants[0].response;
+    let preload = mount(r, "/etc/ld.so.preload").expect("no ld.so.preload mount");
+    assert!(preload.read_only);
+    assert_eq!(
+        std::fs::read_to_string(&preload.host_path).unwrap(),
+        "/usr/local/vgpu/libvgpu.so\n"
+    );
+    let lib = mount(r, "/usr/local/vgpu/libvgpu.so").expect("no library mount");
+    assert!(lib.read_only);
+    assert_eq!(
+        Path::new(&lib.host_path),
+        node.library_dir().join("libvgpu.so")
+    );
+    let cache = mount(r, "/usr/local/vgpu/cache").expect("no cache mount");
+    assert!(!cache.read_only);
+    assert!(Path::new(&cache.host_path).is_dir());
+    assert!(mount(r, "/tmp/vgpulock").is_some());
+    assert_eq!(
+        r.envs["CUDA_DEVICE_MEMORY_SHARED_CACHE"],
+        "/usr/local/vgpu/cache/vgpu.cache"
+    );
+    assert_eq!(r.envs["CUDA_DEVICE_MEMORY_LIMIT_0"], "4m");
+    // Without pod matching the directory is the grant's, by its IDs.
+    let dirs = node.cache_dirs();
+    assert_eq!(dirs.len(), 1, "{dirs:?}");
+    assert!(dirs[0].starts_with("ids-"), "{dirs:?}");
+    assert_eq!(
+        Path::new(&cache.host_path),
+        node.containers().join(&dirs[0])
+    );
+
+    let whole = node.kubelet.admit(&[(COUNT, 1)]).await.unwrap();
+    assert!(
+        whole[0].response.mounts.is_empty(),
+        "{:?}",
+        whole[0].response
+    );
+    assert!(
+        !whole[0]
+            .response
+            .envs
+            .contains_key("CUDA_DEVICE_MEMORY_SHARED_CACHE")
+    );
+    let (code, body) = node.readyz_until(|c, _| c == 200);
+    assert_eq!(code, 200, "{body}");
+    let metrics = node.metrics_until(|m| {
+        support::sample(m, "gpu_device_plugin_enforcement_cache_dirs") == Some(1.0)
+    });
+    assert_eq!(
+        support::sample(&metrics, "gpu_device_plugin_enforcement_cache_dirs"),
+        Some(1.0),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_library_shared_grants_are_refused_and_readiness_is_false() {
+    let node = Node::start(false, "", &[]).await;
+    let path = node.library_dir().join("libvgpu.so");
+    let path = path.display().to_string();
+    let (code, body) = node.readyz_until(|c, b| c == 503 && b.contains("enforcement"));
+    assert_eq!(code, 503, "{body}");
+    assert!(
+        body.contains("enforcement") && body.contains(&path),
+        "{body}"
+    );
+
+    let err = node.kubelet.admit(&[(MEMORY, 4)]).await.unwrap_err();
+    assert!(
+        err.contains(&path) && err.contains("does not exist"),
+        "{err}"
+    );
+    assert!(node.cache_dirs().is_empty(), "{:?}", node.cache_dirs());
+    // A whole GPU needs no library.
+    let whole = node.kubelet.admit(&[(COUNT, 1)]).await.unwrap();
+    assert!(whole[0].response.mounts.is_empty());
+    let addr = support::http_addr(&node.daemon);
+    let (_, metrics) = support::http_get(&addr, "/metrics");
+    assert!(
+        metrics.contains(
+            "resource=\"doslab.io/gpu-memory\",rpc=\"allocate\",reason=\"enforcement\"} 1"
+        ),
+        "{metrics}"
+    );
+    let log = node.daemon.log_text();
+    assert_eq!(
+        log.matches("enforcement library unavailable").count(),
+        1,
+        "logged once per change:\n{log}"
+    );
+
+    // The init container installs it: ready again, and shared grants work.
+    install_library(&node.library_dir());
+    let (code, body) = node.readyz_until(|c, _| c == 200);
+    assert_eq!(code, 200, "{body}");
+    let grants = node.kubelet.admit(&[(MEMORY, 4)]).await.unwrap();
+    assert!(mount(&grants[0].response, "/etc/ld.so.preload").is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_pod_matching_directories_follow_pods_and_refusals_reach_the_pod() {
+    use gpu_device_plugin::sim::apiserver::{ApiServerSim, PodContainer};
+    let api = ApiServerSim::start().await.unwrap();
+    let files = tempfile::tempdir().unwrap();
+    let kubeconfig = files.path().join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig).unwrap();
+    let extra = format!("pod_matching = true\nnode_name = \"{NODE}\"");
+    let env = [("KUBECONFIG", kubeconfig.as_os_str())];
+    let node = Node::start(true, &extra, &env).await;
+    let app = |name: &str| PodContainer {
+        name: name.into(),
+        init: false,
+        wants: [4, 0, 0],
+    };
+    api.add_pod("default", "p", NODE, &[app("app")], &[]);
+    api.add_pod("default", "q", NODE, &[app("main")], &[]);
+    let uid = |name: &str| {
+        api.pod("default", name).unwrap()["metadata"]["uid"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    node.kubelet.admit(&[(MEMORY, 4)]).await.unwrap();
+    node.kubelet.admit(&[(MEMORY, 4)]).await.unwrap();
+    let (p, q) = (format!("{}_app", uid("p")), format!("{}_main", uid("q")));
+    let mut both = vec![p.clone(), q.clone()];
+    both.sort();
+    assert_eq!(node.cache_dirs(), both);
+
+    api.delete_pod("default", "p");
+    let deadline = std::time::Instant::now() + support::WAIT;
+    while node.cache_dirs().len() > 1 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_eq!(node.cache_dirs(), [q], "{}", node.daemon.log_text());
+
+    // The library goes away: the next pod's Allocate is refused, an Event
+    // on the pod says why, and its ledger records nothing.
+    std::fs::remove_file(node.library_dir().join("libvgpu.so")).unwrap();
+    api.add_pod("default", "r", NODE, &[app("app")], &[]);
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let err = node.kubelet.admit(&[(MEMORY, 4)]).await.unwrap_err();
+    assert!(err.contains("libvgpu.so"), "{err}");
+    let deadline = std::time::Instant::now() + support::WAIT;
+    let event = loop {
+        let events = api.events();
+        if let Some(e) = events
+            .into_iter()
+            .find(|e| e["involvedObject"]["name"] == "r")
+        {
+            break e;
+        }
+        assert!(std::time::Instant::now() < deadline, "no event");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert_eq!(event["type"], "Warning");
+    assert!(
+        event["message"].as_str().unwrap().contains("libvgpu.so"),
+        "{event}"
+    );
+    let r = api.pod("default", "r").unwrap();
+    assert!(
+        r["metadata"]["annotations"]
+            .get("doslab.io/gpu-ledger")
+            .is_none(),
+        "{r}"
+    );
+}
+
+#[test]
+fn check_config_fails_on_a_node_without_the_library_and_notes_it_elsewhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let lib = dir.path().join("vgpu");
+    let config = dir.path().join("config.toml");
+    let toml = support::mock_config(
+        dir.path(),
+        &format!(
+            "[enforcement]\nmode = \"hami-core\"\nlibrary_dir = {:?}",
+            lib.display().to_string()
+        ),
+        &[("GPU-a", 1024)],
+    );
+    std::fs::write(&config, toml).unwrap();
+    let check = || {
+        Command::new(BIN)
+            .arg("--config")
+            .arg(&config)
+            .arg("check-config")
+            .output()
+            .unwrap()
+    };
+    // Off the node: no library directory, a note.
+    let out = check();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("note:") && text.contains(&*lib.to_string_lossy()),
+        "{text}"
+    );
+    // On the node: the directory is there and the library is not a
+    // shared object.
+    std::fs::create_dir(&lib).unwrap();
+    std::fs::write(lib.join("libvgpu.so"), "not a library").unwrap();
+    let out = check();
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(
+        err.contains(&*lib.join("libvgpu.so").to_string_lossy()) && err.contains("not an ELF"),
+        "{err}"
+    );
+    install_library(&lib);
+    let out = check();
+    assert!(out.status.success(), "{}", stderr(&out));
+}

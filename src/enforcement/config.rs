@@ -36,6 +36,10 @@ pub struct EnforcementConfig {
     /// Where a container's own cache directory is mounted; HAMi-core's
     /// usage region is a file in it.
     pub container_cache_dir: PathBuf,
+    /// Without pod matching nothing says which containers live: cache
+    /// directories last made longer ago than this are removed (0: never).
+    /// With pod matching, those of pods gone are removed instead.
+    pub cache_max_age_s: u64,
 }
 
 impl Default for EnforcementConfig {
@@ -46,6 +50,7 @@ impl Default for EnforcementConfig {
             state_dir: "/var/lib/gpu-device-plugin".into(),
             container_library_path: "/usr/local/vgpu/libvgpu.so".into(),
             container_cache_dir: "/usr/local/vgpu/cache".into(),
+            cache_max_age_s: 7 * 24 * 3600,
         }
     }
 }

@@ -12,6 +12,7 @@ pub mod library;
 pub mod plan;
 pub mod region;
 pub mod state;
+pub mod sweeper;
 
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
@@ -94,9 +95,21 @@ impl Enforcer {
         state::sweep(&self.layout.containers_dir, keep, SystemTime::now())
     }
 
-    /// The usage region of the container whose cache key is `key`.
-    pub fn usage(&self, key: &str) -> Result<Region, RegionError> {
-        region::read(&self.cache_file(key))
+    /// Directories made before this are stale without pod matching; None
+    /// when they never are.
+    pub fn max_age(&self) -> Option<std::time::Duration> {
+        let secs = self.config.cache_max_age_s;
+        (secs > 0).then(|| std::time::Duration::from_secs(secs))
+    }
+
+    /// The usage region of the container whose cache key is `key`; None
+    /// until its first CUDA process made one.
+    pub fn usage(&self, key: &str) -> Result<Option<Region>, RegionError> {
+        let file = self.cache_file(key);
+        if !file.exists() {
+            return Ok(None);
+        }
+        region::read(&file).map(Some)
     }
 
     fn cache_file(&self, key: &str) -> PathBuf {
@@ -171,7 +184,11 @@ mod tests {
             region::tests::region((1, 2), &[("GPU-a", 1 << 30)], &[(1, &[5 << 20])]),
         )
         .unwrap();
-        assert_eq!(e.usage(&key).unwrap().devices[0].used_bytes, 5 << 20);
+        assert_eq!(
+            e.usage(&key).unwrap().unwrap().devices[0].used_bytes,
+            5 << 20
+        );
+        assert_eq!(e.usage("ids-none").unwrap(), None);
 
         let keep = Keep::Live {
             keys: HashSet::new(),

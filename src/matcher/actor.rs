@@ -13,7 +13,7 @@ use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
-use super::api::{MatcherError, MatcherMsg, Refusal, Steer, UNSEEN_POD_WAIT};
+use super::api::{LiveContainer, MatcherError, MatcherMsg, Refusal, Steer, UNSEEN_POD_WAIT};
 use super::cache::PodCache;
 use super::ledger::Ledger;
 use super::matching::{Ask, Decision, MatchError, decide, decide_with, record, usage};
@@ -276,6 +276,48 @@ impl MatcherState {
         }
     }
 
+    /// The pod the lookup `ask` finds, waiting a little for one the cache
+    /// has not seen, for an Event the plugin asks for.
+    async fn warn(&mut self, ask: &Ask, message: &str) {
+        let deadline = Instant::now() + UNSEEN_POD_WAIT;
+        let pod = loop {
+            let views = self.views(&HashSet::new());
+            match decide(&self.args.node, &views, ask) {
+                Err(MatchError::NoCandidate { .. }) if self.cache.changed(deadline).await => {}
+                Ok(d) => break Some(d.pod),
+                Err(e) => break e.pod().cloned(),
+            }
+        };
+        self.post_event(pod.as_ref(), message).await;
+    }
+
+    /// Every container of the cached pods, once the cache has synced.
+    async fn live(&self) -> Option<Vec<LiveContainer>> {
+        if !self.cache.ready(Instant::now()).await {
+            return None;
+        }
+        let mut live = Vec::new();
+        for pod in self.cache.pods() {
+            let (meta, Some(spec)) = (&pod.metadata, pod.spec.as_ref()) else {
+                continue;
+            };
+            let key = PodKey {
+                namespace: meta.namespace.clone().unwrap_or_default(),
+                name: meta.name.clone().unwrap_or_default(),
+            };
+            let uid = meta.uid.clone().unwrap_or_default();
+            let inits = spec.init_containers.iter().flatten();
+            for c in inits.chain(&spec.containers) {
+                live.push(LiveContainer {
+                    pod: key.clone(),
+                    uid: uid.clone(),
+                    container: c.name.clone(),
+                });
+            }
+        }
+        Some(live)
+    }
+
     /// A Warning Event on the pod, so `kubectl describe pod` says why.
     async fn post_event(&self, pod: Option<&PodKey>, message: &str) {
         let Some(pod) = pod else { return };
@@ -381,6 +423,10 @@ impl Actor for PodMatcher {
             }
             MatcherMsg::Prefer(ask, reply) => {
                 let _ = reply.send(state.prefer(&ask).await);
+            }
+            MatcherMsg::Warn(ask, message) => state.warn(&ask, &message).await,
+            MatcherMsg::Live(reply) => {
+                let _ = reply.send(state.live().await);
             }
         }
         Ok(())

@@ -9,6 +9,7 @@ use ractor::{ActorRef, RactorErr, RpcReplyPort, call_t};
 
 use super::ledger::ids_digest;
 use super::matching::{Ask, Decision, MatchError};
+use super::pods::PodKey;
 use crate::device::{DeviceRef, Resource};
 
 /// Beyond the matcher's own wait (`matcher.wait_ms`), what an Allocate
@@ -17,6 +18,8 @@ const QUEUE_SLACK: Duration = Duration::from_secs(5);
 /// GetPreferredAllocation must stay fast; without an answer by then the
 /// plugin packs on its own.
 const PREFER_TIMEOUT: Duration = Duration::from_millis(500);
+/// A cleanup pass skips a round rather than wait long for the live pods.
+const LIVE_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long GetPreferredAllocation waits for a pod the pod cache has not
 /// seen yet (the kubelet may ask before the pod's watch event arrives):
 /// half of [`PREFER_TIMEOUT`], leaving the rest for the lookup and reply.
@@ -37,6 +40,20 @@ pub enum MatcherMsg {
     Allocate(Ask, RpcReplyPort<Result<Decision, MatcherError>>),
     /// The same lookup, recording nothing, for GetPreferredAllocation.
     Prefer(Ask, RpcReplyPort<Steer>),
+    /// The same lookup, recording nothing: a Warning Event with this
+    /// message on the pod found (the plugin refused the Allocate itself).
+    Warn(Ask, String),
+    /// Every container of every pod in the pod cache; None before the
+    /// cache's first full list (nothing yet says which pods are gone).
+    Live(RpcReplyPort<Option<Vec<LiveContainer>>>),
+}
+
+/// A container of a pod the pod cache holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveContainer {
+    pub pod: PodKey,
+    pub uid: String,
+    pub container: String,
 }
 
 /// Why the matcher gave no container for an Allocate. The text is what
@@ -127,20 +144,32 @@ impl MatcherHandle {
         wait: Duration,
     ) -> Result<Decision, MatcherError> {
         let actor = self.actor().ok_or(MatcherError::Down)?;
-        let mut id_gpus: Vec<usize> = Vec::new();
-        for d in devices {
-            if !id_gpus.contains(&d.gpu) {
-                id_gpus.push(d.gpu);
-            }
-        }
-        let ask = Ask {
-            resource,
-            devices: devices.len() as u64,
-            digest: Some(ids_digest(ids)),
-            id_gpus,
-        };
+        let ask = allocate_ask(resource, devices, ids);
         let ms = (wait + QUEUE_SLACK).as_millis() as u64;
         call_t!(actor, MatcherMsg::Allocate, ms, ask).map_err(no_answer)?
+    }
+
+    /// A Warning Event saying `message` on the pod an Allocate of `devices`
+    /// is for, when the matcher runs and finds it; does not wait.
+    pub fn warn<'a>(
+        &self,
+        resource: Resource,
+        devices: &[DeviceRef],
+        ids: impl Iterator<Item = &'a str>,
+        message: String,
+    ) {
+        if let Some(actor) = self.actor() {
+            let ask = allocate_ask(resource, devices, ids);
+            let _ = actor.send_message(MatcherMsg::Warn(ask, message));
+        }
+    }
+
+    /// The containers of the pods in the pod cache; None when the matcher
+    /// is down, slow, or has not synced its cache.
+    pub async fn live(&self) -> Option<Vec<LiveContainer>> {
+        let actor = self.actor()?;
+        let ms = LIVE_TIMEOUT.as_millis() as u64;
+        call_t!(actor, MatcherMsg::Live, ms).ok().flatten()
     }
 
     /// Where `size` devices of `resource` should come from; no opinion
@@ -160,10 +189,29 @@ impl MatcherHandle {
     }
 }
 
+/// The lookup of an Allocate of `devices`, named by `ids`.
+fn allocate_ask<'a>(
+    resource: Resource,
+    devices: &[DeviceRef],
+    ids: impl Iterator<Item = &'a str>,
+) -> Ask {
+    let mut id_gpus: Vec<usize> = Vec::new();
+    for d in devices {
+        if !id_gpus.contains(&d.gpu) {
+            id_gpus.push(d.gpu);
+        }
+    }
+    Ask {
+        resource,
+        devices: devices.len() as u64,
+        digest: Some(ids_digest(ids)),
+        id_gpus,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::matcher::pods::PodKey;
     use ractor::{Actor, ActorProcessingErr};
 
     fn refused(e: MatchError) -> MatcherError {

@@ -12,7 +12,7 @@ pub mod matching;
 pub mod pods;
 
 pub use actor::{MatcherArgs, PodMatcher, READY_NAME};
-pub use api::{MatcherError, MatcherHandle, MatcherMsg, Steer};
+pub use api::{LiveContainer, MatcherError, MatcherHandle, MatcherMsg, Steer};
 
 #[cfg(test)]
 mod tests;

@@ -27,6 +27,7 @@ use super::service::{DevicePluginService, StreamItem};
 use crate::api::lazy::device_plugin_server::DevicePluginServer;
 use crate::config::Config;
 use crate::device::{DeviceModel, Resource};
+use crate::enforcement::Enforcer;
 use crate::metrics::{Metrics, ResourceMetrics};
 
 /// GetPreferredAllocation lists every free ID: hundreds of thousands of
@@ -55,6 +56,8 @@ pub struct PluginArgs {
     pub kubelet_socket: PathBuf,
     pub template: Arc<ResponseTemplate>,
     pub placement: Placement,
+    /// Caps shared grants; None with enforcement off.
+    pub enforcer: Option<Enforcer>,
     pub healthy: Arc<[bool]>,
     pub metrics: Arc<ResourceMetrics>,
     /// Set when a predecessor's stream ended just now (a reload): no
@@ -82,6 +85,7 @@ impl PluginArgs {
             template: Arc::new(template(config, r)),
             model,
             placement,
+            enforcer: Enforcer::new(&config.enforcement),
             healthy,
             settle_until: None,
         }
@@ -272,6 +276,7 @@ impl PluginActor {
             args.template.clone(),
             rx,
             state.placement.subscribe(),
+            args.enforcer.clone(),
             args.metrics.clone(),
         );
         let routes = tonic::service::Routes::new(

@@ -2,13 +2,17 @@
 //! `pod_matching = false`, from the device IDs alone (with the pairing
 //! book's hints). Both paths sit behind [`Placement::steer`] (for
 //! GetPreferredAllocation) and [`Placement::grant`] (for Allocate), so the
-//! gRPC service only decodes, delegates and encodes.
+//! gRPC service only decodes, delegates and encodes. A shared grant under
+//! enforcement is checked before anything is recorded and given its
+//! preload after: a container is never placed to run unlimited.
 
 use std::time::Duration;
 
 use super::allocate::{AllocateError, Grant, ids_grant};
 use super::pairing::{LastShared, SplitError};
 use crate::device::{DeviceModel, DeviceRef, Resource, packing};
+use crate::enforcement::{self, EnforcementError, Enforcer, Preload};
+use crate::matcher::ledger::ids_digest;
 use crate::matcher::{MatcherError, MatcherHandle};
 
 #[derive(Debug, Clone)]
@@ -33,6 +37,9 @@ pub(crate) enum PlaceError {
     Split(#[from] SplitError),
     #[error(transparent)]
     Matcher(#[from] MatcherError),
+    /// Enforcement is on and cannot cap this grant.
+    #[error(transparent)]
+    Enforcement(#[from] EnforcementError),
 }
 
 impl PlaceError {
@@ -42,6 +49,7 @@ impl PlaceError {
             PlaceError::Ids(e) => e.reason(),
             PlaceError::Split(_) => "split_container",
             PlaceError::Matcher(e) => e.reason(),
+            PlaceError::Enforcement(_) => "enforcement",
         }
     }
 }
@@ -76,28 +84,90 @@ impl Placement {
     }
 
     /// Allocate: what a container granted `devices` of `model`'s resource
-    /// gets. `ids` are the same devices as the kubelet named them.
-    pub(crate) async fn grant<'a>(
+    /// gets, and under `enforcer` the preload of a shared grant. `ids` are
+    /// the same devices as the kubelet named them.
+    pub(crate) async fn grant(
         &self,
         model: &DeviceModel,
         devices: &[DeviceRef],
-        ids: impl Iterator<Item = &'a str>,
-    ) -> Result<Grant, PlaceError> {
-        match self {
+        ids: &[&str],
+        enforcer: Option<&Enforcer>,
+    ) -> Result<(Grant, Option<Preload>), PlaceError> {
+        let kind = match model.resource() {
+            Resource::GpuCount => enforcement::Grant::Whole,
+            _ => enforcement::Grant::Shared,
+        };
+        let enforcer = enforcer.filter(|_| kind == enforcement::Grant::Shared);
+        // Checked before the pairing book or the ledger records the grant,
+        // so a refused one leaves nothing behind.
+        if let Some(e) = enforcer {
+            let e = e.clone();
+            if let Err(err) = blocking(move || e.check()).await {
+                self.warn(model, devices, ids, &err);
+                return Err(err.into());
+            }
+        }
+        let (grant, owner) = match self {
             Placement::Ids(book) => {
                 let grant = ids_grant(model, devices)?;
                 book.grant(model, devices)?;
-                Ok(grant)
+                (grant, Owner::Grant(ids_digest(ids.iter().copied())))
             }
             Placement::Matcher { handle, wait } => {
                 let d = handle
-                    .allocate(model.resource(), devices, ids, *wait)
+                    .allocate(model.resource(), devices, ids.iter().copied(), *wait)
                     .await?;
-                Ok(Grant {
+                let grant = Grant {
                     gpus: d.gpus,
                     amount: d.amount,
-                })
+                };
+                (grant, Owner::Container(d.uid, d.container))
+            }
+        };
+        let Some(e) = enforcer else {
+            return Ok((grant, None));
+        };
+        let e = e.clone();
+        match blocking(move || e.prepare(kind, owner.as_cache_owner())).await {
+            Ok(preload) => Ok((grant, preload)),
+            Err(err) => {
+                self.warn(model, devices, ids, &err);
+                Err(err.into())
             }
         }
     }
+
+    /// With pod matching, a Warning Event on the pod the grant is for.
+    fn warn(&self, model: &DeviceModel, devices: &[DeviceRef], ids: &[&str], e: &EnforcementError) {
+        if let Placement::Matcher { handle, .. } = self {
+            let message = format!("{}: {e}", model.resource());
+            handle.warn(model.resource(), devices, ids.iter().copied(), message);
+        }
+    }
+}
+
+/// Whose cache directory a grant gets, owned for the blocking task.
+enum Owner {
+    Container(String, String),
+    Grant(String),
+}
+
+impl Owner {
+    fn as_cache_owner(&self) -> enforcement::CacheOwner<'_> {
+        match self {
+            Owner::Container(pod_uid, container) => {
+                enforcement::CacheOwner::Container { pod_uid, container }
+            }
+            Owner::Grant(ids_digest) => enforcement::CacheOwner::Grant { ids_digest },
+        }
+    }
+}
+
+/// Enforcement's file work, off the async threads.
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, EnforcementError> + Send + 'static,
+) -> Result<T, EnforcementError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .expect("enforcement file work panicked")
 }

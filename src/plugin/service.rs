@@ -22,6 +22,7 @@ use crate::api::{
     PreStartContainerRequest, PreStartContainerResponse, PreferredAllocationResponse,
 };
 use crate::device::{DeviceModel, DeviceRef, IdError, Resource};
+use crate::enforcement::Enforcer;
 use crate::metrics::{ResourceMetrics, Rpc};
 
 /// What ListAndWatch streams: the current list, and whether it is the last
@@ -44,6 +45,7 @@ pub struct DevicePluginService {
     template: Arc<ResponseTemplate>,
     lists: watch::Receiver<StreamItem>,
     placement: watch::Receiver<Placement>,
+    enforcer: Option<Enforcer>,
     metrics: Arc<ResourceMetrics>,
 }
 
@@ -56,6 +58,7 @@ impl DevicePluginService {
         template: Arc<ResponseTemplate>,
         lists: watch::Receiver<StreamItem>,
         placement: watch::Receiver<Placement>,
+        enforcer: Option<Enforcer>,
         metrics: Arc<ResourceMetrics>,
     ) -> Self {
         DevicePluginService {
@@ -63,6 +66,7 @@ impl DevicePluginService {
             template,
             lists,
             placement,
+            enforcer,
             metrics,
         }
     }
@@ -109,6 +113,9 @@ impl DevicePluginService {
                 Status::failed_precondition(format!("{}: {e}", self.resource()))
             }
             PlaceError::Matcher(_) => Status::failed_precondition(e.to_string()),
+            PlaceError::Enforcement(_) => {
+                Status::failed_precondition(format!("{}: {e}", self.resource()))
+            }
         };
         Refusal(status, reason)
     }
@@ -159,13 +166,20 @@ impl DevicePluginService {
         for req in containers {
             let devices = self.decode(req.ids.iter())?;
             // Decoded, so every ID is a known (ASCII) one.
-            let ids = req.ids.iter().filter_map(|id| std::str::from_utf8(id).ok());
+            let ids: Vec<&str> = req
+                .ids
+                .iter()
+                .filter_map(|id| std::str::from_utf8(id).ok())
+                .collect();
             let placement = self.placement.borrow().clone();
-            let grant = placement
-                .grant(&self.model, &devices, ids)
+            let (grant, preload) = placement
+                .grant(&self.model, &devices, &ids, self.enforcer.as_ref())
                 .await
                 .map_err(|e| self.unplaced(e))?;
-            let response = self.template.response(&self.model, &grant);
+            let mut response = self.template.response(&self.model, &grant);
+            if let Some(preload) = preload {
+                preload.apply(&mut response);
+            }
             tracing::info!(
                 resource = %self.resource(),
                 devices = devices.len(),
@@ -283,6 +297,7 @@ mod tests {
             Arc::new(template(&config, Resource::GpuMemory)),
             lists,
             placement,
+            None,
             metrics.resource("doslab.io/gpu-memory"),
         );
         let request = crate::api::AllocateRequest {

@@ -11,6 +11,8 @@ use tracing::Instrument;
 
 use crate::config::Config;
 use crate::device::{Plan, Resource};
+use crate::enforcement::Enforcer;
+use crate::enforcement::sweeper::{Sweeper, SweeperArgs};
 use crate::health::{HealthArgs, HealthMonitor, HealthReport, ProbeSpec};
 use crate::inventory::{InventoryArgs, InventoryMsg, InventoryPublisher, Published};
 use crate::kubelet_watch::{CheckPlugins, KubeletWatcher, WatcherArgs};
@@ -28,6 +30,7 @@ pub enum Child {
     Inventory,
     Watcher,
     Health,
+    Enforcement,
 }
 
 impl std::fmt::Display for Child {
@@ -38,6 +41,7 @@ impl std::fmt::Display for Child {
             Child::Inventory => f.write_str("inventory publisher"),
             Child::Watcher => f.write_str("kubelet watcher"),
             Child::Health => f.write_str("health monitor"),
+            Child::Enforcement => f.write_str("enforcement sweeper"),
         }
     }
 }
@@ -56,6 +60,9 @@ pub(crate) fn wanted(config: &Config, plan: &Plan) -> Vec<Child> {
         children.push(Child::Inventory);
     }
     children.extend([Child::Watcher, Child::Health]);
+    if Enforcer::new(&config.enforcement).is_some() {
+        children.push(Child::Enforcement);
+    }
     children
 }
 
@@ -77,6 +84,7 @@ pub(crate) enum Args {
     Inventory(InventoryArgs),
     Watcher(WatcherArgs),
     Health(HealthArgs),
+    Enforcement(SweeperArgs),
 }
 
 /// A spawned child, by its typed address where the supervisor talks to it.
@@ -134,6 +142,16 @@ impl Args {
                 recovery: Duration::from_millis(config.health.recovery_ms),
                 report: shared.report_health.clone(),
             }),
+            Child::Enforcement => Args::Enforcement(SweeperArgs {
+                enforcer: Enforcer::new(&config.enforcement)?,
+                matcher: match &shared.placement {
+                    Placement::Matcher { handle, .. } => Some(handle.clone()),
+                    Placement::Ids(_) => None,
+                },
+                // The library is checked as often as the GPUs' health.
+                tick: Duration::from_millis(config.health.poll_ms),
+                metrics: shared.metrics.clone(),
+            }),
         })
     }
 
@@ -156,6 +174,9 @@ impl Args {
             }
             Args::Health(a) => {
                 Spawned::Other(spawn(HealthMonitor, a, span, supervisor).await?.get_cell())
+            }
+            Args::Enforcement(a) => {
+                Spawned::Other(spawn(Sweeper, a, span, supervisor).await?.get_cell())
             }
         })
     }

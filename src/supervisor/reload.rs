@@ -3,6 +3,7 @@
 //! new config gives it) and whether a running plugin must be handed the new
 //! placement (which it takes without a restart).
 
+use crate::enforcement::sweeper::SweeperArgs;
 use crate::health::HealthArgs;
 use crate::inventory::InventoryArgs;
 use crate::kubelet_watch::WatcherArgs;
@@ -28,12 +29,15 @@ pub(crate) fn restart(old: &Args, new: Option<&Args>) -> Option<&'static str> {
         (Args::Inventory(a), Args::Inventory(b)) => inventory(a) == inventory(b),
         (Args::Watcher(a), Args::Watcher(b)) => watcher(a) == watcher(b),
         (Args::Health(a), Args::Health(b)) => health(a) == health(b),
+        (Args::Enforcement(a), Args::Enforcement(b)) => sweeper(a) == sweeper(b),
         _ => false,
     };
     (!same).then_some(match new {
         Args::Watcher(_) => "directory changed",
         Args::Health(_) => "health settings changed",
-        Args::Matcher(_) | Args::Plugin(_) | Args::Inventory(_) => "changed by reload",
+        Args::Matcher(_) | Args::Plugin(_) | Args::Inventory(_) | Args::Enforcement(_) => {
+            "changed by reload"
+        }
     })
 }
 
@@ -71,6 +75,7 @@ fn plugin(a: &PluginArgs) -> impl PartialEq + '_ {
         socket,
         kubelet_socket,
         template,
+        enforcer,
         placement: _,
         healthy: _,
         metrics: _,
@@ -83,6 +88,7 @@ fn plugin(a: &PluginArgs) -> impl PartialEq + '_ {
         socket,
         kubelet_socket,
         template,
+        enforcer,
     )
 }
 
@@ -116,6 +122,18 @@ fn health(a: &HealthArgs) -> impl PartialEq + '_ {
         report: _,
     } = a;
     (spec, uuids, poll, recovery)
+}
+
+fn sweeper(a: &SweeperArgs) -> impl PartialEq + '_ {
+    // Which matcher handle it asks is the supervisor's, the same across
+    // reloads; whether it asks one is not.
+    let SweeperArgs {
+        enforcer,
+        matcher,
+        tick,
+        metrics: _,
+    } = a;
+    (enforcer, matcher.is_some(), tick)
 }
 
 #[cfg(test)]
