@@ -8,9 +8,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
-use ractor::Actor;
+use ractor::{Actor, ActorRef};
 
 use crate::config::{Backend, Config, ConfigError};
+use crate::config_watch::digest;
 use crate::device::{DiscoverError, Gpu, Plan, PlanError, discover};
 use crate::enforcement::{EnforcementError, Enforcer};
 use crate::metrics::Metrics;
@@ -125,13 +126,18 @@ pub async fn check(config: &Config) -> Result<Checked, RunError> {
 /// What the daemon is told while it runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Control {
-    /// Re-read the config file; a bad one is logged and the old one kept.
+    /// Re-read the config file (SIGHUP); a bad one is logged and the old one
+    /// kept.
     Reload,
+    /// The config file's content changed: reload as on `Reload`, unless
+    /// those very bytes were the last loaded or refused (a SIGHUP already
+    /// took them).
+    Edited,
     Stop,
 }
 
 /// Runs the daemon until `controls` says stop or ends. `source` is the file
-/// `config` came from, re-read on `Reload`.
+/// `config` came from, re-read on `Reload` and `Edited`.
 pub async fn run(
     config: Config,
     source: Option<PathBuf>,
@@ -158,12 +164,19 @@ pub async fn run(
         "starting"
     );
     let metrics = Arc::new(Metrics::default());
-    if !config.http_listen.is_empty() {
-        let addr = crate::http::serve(&config.http_listen, metrics.clone())
-            .await
-            .map_err(|e| RunError::Http(config.http_listen.clone(), e))?;
-        tracing::info!(%addr, "HTTP endpoint listening (/metrics, /healthz, /readyz)");
-    }
+    // The bytes `config` came from; the file may since have changed, which
+    // the watch then reports.
+    let tried = match source.as_deref() {
+        Some(p) => std::fs::read(p).map(|b| digest(&b)).unwrap_or_default(),
+        None => digest(crate::config::DEFAULT_TOML.as_bytes()),
+    };
+    metrics.config_loaded(tried.clone());
+    let mut serving = Serving {
+        http: Http::start(&config.http_listen, &metrics).await?,
+        source,
+        tried,
+        metrics: metrics.clone(),
+    };
     let args = SupervisorArgs {
         config,
         plan,
@@ -172,14 +185,13 @@ pub async fn run(
     let (supervisor, handle) = Actor::spawn(None, Supervisor, args)
         .await
         .map_err(|e| RunError::Spawn(e.to_string()))?;
-    while let Some(Control::Reload) = controls.next().await {
-        match reload(source.as_deref()).await {
-            Ok((config, plan)) => {
-                let _ = supervisor.send_message(SupervisorMsg::Reload(Box::new((config, plan))));
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "reload refused; still serving the previous config")
-            }
+    while let Some(control) = controls.next().await {
+        if control == Control::Stop {
+            break;
+        }
+        if let Err(e) = serving.reload(control, &supervisor).await {
+            serving.metrics.config_refused();
+            tracing::error!(error = %e, "reload refused; still serving the previous config");
         }
     }
     tracing::info!("shutting down");
@@ -193,6 +205,78 @@ pub async fn run(
     Ok(())
 }
 
+/// What the reload loop keeps from one reload to the next.
+struct Serving {
+    source: Option<PathBuf>,
+    /// The SHA-256 of the bytes last loaded or refused.
+    tried: String,
+    http: Http,
+    metrics: Arc<Metrics>,
+}
+
+impl Serving {
+    /// Re-reads the file and, once the new config passes every start-up
+    /// check and its `http_listen` is bound, hands it to the supervisor.
+    async fn reload(
+        &mut self,
+        control: Control,
+        supervisor: &ActorRef<SupervisorMsg>,
+    ) -> Result<(), ReloadError> {
+        let bytes = read_source(self.source.as_deref())?;
+        let sha256 = digest(&bytes);
+        if control == Control::Edited && sha256 == self.tried {
+            return Ok(());
+        }
+        self.tried.clone_from(&sha256);
+        let (config, plan) = load(&bytes).await?;
+        let moved = self.http.moved(&config.http_listen, &self.metrics).await?;
+        let _ = supervisor.send_message(SupervisorMsg::Reload(Box::new((config, plan))));
+        // The new endpoint listens before the old one closes.
+        if let Some(moved) = moved {
+            self.http = moved;
+        }
+        self.metrics.config_loaded(sha256);
+        Ok(())
+    }
+}
+
+/// The HTTP endpoint as `http_listen` asks: on its address, or off.
+struct Http {
+    listen: String,
+    /// Held: dropping it closes the listener.
+    _endpoint: Option<crate::http::Endpoint>,
+}
+
+impl Http {
+    async fn start(listen: &str, metrics: &Arc<Metrics>) -> Result<Http, RunError> {
+        let endpoint = if listen.is_empty() {
+            None
+        } else {
+            let e = crate::http::serve(listen, metrics.clone())
+                .await
+                .map_err(|e| RunError::Http(listen.to_owned(), e))?;
+            tracing::info!(addr = %e.addr, "HTTP endpoint listening (/metrics, /healthz, /readyz)");
+            Some(e)
+        };
+        Ok(Http {
+            listen: listen.to_owned(),
+            _endpoint: endpoint,
+        })
+    }
+
+    /// The endpoint for a reload to `listen`, newly bound; None when the
+    /// key did not change. The caller drops this one, which closes it, once
+    /// the reload is applied.
+    async fn moved(&self, listen: &str, metrics: &Arc<Metrics>) -> Result<Option<Http>, RunError> {
+        if listen == self.listen {
+            return Ok(None);
+        }
+        let next = Http::start(listen, metrics).await?;
+        tracing::info!(from = %self.listen, to = %listen, "http_listen changed; the old endpoint closes");
+        Ok(Some(next))
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ReloadError {
     #[error("the daemon runs on the built-in config; there is no file to re-read")]
@@ -203,8 +287,21 @@ pub enum ReloadError {
     Run(#[from] RunError),
 }
 
-async fn reload(source: Option<&Path>) -> Result<(Config, Plan), ReloadError> {
-    let config = Config::load(source.ok_or(ReloadError::NoFile)?)?;
+fn read_source(source: Option<&Path>) -> Result<Vec<u8>, ReloadError> {
+    let path = source.ok_or(ReloadError::NoFile)?;
+    std::fs::read(path).map_err(|e| {
+        ReloadError::Config(ConfigError::Read {
+            path: path.to_owned(),
+            source: e,
+        })
+    })
+}
+
+/// The config in `bytes`, checked as at start, and its plan.
+async fn load(bytes: &[u8]) -> Result<(Config, Plan), ReloadError> {
+    let text = std::str::from_utf8(bytes)
+        .map_err(|e| ConfigError::Parse(format!("the file is not UTF-8: {e}")))?;
+    let config = Config::from_toml(text, std::env::var("NODE_NAME").ok())?;
     let plan = plan(&config).await?;
     Ok((config, plan))
 }

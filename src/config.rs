@@ -51,6 +51,9 @@ pub struct Config {
     pub log_format: LogFormat,
     /// `/metrics`, `/healthz`, `/readyz`; empty turns the endpoint off.
     pub http_listen: String,
+    /// Reload when the config file's content changes (a ConfigMap edit
+    /// reaching the node), as on SIGHUP.
+    pub watch_config: bool,
     pub devices: Devices,
     pub health: Health,
     pub matcher: Matcher,
@@ -70,6 +73,7 @@ impl Default for Config {
             node_name: String::new(),
             log_format: LogFormat::Text,
             http_listen: "0.0.0.0:9446".into(),
+            watch_config: true,
             devices: Devices::default(),
             health: Health::default(),
             matcher: Matcher::default(),

@@ -1,4 +1,5 @@
-//! Reload when the config file's content changes, as on SIGHUP.
+//! Tell the daemon when the config file's content changes, so it reloads
+//! as on SIGHUP.
 //!
 //! The kubelet never writes a mounted ConfigMap's file in place: it writes
 //! the new data into a fresh timestamped directory beside it, points a
@@ -6,7 +7,7 @@
 //! the file's own symlink goes through. An inotify watch on the file would
 //! stay on the old inode, so the directory is watched, and every event in it
 //! (plus a slow poll, for filesystems that drop events) leads to one read of
-//! the file through its symlinks. A reload is asked for only when the bytes
+//! the file through its symlinks. An edit is reported only when the bytes
 //! differ from the last ones seen, so the kubelet's several renames, and a
 //! refused edit seen again, ask once.
 
@@ -51,8 +52,8 @@ struct State {
     _watcher: notify::RecommendedWatcher,
 }
 
-/// `Control::Reload` each time the content of `path` changes from what it
-/// was when the watch began, or at the last reload asked for.
+/// `Control::Edited` each time the content of `path` changes from what it
+/// was when the watch began, or when it was last reported.
 pub fn watch(path: &Path) -> notify::Result<impl Stream<Item = Control> + Unpin + use<>> {
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
@@ -88,32 +89,35 @@ async fn next(mut s: State) -> Option<(Control, State)> {
         }
         let now = current(&s.path);
         if now.is_some() && now != s.last {
-            tracing::info!(config = %s.path.display(), "config file changed; reloading");
+            tracing::info!(config = %s.path.display(), "config file changed");
             s.last = now;
-            return Some((Control::Reload, s));
+            return Some((Control::Edited, s));
         }
     }
+}
+
+/// Does to `dir` what the kubelet does to a ConfigMap volume, with
+/// `config.toml` in version `version` (a number new to `dir`): the stand-in
+/// the tests edit the config through.
+#[cfg(any(test, feature = "sim"))]
+pub fn kubelet_swap(dir: &Path, version: u32, text: &str) -> std::io::Result<()> {
+    use std::os::unix::fs::symlink;
+    let data = dir.join(format!("..2026_11_23_{version}"));
+    std::fs::create_dir(&data)?;
+    std::fs::write(data.join("config.toml"), text)?;
+    let tmp = dir.join("..data_tmp");
+    symlink(data.file_name().expect("a named directory"), &tmp)?;
+    std::fs::rename(&tmp, dir.join("..data"))?;
+    if !dir.join("config.toml").exists() {
+        symlink("..data/config.toml", dir.join("config.toml"))?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use futures::StreamExt;
-    use std::os::unix::fs::symlink;
-
-    /// Lays out `dir` as the kubelet lays out a ConfigMap volume, with
-    /// `config.toml` in version `v`.
-    fn kubelet_swap(dir: &Path, v: u32, text: &str) {
-        let data = dir.join(format!("..2026_11_23_{v}"));
-        std::fs::create_dir(&data).unwrap();
-        std::fs::write(data.join("config.toml"), text).unwrap();
-        let tmp = dir.join("..data_tmp");
-        symlink(data.file_name().unwrap(), &tmp).unwrap();
-        std::fs::rename(&tmp, dir.join("..data")).unwrap();
-        if !dir.join("config.toml").exists() {
-            symlink("..data/config.toml", dir.join("config.toml")).unwrap();
-        }
-    }
 
     #[test]
     fn the_digest_is_sha256_in_hex() {
@@ -124,18 +128,18 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_kubelet_style_swap_asks_for_one_reload_and_the_same_bytes_none() {
+    async fn a_kubelet_style_swap_tells_once_and_the_same_bytes_not_at_all() {
         let dir = tempfile::tempdir().unwrap();
-        kubelet_swap(dir.path(), 1, "memory_unit_mib = 1\n");
+        kubelet_swap(dir.path(), 1, "memory_unit_mib = 1\n").unwrap();
         let mut reloads = watch(&dir.path().join("config.toml")).unwrap();
         // Nothing changed yet.
         let early = tokio::time::timeout(Duration::from_millis(400), reloads.next()).await;
         assert!(early.is_err(), "{early:?}");
-        kubelet_swap(dir.path(), 2, "memory_unit_mib = 2\n");
+        kubelet_swap(dir.path(), 2, "memory_unit_mib = 2\n").unwrap();
         let got = tokio::time::timeout(Duration::from_secs(3), reloads.next()).await;
-        assert!(matches!(got, Ok(Some(Control::Reload))), "{got:?}");
+        assert!(matches!(got, Ok(Some(Control::Edited))), "{got:?}");
         // The same bytes again (a resync): no reload.
-        kubelet_swap(dir.path(), 3, "memory_unit_mib = 2\n");
+        kubelet_swap(dir.path(), 3, "memory_unit_mib = 2\n").unwrap();
         let again = tokio::time::timeout(Duration::from_millis(600), reloads.next()).await;
         assert!(again.is_err(), "{again:?}");
     }

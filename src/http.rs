@@ -39,9 +39,22 @@ async fn readyz(State(m): State<Arc<Metrics>>) -> (StatusCode, String) {
     }
 }
 
-/// Binds `addr` and serves until the runtime stops; returns the bound
-/// address (`:0` picks a free port).
-pub async fn serve(addr: &str, m: Arc<Metrics>) -> std::io::Result<SocketAddr> {
+/// A serving endpoint; dropping it closes the listener (requests in
+/// flight finish), so a reload can open the new one before the old closes.
+pub struct Endpoint {
+    pub addr: SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Binds `addr` and serves until the [`Endpoint`] is dropped; `:0` picks a
+/// free port, which the endpoint's `addr` tells.
+pub async fn serve(addr: &str, m: Arc<Metrics>) -> std::io::Result<Endpoint> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
     let app = Router::new()
@@ -49,10 +62,10 @@ pub async fn serve(addr: &str, m: Arc<Metrics>) -> std::io::Result<SocketAddr> {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .with_state(m);
-    tokio::spawn(async move {
+    let task = tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).await {
             tracing::error!(error = %e, "HTTP endpoint failed");
         }
     });
-    Ok(bound)
+    Ok(Endpoint { addr: bound, task })
 }

@@ -176,11 +176,22 @@ fn print_plan(config: &Config, plan: &gpu_device_plugin::device::Plan) {
     }
 }
 
-/// SIGHUP → reload; SIGTERM, SIGINT → stop.
-fn controls() -> anyhow::Result<impl futures::Stream<Item = Control> + Unpin> {
+/// SIGHUP → reload; SIGTERM, SIGINT → stop; and, given a config file to
+/// watch, an edit whenever its content changes (a ConfigMap edit reaching
+/// the node).
+fn controls(
+    watched: Option<&std::path::Path>,
+) -> anyhow::Result<impl futures::Stream<Item = Control> + Unpin + use<>> {
     let signals = signal_hook_tokio::Signals::new([SIGHUP, SIGTERM, SIGINT])
         .context("cannot install signal handlers")?;
-    Ok(signals.map(|sig| {
+    let edits = match watched {
+        Some(path) => Some(
+            gpu_device_plugin::config_watch::watch(path)
+                .with_context(|| format!("cannot watch {} for edits", path.display()))?,
+        ),
+        None => None,
+    };
+    let signals = signals.map(|sig| {
         let name = match sig {
             SIGHUP => "SIGHUP",
             SIGTERM => "SIGTERM",
@@ -192,7 +203,11 @@ fn controls() -> anyhow::Result<impl futures::Stream<Item = Control> + Unpin> {
         } else {
             Control::Stop
         }
-    }))
+    });
+    Ok(futures::stream::select(
+        signals,
+        futures::stream::iter(edits).flatten(),
+    ))
 }
 
 #[tokio::main]
@@ -202,7 +217,9 @@ async fn main() -> anyhow::Result<()> {
         Command::Run => {
             let config = load(cli.config.as_ref())?;
             init_logging(config.log_format, "info");
-            app::run(config, cli.config, controls()?).await?;
+            let watched = cli.config.as_deref().filter(|_| config.watch_config);
+            let controls = controls(watched)?;
+            app::run(config, cli.config, controls).await?;
         }
         #[cfg(feature = "sim")]
         Command::Demo => {
@@ -217,7 +234,7 @@ async fn main() -> anyhow::Result<()> {
                 None => ExtenderConfig::default(),
             };
             init_logging(LogFormat::Text, "info");
-            let mut controls = controls()?;
+            let mut controls = controls(None)?;
             let stop = async move {
                 while let Some(c) = controls.next().await {
                     if matches!(c, Control::Stop) {

@@ -5,7 +5,7 @@
 //! the pod matcher until its pod cache synced, and any actor that keeps
 //! failing.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -149,6 +149,10 @@ type Series = (
     fn(&ResourceMetrics) -> u64,
 );
 
+/// A per-GPU series: name, help, how to read it from the sample and
+/// whether the GPU is healthy.
+type GpuSeries = (&'static str, &'static str, fn(&GpuSample, bool) -> u64);
+
 /// Why a part other than a resource holds readiness back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Hold {
@@ -170,6 +174,60 @@ pub struct Metrics {
     api_requests: Mutex<BTreeMap<&'static str, u64>>,
     /// Enforcement's series; None (absent) with enforcement off.
     enforcement: Mutex<Option<EnforcementSeries>>,
+    config: Mutex<ConfigState>,
+    /// Per GPU, from the pod matcher's usage model; empty without it.
+    gpus: Mutex<Vec<GpuSample>>,
+    /// GPUs the health checks failed, by UUID.
+    unhealthy: Mutex<BTreeSet<String>>,
+}
+
+/// The loaded config and when reloads last went either way.
+#[derive(Debug, Default)]
+struct ConfigState {
+    sha256: String,
+    loaded_at: f64,
+    refused_at: f64,
+}
+
+/// What a GPU carries, as the per-GPU series show it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuMode {
+    Free,
+    /// Held whole (gpu-count).
+    Whole,
+    /// Carrying gpu-memory or gpu-core grants.
+    Shared,
+}
+
+impl GpuMode {
+    const ALL: [GpuMode; 3] = [GpuMode::Free, GpuMode::Whole, GpuMode::Shared];
+
+    fn name(self) -> &'static str {
+        match self {
+            GpuMode::Free => "free",
+            GpuMode::Whole => "whole",
+            GpuMode::Shared => "shared",
+        }
+    }
+}
+
+/// One GPU's grants against its capacity, in real units.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuSample {
+    pub uuid: String,
+    pub memory_capacity_mib: u64,
+    pub memory_granted_mib: u64,
+    pub core_capacity_percent: u64,
+    pub core_granted_percent: u64,
+    pub containers: u64,
+    pub mode: GpuMode,
+}
+
+/// Seconds since the Unix epoch, as Prometheus timestamps go.
+fn now_unix() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 impl Metrics {
@@ -201,6 +259,33 @@ impl Metrics {
             .expect("metrics lock")
             .entry(verb)
             .or_default() += 1;
+    }
+
+    /// The config whose file bytes have SHA-256 `sha256` now serves (at
+    /// start, or a reload went through).
+    pub fn config_loaded(&self, sha256: String) {
+        let mut c = self.config.lock().expect("metrics lock");
+        c.sha256 = sha256;
+        c.loaded_at = now_unix();
+    }
+
+    /// A reload was refused; the loaded config keeps serving.
+    pub fn config_refused(&self) {
+        self.config.lock().expect("metrics lock").refused_at = now_unix();
+    }
+
+    /// Every GPU's usage, replacing the last (empty: none known).
+    pub fn set_gpus(&self, gpus: Vec<GpuSample>) {
+        *self.gpus.lock().expect("metrics lock") = gpus;
+    }
+
+    /// Per GPU UUID, whether it passes its health checks.
+    pub fn set_gpu_health<'a>(&self, gpus: impl IntoIterator<Item = (&'a str, bool)>) {
+        *self.unhealthy.lock().expect("metrics lock") = gpus
+            .into_iter()
+            .filter(|(_, healthy)| !healthy)
+            .map(|(uuid, _)| uuid.to_owned())
+            .collect();
     }
 
     /// Marks `part` unready for `hold` with the reason `why`, or clears
@@ -355,7 +440,90 @@ impl Metrics {
             );
         }
         self.render_enforcement(&mut out);
+        self.render_config(&mut out);
+        self.render_gpus(&mut out);
         out
+    }
+
+    fn render_config(&self, out: &mut String) {
+        let c = self.config.lock().expect("metrics lock");
+        let _ = writeln!(
+            out,
+            "# HELP gpu_device_plugin_config_info The SHA-256 of the config file serving now.\n# TYPE gpu_device_plugin_config_info gauge\ngpu_device_plugin_config_info{{sha256=\"{}\"}} 1",
+            c.sha256
+        );
+        let _ = writeln!(
+            out,
+            "# HELP gpu_device_plugin_config_last_reload_timestamp_seconds When the serving config was loaded (start or reload).\n# TYPE gpu_device_plugin_config_last_reload_timestamp_seconds gauge\ngpu_device_plugin_config_last_reload_timestamp_seconds {}",
+            c.loaded_at
+        );
+        let _ = writeln!(
+            out,
+            "# HELP gpu_device_plugin_config_last_refused_timestamp_seconds When a reload was last refused; 0: never.\n# TYPE gpu_device_plugin_config_last_refused_timestamp_seconds gauge\ngpu_device_plugin_config_last_refused_timestamp_seconds {}",
+            c.refused_at
+        );
+    }
+
+    fn render_gpus(&self, out: &mut String) {
+        let gpus = self.gpus.lock().expect("metrics lock");
+        let unhealthy = self.unhealthy.lock().expect("metrics lock");
+        let series: [GpuSeries; 6] = [
+            (
+                "gpu_memory_capacity_bytes",
+                "GPU memory the gpu-memory devices cover.",
+                |g, _| g.memory_capacity_mib << 20,
+            ),
+            (
+                "gpu_memory_granted_bytes",
+                "GPU memory granted to shared containers, by the pods' ledgers.",
+                |g, _| g.memory_granted_mib << 20,
+            ),
+            (
+                "gpu_core_capacity_percent",
+                "Compute the gpu-core devices cover, in percent of the GPU.",
+                |g, _| g.core_capacity_percent,
+            ),
+            (
+                "gpu_core_granted_percent",
+                "Compute granted to shared containers, in percent of the GPU.",
+                |g, _| g.core_granted_percent,
+            ),
+            (
+                "gpu_containers",
+                "Containers holding the GPU, whole or shared.",
+                |g, _| g.containers,
+            ),
+            (
+                "gpu_healthy",
+                "1 when the GPU passes its health checks.",
+                |_, healthy| u64::from(healthy),
+            ),
+        ];
+        for (name, help, get) in series {
+            let _ = writeln!(
+                out,
+                "# HELP gpu_device_plugin_{name} {help}\n# TYPE gpu_device_plugin_{name} gauge"
+            );
+            for g in gpus.iter() {
+                let v = get(g, !unhealthy.contains(&g.uuid));
+                let _ = writeln!(out, "gpu_device_plugin_{name}{{gpu=\"{}\"}} {v}", g.uuid);
+            }
+        }
+        let _ = writeln!(
+            out,
+            "# HELP gpu_device_plugin_gpu_mode 1 for what the GPU carries: whole, shared or free.\n# TYPE gpu_device_plugin_gpu_mode gauge"
+        );
+        for g in gpus.iter() {
+            for mode in GpuMode::ALL {
+                let _ = writeln!(
+                    out,
+                    "gpu_device_plugin_gpu_mode{{gpu=\"{}\",mode=\"{}\"}} {}",
+                    g.uuid,
+                    mode.name(),
+                    u64::from(g.mode == mode)
+                );
+            }
+        }
     }
 }
 

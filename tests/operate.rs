@@ -286,22 +286,6 @@ async fn metrics_and_probes_follow_registration_allocation_and_health() {
     .await;
 }
 
-/// Polls `/metrics` until `series` reads `value`.
-async fn wait_for_sample(addr: &str, series: &str, value: f64) {
-    let deadline = std::time::Instant::now() + WAIT;
-    loop {
-        let (_, m) = http_get(addr, "/metrics");
-        if sample(&m, series) == Some(value) {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{series} never read {value}:\n{m}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inspect_reports_what_the_kubelet_sees() {
     let dir = tempfile::tempdir().unwrap();

@@ -65,6 +65,8 @@ pub struct MatcherState {
     cache: PodCache,
     /// Clears the matcher's unready mark once the pod cache has synced.
     synced: tokio::task::JoinHandle<()>,
+    /// Keeps the per-GPU usage metrics current.
+    report: tokio::task::JoinHandle<()>,
     /// Our writes by pod UID: the next Allocate may come before the watch
     /// event does.
     written: HashMap<String, Written>,
@@ -388,11 +390,14 @@ impl Actor for PodMatcher {
             tracing::info!("pod cache synced with the API server");
             metrics.hold(READY_NAME, Hold::Waiting, None);
         });
+        let (pods, changes) = cache.reader();
+        let report = super::report::spawn(pods, changes, &args);
         Ok(MatcherState {
             args,
             client,
             cache,
             synced,
+            report,
             written: HashMap::new(),
         })
     }
@@ -439,6 +444,9 @@ impl Actor for PodMatcher {
     ) -> Result<(), ActorProcessingErr> {
         // A successor's cache is not ours: this one must not mark it synced.
         state.synced.abort();
+        // Without a matcher there is no usage to show, rather than a stale one.
+        state.report.abort();
+        state.args.metrics.set_gpus(Vec::new());
         Ok(())
     }
 }

@@ -64,6 +64,12 @@ impl PodCache {
         }
     }
 
+    /// The store and a receiver told of each change: for readers besides
+    /// the matcher, which see the cache but never wait on it.
+    pub fn reader(&self) -> (Store<Pod>, watch::Receiver<u64>) {
+        (self.store.clone(), self.changes.clone())
+    }
+
     /// Waits for the store to change, until `deadline`; false when it passed.
     pub async fn changed(&mut self, deadline: Instant) -> bool {
         tokio::time::timeout_at(deadline.into(), self.changes.changed())

@@ -10,6 +10,7 @@ pub mod cache;
 pub mod ledger;
 pub mod matching;
 pub mod pods;
+mod report;
 
 pub use actor::{MatcherArgs, PodMatcher, READY_NAME};
 pub use api::{LiveContainer, MatcherError, MatcherHandle, MatcherMsg, Steer};

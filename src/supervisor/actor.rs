@@ -134,8 +134,11 @@ impl SupervisorState {
     }
 
     /// Hands the running inventory publisher what the Node should carry now
-    /// (it patches only when that differs).
+    /// (it patches only when that differs), and the metrics each GPU's health.
     fn publish_inventory(&self) {
+        let uuids = self.plan.gpus().iter().map(|g| g.uuid.as_str());
+        self.metrics
+            .set_gpu_health(uuids.zip(self.healthy.iter().copied()));
         for running in self.children.values() {
             if let Spawned::Inventory(actor) = &running.spawned {
                 let published = Published::of(&self.config, self.plan.gpus(), &self.healthy);

@@ -12,15 +12,20 @@ pub use gpu_device_plugin::sim::kubelet::{KubeletSim, ResourceView, plugin_socke
 pub const BIN: &str = env!("CARGO_BIN_EXE_gpu-device-plugin");
 pub const WAIT: Duration = Duration::from_secs(20);
 
-/// A mock config of `gpus` (uuid, MiB) in `dir`, as TOML.
+/// A mock config of `gpus` (uuid, MiB) in `dir`, as TOML. Pod matching and
+/// the config file watch are off unless `extra` sets them: tests that
+/// rewrite the file in place and send SIGHUP count one reload each.
 pub fn mock_config(dir: &Path, extra: &str, gpus: &[(&str, u64)]) -> String {
-    let matching = if extra.contains("pod_matching") {
-        ""
-    } else {
-        "pod_matching = false\n"
+    let off = |key: &str| {
+        if extra.contains(key) {
+            String::new()
+        } else {
+            format!("{key} = false\n")
+        }
     };
+    let (matching, watch) = (off("pod_matching"), off("watch_config"));
     let mut toml = format!(
-        "device_plugin_dir = {:?}\n{matching}http_listen = \"127.0.0.1:0\"\n{extra}\n[devices]\nbackend = \"mock\"\n",
+        "device_plugin_dir = {:?}\n{matching}{watch}http_listen = \"127.0.0.1:0\"\n{extra}\n[devices]\nbackend = \"mock\"\n",
         dir.display().to_string()
     );
     for (uuid, mib) in gpus {
@@ -55,10 +60,30 @@ impl Daemon {
     /// with extra environment variables.
     pub fn start_command(args: &[&str], toml: &str, env: &[(&str, &std::ffi::OsStr)]) -> Daemon {
         let files = tempfile::tempdir().unwrap();
-        let work = files.path();
-        let config = work.join("config.toml");
+        let config = files.path().join("config.toml");
         std::fs::write(&config, toml).unwrap();
-        let log = work.join("daemon.log");
+        Daemon::spawn(args, files, config, env)
+    }
+
+    /// Starts the binary on `toml` mounted as the kubelet mounts a
+    /// ConfigMap: `config` is the `config.toml` symlink in the volume;
+    /// [`gpu_device_plugin::config_watch::kubelet_swap`] on its directory
+    /// edits it (version 1 is taken).
+    pub fn start_configmap(toml: &str, env: &[(&str, &std::ffi::OsStr)]) -> Daemon {
+        let files = tempfile::tempdir().unwrap();
+        let volume = files.path().join("volume");
+        std::fs::create_dir(&volume).unwrap();
+        gpu_device_plugin::config_watch::kubelet_swap(&volume, 1, toml).unwrap();
+        Daemon::spawn(&[], files, volume.join("config.toml"), env)
+    }
+
+    fn spawn(
+        args: &[&str],
+        files: tempfile::TempDir,
+        config: PathBuf,
+        env: &[(&str, &std::ffi::OsStr)],
+    ) -> Daemon {
+        let log = files.path().join("daemon.log");
         let child = Command::new(BIN)
             .args(args)
             .arg("--config")
@@ -209,6 +234,22 @@ pub fn http_get(addr: &str, path: &str) -> (u16, String) {
 pub fn sample(body: &str, series: &str) -> Option<f64> {
     body.lines()
         .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
+}
+
+/// Polls `/metrics` until `series` reads `value`.
+pub async fn wait_for_sample(addr: &str, series: &str, value: f64) {
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let (_, m) = http_get(addr, "/metrics");
+        if sample(&m, series) == Some(value) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{series} never read {value}:\n{m}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// A real shared object for this host (for the enforcement library's ELF
