@@ -764,7 +764,7 @@ async fn latency_figures() {
     // What the extender itself keeps: its index alone, built again from
     // the same objects (the in-memory API server holds a copy of its own).
     let bare = vm_rss_kib();
-    let mut index = Index::default();
+    let mut index = Index::new(&config.resource_domain);
     for n in node_objects(&nodes) {
         index.apply_node(n);
     }

@@ -1,26 +1,69 @@
-//! The extender's view of the cluster: the Nodes and the non-terminal Pods
-//! the reflectors keep, indexed by node so that a filter over a thousand
-//! nodes reads only their pods, plus the binds in flight. Pure: the
-//! watchers (or a test) feed it events.
+//! The extender's view of the cluster: each Node's GPUs and what the
+//! non-terminal Pods and the binds in flight hold of them, read once when
+//! the reflectors (or a test) deliver an object, so that a filter over a
+//! thousand nodes only runs the fit. Pure: the watchers feed it events.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
+
+use crate::matcher::ledger::Ledger;
+use crate::usage::pod_holdings;
+use crate::usage::{Assignment, ContainerAsk, Inventory, InventoryError, Keys, NodeUsage, PodAsks};
 
 /// `namespace/name`, the key kube-scheduler's bind call names a pod by.
 pub type PodName = (String, String);
 
-#[derive(Debug, Default)]
+/// A node's GPUs as its inventory annotation publishes them.
+#[derive(Debug)]
+pub enum Gpus {
+    /// No inventory annotation: the device plugin does not run there.
+    Unpublished,
+    Unreadable(InventoryError),
+    /// The usage counts every pod the index holds on the node.
+    Published {
+        inventory: Inventory,
+        usage: NodeUsage,
+    },
+}
+
+/// What a pod holds, read once from its spec and annotations: its node, its
+/// containers' asks, its ledger and its assignment. A malformed annotation
+/// counts as absent, as on the node.
+#[derive(Debug)]
+struct Held {
+    node: Option<String>,
+    containers: Vec<ContainerAsk>,
+    ledger: Ledger,
+    assignment: Assignment,
+}
+
+impl Held {
+    fn of(keys: &Keys, pod: &Pod) -> Held {
+        let annotation = |key: &str| {
+            let annotations = pod.metadata.annotations.as_ref()?;
+            annotations.get(key).map(String::as_str)
+        };
+        Held {
+            node: node_of(pod).map(str::to_owned),
+            containers: PodAsks::from_pod(keys, pod).containers,
+            ledger: Ledger::parse(annotation(&keys.ledger)).unwrap_or_default(),
+            assignment: Assignment::parse(annotation(&keys.assignment)).unwrap_or_default(),
+        }
+    }
+}
+
+#[derive(Debug)]
 pub struct Index {
-    nodes: HashMap<String, Arc<Node>>,
-    pods: HashMap<PodName, Arc<Pod>>,
+    keys: Keys,
+    nodes: HashMap<String, Gpus>,
+    pods: HashMap<PodName, Held>,
     /// Pods by `spec.nodeName`.
     by_node: HashMap<String, HashSet<PodName>>,
     /// Binds in flight: the pod as the bind will leave it (assignment
     /// annotations, `spec.nodeName`), counted on its node until the
     /// reflector shows it bound, or it is deleted, or the bind is undone.
-    reserved: HashMap<PodName, Arc<Pod>>,
+    reserved: HashMap<PodName, Held>,
     /// Each reflector's first full list arrived (nodes, pods).
     synced: (bool, bool),
 }
@@ -43,35 +86,100 @@ fn terminal(pod: &Pod) -> bool {
 }
 
 impl Index {
-    pub fn node(&self, name: &str) -> Option<&Arc<Node>> {
-        self.nodes.get(name)
+    /// An empty index reading the annotations of `domain`.
+    pub fn new(domain: &str) -> Index {
+        Index {
+            keys: Keys::new(domain),
+            nodes: HashMap::new(),
+            pods: HashMap::new(),
+            by_node: HashMap::new(),
+            reserved: HashMap::new(),
+            synced: (false, false),
+        }
     }
 
-    pub fn pod(&self, name: &PodName) -> Option<&Arc<Pod>> {
-        self.pods.get(name)
+    /// `None`: the node is not in the cache (yet).
+    pub fn gpus(&self, node: &str) -> Option<&Gpus> {
+        self.nodes.get(node)
     }
 
     /// The pods that hold GPUs of `node`: those the reflector shows there
     /// and the binds in flight to it.
-    pub fn pods_on<'a>(&'a self, node: &str) -> impl Iterator<Item = &'a Arc<Pod>> + 'a {
-        let node = node.to_owned();
+    fn held_on<'a>(&'a self, node: &'a str) -> impl Iterator<Item = (&'a PodName, &'a Held)> {
         let stored = self
             .by_node
-            .get(&node)
+            .get(node)
             .into_iter()
             .flatten()
             .filter(|k| !self.reserved.contains_key(*k))
-            .filter_map(|k| self.pods.get(k));
+            .filter_map(|k| self.pods.get_key_value(k));
         let in_flight = self
             .reserved
-            .values()
-            .filter(move |p| node_of(p) == Some(node.as_str()));
+            .iter()
+            .filter(move |(_, h)| h.node.as_deref() == Some(node));
         stored.chain(in_flight)
+    }
+
+    /// Counts again what the pods on `node` hold of its GPUs.
+    fn recount(&mut self, node: &str) {
+        let Some(Gpus::Published { inventory, .. }) = self.nodes.get(node) else {
+            return;
+        };
+        let mut counted = NodeUsage::empty(inventory);
+        for (_, held) in self.held_on(node) {
+            for h in pod_holdings(inventory, &held.containers, &held.ledger, &held.assignment) {
+                counted.add(inventory, &h);
+            }
+        }
+        if let Some(Gpus::Published { usage, .. }) = self.nodes.get_mut(node) {
+            *usage = counted;
+        }
+    }
+
+    fn recount_all(&mut self) {
+        let names: Vec<String> = self.nodes.keys().cloned().collect();
+        for n in names {
+            self.recount(&n);
+        }
+    }
+
+    /// The nodes whose usage `key` counts in, stored or in flight.
+    fn nodes_holding(&self, key: &PodName) -> Vec<String> {
+        [self.pods.get(key), self.reserved.get(key)]
+            .into_iter()
+            .flatten()
+            .filter_map(|h| h.node.clone())
+            .collect()
+    }
+
+    /// Applies `change` to the pod `key` and counts again the nodes it held
+    /// GPUs of before or holds after.
+    fn changing(&mut self, key: &PodName, change: impl FnOnce(&mut Self)) {
+        let mut touched = self.nodes_holding(key);
+        change(self);
+        touched.extend(self.nodes_holding(key));
+        touched.sort();
+        touched.dedup();
+        for n in touched {
+            self.recount(&n);
+        }
     }
 
     pub fn apply_node(&mut self, node: Node) {
         let name = node.metadata.name.clone().unwrap_or_default();
-        self.nodes.insert(name, Arc::new(node));
+        let text = node.metadata.annotations.as_ref();
+        let gpus = match text.and_then(|a| a.get(&self.keys.inventory)) {
+            None => Gpus::Unpublished,
+            Some(text) => match Inventory::parse(text) {
+                Err(e) => Gpus::Unreadable(e),
+                Ok(inventory) => Gpus::Published {
+                    usage: NodeUsage::empty(&inventory),
+                    inventory,
+                },
+            },
+        };
+        self.nodes.insert(name.clone(), gpus);
+        self.recount(&name);
     }
 
     pub fn delete_node(&mut self, name: &str) {
@@ -94,27 +202,32 @@ impl Index {
 
     pub fn apply_pod(&mut self, pod: Pod) {
         let key = pod_name(&pod);
+        self.changing(&key.clone(), |ix| ix.store(key, &pod));
+    }
+
+    /// Keeps `pod` (uncounted: the caller counts its nodes again).
+    fn store(&mut self, key: PodName, pod: &Pod) {
         self.unindex(&key);
-        if terminal(&pod) {
+        if terminal(pod) {
             self.reserved.remove(&key);
             return;
         }
-        if node_of(&pod).is_some() {
+        if let Some(node) = node_of(pod) {
             // Bound: from now on the pod's own annotations say what it holds.
             self.reserved.remove(&key);
-        }
-        if let Some(node) = node_of(&pod) {
             self.by_node
                 .entry(node.to_owned())
                 .or_default()
                 .insert(key.clone());
         }
-        self.pods.insert(key, Arc::new(pod));
+        self.pods.insert(key, Held::of(&self.keys, pod));
     }
 
     pub fn delete_pod(&mut self, key: &PodName) {
-        self.unindex(key);
-        self.reserved.remove(key);
+        self.changing(key, |ix| {
+            ix.unindex(key);
+            ix.reserved.remove(key);
+        });
     }
 
     /// A relist: pods the watch missed the deletion of are gone.
@@ -125,20 +238,21 @@ impl Index {
         self.by_node.clear();
         self.reserved.retain(|k, _| live.contains(k));
         for p in pods {
-            self.apply_pod(p);
+            self.store(pod_name(&p), &p);
         }
+        self.recount_all();
     }
 
     fn unindex(&mut self, key: &PodName) {
         let Some(old) = self.pods.remove(key) else {
             return;
         };
-        if let Some(node) = node_of(&old)
-            && let Some(set) = self.by_node.get_mut(node)
+        if let Some(node) = old.node
+            && let Some(set) = self.by_node.get_mut(&node)
         {
             set.remove(key);
             if set.is_empty() {
-                self.by_node.remove(node);
+                self.by_node.remove(&node);
             }
         }
     }
@@ -146,11 +260,17 @@ impl Index {
     /// Counts `pod` (already carrying its assignment and node) until the
     /// bind is done and seen, or [`Index::release`]d.
     pub fn reserve(&mut self, pod: Pod) {
-        self.reserved.insert(pod_name(&pod), Arc::new(pod));
+        let key = pod_name(&pod);
+        let held = Held::of(&self.keys, &pod);
+        self.changing(&key.clone(), |ix| {
+            ix.reserved.insert(key, held);
+        });
     }
 
     pub fn release(&mut self, key: &PodName) {
-        self.reserved.remove(key);
+        self.changing(key, |ix| {
+            ix.reserved.remove(key);
+        });
     }
 
     pub fn node_count(&self) -> usize {
@@ -187,17 +307,14 @@ mod tests {
     }
 
     fn on(index: &Index, node: &str) -> Vec<String> {
-        let mut v: Vec<String> = index
-            .pods_on(node)
-            .map(|p| p.metadata.name.clone().unwrap())
-            .collect();
+        let mut v: Vec<String> = index.held_on(node).map(|(k, _)| k.1.clone()).collect();
         v.sort();
         v
     }
 
     #[test]
     fn pods_move_finish_and_reservations_end_when_bound() {
-        let mut ix = Index::default();
+        let mut ix = Index::new("doslab.io");
         ix.apply_pod(pod("a", Some("n1"), "Running"));
         ix.apply_pod(pod("b", None, "Pending"));
         assert_eq!(on(&ix, "n1"), ["a"]);
@@ -215,7 +332,7 @@ mod tests {
         // Finished and deleted pods free their share at once.
         ix.apply_pod(pod("a", Some("n1"), "Succeeded"));
         assert!(on(&ix, "n1").is_empty());
-        assert!(ix.pod(&("ns".into(), "a".into())).is_none());
+        assert!(!ix.pods.contains_key(&("ns".into(), "a".into())));
         ix.delete_pod(&("ns".into(), "b".into()));
         assert!(on(&ix, "n2").is_empty());
 
@@ -227,5 +344,78 @@ mod tests {
         ix.reserve(pod("e", Some("n1"), "Pending"));
         ix.replace_pods(vec![pod("f", Some("n1"), "Running")]);
         assert_eq!(on(&ix, "n1"), ["f"]);
+    }
+
+    /// GPU memory used per GPU of `node`, as the filter reads it.
+    #[cfg(feature = "sim")]
+    fn used(ix: &Index, node: &str) -> Vec<u64> {
+        match ix.gpus(node) {
+            Some(Gpus::Published { usage, .. }) => {
+                usage.gpus.iter().map(|g| g.used.memory).collect()
+            }
+            other => panic!("{node}: {other:?}"),
+        }
+    }
+
+    #[cfg(feature = "sim")]
+    #[test]
+    fn usage_is_counted_again_whenever_a_pod_a_bind_or_a_node_changes() {
+        use crate::extender::memory::{gpu_node, gpu_pod, node_with};
+        use crate::sim::apiserver::PodContainer;
+        let on_gpu = |name: &str, gpu: &str, served: bool| {
+            let app = PodContainer {
+                name: "app".into(),
+                init: false,
+                wants: [1000, 0, 0],
+            };
+            let mut p = gpu_pod("ns", name, &[app]);
+            p.spec.get_or_insert_default().node_name = Some("n".into());
+            let on_pod = p.metadata.annotations.get_or_insert_default();
+            let assignment = format!(r#"{{"app":["{gpu}"]}}"#);
+            on_pod.insert("doslab.io/gpu-assignment".into(), assignment);
+            if served {
+                let ledger = format!(r#"{{"app":{{"gpus":["{gpu}"],"gpu-memory":1000}}}}"#);
+                on_pod.insert("doslab.io/gpu-ledger".into(), ledger);
+            }
+            p
+        };
+        let key = |name: &str| ("ns".to_owned(), name.to_owned());
+        let mut ix = Index::new("doslab.io");
+
+        // A pod seen before its node counts once the node arrives.
+        ix.apply_pod(on_gpu("a", "GPU-a", false));
+        ix.apply_node(gpu_node("n", &[("GPU-a", 4000), ("GPU-b", 4000)]));
+        assert_eq!(used(&ix, "n"), [1000, 0]);
+
+        // A bind in flight counts until released; once bound, once.
+        ix.reserve(on_gpu("b", "GPU-b", false));
+        assert_eq!(used(&ix, "n"), [1000, 1000]);
+        ix.release(&key("b"));
+        assert_eq!(used(&ix, "n"), [1000, 0]);
+        ix.reserve(on_gpu("b", "GPU-b", false));
+        ix.apply_pod(on_gpu("b", "GPU-b", false));
+        assert_eq!(used(&ix, "n"), [1000, 1000]);
+
+        // Served: its ledger replaces its assignment, not adds to it.
+        ix.apply_pod(on_gpu("a", "GPU-a", true));
+        assert_eq!(used(&ix, "n"), [1000, 1000]);
+
+        // A new inventory is counted against; GPUs it lacks hold nothing.
+        ix.apply_node(gpu_node("n", &[("GPU-c", 4000), ("GPU-a", 4000)]));
+        assert_eq!(used(&ix, "n"), [0, 1000]);
+
+        // Deleted pods free their share; a relist counts from scratch.
+        ix.delete_pod(&key("a"));
+        assert_eq!(used(&ix, "n"), [0, 0]);
+        ix.replace_pods(vec![
+            on_gpu("c", "GPU-c", true),
+            on_gpu("d", "GPU-c", false),
+        ]);
+        assert_eq!(used(&ix, "n"), [2000, 0]);
+
+        ix.apply_node(node_with("n", None));
+        assert!(matches!(ix.gpus("n"), Some(Gpus::Unpublished)));
+        ix.delete_node("n");
+        assert!(ix.gpus("n").is_none());
     }
 }

@@ -38,9 +38,10 @@ impl Default for MemoryCluster {
 }
 
 impl MemoryCluster {
-    /// An empty cluster whose index counts as synced.
+    /// An empty cluster whose index counts as synced and reads the default
+    /// domain's annotations, the ones [`gpu_node`] writes.
     pub fn new() -> MemoryCluster {
-        let mut index = Index::default();
+        let mut index = Index::new(&super::ExtenderConfig::default().resource_domain);
         index.replace_nodes(Vec::new());
         index.replace_pods(Vec::new());
         MemoryCluster {

@@ -18,6 +18,7 @@ mod plan;
 mod server;
 pub mod wire;
 
+use std::collections::HashSet;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -92,10 +93,11 @@ impl<B: Binder> Extender<B> {
         // scheduler, the Node objects themselves otherwise.
         match &args.nodes {
             Some(list) if args.node_names.is_none() => {
+                let passed: HashSet<&str> = passed.iter().map(String::as_str).collect();
                 let items = list
                     .items
                     .iter()
-                    .filter(|n| passed.contains(&wire::node_name(n)))
+                    .filter(|n| passed.contains(wire::node_name(n).as_str()))
                     .cloned()
                     .collect();
                 result.nodes = Some(NodeList { items });
@@ -262,7 +264,7 @@ pub async fn run(
 ) -> Result<(), ExtenderError> {
     let client =
         crate::kube_client::from_kubeconfig(&config.kubeconfig, "extender.kubeconfig").await?;
-    let index = Arc::new(RwLock::new(Index::default()));
+    let index = Arc::new(RwLock::new(Index::new(&config.resource_domain)));
     let _reflectors = Reflectors::start(&client, index.clone());
     let extender = Arc::new(Extender::new(&config, index, KubeBinder::new(client)));
     let addr = start(&config.listen, extender)

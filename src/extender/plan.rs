@@ -1,17 +1,14 @@
 //! The extender's decisions over a snapshot of the cluster: whether a pod
 //! fits a node (and why not), how well, and what a bind writes. Pure: the
-//! usage model does the GPU arithmetic, this reads the nodes' inventories
-//! and the pods on them out of the [`Index`].
+//! usage model does the GPU arithmetic on the nodes' inventories and usage
+//! the [`Index`] keeps.
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Pod;
 
-use super::index::Index;
-use crate::matcher::ledger::Ledger;
-use crate::usage::{
-    Assignment, Inventory, Keys, NodeUsage, PodAsks, Policy, fit, pod_holdings, score,
-};
+use super::index::{Gpus, Index};
+use crate::usage::{Assignment, Inventory, Keys, NodeUsage, PodAsks, Policy, fit, score};
 
 /// Why a node is filtered out.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,14 +33,10 @@ pub struct Planner {
 }
 
 /// A node that fits: its GPUs, their usage, and where the pod would go.
-struct Fit {
-    inventory: Inventory,
-    usage: NodeUsage,
+struct Fit<'a> {
+    inventory: &'a Inventory,
+    usage: &'a NodeUsage,
     assignment: Assignment,
-}
-
-fn annotation<'a>(meta: &'a kube::api::ObjectMeta, key: &str) -> Option<&'a str> {
-    meta.annotations.as_ref()?.get(key).map(String::as_str)
 }
 
 impl Planner {
@@ -64,47 +57,29 @@ impl Planner {
             .then_some(asks)
     }
 
-    fn inventory(&self, node: &Node) -> Result<Inventory, Refusal> {
+    fn place<'a>(&self, ix: &'a Index, node: &str, asks: &PodAsks) -> Result<Fit<'a>, Refusal> {
         let never = |reason: String| Refusal {
             reason,
             never: true,
         };
         let key = &self.keys.inventory;
-        let text = annotation(&node.metadata, key).ok_or_else(|| {
-            never(format!(
-                "node has no {key} annotation (the GPU device plugin does not run there, \
-                 or is older than the extender); GPU pods cannot be placed on it"
-            ))
-        })?;
-        Inventory::parse(text).map_err(|e| never(format!("annotation {key}: {e}")))
-    }
-
-    /// What the pods on `node` hold: each by its ledger, or by its
-    /// assignment until the kubelet serves it. A malformed annotation
-    /// counts as absent, as on the node.
-    fn usage(&self, ix: &Index, node: &str, inv: &Inventory) -> NodeUsage {
-        let mut usage = NodeUsage::empty(inv);
-        for pod in ix.pods_on(node) {
-            let meta = &pod.metadata;
-            let ledger = Ledger::parse(annotation(meta, &self.keys.ledger)).unwrap_or_default();
-            let assignment =
-                Assignment::parse(annotation(meta, &self.keys.assignment)).unwrap_or_default();
-            let asks = PodAsks::from_pod(&self.keys, pod);
-            for h in pod_holdings(inv, &asks.containers, &ledger, &assignment) {
-                usage.add(inv, &h);
+        let (inventory, usage) = match ix.gpus(node) {
+            None => {
+                return Err(Refusal {
+                    reason: "node is not in the extender's cache yet".into(),
+                    never: false,
+                });
             }
-        }
-        usage
-    }
-
-    fn place(&self, ix: &Index, node: &str, asks: &PodAsks) -> Result<Fit, Refusal> {
-        let n = ix.node(node).ok_or_else(|| Refusal {
-            reason: "node is not in the extender's cache yet".into(),
-            never: false,
-        })?;
-        let inventory = self.inventory(n)?;
-        let usage = self.usage(ix, node, &inventory);
-        let assignment = fit(&inventory, &usage, asks).map_err(|e| Refusal {
+            Some(Gpus::Unpublished) => {
+                return Err(never(format!(
+                    "node has no {key} annotation (the GPU device plugin does not run there, \
+                     or is older than the extender); GPU pods cannot be placed on it"
+                )));
+            }
+            Some(Gpus::Unreadable(e)) => return Err(never(format!("annotation {key}: {e}"))),
+            Some(Gpus::Published { inventory, usage }) => (inventory, usage),
+        };
+        let assignment = fit(inventory, usage, asks).map_err(|e| Refusal {
             reason: e.to_string(),
             never: e.unresolvable,
         })?;
@@ -123,7 +98,7 @@ impl Planner {
     /// 0..=10 under the policy; 0 where the pod does not fit.
     pub fn score(&self, ix: &Index, node: &str, asks: &PodAsks) -> u8 {
         self.place(ix, node, asks).map_or(0, |f| {
-            score(&f.inventory, &f.usage, asks, &f.assignment, self.policy)
+            score(f.inventory, f.usage, asks, &f.assignment, self.policy)
         })
     }
 
@@ -202,7 +177,7 @@ mod tests {
 
     #[test]
     fn refusals_say_why_and_whether_waiting_helps() {
-        let mut ix = Index::default();
+        let mut ix = Index::new("doslab.io");
         ix.apply_node(gpu_node("big", &[("GPU-a", 40960), ("GPU-b", 24576)]));
         ix.apply_node(gpu_node("small", &[("GPU-s", 24576)]));
         ix.apply_node(node_with("bare", None));
@@ -241,7 +216,7 @@ mod tests {
 
     #[test]
     fn all_containers_count_together_and_assignments_count_until_served() {
-        let mut ix = Index::default();
+        let mut ix = Index::new("doslab.io");
         ix.apply_node(gpu_node("n", &[("GPU-a", 40960), ("GPU-b", 40960)]));
         let p = planner();
         let two = gpu_pod(
@@ -303,7 +278,7 @@ mod tests {
 
     #[test]
     fn bind_plans_write_the_contract_annotations() {
-        let mut ix = Index::default();
+        let mut ix = Index::new("doslab.io");
         ix.apply_node(gpu_node("n", &[("GPU-a", 40960), ("GPU-b", 40960)]));
         let p = planner();
         let one = gpu_pod(
@@ -357,7 +332,7 @@ mod tests {
 
     #[test]
     fn binpack_prefers_the_busier_node_and_spread_the_emptier() {
-        let mut ix = Index::default();
+        let mut ix = Index::new("doslab.io");
         ix.apply_node(gpu_node("busy", &[("GPU-a", 40960)]));
         ix.apply_node(gpu_node("idle", &[("GPU-b", 40960)]));
         let ledger = r#"{"app":{"gpus":["GPU-a"],"gpu-memory":20480}}"#;
