@@ -94,6 +94,8 @@ pub async fn run() -> Result<String, DemoError> {
     config.device_plugin_dir = dir.path().to_owned();
     // The pod matcher talks to a stand-in API server holding the pods.
     let api = ApiServerSim::start().await?;
+    // The node's own object, where the daemon publishes its GPU inventory.
+    api.add_node(NODE, &[], &[]);
     config.matcher.kubeconfig = dir.path().join("kubeconfig");
     api.write_kubeconfig(&config.matcher.kubeconfig)?;
     let mut out = String::new();
