@@ -45,3 +45,29 @@ state_dir = {{ .Values.enforcement.stateDir | quote }}
 {{- define "gpu-device-plugin.enforcing" -}}
 {{- if eq .Values.enforcement.mode "hami-core" }}true{{ end }}
 {{- end }}
+
+{{/* The GPU scheduler's objects: its name is their name and label. */}}
+{{- define "gpu-device-plugin.scheduler.labels" -}}
+app.kubernetes.io/name: {{ .Values.extender.schedulerName }}
+{{- end }}
+
+{{/*
+The extender's TOML: listen and resource_domain come from the values (the
+scheduler's urlPrefix and managedResources must agree with them), then the
+user's keys of the same table, which must not set them again.
+*/}}
+{{- define "gpu-device-plugin.scheduler.extenderConfig" -}}
+{{- range $key := list "listen" "resource_domain" }}
+{{- if regexMatch (printf "(?m)^\\s*%s\\s*=" $key) $.Values.extender.config }}
+{{- fail (printf "extender.config sets %s: the chart sets it from extender.port and resourceDomain; set those values instead" $key) }}
+{{- end }}
+{{- end -}}
+{{- if regexMatch "(?m)^\\s*\\[" .Values.extender.config }}
+{{- fail "extender.config has a table header: it is the body of the [extender] table, keys only" }}
+{{- end -}}
+[extender]
+# Set by the chart from extender.port and resourceDomain.
+listen = {{ printf "127.0.0.1:%d" (int .Values.extender.port) | quote }}
+resource_domain = {{ .Values.resourceDomain | quote }}
+{{ .Values.extender.config }}
+{{- end }}
