@@ -24,7 +24,7 @@ use k8s_openapi::api::admissionregistration::v1alpha1::{
 };
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{
-    ConfigMap, Container, Namespace, PodSpec, Service, ServiceAccount,
+    ConfigMap, Container, Namespace, NodeSelectorTerm, PodSpec, Service, ServiceAccount,
 };
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, RoleBinding};
 use serde_json::{Value, json};
@@ -101,12 +101,35 @@ fn chart(args: &[&str]) -> Vec<Value> {
     objects(&stdout_ok(run("helm", &all), "helm template"))
 }
 
-fn kustomize() -> Vec<Value> {
-    objects(&stdout_ok(
-        run("kubectl", &["kustomize", "deploy"]),
-        "kubectl kustomize",
-    ))
+/// The chart rendered with the values file `yaml`.
+fn chart_with(yaml: &str) -> Vec<Value> {
+    let values = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(values.path(), yaml).unwrap();
+    chart(&["-f", values.path().to_str().unwrap()])
 }
+
+/// The objects of the kustomize trees `dirs`, one after another.
+fn kustomize(dirs: &[&str]) -> Vec<Value> {
+    dirs.iter()
+        .flat_map(|dir| {
+            objects(&stdout_ok(
+                run("kubectl", &["kustomize", dir]),
+                &format!("kubectl kustomize {dir}"),
+            ))
+        })
+        .collect()
+}
+
+/// The chart's values that render the GPU scheduler and its mutating policy.
+const EXTENDER_ON: [&str; 4] = [
+    "--set",
+    "extender.enabled=true",
+    "--set",
+    "extender.mutatingPolicy.enabled=true",
+];
+
+/// The kustomize trees the chart with [`EXTENDER_ON`] renders.
+const KUSTOMIZE_ALL: [&str; 3] = ["deploy", "deploy/scheduler", "deploy/scheduler/mutating"];
 
 fn find<'a>(objs: &'a [Value], kind: &str) -> Option<&'a Value> {
     objs.iter().find(|o| o["kind"] == kind)
@@ -117,32 +140,57 @@ fn typed<T: serde::de::DeserializeOwned>(objs: &[Value], kind: &str) -> T {
     serde_json::from_value(obj.clone()).unwrap_or_else(|e| panic!("{kind}: {e}"))
 }
 
-/// Every object parses into its Kubernetes API type (the ServiceMonitor is a
-/// CRD the API types lack: the caller checks it as JSON).
+/// Every object parses strictly into its Kubernetes API type (the
+/// ServiceMonitor is a CRD the API types lack: the caller checks it as JSON).
 fn parse_all(objs: &[Value]) {
     for obj in objs {
-        let kind = obj["kind"].as_str().unwrap();
-        let ok = match kind {
-            "Namespace" => serde_json::from_value::<Namespace>(obj.clone()).map(drop),
-            "ServiceAccount" => serde_json::from_value::<ServiceAccount>(obj.clone()).map(drop),
-            "ClusterRole" => serde_json::from_value::<ClusterRole>(obj.clone()).map(drop),
-            "ClusterRoleBinding" => {
-                serde_json::from_value::<ClusterRoleBinding>(obj.clone()).map(drop)
-            }
-            "ConfigMap" => serde_json::from_value::<ConfigMap>(obj.clone()).map(drop),
-            "DaemonSet" => serde_json::from_value::<DaemonSet>(obj.clone()).map(drop),
-            "Service" => serde_json::from_value::<Service>(obj.clone()).map(drop),
-            "ValidatingAdmissionPolicy" => {
-                serde_json::from_value::<ValidatingAdmissionPolicy>(obj.clone()).map(drop)
-            }
+        match obj["kind"].as_str().unwrap() {
+            "Namespace" => drop(strict::<Namespace>(obj)),
+            "ServiceAccount" => drop(strict::<ServiceAccount>(obj)),
+            "ClusterRole" => drop(strict::<ClusterRole>(obj)),
+            "ClusterRoleBinding" => drop(strict::<ClusterRoleBinding>(obj)),
+            "RoleBinding" => drop(strict::<RoleBinding>(obj)),
+            "ConfigMap" => drop(strict::<ConfigMap>(obj)),
+            "DaemonSet" => drop(strict::<DaemonSet>(obj)),
+            "Deployment" => drop(strict::<Deployment>(obj)),
+            "Service" => drop(strict::<Service>(obj)),
+            "ValidatingAdmissionPolicy" => drop(strict::<ValidatingAdmissionPolicy>(obj)),
             "ValidatingAdmissionPolicyBinding" => {
-                serde_json::from_value::<ValidatingAdmissionPolicyBinding>(obj.clone()).map(drop)
+                drop(strict::<ValidatingAdmissionPolicyBinding>(obj))
             }
-            "ServiceMonitor" => Ok(()),
+            "MutatingAdmissionPolicy" => drop(strict::<MutatingAdmissionPolicy>(&v1alpha1(obj))),
+            "MutatingAdmissionPolicyBinding" => {
+                drop(strict::<MutatingAdmissionPolicyBinding>(&v1alpha1(obj)))
+            }
+            "ServiceMonitor" => {}
             other => panic!("unexpected kind {other}"),
-        };
-        ok.unwrap_or_else(|e| panic!("{kind}: {e}"));
+        }
     }
+}
+
+/// A mutating admission policy (or binding) as the v1alpha1 that
+/// k8s-openapi's v1_33 types have; the GA v1 it is written as has the same
+/// fields.
+fn v1alpha1(obj: &Value) -> Value {
+    assert_eq!(obj["apiVersion"], "admissionregistration.k8s.io/v1");
+    let mut o = obj.clone();
+    o["apiVersion"] = json!("admissionregistration.k8s.io/v1alpha1");
+    o
+}
+
+/// The required node affinity's terms.
+fn node_selector_terms(pod: &PodSpec) -> &[NodeSelectorTerm] {
+    let required = pod
+        .affinity
+        .as_ref()
+        .and_then(|a| a.node_affinity.as_ref())
+        .and_then(|n| {
+            n.required_during_scheduling_ignored_during_execution
+                .as_ref()
+        });
+    &required
+        .expect("no required node affinity")
+        .node_selector_terms
 }
 
 fn pod_spec(objs: &[Value]) -> PodSpec {
@@ -269,7 +317,7 @@ fn the_image_and_both_daemonsets_hand_the_binary_an_argv_it_accepts() {
         ("the image alone", check_config_in_container(None)),
         (
             "the kustomize DaemonSet",
-            check_config_in_container(Some(&kustomize())),
+            check_config_in_container(Some(&kustomize(&["deploy"]))),
         ),
         (
             "the chart's DaemonSet",
@@ -327,64 +375,73 @@ fn the_image_builds_dependencies_apart_and_ships_no_build_outputs() {
     }
 }
 
-/// The same objects from the chart's defaults and from kustomize; the
-/// configs compared as TOML (the chart's comments differ).
+/// The objects by kind and name, each ConfigMap's files parsed as what
+/// their names say (TOML, YAML): the chart's comments differ.
+fn normalised(objs: Vec<Value>) -> BTreeMap<String, Value> {
+    objs.into_iter()
+        .map(|mut o| {
+            if o["kind"] == "ConfigMap" {
+                for (file, content) in o["data"].as_object_mut().unwrap() {
+                    let text = content.as_str().unwrap().to_owned();
+                    *content = if file.ends_with(".toml") {
+                        serde_json::to_value(text.parse::<toml::Table>().unwrap()).unwrap()
+                    } else {
+                        serde_yaml::from_str(&text).unwrap()
+                    };
+                }
+            }
+            let name = |v: &Value| v.as_str().unwrap().to_owned();
+            (
+                format!("{}/{}", name(&o["kind"]), name(&o["metadata"]["name"])),
+                o,
+            )
+        })
+        .collect()
+}
+
+/// The same objects from the chart and from kustomize: the defaults and
+/// the daemon's tree; the extender on and the scheduler's trees as well.
 #[test]
 fn the_chart_and_kustomize_render_the_same_objects() {
-    let key = |o: &Value| {
-        format!(
-            "{}/{}",
-            o["kind"].as_str().unwrap(),
-            o["metadata"]["name"].as_str().unwrap()
-        )
-    };
-    let normalised = |objs: Vec<Value>| -> BTreeMap<String, Value> {
-        objs.into_iter()
-            .map(|mut o| {
-                if o["kind"] == "ConfigMap" {
-                    let text = o["data"]["config.toml"].as_str().unwrap();
-                    let parsed: toml::Table = text.parse().unwrap();
-                    o["data"]["config.toml"] = serde_json::to_value(parsed).unwrap();
-                }
-                (key(&o), o)
-            })
-            .collect()
-    };
-    let helm = normalised(chart(&[]));
-    let kust = normalised(kustomize());
-    assert_eq!(
-        helm.keys().collect::<Vec<_>>(),
-        kust.keys().collect::<Vec<_>>()
-    );
-    for (k, v) in &kust {
-        assert_eq!(&helm[k], v, "{k} differs between the chart and kustomize");
-    }
     let default: toml::Table = gpu_device_plugin::config::DEFAULT_TOML.parse().unwrap();
-    assert_eq!(
-        kust["ConfigMap/gpu-device-plugin"]["data"]["config.toml"],
-        serde_json::to_value(default).unwrap(),
-        "the chart's config drifted from config/"
-    );
+    for (values, trees) in [
+        (&[][..], &["deploy"][..]),
+        (&EXTENDER_ON[..], &KUSTOMIZE_ALL[..]),
+    ] {
+        let helm = normalised(chart(values));
+        let kust = normalised(kustomize(trees));
+        assert_eq!(
+            helm.keys().collect::<Vec<_>>(),
+            kust.keys().collect::<Vec<_>>(),
+            "{values:?}"
+        );
+        for (k, v) in &kust {
+            assert_eq!(&helm[k], v, "{k} differs between the chart and kustomize");
+        }
+        assert_eq!(
+            kust["ConfigMap/gpu-device-plugin"]["data"]["config.toml"],
+            serde_json::to_value(&default).unwrap(),
+            "the chart's config drifted from config/"
+        );
+    }
 }
 
 #[test]
 fn the_chart_renders_what_its_values_say() {
-    // Defaults.
+    // Defaults: the daemon alone, nothing of the GPU scheduler.
     let objs = chart(&[]);
     parse_all(&objs);
     assert!(find(&objs, "ServiceMonitor").is_none());
+    for o in &objs {
+        assert_eq!(
+            o["metadata"]["labels"]["app.kubernetes.io/name"], "gpu-device-plugin",
+            "{o}"
+        );
+    }
     let pod = pod_spec(&objs);
     assert_eq!(pod.runtime_class_name, None);
     assert_eq!(pod.host_network, None);
-    let terms = pod
-        .affinity
-        .unwrap()
-        .node_affinity
-        .unwrap()
-        .required_during_scheduling_ignored_during_execution
-        .unwrap()
-        .node_selector_terms;
-    let keys: Vec<String> = terms
+    let keys: Vec<String> = node_selector_terms(&pod)
         .iter()
         .map(|t| t.match_expressions.as_ref().unwrap()[0].key.clone())
         .collect();
@@ -465,33 +522,21 @@ fn the_chart_renders_what_its_values_say() {
     );
 
     // runtimeClassName, pull secrets, and affinity/tolerations replaced.
-    let values = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(
-        values.path(),
+    let objs = chart_with(
         "runtimeClassName: nvidia\nimage: {repository: r.example/gdp, tag: t1, pullPolicy: Always, pullSecrets: [regcred]}\n\
          affinity: {nodeAffinity: {requiredDuringSchedulingIgnoredDuringExecution: {nodeSelectorTerms: [{matchExpressions: [{key: gpu, operator: Exists}]}]}}}\n\
          tolerations: [{operator: Exists}]\n",
-    )
-    .unwrap();
-    let objs = chart(&["-f", values.path().to_str().unwrap()]);
+    );
     parse_all(&objs);
     let pod = pod_spec(&objs);
     assert_eq!(pod.runtime_class_name.as_deref(), Some("nvidia"));
-    assert_eq!(pod.image_pull_secrets.unwrap()[0].name, "regcred");
+    assert_eq!(pod.image_pull_secrets.as_ref().unwrap()[0].name, "regcred");
     assert_eq!(pod.containers[0].image.as_deref(), Some("r.example/gdp:t1"));
     assert_eq!(
         pod.containers[0].image_pull_policy.as_deref(),
         Some("Always")
     );
-    let terms = pod
-        .affinity
-        .unwrap()
-        .node_affinity
-        .unwrap()
-        .required_during_scheduling_ignored_during_execution
-        .unwrap()
-        .node_selector_terms;
-    assert_eq!(terms.len(), 1);
+    assert_eq!(node_selector_terms(&pod).len(), 1);
     let tolerations = pod.tolerations.unwrap();
     assert_eq!(tolerations.len(), 1);
     assert_eq!(tolerations[0].operator.as_deref(), Some("Exists"));
@@ -552,8 +597,9 @@ fn assert_mounts_follow_config(objs: &[Value], dir: &str) {
 
 #[test]
 fn helm_lints_the_chart_and_its_schema_refuses_bad_values() {
-    let lint = run("helm", &["lint", "--strict", CHART]);
-    stdout_ok(lint, "helm lint");
+    stdout_ok(run("helm", &["lint", "--strict", CHART]), "helm lint");
+    let on = [&["lint", "--strict", CHART][..], &EXTENDER_ON].concat();
+    stdout_ok(run("helm", &on), "helm lint with the extender on");
     for (set, says) in [
         ("metricsPort=http", "metricsPort"),
         ("image.pullPolicy=Sometimes", "pullPolicy"),
@@ -564,8 +610,34 @@ fn helm_lints_the_chart_and_its_schema_refuses_bad_values() {
         ("enforcement.mode=on", "mode"),
         ("enforcement.libraryDir=usr/local/vgpu", "libraryDir"),
         ("enforcement.stateDir=/var/lib/a b", "stateDir"),
+        ("extender.replicas=two", "/extender/replicas"),
+        ("extender.port=8888", "/extender/port"),
+        (
+            "extender.kubeScheduler.image.pullPolicy=Sometimes",
+            "/extender/kubeScheduler/image/pullPolicy",
+        ),
+        (
+            "extender.schedulerName=GPU_Scheduler",
+            "/extender/schedulerName",
+        ),
+        (
+            "extender.mutatingPolicy.enabled=yes",
+            "/extender/mutatingPolicy",
+        ),
+        (
+            "extender.config=listen = \"0.0.0.0:1\"",
+            "extender.config sets listen",
+        ),
+        ("extender.config=[extender]", "table header"),
     ] {
-        let out = run("helm", &["template", "x", CHART, "--set-string", set]);
+        // With the extender on, so that its own templates' checks run too.
+        let args = [
+            &["template", "x", CHART][..],
+            &EXTENDER_ON,
+            &["--set-string", set],
+        ]
+        .concat();
+        let out = run("helm", &args);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{set} rendered");
         assert!(stderr.contains(says), "{set}: {stderr}");
@@ -624,7 +696,7 @@ fn match_conditions_hold(ctx: &cel_interpreter::Context, policy: &Value) -> bool
 
 #[test]
 fn the_admission_policy_lets_the_daemon_patch_only_its_nodes_pods_and_domain_annotations() {
-    let kustomized = kustomize();
+    let kustomized = kustomize(&["deploy"]);
     let rendered = chart(&[]);
     let user = "system:serviceaccount:gpu-device-plugin:gpu-device-plugin";
     let request = |user: &str, node: Option<&str>| {
@@ -814,7 +886,7 @@ fn the_admission_policy_lets_the_daemon_patch_only_its_own_nodes_gpu_inventory()
         ("changes a label", &ours, &published, &relabelled, Some(1)),
         ("cordons the node", &ours, &published, &cordoned, Some(1)),
     ];
-    for objs in [&kustomize(), &chart(&[])] {
+    for objs in [&kustomize(&["deploy"]), &chart(&[])] {
         let policy = find(objs, "ValidatingAdmissionPolicy").unwrap();
         let rules = &policy["spec"]["matchConstraints"]["resourceRules"][0]["resources"];
         assert!(
@@ -864,27 +936,72 @@ fn unknown_keys(object: &Value, known: &[&str]) -> Vec<String> {
         .collect()
 }
 
+/// The GPU scheduler with every value the chart offers changed.
+const OTHER_SCHEDULER: &str = r#"
+resourceDomain: example.com
+image: {repository: r.example/gdp, tag: t1, pullPolicy: Always, pullSecrets: [regcred]}
+extender:
+  enabled: true
+  schedulerName: gpu-first
+  namespace: sched
+  replicas: 2
+  port: 9999
+  kubeScheduler:
+    image: {repository: registry.k8s.io/kube-scheduler, tag: v1.32.9, pullPolicy: Always}
+  config: policy = "spread"
+  mutatingPolicy: {enabled: true}
+"#;
+
 #[test]
 fn the_gpu_scheduler_is_a_second_kube_scheduler_with_the_extender_beside_it() {
-    let objs = objects(&stdout_ok(
-        run("kubectl", &["kustomize", "deploy/scheduler"]),
-        "kubectl kustomize deploy/scheduler",
-    ));
-    let kinds: Vec<&str> = objs.iter().map(|o| o["kind"].as_str().unwrap()).collect();
-    for obj in &objs {
-        match obj["kind"].as_str().unwrap() {
-            "ServiceAccount" => drop(strict::<ServiceAccount>(obj)),
-            "ClusterRole" => drop(strict::<ClusterRole>(obj)),
-            "ClusterRoleBinding" => drop(strict::<ClusterRoleBinding>(obj)),
-            "RoleBinding" => drop(strict::<RoleBinding>(obj)),
-            "ConfigMap" => drop(strict::<ConfigMap>(obj)),
-            "Deployment" => drop(strict::<Deployment>(obj)),
-            other => panic!("unexpected kind {other} in {kinds:?}"),
-        }
-    }
-    let sa: ServiceAccount = strict(named(&objs, "ServiceAccount", "doslab-gpu-scheduler"));
+    let kust = kustomize(&["deploy", "deploy/scheduler"]);
+    assert_gpu_scheduler(&kust, "doslab-gpu-scheduler", "doslab.io");
+    assert_gpu_scheduler(&chart(&EXTENDER_ON), "doslab-gpu-scheduler", "doslab.io");
+    // Other values: every name, the namespace, the domain, the port and the
+    // images follow.
+    let objs = chart_with(OTHER_SCHEDULER);
+    assert_gpu_scheduler(&objs, "gpu-first", "example.com");
+    let deployment: Deployment = strict(named(&objs, "Deployment", "gpu-first"));
+    let spec = deployment.spec.unwrap();
+    assert_eq!(spec.replicas, Some(2));
+    let pod = spec.template.spec.unwrap();
+    assert_eq!(pod.image_pull_secrets.unwrap()[0].name, "regcred");
+    let images: Vec<_> = pod
+        .containers
+        .iter()
+        .map(|c| {
+            (
+                c.image.clone().unwrap(),
+                c.image_pull_policy.clone().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        images,
+        [
+            ("registry.k8s.io/kube-scheduler:v1.32.9", "Always"),
+            ("r.example/gdp:t1", "Always")
+        ]
+        .map(|(i, p)| (i.to_owned(), p.to_owned()))
+    );
+    let cm: ConfigMap = strict(named(&objs, "ConfigMap", "gpu-first"));
+    let extender =
+        gpu_device_plugin::extender::ExtenderConfig::from_toml(&cm.data.unwrap()["extender.toml"])
+            .unwrap();
+    assert_eq!(extender.policy, gpu_device_plugin::usage::Policy::Spread);
+    assert_eq!(extender.listen, "127.0.0.1:9999");
+}
+
+/// The GPU scheduler `name` among `objs` (the daemon's objects too): a
+/// second kube-scheduler whose config, read key by key as kube-scheduler
+/// reads it, sends every pod asking a `domain` resource to the extender
+/// beside it on loopback; the extender is the daemon's image and its config
+/// one the extender's own loader accepts; RBAC grants what both need.
+fn assert_gpu_scheduler(objs: &[Value], name: &str, domain: &str) {
+    parse_all(objs);
+    let sa: ServiceAccount = strict(named(objs, "ServiceAccount", name));
     let ns = sa.metadata.namespace.clone().unwrap();
-    let deployment: Deployment = strict(named(&objs, "Deployment", "doslab-gpu-scheduler"));
+    let deployment: Deployment = strict(named(objs, "Deployment", name));
     let pod = deployment.spec.unwrap().template.spec.unwrap();
     assert_eq!(pod.service_account_name, sa.metadata.name);
     let container = |name: &str| {
@@ -894,12 +1011,14 @@ fn the_gpu_scheduler_is_a_second_kube_scheduler_with_the_extender_beside_it() {
             .unwrap_or_else(|| panic!("no container {name}"))
             .clone()
     };
-    let cm: ConfigMap = strict(named(&objs, "ConfigMap", "doslab-gpu-scheduler"));
+    let cm: ConfigMap = strict(named(objs, "ConfigMap", name));
     let data = cm.data.unwrap();
-    let volume =
-        pod.volumes.as_ref().unwrap().iter().find(|v| {
-            v.config_map.as_ref().map(|c| c.name.as_str()) == Some("doslab-gpu-scheduler")
-        });
+    let volume = pod
+        .volumes
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|v| v.config_map.as_ref().map(|c| c.name.as_str()) == Some(name));
     let volume = volume.expect("the ConfigMap is mounted").name.clone();
     // The file a container reads at `path`: the ConfigMap key under the
     // config volume's mount.
@@ -970,11 +1089,11 @@ fn the_gpu_scheduler_is_a_second_kube_scheduler_with_the_extender_beside_it() {
     assert_eq!(unknown_keys(le, &le_keys), Vec::<String>::new());
     assert_eq!(le["leaderElect"], true);
     assert_eq!(le["resourceLock"], "leases");
-    assert_eq!(le["resourceName"], "doslab-gpu-scheduler", "its own lease");
+    assert_eq!(le["resourceName"], name, "its own lease");
     assert_eq!(le["resourceNamespace"], ns.as_str());
     let profiles = config["profiles"].as_array().unwrap();
     assert_eq!(profiles.len(), 1);
-    assert_eq!(profiles[0]["schedulerName"], "doslab-gpu-scheduler");
+    assert_eq!(profiles[0]["schedulerName"], name);
     let extenders = config["extenders"].as_array().unwrap();
     assert_eq!(extenders.len(), 1);
     let e = &extenders[0];
@@ -1017,7 +1136,7 @@ fn the_gpu_scheduler_is_a_second_kube_scheduler_with_the_extender_beside_it() {
         .collect();
     assert_eq!(
         managed,
-        ["gpu-memory", "gpu-core", "gpu-count"].map(|r| (format!("doslab.io/{r}"), json!(false)))
+        ["gpu-memory", "gpu-core", "gpu-count"].map(|r| (format!("{domain}/{r}"), json!(false)))
     );
     let url = e["urlPrefix"].as_str().unwrap();
     let port = url
@@ -1027,7 +1146,7 @@ fn the_gpu_scheduler_is_a_second_kube_scheduler_with_the_extender_beside_it() {
     // The extender: the same image, the subcommand, listening on loopback
     // at the port the scheduler calls.
     let extender = container("extender");
-    let ours = pod_spec(&kustomize()).containers[0].image.clone();
+    let ours = pod_spec(objs).containers[0].image.clone();
     assert_eq!(
         extender.image, ours,
         "the extender is not the daemon's image"
@@ -1048,20 +1167,16 @@ fn the_gpu_scheduler_is_a_second_kube_scheduler_with_the_extender_beside_it() {
         section["listen"].as_str(),
         Some(format!("127.0.0.1:{port}").as_str())
     );
-    assert_eq!(section["resource_domain"].as_str(), Some("doslab.io"));
+    assert_eq!(section["resource_domain"].as_str(), Some(domain));
 
     // RBAC: kube-scheduler's own roles, its lease, and the extender's needs.
     let bound_to = |kind: &str, role: &str| {
         objs.iter()
             .filter(|o| o["kind"] == kind && o["roleRef"]["name"] == role)
             .flat_map(|o| o["subjects"].as_array().unwrap().clone())
-            .any(|s| s["name"] == "doslab-gpu-scheduler" && s["namespace"] == ns.as_str())
+            .any(|s| s["name"] == name && s["namespace"] == ns.as_str())
     };
-    for role in [
-        "system:kube-scheduler",
-        "system:volume-scheduler",
-        "doslab-gpu-scheduler",
-    ] {
+    for role in ["system:kube-scheduler", "system:volume-scheduler", name] {
         assert!(bound_to("ClusterRoleBinding", role), "{role} not bound");
     }
     assert!(bound_to(
@@ -1069,12 +1184,12 @@ fn the_gpu_scheduler_is_a_second_kube_scheduler_with_the_extender_beside_it() {
         "extension-apiserver-authentication-reader"
     ));
     let rb: RoleBinding = strict(named(
-        &objs,
+        objs,
         "RoleBinding",
-        "doslab-gpu-scheduler-authentication-reader",
+        &format!("{name}-authentication-reader"),
     ));
     assert_eq!(rb.metadata.namespace.as_deref(), Some("kube-system"));
-    let role: ClusterRole = strict(named(&objs, "ClusterRole", "doslab-gpu-scheduler"));
+    let role: ClusterRole = strict(named(objs, "ClusterRole", name));
     let rules = role.rules.unwrap();
     let grants = |group: &str, resource: &str, verb: &str, name: Option<&str>| {
         rules.iter().any(|r: &PolicyRule| {
@@ -1110,23 +1225,20 @@ fn the_gpu_scheduler_is_a_second_kube_scheduler_with_the_extender_beside_it() {
 
 #[test]
 fn the_optional_mutating_policy_sends_gpu_pods_to_the_gpu_scheduler() {
+    let kust = kustomize(&["deploy/scheduler/mutating"]);
+    assert_mutating_policy(&kust, "doslab-gpu-scheduler", "doslab.io");
+    assert_mutating_policy(&chart(&EXTENDER_ON), "doslab-gpu-scheduler", "doslab.io");
+    assert_mutating_policy(&chart_with(OTHER_SCHEDULER), "gpu-first", "example.com");
+}
+
+/// The mutating policy among `objs` sends new pods that ask a `domain`
+/// resource, and name no scheduler of their own, to the scheduler `name`:
+/// its CEL evaluated on sample pods.
+fn assert_mutating_policy(objs: &[Value], name: &str, domain: &str) {
     use cel_interpreter::Context;
-    let objs = objects(&stdout_ok(
-        run("kubectl", &["kustomize", "deploy/scheduler/mutating"]),
-        "kubectl kustomize deploy/scheduler/mutating",
-    ));
-    // k8s-openapi's v1_33 types have the policy as v1alpha1; the GA v1 has
-    // the same fields.
-    let alpha = |kind: &str| {
-        let mut o = find(&objs, kind)
-            .unwrap_or_else(|| panic!("no {kind}"))
-            .clone();
-        assert_eq!(o["apiVersion"], "admissionregistration.k8s.io/v1");
-        o["apiVersion"] = json!("admissionregistration.k8s.io/v1alpha1");
-        o
-    };
-    let policy: MutatingAdmissionPolicy = strict(&alpha("MutatingAdmissionPolicy"));
-    let binding: MutatingAdmissionPolicyBinding = strict(&alpha("MutatingAdmissionPolicyBinding"));
+    let typed = |kind: &str| v1alpha1(find(objs, kind).unwrap_or_else(|| panic!("no {kind}")));
+    let policy: MutatingAdmissionPolicy = strict(&typed("MutatingAdmissionPolicy"));
+    let binding: MutatingAdmissionPolicyBinding = strict(&typed("MutatingAdmissionPolicyBinding"));
     assert_eq!(binding.spec.unwrap().policy_name, policy.metadata.name);
     let spec = policy.spec.unwrap();
     let rule = &spec.match_constraints.unwrap().resource_rules.unwrap()[0];
@@ -1146,11 +1258,11 @@ fn the_optional_mutating_policy_sends_gpu_pods_to_the_gpu_scheduler() {
         .unwrap();
     assert_eq!(
         apply.split_whitespace().collect::<String>(),
-        r#"Object{spec:Object.spec{schedulerName:"doslab-gpu-scheduler"}}"#
+        format!(r#"Object{{spec:Object.spec{{schedulerName:"{name}"}}}}"#)
     );
 
-    let raw = find(&objs, "MutatingAdmissionPolicy").unwrap();
-    let gpu = json!({"limits": {"doslab.io/gpu-memory": "1024", "cpu": "1"}});
+    let raw = find(objs, "MutatingAdmissionPolicy").unwrap();
+    let gpu = json!({"limits": {format!("{domain}/gpu-memory"): "1024", "cpu": "1"}});
     let cpu = json!({"limits": {"cpu": "1"}, "requests": {"memory": "1Gi"}});
     let pod = |scheduler: Option<&str>, init: Option<Value>, app: Option<Value>| {
         let mut p = json!({"metadata": {"name": "p"}, "spec": {
@@ -1315,7 +1427,7 @@ fn assert_enforcement_dirs_follow_config(objs: &[Value]) {
 #[test]
 fn enforcement_installs_the_library_and_mounts_the_host_directories() {
     // The defaults (kustomize and chart alike): on, installed by the image.
-    for objs in [kustomize(), chart(&[])] {
+    for objs in [kustomize(&["deploy"]), chart(&[])] {
         parse_all(&objs);
         assert_init_container_installs(&objs);
         assert_enforcement_dirs_follow_config(&objs);
