@@ -936,7 +936,7 @@ fn unknown_keys(object: &Value, known: &[&str]) -> Vec<String> {
         .collect()
 }
 
-/// The GPU scheduler with every value the chart offers changed.
+/// The GPU scheduler under other names, namespace, domain, port and images.
 const OTHER_SCHEDULER: &str = r#"
 resourceDomain: example.com
 image: {repository: r.example/gdp, tag: t1, pullPolicy: Always, pullSecrets: [regcred]}
@@ -969,20 +969,17 @@ fn the_gpu_scheduler_is_a_second_kube_scheduler_with_the_extender_beside_it() {
     let images: Vec<_> = pod
         .containers
         .iter()
-        .map(|c| {
-            (
-                c.image.clone().unwrap(),
-                c.image_pull_policy.clone().unwrap(),
-            )
-        })
+        .map(|c| (c.image.as_deref(), c.image_pull_policy.as_deref()))
         .collect();
     assert_eq!(
         images,
         [
-            ("registry.k8s.io/kube-scheduler:v1.32.9", "Always"),
-            ("r.example/gdp:t1", "Always")
+            (
+                Some("registry.k8s.io/kube-scheduler:v1.32.9"),
+                Some("Always")
+            ),
+            (Some("r.example/gdp:t1"), Some("Always"))
         ]
-        .map(|(i, p)| (i.to_owned(), p.to_owned()))
     );
     let cm: ConfigMap = strict(named(&objs, "ConfigMap", "gpu-first"));
     let extender =
@@ -1236,9 +1233,9 @@ fn the_optional_mutating_policy_sends_gpu_pods_to_the_gpu_scheduler() {
 /// its CEL evaluated on sample pods.
 fn assert_mutating_policy(objs: &[Value], name: &str, domain: &str) {
     use cel_interpreter::Context;
-    let typed = |kind: &str| v1alpha1(find(objs, kind).unwrap_or_else(|| panic!("no {kind}")));
-    let policy: MutatingAdmissionPolicy = strict(&typed("MutatingAdmissionPolicy"));
-    let binding: MutatingAdmissionPolicyBinding = strict(&typed("MutatingAdmissionPolicyBinding"));
+    let alpha = |kind: &str| v1alpha1(find(objs, kind).unwrap_or_else(|| panic!("no {kind}")));
+    let policy: MutatingAdmissionPolicy = strict(&alpha("MutatingAdmissionPolicy"));
+    let binding: MutatingAdmissionPolicyBinding = strict(&alpha("MutatingAdmissionPolicyBinding"));
     assert_eq!(binding.spec.unwrap().policy_name, policy.metadata.name);
     let spec = policy.spec.unwrap();
     let rule = &spec.match_constraints.unwrap().resource_rules.unwrap()[0];
