@@ -516,6 +516,11 @@ fn the_chart_renders_what_its_values_say() {
         svc["spec"]["ports"][0]["name"]
     );
     assert_eq!(sm["spec"]["endpoints"][0]["path"], "/metrics");
+    // Each series carries the node the daemon runs on.
+    assert_eq!(
+        sm["spec"]["endpoints"][0]["relabelings"],
+        json!([{"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"}])
+    );
     assert_eq!(
         sm["spec"]["namespaceSelector"]["matchNames"],
         json!(["gpu-device-plugin"])
