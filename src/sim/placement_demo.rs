@@ -309,8 +309,8 @@ pub async fn run(out: &mut String) -> Result<(), DemoError> {
         .await?;
     let _ = writeln!(
         out,
-        "\nWith the extender ({:?} policy; filter, prioritize, bind), each node's kubelet admits:",
-        config.policy
+        "\nWith the extender ({} policy; filter, prioritize, bind), each node's kubelet admits:",
+        format!("{:?}", config.policy).to_lowercase()
     );
     let report = with_extender(&cluster, &with, out);
     cluster.stop().await?;
