@@ -242,6 +242,32 @@ fn demo_runs_end_to_end() {
         stdout.contains("streams ended: yes; plugin sockets left: 0"),
         "{stdout}"
     );
+    // Placement: by node totals alone the 30 GiB pod lands on the node of
+    // two 24 GiB GPUs and its kubelet refuses it; through the extender
+    // every pod that fits a GPU is admitted, and the one no GPU holds is
+    // refused by filter with the reason.
+    let (alone, with) = stdout
+        .split_once("With the extender")
+        .unwrap_or_else(|| panic!("no run with the extender: {stdout}"));
+    let alone = alone
+        .split_once("Without the extender")
+        .map(|(_, a)| a)
+        .unwrap_or_else(|| panic!("no run without the extender: {stdout}"));
+    assert!(
+        alone.contains("train-a   -> node-a: REFUSED at admission")
+            && alone.contains("2 admission failures"),
+        "{stdout}"
+    );
+    assert!(with.contains("0 admission failures"), "{stdout}");
+    assert_eq!(
+        with.matches(" % of its compute\n").count(),
+        4 + 7,
+        "{stdout}"
+    );
+    assert!(
+        with.contains("no GPU has 92160 MiB free (largest 40960 MiB"),
+        "{stdout}"
+    );
 }
 
 #[test]

@@ -14,6 +14,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use gpu_device_plugin::sim::apiserver::{ApiServerSim, PodContainer};
+use gpu_device_plugin::sim::gpu_node::GpuNode;
 use gpu_device_plugin::sim::kubelet::{Grant, merged_envs, pod_containers};
 use gpu_device_plugin::sim::scheduler::{ExtenderConfig, Outcome, SchedulerConfig, SchedulerSim};
 use serde_json::Value;
@@ -38,24 +39,8 @@ const NODES: [&[u64]; 10] = [
     &[40, 40, 16, 16],
 ];
 
-const RES: [&str; 3] = [
-    "doslab.io/gpu-memory",
-    "doslab.io/gpu-core",
-    "doslab.io/gpu-count",
-];
-
-fn node_name(n: usize) -> String {
-    format!("node-{n}")
-}
-
-fn uuid(n: usize, g: usize) -> String {
-    format!("GPU-{n:04x}{g:04x}-0000-4000-8000-000000000000")
-}
-
 struct Node {
-    name: String,
-    /// (uuid, GiB)
-    gpus: Vec<(String, u64)>,
+    spec: GpuNode,
     kubelet: KubeletSim,
     daemon: Daemon,
     _dir: tempfile::TempDir,
@@ -81,24 +66,11 @@ impl World {
         api.write_kubeconfig(&kubeconfig).unwrap();
         let mut nodes = Vec::new();
         for (n, sizes) in NODES.iter().enumerate() {
-            let name = node_name(n);
-            let gpus: Vec<(String, u64)> =
-                (0..sizes.len()).map(|g| (uuid(n, g), sizes[g])).collect();
-            // What the kubelet reports as the node's allocatable.
-            let memory: u64 = sizes.iter().sum::<u64>() * 1024 / UNIT_MIB;
-            let count = sizes.len() as u64;
-            api.add_node(
-                &name,
-                &[
-                    (RES[0], memory),
-                    (RES[1], 100 * count),
-                    (RES[2], count),
-                    ("pods", 110),
-                ],
-                &[],
-            );
+            let spec = GpuNode::new(n, &format!("node-{n}"), sizes);
+            spec.add_to(&api, UNIT_MIB);
+            let name = &spec.name;
             let dir = tempfile::tempdir().unwrap();
-            let mock: Vec<(&str, u64)> = gpus.iter().map(|(u, g)| (u.as_str(), g * 1024)).collect();
+            let mock: Vec<(&str, u64)> = spec.gpus.iter().map(|(u, m)| (u.as_str(), *m)).collect();
             let toml = mock_config(
                 dir.path(),
                 &format!(
@@ -111,8 +83,7 @@ impl World {
             let kubelet = KubeletSim::start(dir.path()).unwrap();
             let daemon = Daemon::start(&toml);
             nodes.push(Node {
-                name,
-                gpus,
+                spec,
                 kubelet,
                 daemon,
                 _dir: dir,
@@ -135,29 +106,17 @@ impl World {
             _files: files,
         };
         for node in &w.nodes {
-            let count = node.gpus.len();
-            let memory: u64 = node.gpus.iter().map(|(_, g)| g * 1024 / UNIT_MIB).sum();
-            let listed = [
-                (RES[0], memory as usize),
-                (RES[1], 100 * count),
-                (RES[2], count),
-            ];
-            let ok = node.kubelet.wait_until(WAIT, all_listed(&listed)).await;
-            assert!(ok, "{}: {}", node.name, node.daemon.log_text());
+            let listed = |s: &BTreeMap<_, _>| node.spec.listed(UNIT_MIB, s);
+            let ok = node.kubelet.wait_until(WAIT, listed).await;
+            assert!(ok, "{}: {}", node.spec.name, node.daemon.log_text());
         }
         // The extender places nothing on a node without its inventory.
         let deadline = Instant::now() + WAIT;
-        while !w.nodes.iter().all(|n| w.inventory_published(&n.name)) {
+        while !w.nodes.iter().all(|n| n.spec.inventory_published(&w.api)) {
             assert!(Instant::now() < deadline, "inventories not published");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         w
-    }
-
-    fn inventory_published(&self, node: &str) -> bool {
-        self.api
-            .node(node)
-            .is_some_and(|n| n["metadata"]["annotations"]["doslab.io/gpu-inventory"].is_string())
     }
 
     async fn scheduler(&self, seed: u64) -> SchedulerSim {
@@ -219,12 +178,12 @@ impl World {
         let rounds = futures::future::join_all(
             self.nodes
                 .iter()
-                .map(|n| n.kubelet.admit_bound(&self.api, &n.name)),
+                .map(|n| n.kubelet.admit_bound(&self.api, &n.spec.name)),
         )
         .await;
         for (node, admissions) in self.nodes.iter().zip(rounds) {
             for a in admissions {
-                admitted.insert(a.name, (node.name.clone(), a.result));
+                admitted.insert(a.name, (node.spec.name.clone(), a.result));
             }
         }
     }
@@ -252,7 +211,7 @@ impl World {
                 let log = self
                     .nodes
                     .iter()
-                    .find(|x| &x.name == node)?
+                    .find(|x| &x.spec.name == node)?
                     .daemon
                     .log_text();
                 let said: Vec<&str> = log.lines().filter(|l| l.contains(n.as_str())).collect();
@@ -331,14 +290,14 @@ impl World {
         }
         let mut gib = 0;
         for node in &self.nodes {
-            for (uuid, size) in &node.gpus {
+            for (uuid, size) in &node.spec.gpus {
                 let (mib, core, whole) = used.get(uuid).copied().unwrap_or_default();
-                let at = format!("{} {uuid}", node.name);
-                assert!(mib <= size * 1024, "{at}: {mib} MiB of {size} GiB");
+                let at = format!("{} {uuid}", node.spec.name);
+                assert!(mib <= *size, "{at}: {mib} MiB of {size} MiB");
                 assert!(core <= 100, "{at}: {core} % of the cores");
                 assert!(whole <= 1, "{at}: held whole {whole} times");
                 assert!(whole == 0 || mib + core == 0, "{at}: whole and shared");
-                gib += if whole > 0 { *size } else { mib / 1024 };
+                gib += if whole > 0 { size / 1024 } else { mib / 1024 };
             }
         }
         (bound, unbound, gib)

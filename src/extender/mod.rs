@@ -257,23 +257,45 @@ pub enum ExtenderError {
     },
 }
 
-/// Runs the extender until `stop` resolves.
-pub async fn run(
-    config: ExtenderConfig,
-    stop: impl Future<Output = ()>,
-) -> Result<(), ExtenderError> {
+/// A started extender: where it listens and the index its reflectors keep.
+/// The reflectors stop when it is dropped.
+pub struct Started {
+    pub addr: std::net::SocketAddr,
+    pub index: Arc<RwLock<Index>>,
+    _reflectors: Reflectors,
+}
+
+/// Starts the reflectors and the HTTP server.
+pub async fn launch(config: &ExtenderConfig) -> Result<Started, ExtenderError> {
     let client =
         crate::kube_client::from_kubeconfig(&config.kubeconfig, "extender.kubeconfig").await?;
     let index = Arc::new(RwLock::new(Index::new(&config.resource_domain)));
-    let _reflectors = Reflectors::start(&client, index.clone());
-    let extender = Arc::new(Extender::new(&config, index, KubeBinder::new(client)));
+    let reflectors = Reflectors::start(&client, index.clone());
+    let extender = Arc::new(Extender::new(
+        config,
+        index.clone(),
+        KubeBinder::new(client),
+    ));
     let addr = start(&config.listen, extender)
         .await
         .map_err(|source| ExtenderError::Listen {
             addr: config.listen.clone(),
             source,
         })?;
-    tracing::info!(%addr, policy = ?config.policy, "scheduler extender listening");
+    Ok(Started {
+        addr,
+        index,
+        _reflectors: reflectors,
+    })
+}
+
+/// Runs the extender until `stop` resolves.
+pub async fn run(
+    config: ExtenderConfig,
+    stop: impl Future<Output = ()>,
+) -> Result<(), ExtenderError> {
+    let started = launch(&config).await?;
+    tracing::info!(addr = %started.addr, policy = ?config.policy, "scheduler extender listening");
     stop.await;
     Ok(())
 }

@@ -23,6 +23,8 @@ pub enum DemoError {
     Io(#[from] std::io::Error),
     #[error(transparent)]
     Run(#[from] crate::app::RunError),
+    #[error(transparent)]
+    Extender(#[from] crate::extender::ExtenderError),
     #[error("{0}")]
     Step(String),
 }
@@ -87,8 +89,43 @@ fn table(config: &Config, kubelet: &BTreeMap<String, ResourceView>, out: &mut St
     }
 }
 
-/// Runs the demo and returns its report.
+/// The real daemon on `config`, in this process, until stopped.
+pub(super) struct InProcess {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<(), crate::app::RunError>>,
+}
+
+impl InProcess {
+    pub(super) fn spawn(config: Config) -> InProcess {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let controls = Box::pin(futures::stream::once(async {
+            let _ = stopped.await;
+            crate::app::Control::Stop
+        }));
+        let task = tokio::spawn(crate::app::run(config, None, controls));
+        InProcess { stop, task }
+    }
+
+    /// Stops it as SIGTERM does and waits for it.
+    pub(super) async fn stop(self) -> Result<(), DemoError> {
+        let _ = self.stop.send(());
+        self.task
+            .await
+            .map_err(|e| DemoError::Step(format!("daemon task: {e}")))??;
+        Ok(())
+    }
+}
+
+/// Runs the demo, one node and then placement over several, and returns
+/// its report.
 pub async fn run() -> Result<String, DemoError> {
+    let mut out = one_node().await?;
+    super::placement_demo::run(&mut out).await?;
+    Ok(out)
+}
+
+/// The real daemon beside the kubelet stand-in on one node.
+async fn one_node() -> Result<String, DemoError> {
     let dir = tempfile::tempdir()?;
     let mut config = Config::from_toml(DEMO_TOML, None)?;
     config.device_plugin_dir = dir.path().to_owned();
@@ -116,12 +153,7 @@ pub async fn run() -> Result<String, DemoError> {
     }
 
     // The daemon starts before the kubelet, as after a node reboot.
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let controls = Box::pin(futures::stream::once(async {
-        let _ = stopped.await;
-        crate::app::Control::Stop
-    }));
-    let daemon = tokio::spawn(crate::app::run(config.clone(), None, controls));
+    let daemon = InProcess::spawn(config.clone());
     tokio::time::sleep(Duration::from_millis(300)).await;
     let started = Instant::now();
     let kubelet = KubeletSim::start(dir.path())?;
@@ -197,10 +229,7 @@ pub async fn run() -> Result<String, DemoError> {
         .collect();
     let _ = writeln!(out, "  {}", free.join(", "));
 
-    let _ = stop.send(());
-    daemon
-        .await
-        .map_err(|e| DemoError::Step(format!("daemon task: {e}")))??;
+    daemon.stop().await?;
     let emptied = kubelet
         .wait_until(Duration::from_secs(5), |s| {
             names

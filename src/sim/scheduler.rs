@@ -743,6 +743,20 @@ mod tests {
                 .await
                 .unwrap()
         }
+
+        /// Creates pod `default/p` asking 30 gpu-memory and has the
+        /// scheduler, through `ext`, try it until its outcome is `done`.
+        async fn schedule_p(
+            &self,
+            ext: &FakeExtender,
+            done: impl Fn(&Outcome) -> bool,
+        ) -> SchedulerSim {
+            self.api
+                .add_unscheduled_pod("default", "p", "doslab-gpu-scheduler", &gpu("main", 30));
+            let sim = self.scheduler(Some(ExtenderConfig::doslab(&ext.url))).await;
+            wait_for(&sim, |o| o.get("default/p").is_some_and(&done)).await;
+            sim
+        }
     }
 
     fn gpu(name: &str, memory: u64) -> Vec<PodContainer> {
@@ -784,14 +798,8 @@ mod tests {
         })
         .await;
         w.api
-            .add_unscheduled_pod("default", "p", "doslab-gpu-scheduler", &gpu("main", 30));
-        w.api
             .add_unscheduled_pod("default", "other", "default-scheduler", &gpu("main", 30));
-        let sim = w.scheduler(Some(ExtenderConfig::doslab(&ext.url))).await;
-        wait_for(&sim, |o| {
-            o.get("default/p").is_some_and(|o| o.node.is_some())
-        })
-        .await;
+        let sim = w.schedule_p(&ext, |o| o.node.is_some()).await;
         assert_eq!(sim.outcomes()["default/p"].node.as_deref(), Some("n3"));
         assert_eq!(w.api.pod("default", "p").unwrap()["spec"]["nodeName"], "n3");
         assert!(!sim.outcomes().contains_key("default/other"));
@@ -834,13 +842,7 @@ mod tests {
             _ => (StatusCode::OK, json!({"error": ""})),
         })
         .await;
-        w.api
-            .add_unscheduled_pod("default", "p", "doslab-gpu-scheduler", &gpu("main", 30));
-        let sim = w.scheduler(Some(ExtenderConfig::doslab(&ext.url))).await;
-        wait_for(&sim, |o| {
-            o.get("default/p").is_some_and(|o| o.node.is_some())
-        })
-        .await;
+        let sim = w.schedule_p(&ext, |o| o.node.is_some()).await;
         assert_eq!(sim.outcomes()["default/p"].node.as_deref(), Some("n2"));
         let filtered = &sim.outcomes()["default/p"].filtered;
         assert_eq!(filtered["n1"], "no GPU has 30 MiB free");
@@ -872,13 +874,7 @@ mod tests {
             }
         })
         .await;
-        w.api
-            .add_unscheduled_pod("default", "p", "doslab-gpu-scheduler", &gpu("main", 30));
-        let sim = w.scheduler(Some(ExtenderConfig::doslab(&ext.url))).await;
-        wait_for(&sim, |o| {
-            o.get("default/p").is_some_and(|o| o.node.is_some())
-        })
-        .await;
+        let sim = w.schedule_p(&ext, |o| o.node.is_some()).await;
         assert_eq!(sim.outcomes()["default/p"].attempts, 4);
         assert_eq!(w.api.pod("default", "p").unwrap()["spec"]["nodeName"], "n1");
         let paths: Vec<String> = ext.calls().into_iter().map(|(p, _, _)| p).collect();
@@ -903,10 +899,7 @@ mod tests {
             (StatusCode::OK, json!({"NodeNames": ["n9"]}))
         })
         .await;
-        w.api
-            .add_unscheduled_pod("default", "p", "doslab-gpu-scheduler", &gpu("main", 30));
-        let sim = w.scheduler(Some(ExtenderConfig::doslab(&ext.url))).await;
-        wait_for(&sim, |o| o.contains_key("default/p")).await;
+        let sim = w.schedule_p(&ext, |_| true).await;
         let error = sim.outcomes()["default/p"].error.clone().unwrap();
         assert!(error.contains("claims a filtered node \"n9\""), "{error}");
     }
