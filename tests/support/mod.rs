@@ -161,6 +161,42 @@ pub fn all_listed<'a>(
     }
 }
 
+/// The daemon on `toml` beside a kubelet stand-in in `dir`.
+pub fn start_with_kubelet(dir: &Path, toml: &str) -> (Daemon, KubeletSim) {
+    let daemon = Daemon::start(toml);
+    let kubelet = KubeletSim::start(dir).unwrap();
+    (daemon, kubelet)
+}
+
+/// [`start_with_kubelet`], once the kubelet lists every (resource,
+/// devices) of `listed` healthy.
+pub async fn start_listed(
+    dir: &Path,
+    toml: &str,
+    listed: &[(&str, usize)],
+) -> (Daemon, KubeletSim) {
+    let (daemon, kubelet) = start_with_kubelet(dir, toml);
+    expect_kubelet(&kubelet, &daemon, &listed, all_listed(listed)).await;
+    (daemon, kubelet)
+}
+
+/// Waits until the kubelet's view satisfies `done`; fails showing `want`,
+/// that view and the daemon's log.
+pub async fn expect_kubelet(
+    kubelet: &KubeletSim,
+    daemon: &Daemon,
+    want: &dyn std::fmt::Debug,
+    done: impl Fn(&std::collections::BTreeMap<String, ResourceView>) -> bool,
+) {
+    let ok = kubelet.wait_until(WAIT, done).await;
+    assert!(
+        ok,
+        "want {want:?}\nkubelet: {:#?}\n{}",
+        kubelet.snapshot(),
+        daemon.log_text()
+    );
+}
+
 /// Open file descriptors and threads of a process.
 pub fn fds_and_threads(pid: u32) -> (usize, usize) {
     let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
