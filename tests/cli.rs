@@ -87,18 +87,13 @@ fn a_socket_directory_the_kernel_cannot_bind_in_is_refused_at_start() {
 async fn a_reload_to_a_socket_directory_that_cannot_work_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let gpus = [("GPU-a", 64)];
-    let daemon = Daemon::start(&mock_config(dir.path(), "", &gpus));
-    let kubelet = KubeletSim::start(dir.path()).unwrap();
     let want = [
         ("doslab.io/gpu-memory", 64),
         ("doslab.io/gpu-core", 100),
         ("doslab.io/gpu-count", 1),
     ];
-    assert!(
-        kubelet.wait_until(WAIT, all_listed(&want)).await,
-        "{}",
-        daemon.log_text()
-    );
+    let (daemon, kubelet) =
+        start_listed(dir.path(), &mock_config(dir.path(), "", &gpus), &want).await;
     let file = dir.path().join("file");
     std::fs::write(&file, "").unwrap();
     std::fs::write(&daemon.config, mock_config(&file, "", &gpus)).unwrap();

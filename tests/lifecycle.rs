@@ -22,30 +22,35 @@ const BIG: &[(&str, u64)] = &[(GPU_A, 81920), (GPU_B, 81920)];
 
 async fn start(extra: &str) -> (tempfile::TempDir, Daemon, KubeletSim) {
     let dir = tempfile::tempdir().unwrap();
-    let daemon = Daemon::start(&mock_config(dir.path(), extra, GPUS));
-    let kubelet = KubeletSim::start(dir.path()).unwrap();
+    let (daemon, kubelet) = start_with_kubelet(dir.path(), &mock_config(dir.path(), extra, GPUS));
+    (dir, daemon, kubelet)
+}
+
+/// What the kubelet lists once the daemon on [`GPUS`] first registered.
+const FIRST: &[(&str, u32, usize)] = &[(MEM, 1, 4096), (CORE, 1, 200), (COUNT, 1, 2)];
+
+/// [`start`], once every resource registered.
+async fn started(extra: &str) -> (tempfile::TempDir, Daemon, KubeletSim) {
+    let (dir, daemon, kubelet) = start(extra).await;
+    expect(&kubelet, &daemon, FIRST).await;
     (dir, daemon, kubelet)
 }
 
 async fn expect(kubelet: &KubeletSim, daemon: &Daemon, want: &[(&str, u32, usize)]) {
-    let ok = kubelet.wait_until(WAIT, registered_times(want)).await;
-    assert!(
-        ok,
-        "want {want:?}\nkubelet: {:#?}\n{}",
-        kubelet.snapshot(),
-        daemon.log_text()
-    );
+    expect_kubelet(kubelet, daemon, &want, registered_times(want)).await;
+}
+
+/// Rewrites the daemon's config to `toml`, sends SIGHUP, and waits for
+/// `want`.
+async fn reload(kubelet: &KubeletSim, daemon: &Daemon, toml: String, want: &[(&str, u32, usize)]) {
+    std::fs::write(&daemon.config, toml).unwrap();
+    daemon.signal(libc::SIGHUP);
+    expect(kubelet, daemon, want).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn survives_100_kubelet_restarts_without_leaks() {
-    let (dir, daemon, mut kubelet) = start("").await;
-    expect(
-        &kubelet,
-        &daemon,
-        &[(MEM, 1, 4096), (CORE, 1, 200), (COUNT, 1, 2)],
-    )
-    .await;
+    let (dir, daemon, mut kubelet) = started("").await;
     let pid = daemon.child.id();
     let mut first = None;
     for i in 2..=101u32 {
@@ -90,9 +95,7 @@ async fn sighup_disables_enables_and_changes_only_what_changed() {
         "resources = [\"gpu-memory\", \"gpu-count\"]\nmemory_unit_mib = 2",
         GPUS,
     );
-    std::fs::write(&daemon.config, next).unwrap();
-    daemon.signal(libc::SIGHUP);
-    expect(&kubelet, &daemon, &[(MEM, 2, 2048), (COUNT, 1, 2)]).await;
+    reload(&kubelet, &daemon, next, &[(MEM, 2, 2048), (COUNT, 1, 2)]).await;
     let core = kubelet.snapshot()[CORE].clone();
     assert!(
         !core.stream_open && core.devices == 0,
@@ -107,11 +110,10 @@ async fn sighup_disables_enables_and_changes_only_what_changed() {
 
     // gpu-core back; gpu-memory and gpu-count untouched (not re-registered).
     let again = mock_config(dir.path(), "memory_unit_mib = 2", GPUS);
-    std::fs::write(&daemon.config, again).unwrap();
-    daemon.signal(libc::SIGHUP);
-    expect(
+    reload(
         &kubelet,
         &daemon,
+        again,
         &[(MEM, 2, 2048), (CORE, 2, 200), (COUNT, 1, 2)],
     )
     .await;
@@ -123,9 +125,7 @@ async fn sighup_disables_enables_and_changes_only_what_changed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_with_a_broken_file_keeps_the_old_config() {
-    let (dir, daemon, kubelet) = start("").await;
-    let want = [(MEM, 1, 4096), (CORE, 1, 200), (COUNT, 1, 2)];
-    expect(&kubelet, &daemon, &want).await;
+    let (dir, daemon, kubelet) = started("").await;
     let log = || daemon.log_text();
     let broken = [
         "memory_unit_mib = \"lots\"",
@@ -153,7 +153,7 @@ async fn sighup_with_a_broken_file_keeps_the_old_config() {
         "the reason names the key"
     );
     tokio::time::sleep(Duration::from_millis(300)).await;
-    expect(&kubelet, &daemon, &want).await;
+    expect(&kubelet, &daemon, FIRST).await;
     assert_eq!(plugin_sockets(dir.path()).len(), 3);
 }
 
@@ -164,13 +164,7 @@ async fn an_unhealthy_gpu_turns_its_devices_unhealthy_everywhere_and_back() {
         "[health]\npoll_ms = 50\nrecovery_ms = 300\nmock_dir = {:?}",
         health.path().display().to_string()
     );
-    let (_dir, daemon, kubelet) = start(&extra).await;
-    expect(
-        &kubelet,
-        &daemon,
-        &[(MEM, 1, 4096), (CORE, 1, 200), (COUNT, 1, 2)],
-    )
-    .await;
+    let (_dir, daemon, kubelet) = started(&extra).await;
 
     std::fs::write(health.path().join(GPU_A), "").unwrap();
     let degraded = |s: &std::collections::BTreeMap<String, ResourceView>| {
@@ -203,13 +197,7 @@ async fn an_unhealthy_gpu_turns_its_devices_unhealthy_everywhere_and_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plugin_that_cannot_start_is_retried_and_the_others_keep_serving() {
-    let (dir, daemon, kubelet) = start("").await;
-    expect(
-        &kubelet,
-        &daemon,
-        &[(MEM, 1, 4096), (CORE, 1, 200), (COUNT, 1, 2)],
-    )
-    .await;
+    let (dir, daemon, kubelet) = started("").await;
     // Something else takes gpu-core's socket path: its plugin must restart
     // its server (the socket is gone) and fails to bind, again and again.
     let socket = dir.path().join("doslab.io-gpu-core.sock");
@@ -247,8 +235,7 @@ async fn a_plugin_that_cannot_start_is_retried_and_the_others_keep_serving() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_reloads_in_a_row_each_re_register_the_changed_resource() {
     let dir = tempfile::tempdir().unwrap();
-    let daemon = Daemon::start(&mock_config(dir.path(), "", BIG));
-    let kubelet = KubeletSim::start(dir.path()).unwrap();
+    let (daemon, kubelet) = start_with_kubelet(dir.path(), &mock_config(dir.path(), "", BIG));
     expect(
         &kubelet,
         &daemon,
@@ -258,12 +245,11 @@ async fn twenty_reloads_in_a_row_each_re_register_the_changed_resource() {
     for i in 0..20u32 {
         let unit = if i % 2 == 0 { 2 } else { 1 };
         let toml = mock_config(dir.path(), &format!("memory_unit_mib = {unit}"), BIG);
-        std::fs::write(&daemon.config, toml).unwrap();
-        daemon.signal(libc::SIGHUP);
         let devices = 163840 / unit as usize;
-        expect(
+        reload(
             &kubelet,
             &daemon,
+            toml,
             &[(MEM, i + 2, devices), (CORE, 1, 200), (COUNT, 1, 2)],
         )
         .await;
@@ -348,20 +334,13 @@ async fn a_kubelet_socket_nobody_answers_yet_is_retried_on_time_not_per_event() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_changing_two_resources_settles_them_side_by_side() {
-    let (dir, daemon, kubelet) = start("").await;
-    expect(
-        &kubelet,
-        &daemon,
-        &[(MEM, 1, 4096), (CORE, 1, 200), (COUNT, 1, 2)],
-    )
-    .await;
+    let (dir, daemon, kubelet) = started("").await;
     let before = daemon.log_text().len();
     let next = mock_config(dir.path(), "memory_unit_mib = 2\ncores_per_gpu = 50", GPUS);
-    std::fs::write(&daemon.config, next).unwrap();
-    daemon.signal(libc::SIGHUP);
-    expect(
+    reload(
         &kubelet,
         &daemon,
+        next,
         &[(MEM, 2, 2048), (CORE, 2, 100), (COUNT, 1, 2)],
     )
     .await;

@@ -131,14 +131,6 @@ fn start_daemon(toml: &str, files: &tempfile::TempDir) -> Daemon {
     Daemon::start_env(toml, &[("KUBECONFIG", kubeconfig.as_os_str())])
 }
 
-fn container(name: &str, init: bool, wants: [u64; 3]) -> PodContainer {
-    PodContainer {
-        name: name.into(),
-        init,
-        wants,
-    }
-}
-
 /// A random pod: one to three app containers and sometimes an init
 /// container, sharing GPUs; every twelfth pod takes a GPU whole.
 fn random_pod(i: usize, rng: &mut Lcg) -> Vec<PodContainer> {
@@ -557,4 +549,81 @@ async fn an_extender_assignment_steers_the_kubelet_and_contradicting_ids_are_ref
     assert_eq!(events[0]["message"], message);
     let pod = c.api.pod("default", "stray").unwrap();
     assert_eq!(annotation(&pod, "doslab.io/gpu-ledger"), None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_init_containers_whole_gpu_goes_on_to_the_app_so_one_free_gpu_is_enough() {
+    let c = Cluster::start("").await;
+    c.api.add_node(
+        NODE,
+        &[
+            (RES[0], 2048),
+            (RES[1], 800),
+            (RES[2], GPUS as u64),
+            ("pods", 110),
+        ],
+        &[],
+    );
+    // Seven GPUs held whole: one left.
+    c.api.add_pod(
+        "default",
+        "big",
+        NODE,
+        &[container("train", false, [0, 0, GPUS as u64 - 1])],
+        &[],
+    );
+    let big = c.kubelet.admit_bound(&c.api, NODE).await;
+    let held = &big[0].result.as_ref().unwrap()["train"][0].device_ids;
+    let free = (0..GPUS).map(uuid).find(|u| !held.contains(u)).unwrap();
+    let kubeconfig = c.files.path().join("kubeconfig");
+    let (_extender, url) = start_extender(&kubeconfig);
+    let deadline = std::time::Instant::now() + WAIT;
+    while annotation(&c.api.node(NODE).unwrap(), "doslab.io/gpu-inventory").is_none() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "inventory not published"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let sim = start_scheduler(&kubeconfig, &url, 1).await;
+    // The kubelet hands the init container's GPU to the app: the pod
+    // needs one GPU, not two.
+    let pod = [
+        container("init", true, [0, 0, 1]),
+        container("app", false, [0, 0, 1]),
+    ];
+    c.api
+        .add_unscheduled_pod("default", "handed", "doslab-gpu-scheduler", &pod);
+    while c.api.pod("default", "handed").unwrap()["spec"]["nodeName"].is_null() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not bound: {:?}",
+            sim.outcomes()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let admitted = c.kubelet.admit_bound(&c.api, NODE).await;
+    let grants = admitted[0].result.as_ref().unwrap();
+    let p = c.api.pod("default", "handed").unwrap();
+    let parse =
+        |key: &str| -> Value { serde_json::from_str(annotation(&p, key).unwrap()).unwrap() };
+    let (ledger, assignment) = (
+        parse("doslab.io/gpu-ledger"),
+        parse("doslab.io/gpu-assignment"),
+    );
+    for name in ["init", "app"] {
+        assert_eq!(
+            grants[name][0].device_ids,
+            std::slice::from_ref(&free),
+            "{name}"
+        );
+        assert_eq!(
+            grants[name][0].response.envs["NVIDIA_VISIBLE_DEVICES"], free,
+            "{name}"
+        );
+        assert_eq!(ledger[name]["gpus"], serde_json::json!([free]), "{name}");
+        assert_eq!(assignment[name], serde_json::json!([free]), "{name}");
+    }
+    assert_eq!(annotation(&p, "doslab.io/gpu-assigned"), Some("true"));
+    sim.stop();
 }

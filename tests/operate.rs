@@ -290,18 +290,12 @@ async fn metrics_and_probes_follow_registration_allocation_and_health() {
 async fn inspect_reports_what_the_kubelet_sees() {
     let dir = tempfile::tempdir().unwrap();
     let toml = mock_config(dir.path(), "", &[("GPU-a", 1024), ("GPU-b", 512)]);
-    let daemon = Daemon::start(&toml);
-    let kubelet = KubeletSim::start(dir.path()).unwrap();
     let listed = [
         (MEM, 1536),
         ("doslab.io/gpu-core", 200),
         ("doslab.io/gpu-count", 2),
     ];
-    assert!(
-        kubelet.wait_until(WAIT, all_listed(&listed)).await,
-        "{}",
-        daemon.log_text()
-    );
+    let (_daemon, kubelet) = start_listed(dir.path(), &toml, &listed).await;
     let dir_arg = dir.path().to_str().unwrap().to_owned();
     let (status, stdout, stderr) =
         tokio::task::spawn_blocking(move || run_to_end(&["inspect", "--dir", &dir_arg], &[]))
@@ -444,18 +438,12 @@ async fn json_logs_have_unique_keys_numbers_and_signal_names() {
         "memory_mib = 1024\nnuma_node = 0\n",
         1,
     );
-    let mut daemon = Daemon::start(&toml);
-    let kubelet = KubeletSim::start(dir.path()).unwrap();
     let listed = [
         (MEM, 2048),
         ("doslab.io/gpu-core", 200),
         ("doslab.io/gpu-count", 2),
     ];
-    assert!(
-        kubelet.wait_until(WAIT, all_listed(&listed)).await,
-        "{}",
-        daemon.log_text()
-    );
+    let (mut daemon, kubelet) = start_listed(dir.path(), &toml, &listed).await;
     kubelet.admit(&[(MEM, 100)]).await.unwrap();
     daemon.signal(libc::SIGHUP);
     let deadline = std::time::Instant::now() + WAIT;
@@ -541,18 +529,13 @@ async fn matching_daemon(dir: &Path, kubeconfig: &Path) -> (Daemon, KubeletSim, 
         "pod_matching = true\nnode_name = \"n\"\n[matcher]\nkubeconfig = {:?}",
         kubeconfig.display().to_string()
     );
-    let daemon = Daemon::start(&mock_config(dir, &extra, &[("GPU-a", 1024)]));
-    let kubelet = KubeletSim::start(dir).unwrap();
     let listed = [
         (MEM, 1024),
         ("doslab.io/gpu-core", 100),
         ("doslab.io/gpu-count", 1),
     ];
-    assert!(
-        kubelet.wait_until(WAIT, all_listed(&listed)).await,
-        "{}",
-        daemon.log_text()
-    );
+    let toml = mock_config(dir, &extra, &[("GPU-a", 1024)]);
+    let (daemon, kubelet) = start_listed(dir, &toml, &listed).await;
     let addr = http_addr(&daemon);
     (daemon, kubelet, addr)
 }

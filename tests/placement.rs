@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use gpu_device_plugin::sim::apiserver::{ApiServerSim, PodContainer};
 use gpu_device_plugin::sim::gpu_node::GpuNode;
 use gpu_device_plugin::sim::kubelet::{Grant, merged_envs, pod_containers};
-use gpu_device_plugin::sim::scheduler::{ExtenderConfig, Outcome, SchedulerConfig, SchedulerSim};
+use gpu_device_plugin::sim::scheduler::{Outcome, SchedulerSim};
 use serde_json::Value;
 use support::*;
 
@@ -89,20 +89,12 @@ impl World {
                 _dir: dir,
             });
         }
-        let extender = Daemon::start_command(
-            &["scheduler-extender"],
-            &format!(
-                "[extender]\nlisten = \"127.0.0.1:0\"\nkubeconfig = {:?}\n",
-                kubeconfig.display().to_string()
-            ),
-            &[],
-        );
-        let addr = logged_addr(&extender, "scheduler extender listening");
+        let (extender, extender_url) = start_extender(&kubeconfig);
         let w = World {
             api,
             nodes,
             extender,
-            extender_url: format!("http://{addr}"),
+            extender_url,
             _files: files,
         };
         for node in &w.nodes {
@@ -120,12 +112,8 @@ impl World {
     }
 
     async fn scheduler(&self, seed: u64) -> SchedulerSim {
-        let mut config = SchedulerConfig::new(Some(ExtenderConfig::doslab(&self.extender_url)));
-        config.seed = Some(seed);
-        config.initial_backoff = Duration::from_millis(100);
-        config.max_backoff = Duration::from_secs(1);
         let kubeconfig = self._files.path().join("kubeconfig");
-        SchedulerSim::start(&kubeconfig, config).await.unwrap()
+        start_scheduler(&kubeconfig, &self.extender_url, seed).await
     }
 
     /// Lets every node's kubelet admit what was bound to it, until every
@@ -306,14 +294,6 @@ impl World {
 
 fn annotation<'a>(pod: &'a Value, key: &str) -> Option<&'a str> {
     pod["metadata"]["annotations"][key].as_str()
-}
-
-fn container(name: &str, init: bool, wants: [u64; 3]) -> PodContainer {
-    PodContainer {
-        name: name.into(),
-        init,
-        wants,
-    }
 }
 
 /// A random pod, in GiB and core %: one or two app containers and

@@ -263,11 +263,18 @@ fn place(
         }
         _ => usage,
     };
+    // Whole GPUs of the pod's init containers go to the containers after
+    // them before any fresh one, whichever the kubelet picks of them:
+    // never a contradiction.
+    let handed = match r {
+        Resource::GpuCount => handed_whole(inv, pod),
+        _ => Vec::new(),
+    };
     if let Some(assigned) = &assigned {
-        let contradicts = match r {
-            Resource::GpuCount => !same_set(&ask.id_gpus, assigned),
-            _ => ask.id_gpus.iter().any(|g| !assigned.contains(g)),
-        };
+        let contradicts = ask
+            .id_gpus
+            .iter()
+            .any(|g| !assigned.contains(g) && !handed.contains(g));
         if ids == Ids::Chosen && !ask.id_gpus.is_empty() && contradicts {
             return Err(MatchError::Contradicts {
                 pod: pod.key.clone(),
@@ -279,7 +286,13 @@ fn place(
         }
     }
     if r == Resource::GpuCount {
-        let gpus = assigned.unwrap_or_else(|| ask.id_gpus.clone());
+        // The kubelet holds the IDs' GPUs for the container, exclusive:
+        // those are its GPUs, also when handed on from an init container
+        // to another than the assigned one.
+        let gpus = match assigned {
+            Some(a) if ask.id_gpus.is_empty() || same_set(&ask.id_gpus, &a) => a,
+            _ => ask.id_gpus.clone(),
+        };
         if let Some(&g) = gpus.iter().find(|&&g| usage.gpus[g].carries_shared()) {
             return Err(MatchError::CarriesShared {
                 pod: pod.key.clone(),
@@ -330,6 +343,17 @@ fn place(
         });
     }
     Ok(decision(vec![gpu]))
+}
+
+/// The GPUs the pod's init containers were granted whole.
+fn handed_whole(inv: &Inventory, pod: &PodView) -> Vec<usize> {
+    pod.containers
+        .iter()
+        .filter(|c| c.init)
+        .filter_map(|c| pod.ledger.0.get(&c.name))
+        .filter(|g| g.whole())
+        .flat_map(|g| g.gpus.iter().filter_map(|u| inv.index(u)))
+        .collect()
 }
 
 fn same_set(a: &[usize], b: &[usize]) -> bool {

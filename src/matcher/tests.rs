@@ -435,6 +435,42 @@ fn devices_handed_on_from_an_init_container_take_the_assigned_gpu() {
     assert_eq!(who(&d), ("p".into(), "app".into(), vec![1]));
 }
 
+fn init(name: &str, count: u64) -> ContainerAsk {
+    ContainerAsk {
+        init: true,
+        ..container(name, 0, 0, count)
+    }
+}
+
+#[test]
+fn whole_gpus_handed_on_from_an_init_container_are_the_ids_gpus() {
+    // An assignment that has the app on another GPU than its init
+    // container (as the extender wrote before it knew the kubelet hands
+    // the init's GPU on): the app runs on the GPU the kubelet holds for it.
+    let mut pods = vec![pod("p", 1, vec![init("i", 1), container("app", 0, 0, 1)])];
+    assign(&mut pods[0], &[("i", &["GPU-a"]), ("app", &["GPU-b"])]);
+    serve(&mut pods, &ask(GpuCount, 1, &[0], &["a"])).unwrap();
+    let d = serve(&mut pods, &ask(GpuCount, 1, &[0], &["a"])).unwrap();
+    assert_eq!(who(&d), ("p".into(), "app".into(), vec![0]));
+    assert_eq!(pods[0].ledger.0["app"].gpus, ["GPU-a"]);
+    // Init 2, app 1: the kubelet hands the app either of the two, so the
+    // other one than assigned is no contradiction.
+    let mut pods = vec![pod("q", 1, vec![init("i", 2), container("app", 0, 0, 1)])];
+    assign(
+        &mut pods[0],
+        &[("i", &["GPU-a", "GPU-b"]), ("app", &["GPU-a"])],
+    );
+    serve(&mut pods, &ask(GpuCount, 2, &[0, 1], &["a", "b"])).unwrap();
+    let d = serve(&mut pods, &ask(GpuCount, 1, &[1], &["b"])).unwrap();
+    assert_eq!(who(&d), ("q".into(), "app".into(), vec![1]));
+    // A GPU neither assigned nor the init's still contradicts.
+    let mut pods = vec![pod("r", 1, vec![init("i", 1), container("app", 0, 0, 1)])];
+    assign(&mut pods[0], &[("i", &["GPU-a"]), ("app", &["GPU-a"])]);
+    serve(&mut pods, &ask(GpuCount, 1, &[0], &["a"])).unwrap();
+    let err = serve(&mut pods, &ask(GpuCount, 1, &[1], &["b"])).unwrap_err();
+    assert!(matches!(err, MatchError::Contradicts { .. }), "{err}");
+}
+
 #[test]
 fn assignments_not_yet_served_count_against_other_pods_but_not_themselves() {
     let mut pods = vec![

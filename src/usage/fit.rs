@@ -63,21 +63,39 @@ fn holds(inv: &Inventory, usage: &NodeUsage, g: usize, need: &PerResource<u64>) 
 
 /// The devices of a resource the kubelet keeps from a pod's init containers
 /// and hands to the containers after them before taking fresh ones (its
-/// `devicesToReuse`): how many are left, and the GPU they are on (`None`:
-/// several).
-#[derive(Debug, Clone, Copy, Default)]
+/// `devicesToReuse`): how many are left, and the GPUs they are on.
+#[derive(Debug, Clone, Default)]
 struct HandedOn {
     devices: u64,
-    gpu: Option<usize>,
+    gpus: Vec<usize>,
+}
+
+impl HandedOn {
+    /// Init containers run one after another, each reusing what the ones
+    /// before it left before taking fresh devices: what they hand on is
+    /// the union of their devices.
+    fn add(&mut self, devices: u64, gpus: &[usize]) {
+        if self.devices == 0 {
+            self.gpus.clear();
+        }
+        self.devices = self.devices.max(devices);
+        for g in gpus {
+            if !self.gpus.contains(g) {
+                self.gpus.push(*g);
+            }
+        }
+    }
 }
 
 /// GPUs for every container of the pod at once: each shared container on
 /// one GPU with room for its memory and its core, each whole ask on GPUs
 /// free of any work. Containers add up as they are placed (init containers
 /// count while the pod lives), and a container goes beside the pod's others
-/// when it fits there. A shared container that the kubelet will hand
-/// devices of the pod's init containers (it does for every resource of
-/// which they left some) must go on their GPU: IDs there contradict any
+/// when it fits there. The kubelet hands a container the devices of the
+/// pod's init containers (for every resource of which they left some)
+/// before fresh ones: a shared container handed some must go on their GPU,
+/// and a whole ask takes the init containers' GPUs first (the pod holds
+/// them once), fresh ones only for the rest. IDs elsewhere contradict any
 /// other assignment.
 pub fn fit(inv: &Inventory, usage: &NodeUsage, asks: &PodAsks) -> Result<Assignment, FitError> {
     place_all(inv, usage.clone(), asks).map_err(|mut e| {
@@ -109,18 +127,34 @@ fn place_all(
             return Err(fail(format!("asks {r}, which this node does not offer")));
         }
         let need = inv.amount(&c.devices);
-        let gpus = if c.whole() {
-            whole(inv, &usage, c).map_err(fail)?
+        // The GPUs this container adds to the usage.
+        let (gpus, counted) = if c.whole() {
+            let h = &mut handed[Resource::GpuCount];
+            let reused: Vec<usize> = h
+                .gpus
+                .iter()
+                .take(c.devices.count as usize)
+                .copied()
+                .collect();
+            let fresh = whole(inv, &usage, c, reused.len()).map_err(fail)?;
+            let gpus: Vec<usize> = reused.iter().chain(&fresh).copied().collect();
+            if c.init {
+                h.add(c.devices.count, &gpus);
+            } else {
+                h.gpus.retain(|g| !reused.contains(g));
+                h.devices = h.gpus.len() as u64;
+            }
+            (gpus, fresh)
         } else if c.shared() {
             let reused: Vec<Resource> = SHARED
                 .into_iter()
                 .filter(|&r| c.wants(r) > 0 && handed[r].devices > 0)
                 .collect();
-            let from: Vec<Option<usize>> = reused.iter().map(|&r| handed[r].gpu).collect();
+            let from: Vec<&[usize]> = reused.iter().map(|&r| handed[r].gpus.as_slice()).collect();
             let g = match from.first() {
                 None => best_shared(inv, &usage, &need, &pods_gpus)
                     .ok_or_else(|| fail(shortfall(inv, &usage, &need)))?,
-                Some(&Some(g)) if from.iter().all(|&f| f == Some(g)) => {
+                Some(&&[g]) if from.iter().all(|&f| f == [g]) => {
                     if !holds(inv, &usage, g, &need) {
                         return Err(fail(format!(
                             "the kubelet hands it devices of its init containers on {}, \
@@ -140,39 +174,40 @@ fn place_all(
             };
             for r in SHARED.into_iter().filter(|&r| c.wants(r) > 0) {
                 let h = &mut handed[r];
-                // An init container adds what it took fresh; an app
-                // container keeps what it was handed.
+                // An app container keeps what it was handed.
                 if c.init {
-                    if h.devices > 0 && h.gpu != Some(g) {
-                        h.gpu = None;
-                    } else {
-                        h.gpu = Some(g);
-                    }
-                    h.devices = h.devices.max(c.wants(r));
+                    h.add(c.wants(r), &[g]);
                 } else {
                     h.devices = h.devices.saturating_sub(c.wants(r));
                 }
             }
-            vec![g]
+            (vec![g], vec![g])
         } else {
             continue;
         };
-        let uuids: Vec<String> = gpus.iter().map(|&g| inv.gpus[g].uuid.clone()).collect();
+        let uuid = |g: &usize| inv.gpus[*g].uuid.clone();
         usage.add(
             inv,
             &Holding {
-                gpus: uuids.clone(),
+                gpus: counted.iter().map(uuid).collect(),
                 amount: need,
             },
         );
-        pods_gpus.extend(gpus);
-        out.0.insert(c.name.clone(), uuids);
+        pods_gpus.extend(&gpus);
+        out.0
+            .insert(c.name.clone(), gpus.iter().map(uuid).collect());
     }
     Ok(out)
 }
 
-/// The first healthy GPUs free of any work, as many as asked.
-fn whole(inv: &Inventory, usage: &NodeUsage, c: &ContainerAsk) -> Result<Vec<usize>, String> {
+/// The first healthy GPUs free of any work, as many as `c` asks beyond the
+/// `reused` GPUs its init containers hand it (those are held already).
+fn whole(
+    inv: &Inventory,
+    usage: &NodeUsage,
+    c: &ContainerAsk,
+    reused: usize,
+) -> Result<Vec<usize>, String> {
     let free: Vec<usize> = (0..inv.gpus.len())
         .filter(|&g| {
             let u = &usage.gpus[g];
@@ -180,14 +215,19 @@ fn whole(inv: &Inventory, usage: &NodeUsage, c: &ContainerAsk) -> Result<Vec<usi
         })
         .collect();
     let k = c.devices.count;
-    if (free.len() as u64) < k {
+    let fresh = k as usize - reused;
+    if free.len() < fresh {
+        let handed = match reused {
+            0 => String::new(),
+            n => format!(", {n} of them handed on by its init containers"),
+        };
         return Err(format!(
-            "wants {k} whole GPUs; {} of {} are healthy and free of other work",
+            "wants {k} whole GPUs{handed}; {} of {} are healthy and free of other work",
             free.len(),
             inv.gpus.len()
         ));
     }
-    Ok(free[..k as usize].to_vec())
+    Ok(free[..fresh].to_vec())
 }
 
 /// Says what is missing for a shared ask no GPU holds.

@@ -34,7 +34,9 @@ impl Holding {
 /// assignment, by its ask on the assigned GPUs (bound, not yet admitted, or
 /// in the middle of admission: the kubelet serves a container's resources
 /// one at a time, and a half-served container still holds the rest). Never
-/// both for one resource, so nothing counts twice.
+/// both for one resource, so nothing counts twice; and a GPU the kubelet
+/// handed whole from an init container to the containers after it counts
+/// once, with the first container that holds it.
 pub fn pod_holdings(
     inv: &Inventory,
     containers: &[ContainerAsk],
@@ -66,6 +68,15 @@ pub fn pod_holdings(
             (s, r) => holdings.extend(s.into_iter().chain(r.filter(Holding::holds))),
         }
     }
+    let mut whole: Vec<String> = Vec::new();
+    holdings.retain_mut(|h| {
+        if !h.whole() {
+            return true;
+        }
+        h.gpus.retain(|g| !whole.contains(g));
+        whole.extend(h.gpus.iter().cloned());
+        !h.gpus.is_empty()
+    });
     holdings
 }
 

@@ -451,3 +451,91 @@ fn the_assignment_annotation_names_a_single_gpu_only_when_there_is_one() {
     assert_eq!(keys.inventory, "example.com/gpu-inventory");
     assert_eq!(keys.resources[Resource::GpuCore], "example.com/gpu-core");
 }
+
+#[test]
+fn whole_gpus_of_init_containers_go_to_the_app_containers_first() {
+    let inv = inventory(&[8192, 8192, 8192]);
+    let busy = Holding {
+        gpus: vec!["GPU-0".into(), "GPU-1".into()],
+        amount: inv.amount(&ask("w", false, 0, 0, 2).devices),
+    };
+    let one_free = NodeUsage::of(&inv, [&busy]);
+    // The kubelet hands the init container's GPU to the app: one free GPU
+    // is enough, and both name it.
+    let p = pod(vec![ask("init", true, 0, 0, 1), ask("app", false, 0, 0, 1)]);
+    let a = fit(&inv, &one_free, &p).unwrap();
+    assert_eq!(a, assignment(&[("init", &["GPU-2"]), ("app", &["GPU-2"])]));
+    // Counted once: the pod holds one GPU whole, not two.
+    let held = pod_holdings(&inv, &p.containers, &Ledger::default(), &a);
+    let u = NodeUsage::of(&inv, &held);
+    assert_eq!(u.gpus[2].used.count, 1, "{held:?}");
+    assert_eq!(
+        score(&inv, &NodeUsage::empty(&inv), &p, &a, Policy::Binpack),
+        3
+    );
+    // Init 2, app 1: the app takes one of the init's two.
+    let empty = NodeUsage::empty(&inv);
+    let p = pod(vec![ask("init", true, 0, 0, 2), ask("app", false, 0, 0, 1)]);
+    let a = fit(&inv, &empty, &p).unwrap();
+    assert_eq!(a.0["init"], ["GPU-0", "GPU-1"]);
+    assert_eq!(a.0["app"], ["GPU-0"]);
+    // Init 1, app 2: the init's one reused, one fresh.
+    let p = pod(vec![ask("init", true, 0, 0, 1), ask("app", false, 0, 0, 2)]);
+    let a = fit(&inv, &empty, &p).unwrap();
+    assert_eq!(a.0["init"], ["GPU-0"]);
+    assert_eq!(a.0["app"], ["GPU-0", "GPU-1"]);
+    let u = NodeUsage::of(
+        &inv,
+        &pod_holdings(&inv, &p.containers, &Ledger::default(), &a),
+    );
+    assert_eq!(
+        u.gpus.iter().map(|g| g.used.count).collect::<Vec<_>>(),
+        [1, 1, 0]
+    );
+    // Two GPUs free and a pod needing max(1, 2 + 1) = 3: no fit, and a
+    // node of three fits it once empty.
+    let two_free = NodeUsage::of(
+        &inv,
+        [&Holding {
+            gpus: vec!["GPU-0".into()],
+            amount: inv.amount(&ask("w", false, 0, 0, 1).devices),
+        }],
+    );
+    let p = pod(vec![
+        ask("init", true, 0, 0, 1),
+        ask("app", false, 0, 0, 2),
+        ask("side", false, 0, 0, 1),
+    ]);
+    let e = fit(&inv, &two_free, &p).unwrap_err();
+    assert_eq!(e.container, "side");
+    assert!(!e.unresolvable, "{e}");
+    let a = fit(&inv, &empty, &p).unwrap();
+    assert_eq!(a.0["side"], ["GPU-2"]);
+    // Init containers one after another: the second reuses the first's
+    // GPU, and the app gets both of theirs.
+    let p = pod(vec![
+        ask("init1", true, 0, 0, 1),
+        ask("init2", true, 0, 0, 2),
+        ask("app", false, 0, 0, 2),
+    ]);
+    let a = fit(&inv, &two_free, &p).unwrap();
+    assert_eq!(a.0["init1"], ["GPU-1"]);
+    assert_eq!(a.0["init2"], ["GPU-1", "GPU-2"]);
+    assert_eq!(a.0["app"], ["GPU-1", "GPU-2"]);
+}
+
+#[test]
+fn a_live_pods_ledger_counts_a_gpu_handed_from_init_to_app_once() {
+    let inv = inventory(&[8192, 8192]);
+    let containers = vec![ask("init", true, 0, 0, 1), ask("app", false, 0, 0, 1)];
+    let mut ledger = Ledger::default();
+    for c in ["init", "app"] {
+        ledger
+            .0
+            .insert(c.into(), grant("GPU-1", None, None, Some(1)));
+    }
+    let held = pod_holdings(&inv, &containers, &ledger, &Assignment::default());
+    let u = NodeUsage::of(&inv, &held);
+    assert_eq!(u.gpus[1].used.count, 1, "{held:?}");
+    assert_eq!(u.gpus[0], GpuUsage::default());
+}

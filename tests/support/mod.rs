@@ -7,7 +7,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+pub use gpu_device_plugin::sim::apiserver::PodContainer;
 pub use gpu_device_plugin::sim::kubelet::{KubeletSim, ResourceView, plugin_sockets};
+use gpu_device_plugin::sim::scheduler::{ExtenderConfig, SchedulerConfig, SchedulerSim};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_gpu-device-plugin");
 pub const WAIT: Duration = Duration::from_secs(20);
@@ -159,6 +161,42 @@ pub fn all_listed<'a>(
     }
 }
 
+/// The daemon on `toml` beside a kubelet stand-in in `dir`.
+pub fn start_with_kubelet(dir: &Path, toml: &str) -> (Daemon, KubeletSim) {
+    let daemon = Daemon::start(toml);
+    let kubelet = KubeletSim::start(dir).unwrap();
+    (daemon, kubelet)
+}
+
+/// [`start_with_kubelet`], once the kubelet lists every (resource,
+/// devices) of `listed` healthy.
+pub async fn start_listed(
+    dir: &Path,
+    toml: &str,
+    listed: &[(&str, usize)],
+) -> (Daemon, KubeletSim) {
+    let (daemon, kubelet) = start_with_kubelet(dir, toml);
+    expect_kubelet(&kubelet, &daemon, &listed, all_listed(listed)).await;
+    (daemon, kubelet)
+}
+
+/// Waits until the kubelet's view satisfies `done`; fails showing `want`,
+/// that view and the daemon's log.
+pub async fn expect_kubelet(
+    kubelet: &KubeletSim,
+    daemon: &Daemon,
+    want: &dyn std::fmt::Debug,
+    done: impl Fn(&std::collections::BTreeMap<String, ResourceView>) -> bool,
+) {
+    let ok = kubelet.wait_until(WAIT, done).await;
+    assert!(
+        ok,
+        "want {want:?}\nkubelet: {:#?}\n{}",
+        kubelet.snapshot(),
+        daemon.log_text()
+    );
+}
+
 /// Open file descriptors and threads of a process.
 pub fn fds_and_threads(pid: u32) -> (usize, usize) {
     let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
@@ -208,6 +246,41 @@ pub fn logged_addr(daemon: &Daemon, message: &str) -> String {
             "no {message:?} in the log:\n{log}"
         );
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The scheduler extender (the binary's subcommand) on the API server
+/// `kubeconfig` reaches, and its URL.
+pub fn start_extender(kubeconfig: &Path) -> (Daemon, String) {
+    let extender = Daemon::start_command(
+        &["scheduler-extender"],
+        &format!(
+            "[extender]\nlisten = \"127.0.0.1:0\"\nkubeconfig = {:?}\n",
+            kubeconfig.display().to_string()
+        ),
+        &[],
+    );
+    let addr = logged_addr(&extender, "scheduler extender listening");
+    (extender, format!("http://{addr}"))
+}
+
+/// The kube-scheduler stand-in calling the extender at `extender_url`,
+/// retrying unschedulable pods quickly.
+pub async fn start_scheduler(kubeconfig: &Path, extender_url: &str, seed: u64) -> SchedulerSim {
+    let mut config = SchedulerConfig::new(Some(ExtenderConfig::doslab(extender_url)));
+    config.seed = Some(seed);
+    config.initial_backoff = Duration::from_millis(100);
+    config.max_backoff = Duration::from_secs(1);
+    SchedulerSim::start(kubeconfig, config).await.unwrap()
+}
+
+/// A stand-in pod's container asking `wants` devices of gpu-memory,
+/// gpu-core and gpu-count.
+pub fn container(name: &str, init: bool, wants: [u64; 3]) -> PodContainer {
+    PodContainer {
+        name: name.into(),
+        init,
+        wants,
     }
 }
 
