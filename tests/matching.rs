@@ -8,7 +8,7 @@
 
 mod support;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use gpu_device_plugin::sim::apiserver::{ApiServerSim, PodContainer, admission_order};
@@ -553,6 +553,20 @@ async fn an_extender_assignment_steers_the_kubelet_and_contradicting_ids_are_ref
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_init_containers_whole_gpu_goes_on_to_the_app_so_one_free_gpu_is_enough() {
+    handed_on_whole_gpus(1, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_app_asking_more_whole_gpus_than_its_init_takes_the_inits_and_one_fresh() {
+    handed_on_whole_gpus(1, 2).await;
+}
+
+/// An init container asking `init` whole GPUs, then an app container asking
+/// `app`, on a node with exactly as many free GPUs as the larger of the two:
+/// the kubelet hands the init's GPUs on to the app first and takes only the
+/// rest fresh, so the pod is bound there and admitted, each container's
+/// IDs, envs, ledger and assignment naming the same GPUs.
+async fn handed_on_whole_gpus(init: u64, app: u64) {
     let c = Cluster::start("").await;
     c.api.add_node(
         NODE,
@@ -564,17 +578,17 @@ async fn an_init_containers_whole_gpu_goes_on_to_the_app_so_one_free_gpu_is_enou
         ],
         &[],
     );
-    // Seven GPUs held whole: one left.
+    let needed = init.max(app);
     c.api.add_pod(
         "default",
         "big",
         NODE,
-        &[container("train", false, [0, 0, GPUS as u64 - 1])],
+        &[container("train", false, [0, 0, GPUS as u64 - needed])],
         &[],
     );
     let big = c.kubelet.admit_bound(&c.api, NODE).await;
     let held = &big[0].result.as_ref().unwrap()["train"][0].device_ids;
-    let free = (0..GPUS).map(uuid).find(|u| !held.contains(u)).unwrap();
+    let free: BTreeSet<String> = (0..GPUS).map(uuid).filter(|u| !held.contains(u)).collect();
     let kubeconfig = c.files.path().join("kubeconfig");
     let (_extender, url) = start_extender(&kubeconfig);
     let deadline = std::time::Instant::now() + WAIT;
@@ -586,11 +600,9 @@ async fn an_init_containers_whole_gpu_goes_on_to_the_app_so_one_free_gpu_is_enou
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let sim = start_scheduler(&kubeconfig, &url, 1).await;
-    // The kubelet hands the init container's GPU to the app: the pod
-    // needs one GPU, not two.
     let pod = [
-        container("init", true, [0, 0, 1]),
-        container("app", false, [0, 0, 1]),
+        container("init", true, [0, 0, init]),
+        container("app", false, [0, 0, app]),
     ];
     c.api
         .add_unscheduled_pod("default", "handed", "doslab-gpu-scheduler", &pod);
@@ -603,7 +615,7 @@ async fn an_init_containers_whole_gpu_goes_on_to_the_app_so_one_free_gpu_is_enou
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let admitted = c.kubelet.admit_bound(&c.api, NODE).await;
-    let grants = admitted[0].result.as_ref().unwrap();
+    let grants = admitted[0].result.as_ref().expect("admitted");
     let p = c.api.pod("default", "handed").unwrap();
     let parse =
         |key: &str| -> Value { serde_json::from_str(annotation(&p, key).unwrap()).unwrap() };
@@ -611,19 +623,32 @@ async fn an_init_containers_whole_gpu_goes_on_to_the_app_so_one_free_gpu_is_enou
         parse("doslab.io/gpu-ledger"),
         parse("doslab.io/gpu-assignment"),
     );
-    for name in ["init", "app"] {
-        assert_eq!(
-            grants[name][0].device_ids,
-            std::slice::from_ref(&free),
-            "{name}"
-        );
-        assert_eq!(
-            grants[name][0].response.envs["NVIDIA_VISIBLE_DEVICES"], free,
-            "{name}"
-        );
-        assert_eq!(ledger[name]["gpus"], serde_json::json!([free]), "{name}");
-        assert_eq!(assignment[name], serde_json::json!([free]), "{name}");
+    let gpus = |v: &Value| -> BTreeSet<String> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|g| g.as_str().unwrap().to_owned())
+            .collect()
+    };
+    let ids =
+        |name: &str| -> BTreeSet<String> { grants[name][0].device_ids.iter().cloned().collect() };
+    for (name, asked) in [("init", init), ("app", app)] {
+        let got = ids(name);
+        assert_eq!(got.len() as u64, asked, "{name}: {got:?}");
+        assert!(got.is_subset(&free), "{name}: {got:?} not in {free:?}");
+        let visible: BTreeSet<String> = grants[name][0].response.envs["NVIDIA_VISIBLE_DEVICES"]
+            .split(',')
+            .map(str::to_owned)
+            .collect();
+        assert_eq!(visible, got, "{name}");
+        assert_eq!(gpus(&ledger[name]["gpus"]), got, "{name}");
+        assert_eq!(gpus(&assignment[name]), got, "{name}");
     }
+    assert_eq!(
+        ids("init").intersection(&ids("app")).count() as u64,
+        init.min(app),
+        "the app reuses the init container's GPUs"
+    );
     assert_eq!(annotation(&p, "doslab.io/gpu-assigned"), Some("true"));
     sim.stop();
 }

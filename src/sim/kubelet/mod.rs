@@ -5,10 +5,10 @@
 //! ended stream marks every device unhealthy and is never reopened; an
 //! older stream that ends after a re-registration drops the new client too
 //! (kubernetes#121994); admission asks GetPreferredAllocation, keeps valid
-//! IDs, fills the shortfall itself, then calls Allocate; an app container
-//! reuses its init container's devices without asking
-//! GetPreferredAllocation; the pods bound to the node are admitted one at a
-//! time (`admission`).
+//! IDs, fills the shortfall itself, then calls Allocate; a container after
+//! init containers takes their devices first and asks
+//! GetPreferredAllocation (with them as must-include) only for the rest;
+//! the pods bound to the node are admitted one at a time (`admission`).
 
 mod admission;
 mod registration;
@@ -232,10 +232,11 @@ impl KubeletSim {
         self.admit_reusing(requests, &[]).await
     }
 
-    /// [`admit`](Self::admit) for an app container after its pod's init
-    /// containers: a resource that one of `reusable` (an init container's
-    /// grants) holds enough of is served from those IDs, with no
-    /// GetPreferredAllocation, as the kubelet's device manager reuses them.
+    /// [`admit`](Self::admit) for a container after its pod's init
+    /// containers, as the kubelet's `devicesToAllocate` does: the devices of
+    /// `reusable` (the init containers' grants) come first; when they cover
+    /// the ask there is no GetPreferredAllocation, otherwise the rest is
+    /// taken fresh with the reused IDs as `must_include`.
     pub async fn admit_reusing(
         &self,
         requests: &[(impl AsRef<str>, usize)],
@@ -244,25 +245,25 @@ impl KubeletSim {
         let mut grants: Vec<Grant> = Vec::new();
         // Only what this container took fresh goes back on a failure: reused
         // IDs stay with the init container.
-        let mut fresh: Vec<usize> = Vec::new();
+        let mut fresh: Vec<(String, Vec<String>)> = Vec::new();
         for (resource, amount) in requests {
             let resource = resource.as_ref();
-            let reuse = reusable
+            let reuse: Vec<String> = reusable
                 .iter()
-                .find(|g| g.resource == resource && g.device_ids.len() >= *amount)
-                .map(|g| &g.device_ids[..*amount]);
+                .filter(|g| g.resource == resource)
+                .flat_map(|g| g.device_ids.iter().cloned())
+                .take(*amount)
+                .collect();
             match self.admit_one(resource, *amount, reuse).await {
-                Ok(g) => {
-                    if reuse.is_none() {
-                        fresh.push(grants.len());
-                    }
+                Ok((g, taken)) => {
+                    fresh.push((g.resource.clone(), taken));
                     grants.push(g);
                 }
                 Err(e) => {
                     self.shared.update(|s| {
-                        for g in fresh.iter().map(|&i| &grants[i]) {
-                            if let Some(used) = s.allocated.get_mut(&g.resource) {
-                                for id in &g.device_ids {
+                        for (resource, ids) in &fresh {
+                            if let Some(used) = s.allocated.get_mut(resource) {
+                                for id in ids {
                                     used.remove(id);
                                 }
                             }
@@ -275,12 +276,14 @@ impl KubeletSim {
         Ok(grants)
     }
 
+    /// Admits `amount` devices of one resource, `reused` first; returns the
+    /// grant and the IDs it took fresh.
     async fn admit_one(
         &self,
         resource: &str,
         amount: usize,
-        reuse: Option<&[String]>,
-    ) -> Result<Grant, String> {
+        reused: Vec<String>,
+    ) -> Result<(Grant, Vec<String>), String> {
         let (mut client, options) = {
             let state = self.shared.state.lock().expect("kubelet sim lock poisoned");
             let e = state
@@ -289,51 +292,53 @@ impl KubeletSim {
                 .ok_or_else(|| format!("unknown resource {resource}"))?;
             (e.client.clone(), e.options)
         };
-        let free = match reuse {
-            Some(ids) => ids.to_vec(),
-            None => self.free_devices(resource),
-        };
-        if free.len() < amount {
-            return Err(format!(
-                "insufficient {resource}: requested {amount}, available {}",
-                free.len()
-            ));
-        }
-        let mut chosen: Vec<String> = Vec::with_capacity(amount);
-        let mut taken: HashSet<String> = HashSet::with_capacity(amount);
-        if options.get_preferred_allocation_available && reuse.is_none() {
-            let request = PreferredAllocationRequest {
-                container_requests: vec![ContainerPreferredAllocationRequest {
-                    available_device_i_ds: free.clone(),
-                    must_include_device_i_ds: vec![],
-                    allocation_size: amount as i32,
-                }],
-            };
-            let hint = client
-                .get_preferred_allocation(request)
-                .await
-                .map_err(|s| format!("GetPreferredAllocation: {}", s.message()))?
-                .into_inner();
-            let free_set: HashSet<&String> = free.iter().collect();
-            for id in hint
-                .container_responses
-                .into_iter()
-                .flat_map(|r| r.device_i_ds)
-            {
-                if chosen.len() < amount && free_set.contains(&id) && taken.insert(id.clone()) {
+        let reused_n = reused.len();
+        let mut chosen = reused;
+        let mut taken: HashSet<String> = chosen.iter().cloned().collect();
+        if chosen.len() < amount {
+            let free = self.free_devices(resource);
+            let needed = amount - chosen.len();
+            if free.len() < needed {
+                return Err(format!(
+                    "insufficient {resource}: requested {needed}, available {}",
+                    free.len()
+                ));
+            }
+            if options.get_preferred_allocation_available {
+                let request = PreferredAllocationRequest {
+                    container_requests: vec![ContainerPreferredAllocationRequest {
+                        available_device_i_ds: chosen.iter().chain(&free).cloned().collect(),
+                        must_include_device_i_ds: chosen.clone(),
+                        allocation_size: amount as i32,
+                    }],
+                };
+                let hint = client
+                    .get_preferred_allocation(request)
+                    .await
+                    .map_err(|s| format!("GetPreferredAllocation: {}", s.message()))?
+                    .into_inner();
+                let free_set: HashSet<&String> = free.iter().collect();
+                for id in hint
+                    .container_responses
+                    .into_iter()
+                    .flat_map(|r| r.device_i_ds)
+                {
+                    if chosen.len() < amount && free_set.contains(&id) && taken.insert(id.clone()) {
+                        chosen.push(id);
+                    }
+                }
+            }
+            // The hint is only a hint: fill any shortfall from the free list.
+            for id in free {
+                if chosen.len() >= amount {
+                    break;
+                }
+                if taken.insert(id.clone()) {
                     chosen.push(id);
                 }
             }
         }
-        // The hint is only a hint: fill any shortfall from the free list.
-        for id in free {
-            if chosen.len() >= amount {
-                break;
-            }
-            if taken.insert(id.clone()) {
-                chosen.push(id);
-            }
-        }
+        let fresh: Vec<String> = chosen[reused_n..].to_vec();
         let request = AllocateRequest {
             container_requests: vec![ContainerAllocateRequest {
                 devices_ids: chosen.clone(),
@@ -356,12 +361,15 @@ impl KubeletSim {
                 .or_default()
                 .extend(chosen.iter().cloned());
         });
-        Ok(Grant {
-            resource: resource.to_owned(),
-            device_ids: chosen,
-            response,
-            allocate_took,
-        })
+        Ok((
+            Grant {
+                resource: resource.to_owned(),
+                device_ids: chosen,
+                response,
+                allocate_took,
+            },
+            fresh,
+        ))
     }
 
     /// Stops serving and removes `kubelet.sock`.
