@@ -54,7 +54,7 @@ fn host_machine() -> (u16, &'static str) {
 
 /// Whether `header` (a file's first bytes) is a 64-bit little-endian shared
 /// object for this host's machine.
-pub fn check_header(header: &[u8]) -> Result<(), LibraryError> {
+pub(crate) fn check_header(header: &[u8]) -> Result<(), LibraryError> {
     if header.len() < 4 || &header[..4] != b"\x7fELF" {
         return Err(if header.len() < 4 && b"\x7fELF".starts_with(header) {
             LibraryError::Truncated(header.len())
@@ -89,7 +89,7 @@ pub fn check_header(header: &[u8]) -> Result<(), LibraryError> {
 }
 
 /// The file at `path` exists, is readable and is a loadable shared object.
-pub fn check_library(path: &Path) -> Result<(), EnforcementError> {
+pub(crate) fn check_library(path: &Path) -> Result<(), EnforcementError> {
     let fail = |reason| EnforcementError::Library {
         path: path.to_owned(),
         reason,

@@ -31,15 +31,15 @@ const FAILING_AFTER: u32 = 3;
 /// How long a stopping child may take (a plugin ends its stream and server).
 const CHILD_STOP_TIMEOUT: Duration = Duration::from_secs(4);
 
-pub struct Supervisor;
+pub(crate) struct Supervisor;
 
-pub struct SupervisorArgs {
-    pub config: Config,
-    pub plan: Plan,
-    pub metrics: Arc<Metrics>,
+pub(crate) struct SupervisorArgs {
+    pub(crate) config: Config,
+    pub(crate) plan: Plan,
+    pub(crate) metrics: Arc<Metrics>,
 }
 
-pub enum SupervisorMsg {
+pub(crate) enum SupervisorMsg {
     /// Start (again) a child that is not running.
     Start(Child),
     /// Have every plugin verify its socket, kubelet and stream.
@@ -62,7 +62,7 @@ struct Running {
     args: Args,
 }
 
-pub struct SupervisorState {
+pub(crate) struct SupervisorState {
     config: Config,
     plan: Plan,
     pairing: LastShared,

@@ -29,7 +29,7 @@ pub const MAX_CONTAINERS: usize = 16;
 /// No resource lists more devices than fit in the kubelet's 4 MiB message,
 /// each at least a one-character ID and its health; no kubelet request
 /// names more IDs in one list.
-pub fn max_ids() -> usize {
+pub(crate) fn max_ids() -> usize {
     crate::device::KUBELET_MAX_MESSAGE_BYTES / crate::device::device_entry_len(1, "Healthy", None)
 }
 
@@ -68,11 +68,11 @@ impl IdList {
         })
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.ends.len()
     }
 
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.ends.is_empty()
     }
 
@@ -126,8 +126,8 @@ impl<'a> FromIterator<&'a str> for IdList {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ContainerPreferred {
     pub available: IdList,
-    pub must_include: IdList,
-    pub size: i32,
+    pub(crate) must_include: IdList,
+    pub(crate) size: i32,
 }
 
 impl prost::Message for ContainerPreferred {
@@ -182,8 +182,8 @@ impl IdLists for ContainerPreferred {
 
 /// `ContainerAllocateRequest`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ContainerIds {
-    pub ids: IdList,
+pub(crate) struct ContainerIds {
+    pub(crate) ids: IdList,
 }
 
 impl IdLists for ContainerIds {
@@ -272,11 +272,11 @@ impl<T> From<Vec<T>> for Containers<T> {
 
 /// A request of one [`Containers`] field, as both RPCs' requests are.
 macro_rules! containers_request {
-    ($(#[$doc:meta])* $name:ident, $item:ty) => {
+    ($(#[$doc:meta])* $vis:vis $name:ident, $item:ty) => {
         $(#[$doc])*
         #[derive(Debug, Clone, Default, PartialEq, Eq)]
-        pub struct $name {
-            pub containers: Containers<$item>,
+        $vis struct $name {
+            $vis containers: Containers<$item>,
         }
 
         impl prost::Message for $name {
@@ -310,12 +310,12 @@ macro_rules! containers_request {
 
 containers_request!(
     /// `PreferredAllocationRequest`.
-    PreferredRequest,
+    pub PreferredRequest,
     ContainerPreferred
 );
 containers_request!(
     /// `AllocateRequest`.
-    AllocateIdsRequest,
+    pub(crate) AllocateIdsRequest,
     ContainerIds
 );
 

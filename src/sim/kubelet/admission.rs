@@ -20,7 +20,7 @@ use crate::sim::apiserver::{ApiServerSim, PodContainer, admission_order};
 /// One pod the kubelet admitted or refused.
 #[derive(Debug)]
 pub struct Admission {
-    pub namespace: String,
+    pub(crate) namespace: String,
     pub name: String,
     /// Each container's grants, or why the pod was refused.
     pub result: Result<BTreeMap<String, Vec<Grant>>, String>,
@@ -147,7 +147,7 @@ impl KubeletSim {
 
     /// Admits one pod's containers in the kubelet's order, reusing the init
     /// containers' devices; on a refusal every device of the pod goes back.
-    pub async fn admit_pod(
+    pub(crate) async fn admit_pod(
         &self,
         containers: &[PodContainer],
     ) -> Result<BTreeMap<String, Vec<Grant>>, String> {
