@@ -216,15 +216,9 @@ const RESERVED_ENVS: &[&str] = &[
 
 impl Config {
     /// Reads and validates a config file; `node_name` falls back to
-    /// `$NODE_NAME` and is required when pod matching needs it.
-    pub(crate) fn load(path: &Path) -> Result<Config, ConfigError> {
-        let config = Config::read(path)?;
-        config.require_node_name()?;
-        Ok(config)
-    }
-
-    /// [`Config::load`] without requiring a node name: `check-config` runs
-    /// off the node too, where `$NODE_NAME` is not set.
+    /// `$NODE_NAME`, but is not required here: `check-config` runs off the
+    /// node too, where `$NODE_NAME` is not set (see
+    /// [`Config::require_node_name`]).
     pub fn read(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),

@@ -20,7 +20,7 @@ use std::time::SystemTime;
 pub(crate) use config::EnforcementConfig;
 pub use config::Mode;
 pub use library::install_library;
-pub(crate) use library::{Installed, LibraryError, check_library};
+pub(crate) use library::{LibraryError, check_library};
 pub use plan::LIBRARY_FILE;
 pub(crate) use plan::{CacheOwner, Grant, Preload, cache_key};
 pub(crate) use region::{Region, RegionError};

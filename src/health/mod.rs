@@ -8,9 +8,8 @@ mod actor;
 mod probe;
 mod tracker;
 
-pub(crate) use actor::{HealthArgs, HealthMonitor, HealthMsg, HealthReport};
+pub(crate) use actor::{HealthArgs, HealthMonitor, HealthReport};
 pub(crate) use probe::{HealthMode, ProbeSpec};
-pub(crate) use tracker::HealthTracker;
 
 /// How the configured backend will check `gpus`: asks NVML off the async
 /// threads, as the probe thread will.

@@ -52,10 +52,6 @@ impl Grant {
     pub(crate) fn whole(&self) -> bool {
         self.count.is_some()
     }
-
-    pub(crate) fn shared(&self) -> bool {
-        self.memory.is_some() || self.core.is_some()
-    }
 }
 
 /// Container name → grant.

@@ -8,9 +8,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ractor::{
-    Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent, call_t,
-};
+use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent, call_t};
 
 use super::children::{Args, Child, Shared, Spawned, wanted};
 use super::reload;
@@ -52,7 +50,8 @@ pub(crate) enum SupervisorMsg {
     Stable(Child),
     /// The running children, each with its actor: which ones a reload
     /// restarted or a crash brought back shows in their ids.
-    Children(RpcReplyPort<BTreeMap<Child, ActorCell>>),
+    #[cfg(test)]
+    Children(ractor::RpcReplyPort<BTreeMap<Child, ractor::ActorCell>>),
 }
 
 struct Running {
@@ -402,6 +401,7 @@ impl Actor for Supervisor {
                     state.steady(child);
                 }
             }
+            #[cfg(test)]
             SupervisorMsg::Children(reply) => {
                 let cells = state.children.iter();
                 let _ = reply.send(cells.map(|(c, r)| (*c, r.spawned.cell())).collect());

@@ -68,14 +68,6 @@ impl IdList {
         })
     }
 
-    pub(crate) fn len(&self) -> usize {
-        self.ends.len()
-    }
-
-    pub(crate) fn is_empty(&self) -> bool {
-        self.ends.is_empty()
-    }
-
     fn merge(&mut self, wire_type: WireType, buf: &mut impl Buf) -> Result<(), DecodeError> {
         check_wire_type(WireType::LengthDelimited, wire_type)?;
         let len = usize::try_from(decode_varint(buf)?)
@@ -394,7 +386,7 @@ mod tests {
         }
         .encode_to_vec();
         let ours = AllocateIdsRequest::decode(bytes.as_slice()).unwrap();
-        assert_eq!(ours.containers.items[0].ids.len(), max_ids());
+        assert_eq!(ours.containers.items[0].ids.iter().len(), max_ids());
         assert_eq!(ours.containers.checked(), Err(Oversize::Ids(max_ids())));
     }
 }

@@ -20,7 +20,6 @@ use crate::sim::apiserver::{ApiServerSim, PodContainer, admission_order};
 /// One pod the kubelet admitted or refused.
 #[derive(Debug)]
 pub struct Admission {
-    pub(crate) namespace: String,
     pub name: String,
     /// Each container's grants, or why the pod was refused.
     pub result: Result<BTreeMap<String, Vec<Grant>>, String>,
@@ -137,7 +136,6 @@ impl KubeletSim {
             let phase = if result.is_ok() { "Running" } else { "Failed" };
             api.set_phase(namespace, name, phase);
             out.push(Admission {
-                namespace: namespace.to_owned(),
                 name: name.to_owned(),
                 result,
             });

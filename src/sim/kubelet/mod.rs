@@ -13,7 +13,6 @@
 mod admission;
 mod registration;
 
-pub(crate) use admission::Admission;
 pub use admission::pod_containers;
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
