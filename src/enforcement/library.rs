@@ -7,7 +7,7 @@ use std::fs::File;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
-use super::EnforcementError;
+use super::{EnforcementError, io};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LibraryError {
@@ -123,15 +123,6 @@ pub enum Installed {
     /// Written under a temporary name, then renamed over the old one
     /// (running containers keep the copy they opened).
     Replaced,
-}
-
-fn io(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> EnforcementError {
-    let path = path.to_owned();
-    move |source| EnforcementError::Io {
-        action,
-        path,
-        source,
-    }
 }
 
 /// Writes `bytes` to `dest` atomically: a temporary file in the same

@@ -38,6 +38,16 @@ pub enum EnforcementError {
     },
 }
 
+/// `map_err(io("create", path))`: an I/O error of `action` on `path`.
+fn io(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> EnforcementError {
+    let path = path.to_owned();
+    move |source| EnforcementError::Io {
+        action,
+        path,
+        source,
+    }
+}
+
 /// Enforcement as one config says, for the plugin: `None` from
 /// [`Enforcer::new`] when the mode is `none`.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -12,9 +12,9 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
-use super::EnforcementError;
 use super::library::write_atomically;
 use super::plan::StateLayout;
+use super::{EnforcementError, io};
 
 /// Containers may run as any user: HAMi-core creates its region and lock
 /// files in these directories from inside them.
@@ -25,15 +25,6 @@ const TMP_PREFIX: &str = ".tmp-";
 const OLD_PREFIX: &str = ".old-";
 /// A temporary entry this old belongs to no Allocate still running.
 const TMP_GRACE: Duration = Duration::from_secs(60);
-
-fn io(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> EnforcementError {
-    let path = path.to_owned();
-    move |source| EnforcementError::Io {
-        action,
-        path,
-        source,
-    }
-}
 
 /// A unique temporary name in this process.
 fn unique(prefix: &str, key: &str) -> String {
