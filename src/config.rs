@@ -88,12 +88,12 @@ impl Default for Config {
 #[serde(deny_unknown_fields, default)]
 pub struct Health {
     /// How often every GPU is checked.
-    pub poll_ms: u64,
+    pub(crate) poll_ms: u64,
     /// How long an unhealthy GPU must pass every check to be Healthy again.
-    pub recovery_ms: u64,
+    pub(crate) recovery_ms: u64,
     /// Mock backend only: a file named after a GPU's UUID in this directory
     /// makes that GPU fail its checks. Empty: mock GPUs are always healthy.
-    pub mock_dir: PathBuf,
+    pub(crate) mock_dir: PathBuf,
 }
 
 impl Default for Health {
@@ -112,10 +112,10 @@ impl Default for Health {
 pub struct Matcher {
     /// How long an Allocate waits for its pod to reach the pod cache (and
     /// for the cache's first sync, and for an API server that fails).
-    pub wait_ms: u64,
+    pub(crate) wait_ms: u64,
     /// A kubeconfig file for the API server; empty: `$KUBECONFIG`, else the
     /// in-cluster service account.
-    pub kubeconfig: PathBuf,
+    pub(crate) kubeconfig: PathBuf,
 }
 
 impl Default for Matcher {
@@ -137,8 +137,8 @@ pub enum LogFormat {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Devices {
-    pub backend: Backend,
-    pub mock: Vec<MockGpu>,
+    pub(crate) backend: Backend,
+    pub(crate) mock: Vec<MockGpu>,
 }
 
 impl Default for Devices {
@@ -152,18 +152,18 @@ impl Default for Devices {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Backend {
+pub(crate) enum Backend {
     Nvml,
     Mock,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct MockGpu {
-    pub uuid: String,
-    pub memory_mib: u64,
+pub(crate) struct MockGpu {
+    pub(crate) uuid: String,
+    pub(crate) memory_mib: u64,
     #[serde(default)]
-    pub numa_node: Option<u32>,
+    pub(crate) numa_node: Option<u32>,
 }
 
 /// What operators add to every Allocate response, beside the envs the
@@ -171,17 +171,17 @@ pub struct MockGpu {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AllocateExtras {
-    pub envs: BTreeMap<String, String>,
-    pub mounts: Vec<MountConfig>,
+    pub(crate) envs: BTreeMap<String, String>,
+    pub(crate) mounts: Vec<MountConfig>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct MountConfig {
-    pub host_path: PathBuf,
-    pub container_path: PathBuf,
+pub(crate) struct MountConfig {
+    pub(crate) host_path: PathBuf,
+    pub(crate) container_path: PathBuf,
     #[serde(default)]
-    pub read_only: bool,
+    pub(crate) read_only: bool,
 }
 
 /// The domain of every resource and annotation name: a DNS subdomain
@@ -216,15 +216,9 @@ const RESERVED_ENVS: &[&str] = &[
 
 impl Config {
     /// Reads and validates a config file; `node_name` falls back to
-    /// `$NODE_NAME` and is required when pod matching needs it.
-    pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let config = Config::read(path)?;
-        config.require_node_name()?;
-        Ok(config)
-    }
-
-    /// [`Config::load`] without requiring a node name: `check-config` runs
-    /// off the node too, where `$NODE_NAME` is not set.
+    /// `$NODE_NAME`, but is not required here: `check-config` runs off the
+    /// node too, where `$NODE_NAME` is not set (see
+    /// [`Config::require_node_name`]).
     pub fn read(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
@@ -266,7 +260,7 @@ impl Config {
 
     /// Every rule a value alone decides (the node's name aside, see
     /// [`Config::require_node_name`]).
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
         validate_resource_domain(&self.resource_domain)?;
         self.validate_resources()?;
         self.validate_socket_paths()?;
@@ -432,7 +426,7 @@ impl Config {
     }
 
     /// The size of one device of each resource.
-    pub fn units(&self) -> Units {
+    pub(crate) fn units(&self) -> Units {
         Units {
             memory_unit_mib: self.memory_unit_mib,
             cores_per_gpu: self.cores_per_gpu,
@@ -453,7 +447,7 @@ impl Config {
     }
 
     /// The env carrying a grant's amount, e.g. `DOSLAB_IO_GPU_MEMORY`.
-    pub fn amount_env(&self, r: Resource) -> String {
+    pub(crate) fn amount_env(&self, r: Resource) -> String {
         format!("{}/{}", self.resource_domain, r.name())
             .chars()
             .map(|c| {
@@ -467,11 +461,11 @@ impl Config {
     }
 
     /// The socket file a resource's plugin serves on, inside `device_plugin_dir`.
-    pub fn endpoint(&self, r: Resource) -> String {
+    pub(crate) fn endpoint(&self, r: Resource) -> String {
         format!("{}-{}.sock", self.resource_domain, r.name())
     }
 
-    pub fn kubelet_socket(&self) -> PathBuf {
+    pub(crate) fn kubelet_socket(&self) -> PathBuf {
         self.device_plugin_dir.join("kubelet.sock")
     }
 }

@@ -41,8 +41,8 @@ async fn readyz(State(m): State<Arc<Metrics>>) -> (StatusCode, String) {
 
 /// A serving endpoint; dropping it closes the listener (requests in
 /// flight finish), so a reload can open the new one before the old closes.
-pub struct Endpoint {
-    pub addr: SocketAddr,
+pub(crate) struct Endpoint {
+    pub(crate) addr: SocketAddr,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -54,7 +54,7 @@ impl Drop for Endpoint {
 
 /// Binds `addr` and serves until the [`Endpoint`] is dropped; `:0` picks a
 /// free port, which the endpoint's `addr` tells.
-pub async fn serve(addr: &str, m: Arc<Metrics>) -> std::io::Result<Endpoint> {
+pub(crate) async fn serve(addr: &str, m: Arc<Metrics>) -> std::io::Result<Endpoint> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
     let app = Router::new()

@@ -17,17 +17,17 @@ const TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Report {
-    pub socket: String,
+    pub(crate) socket: String,
     pub outcome: Result<Served, String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Served {
-    pub preferred_allocation: bool,
-    pub pre_start_required: bool,
-    pub devices: usize,
-    pub healthy: usize,
-    pub list_bytes: usize,
+    pub(crate) preferred_allocation: bool,
+    pub(crate) pre_start_required: bool,
+    pub(crate) devices: usize,
+    pub(crate) healthy: usize,
+    pub(crate) list_bytes: usize,
 }
 
 async fn probe(path: &Path) -> Result<Served, String> {

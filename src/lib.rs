@@ -1,29 +1,33 @@
 //! gpu-device-plugin: a Kubernetes device plugin that shares NVIDIA GPUs by
 //! memory and compute. See the README for the design; `main.rs` is the CLI.
 
+// What main.rs, the tests and the benches use is `pub`; the rest is
+// `pub(crate)`, so the dead-code lint sees what nobody uses.
+#![warn(unreachable_pub)]
+
 pub mod app;
 pub mod config;
 pub mod config_watch;
 pub mod device;
 pub mod enforcement;
 pub mod extender;
-pub mod health;
-pub mod http;
+pub(crate) mod health;
+pub(crate) mod http;
 pub mod inspect;
-pub mod inventory;
+pub(crate) mod inventory;
 pub mod kube_client;
-pub mod kubelet_watch;
+pub(crate) mod kubelet_watch;
 pub mod matcher;
-pub mod metrics;
+pub(crate) mod metrics;
 pub mod plugin;
 #[cfg(feature = "sim")]
 pub mod sim;
-pub mod supervisor;
+pub(crate) mod supervisor;
 pub mod uds;
 pub mod usage;
 
 /// The git revision the binary was built from ("unknown" without git).
-pub const GIT_REVISION: &str = env!("GIT_REVISION");
+pub(crate) const GIT_REVISION: &str = env!("GIT_REVISION");
 /// `<crate version> (<git revision>)`, for `--version` and the logs.
 pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("GIT_REVISION"), ")");
 
@@ -31,12 +35,14 @@ pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("GIT_REV
 pub mod api {
     /// The API version a plugin registers with and a kubelet accepts; it
     /// belongs to the proto, like the generated package name.
-    pub const VERSION: &str = "v1beta1";
+    pub(crate) const VERSION: &str = "v1beta1";
 
     include!(concat!(env!("OUT_DIR"), "/wire/v1beta1.rs"));
 
     /// The DevicePlugin server over our lazily encoded ListAndWatch list.
-    pub mod lazy {
+    // Generated code says `pub` throughout; only the crate uses it.
+    #[allow(unreachable_pub)]
+    pub(crate) mod lazy {
         include!(concat!(env!("OUT_DIR"), "/plugin/v1beta1.rs"));
     }
 }

@@ -17,14 +17,14 @@ const BUCKETS: [f64; 10] = [
 ];
 
 #[derive(Debug, Default)]
-pub struct Histogram {
+pub(crate) struct Histogram {
     buckets: [AtomicU64; BUCKETS.len()],
     count: AtomicU64,
     sum_micros: AtomicU64,
 }
 
 impl Histogram {
-    pub fn observe(&self, d: Duration) {
+    pub(crate) fn observe(&self, d: Duration) {
         let secs = d.as_secs_f64();
         for (i, le) in BUCKETS.iter().enumerate() {
             if secs <= *le {
@@ -53,10 +53,10 @@ impl Histogram {
 /// kubelet dropped it (it never reconnects by itself). The streams hold
 /// guards; the plugin's check and `/readyz` read the count.
 #[derive(Debug, Clone, Default)]
-pub struct Streams(Arc<AtomicUsize>);
+pub(crate) struct Streams(Arc<AtomicUsize>);
 
 impl Streams {
-    pub fn open(&self) -> usize {
+    pub(crate) fn open(&self) -> usize {
         self.0.load(Ordering::SeqCst)
     }
 
@@ -77,7 +77,7 @@ impl Drop for StreamGuard {
 
 /// The two RPCs that do work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Rpc {
+pub(crate) enum Rpc {
     Allocate,
     PreferredAllocation,
 }
@@ -92,14 +92,14 @@ impl Rpc {
 }
 
 #[derive(Debug, Default)]
-pub struct RpcMetrics {
-    pub calls: AtomicU64,
-    pub latency: Histogram,
+pub(crate) struct RpcMetrics {
+    pub(crate) calls: AtomicU64,
+    pub(crate) latency: Histogram,
     failures: Mutex<BTreeMap<&'static str, u64>>,
 }
 
 impl RpcMetrics {
-    pub fn record(&self, took: Duration, failure: Option<&'static str>) {
+    pub(crate) fn record(&self, took: Duration, failure: Option<&'static str>) {
         self.calls.fetch_add(1, Ordering::Relaxed);
         self.latency.observe(took);
         if let Some(reason) = failure {
@@ -115,20 +115,20 @@ impl RpcMetrics {
 
 /// What one resource's plugin reports.
 #[derive(Debug, Default)]
-pub struct ResourceMetrics {
-    pub devices: AtomicU64,
-    pub healthy: AtomicU64,
-    pub registered: AtomicBool,
-    pub registrations: AtomicU64,
-    pub lists_sent: AtomicU64,
-    pub list_bytes: AtomicU64,
-    pub streams: Streams,
-    pub allocate: RpcMetrics,
-    pub preferred: RpcMetrics,
+pub(crate) struct ResourceMetrics {
+    pub(crate) devices: AtomicU64,
+    pub(crate) healthy: AtomicU64,
+    pub(crate) registered: AtomicBool,
+    pub(crate) registrations: AtomicU64,
+    pub(crate) lists_sent: AtomicU64,
+    pub(crate) list_bytes: AtomicU64,
+    pub(crate) streams: Streams,
+    pub(crate) allocate: RpcMetrics,
+    pub(crate) preferred: RpcMetrics,
 }
 
 impl ResourceMetrics {
-    pub fn rpc(&self, rpc: Rpc) -> &RpcMetrics {
+    pub(crate) fn rpc(&self, rpc: Rpc) -> &RpcMetrics {
         match rpc {
             Rpc::Allocate => &self.allocate,
             Rpc::PreferredAllocation => &self.preferred,
@@ -136,7 +136,7 @@ impl ResourceMetrics {
     }
 
     /// Registered with the kubelet and streaming to it.
-    pub fn ready(&self) -> bool {
+    pub(crate) fn ready(&self) -> bool {
         self.registered.load(Ordering::SeqCst) && self.streams.open() > 0
     }
 }
@@ -155,7 +155,7 @@ type GpuSeries = (&'static str, &'static str, fn(&GpuSample, bool) -> u64);
 
 /// Why a part other than a resource holds readiness back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Hold {
+pub(crate) enum Hold {
     /// Not up yet (the pod matcher before its pod cache synced).
     Waiting,
     /// Restarted again and again.
@@ -164,7 +164,7 @@ pub enum Hold {
 
 /// Every enabled resource's metrics, by resource name.
 #[derive(Debug, Default)]
-pub struct Metrics {
+pub(crate) struct Metrics {
     resources: RwLock<BTreeMap<String, Arc<ResourceMetrics>>>,
     /// Parts holding readiness back: (name, hold) → why.
     held: Mutex<BTreeMap<(String, Hold), String>>,
@@ -191,7 +191,7 @@ struct ConfigState {
 
 /// What a GPU carries, as the per-GPU series show it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GpuMode {
+pub(crate) enum GpuMode {
     Free,
     /// Held whole (gpu-count).
     Whole,
@@ -213,14 +213,14 @@ impl GpuMode {
 
 /// One GPU's grants against its capacity, in real units.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GpuSample {
-    pub uuid: String,
-    pub memory_capacity_mib: u64,
-    pub memory_granted_mib: u64,
-    pub core_capacity_percent: u64,
-    pub core_granted_percent: u64,
-    pub containers: u64,
-    pub mode: GpuMode,
+pub(crate) struct GpuSample {
+    pub(crate) uuid: String,
+    pub(crate) memory_capacity_mib: u64,
+    pub(crate) memory_granted_mib: u64,
+    pub(crate) core_capacity_percent: u64,
+    pub(crate) core_granted_percent: u64,
+    pub(crate) containers: u64,
+    pub(crate) mode: GpuMode,
 }
 
 /// Seconds since the Unix epoch, as Prometheus timestamps go.
@@ -232,7 +232,7 @@ fn now_unix() -> f64 {
 
 impl Metrics {
     /// The metrics of `name`, created on first use and kept afterwards.
-    pub fn resource(&self, name: &str) -> Arc<ResourceMetrics> {
+    pub(crate) fn resource(&self, name: &str) -> Arc<ResourceMetrics> {
         if let Some(m) = self.resources.read().expect("metrics lock").get(name) {
             return m.clone();
         }
@@ -241,18 +241,18 @@ impl Metrics {
     }
 
     /// Keeps only `names` (a reload switched the others off).
-    pub fn retain(&self, names: &[String]) {
+    pub(crate) fn retain(&self, names: &[String]) {
         self.resources
             .write()
             .expect("metrics lock")
             .retain(|n, _| names.contains(n));
     }
 
-    pub fn set_pod_cache(&self, pods: usize) {
+    pub(crate) fn set_pod_cache(&self, pods: usize) {
         self.pod_cache.store(pods as u64, Ordering::Relaxed);
     }
 
-    pub fn count_api_request(&self, verb: &'static str) {
+    pub(crate) fn count_api_request(&self, verb: &'static str) {
         *self
             .api_requests
             .lock()
@@ -263,24 +263,24 @@ impl Metrics {
 
     /// The config whose file bytes have SHA-256 `sha256` now serves (at
     /// start, or a reload went through).
-    pub fn config_loaded(&self, sha256: String) {
+    pub(crate) fn config_loaded(&self, sha256: String) {
         let mut c = self.config.lock().expect("metrics lock");
         c.sha256 = sha256;
         c.loaded_at = now_unix();
     }
 
     /// A reload was refused; the loaded config keeps serving.
-    pub fn config_refused(&self) {
+    pub(crate) fn config_refused(&self) {
         self.config.lock().expect("metrics lock").refused_at = now_unix();
     }
 
     /// Every GPU's usage, replacing the last (empty: none known).
-    pub fn set_gpus(&self, gpus: Vec<GpuSample>) {
+    pub(crate) fn set_gpus(&self, gpus: Vec<GpuSample>) {
         *self.gpus.lock().expect("metrics lock") = gpus;
     }
 
     /// Per GPU UUID, whether it passes its health checks.
-    pub fn set_gpu_health<'a>(&self, gpus: impl IntoIterator<Item = (&'a str, bool)>) {
+    pub(crate) fn set_gpu_health<'a>(&self, gpus: impl IntoIterator<Item = (&'a str, bool)>) {
         *self.unhealthy.lock().expect("metrics lock") = gpus
             .into_iter()
             .filter(|(_, healthy)| !healthy)
@@ -290,7 +290,7 @@ impl Metrics {
 
     /// Marks `part` unready for `hold` with the reason `why`, or clears
     /// that mark with None.
-    pub fn hold(&self, part: &str, hold: Hold, why: Option<String>) {
+    pub(crate) fn hold(&self, part: &str, hold: Hold, why: Option<String>) {
         let mut held = self.held.lock().expect("metrics lock");
         let key = (part.to_owned(), hold);
         match why {
@@ -300,7 +300,7 @@ impl Metrics {
     }
 
     /// What is not ready yet, each with why; empty when all is.
-    pub fn not_ready(&self) -> Vec<String> {
+    pub(crate) fn not_ready(&self) -> Vec<String> {
         let all = self.resources.read().expect("metrics lock");
         let resources = all
             .iter()
@@ -311,7 +311,7 @@ impl Metrics {
         resources.chain(parts).collect()
     }
 
-    pub fn render(&self) -> String {
+    pub(crate) fn render(&self) -> String {
         let all = self.resources.read().expect("metrics lock");
         let mut out = String::new();
         let _ = writeln!(
@@ -529,27 +529,27 @@ impl Metrics {
 
 /// What enforcement's sweeper last found.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct EnforcementSeries {
+pub(crate) struct EnforcementSeries {
     /// Per-container cache directories in the state directory.
-    pub cache_dirs: u64,
+    pub(crate) cache_dirs: u64,
     /// Device memory per container and GPU, from the usage regions that
     /// could be read.
-    pub memory_used: Vec<ContainerMemory>,
+    pub(crate) memory_used: Vec<ContainerMemory>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ContainerMemory {
-    pub namespace: String,
-    pub pod: String,
-    pub container: String,
+pub(crate) struct ContainerMemory {
+    pub(crate) namespace: String,
+    pub(crate) pod: String,
+    pub(crate) container: String,
     /// The GPU's UUID.
-    pub gpu: String,
-    pub bytes: u64,
+    pub(crate) gpu: String,
+    pub(crate) bytes: u64,
 }
 
 impl Metrics {
     /// Replaces enforcement's series; None removes them.
-    pub fn set_enforcement(&self, series: Option<EnforcementSeries>) {
+    pub(crate) fn set_enforcement(&self, series: Option<EnforcementSeries>) {
         *self.enforcement.lock().expect("metrics lock") = series;
     }
 

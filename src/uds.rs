@@ -28,12 +28,12 @@ pub async fn connect(path: &Path, timeout: Duration) -> Result<Channel, tonic::t
 
 /// The longest path a unix socket can have: `sun_path` holds 108 bytes,
 /// the terminating NUL included.
-pub const MAX_SOCKET_PATH: usize = 107;
+pub(crate) const MAX_SOCKET_PATH: usize = 107;
 
 /// Proves that sockets can be bound in `dir` by binding (and removing) one:
 /// a missing or read-only directory, or one this process may not write,
 /// fails here with the kernel's reason rather than in every plugin restart.
-pub fn check_bindable(dir: &Path) -> std::io::Result<()> {
+pub(crate) fn check_bindable(dir: &Path) -> std::io::Result<()> {
     // No ".sock" suffix: the kubelet-watcher and `inspect` ignore the probe.
     tempfile::Builder::new()
         .prefix(".probe")
@@ -43,7 +43,7 @@ pub fn check_bindable(dir: &Path) -> std::io::Result<()> {
 
 /// Binds `path`, removing a stale socket file first (a crashed predecessor
 /// or a restarted kubelet leaves one behind).
-pub fn bind(path: &Path) -> std::io::Result<UnixListenerStream> {
+pub(crate) fn bind(path: &Path) -> std::io::Result<UnixListenerStream> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
@@ -57,7 +57,7 @@ pub fn bind(path: &Path) -> std::io::Result<UnixListenerStream> {
 const RECEIVE_WINDOW: u32 = 16 * 1024 * 1024;
 
 /// Serves `router` on `incoming` until `shutdown` resolves.
-pub async fn serve(
+pub(crate) async fn serve(
     router: tonic::service::Routes,
     incoming: UnixListenerStream,
     shutdown: impl Future<Output = ()>,
@@ -89,7 +89,7 @@ pub fn plugin_sockets(dir: &Path) -> Vec<String> {
     names
 }
 
-pub fn is_socket(entry: &std::fs::DirEntry) -> bool {
+pub(crate) fn is_socket(entry: &std::fs::DirEntry) -> bool {
     use std::os::unix::fs::FileTypeExt;
     entry.file_type().is_ok_and(|t| t.is_socket())
 }

@@ -9,7 +9,7 @@ use super::Gpu;
 
 /// Where [`discover`] finds the GPUs.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum GpuSource {
+pub(crate) enum GpuSource {
     Nvml,
     /// Stand-in GPUs, reported as listed.
     Listed(Vec<Gpu>),
@@ -30,7 +30,7 @@ pub enum DiscoverError {
 }
 
 /// `source` is a [`GpuSource`], or a `&Config`, which names one.
-pub fn discover(source: impl Into<GpuSource>) -> Result<Vec<Gpu>, DiscoverError> {
+pub(crate) fn discover(source: impl Into<GpuSource>) -> Result<Vec<Gpu>, DiscoverError> {
     match source.into() {
         GpuSource::Listed(gpus) => Ok(gpus),
         GpuSource::Nvml => discover_nvml(),

@@ -11,10 +11,10 @@ const ALPHABET: &[u8; 36] = b"0123456789abcdefghijklmnopqrstuvwxyz";
 const MAX_TAG_LEN: usize = 13;
 /// Base-36 digits of a u32 unit index.
 const MAX_INDEX_LEN: usize = 7;
-pub const MAX_ID_LEN: usize = MAX_TAG_LEN + MAX_INDEX_LEN;
+pub(crate) const MAX_ID_LEN: usize = MAX_TAG_LEN + MAX_INDEX_LEN;
 
 /// The kubelet's (and our) rule for a GPU UUID used as a device ID.
-pub fn validate_uuid(uuid: &str) -> Result<(), String> {
+pub(crate) fn validate_uuid(uuid: &str) -> Result<(), String> {
     if uuid.is_empty() || uuid.len() > 63 {
         return Err(format!(
             "{uuid:?} must be 1 to 63 characters (it is a gpu-count device ID)"
@@ -50,7 +50,7 @@ fn base36_digits(mut v: u64, out: &mut [u8; MAX_TAG_LEN]) -> &[u8] {
 }
 
 /// Number of base-36 digits of `v` (1 for 0).
-pub fn index_len(v: u32) -> usize {
+pub(crate) fn index_len(v: u32) -> usize {
     let mut n = 1;
     let mut v = v / 36;
     while v > 0 {
@@ -62,14 +62,14 @@ pub fn index_len(v: u32) -> usize {
 
 /// The per-GPU tags of one node.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Tags {
+pub(crate) struct Tags {
     tags: Vec<[u8; MAX_TAG_LEN]>,
     len: usize,
 }
 
 impl Tags {
     /// `None` only if two UUIDs hash to the same 64 bits (duplicate UUIDs).
-    pub fn new<'a>(uuids: impl IntoIterator<Item = &'a str>) -> Option<Tags> {
+    pub(crate) fn new<'a>(uuids: impl IntoIterator<Item = &'a str>) -> Option<Tags> {
         let full: Vec<[u8; MAX_TAG_LEN]> = uuids
             .into_iter()
             .map(|u| {
@@ -94,17 +94,22 @@ impl Tags {
         })
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.len
     }
 
-    pub fn tag(&self, gpu: usize) -> &str {
+    pub(crate) fn tag(&self, gpu: usize) -> &str {
         let t = &self.tags[gpu][MAX_TAG_LEN - self.len..];
         std::str::from_utf8(t).expect("tags are ASCII")
     }
 
     /// Writes `<tag><index>` into `buf` and returns it.
-    pub fn encode<'b>(&self, gpu: usize, index: u32, buf: &'b mut [u8; MAX_ID_LEN]) -> &'b str {
+    pub(crate) fn encode<'b>(
+        &self,
+        gpu: usize,
+        index: u32,
+        buf: &'b mut [u8; MAX_ID_LEN],
+    ) -> &'b str {
         let tag = self.tag(gpu).as_bytes();
         buf[..tag.len()].copy_from_slice(tag);
         let mut digits = [0u8; MAX_TAG_LEN];
@@ -117,7 +122,7 @@ impl Tags {
     /// Splits an ID into (GPU position, unit index); `None` if it is not one
     /// of ours or not in canonical form (so no two strings name one device).
     /// Hot: GetPreferredAllocation decodes every free ID of the node.
-    pub fn decode(&self, id: &[u8]) -> Option<(usize, u32)> {
+    pub(crate) fn decode(&self, id: &[u8]) -> Option<(usize, u32)> {
         if id.len() <= self.len || id.len() > self.len + MAX_INDEX_LEN {
             return None;
         }

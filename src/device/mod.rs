@@ -8,12 +8,11 @@ mod model;
 pub mod packing;
 mod units;
 
-pub use backend::{DiscoverError, GpuSource, discover};
-pub use ids::validate_uuid;
-pub use model::{
-    DeviceModel, DeviceRef, IdError, KUBELET_MAX_MESSAGE_BYTES, Plan, PlanError, device_entry_len,
-};
-pub use units::{Offer, Units, UnitsError};
+pub(crate) use backend::{DiscoverError, GpuSource, discover};
+pub(crate) use ids::validate_uuid;
+pub(crate) use model::{DeviceModel, DeviceRef, IdError, PlanError, device_entry_len};
+pub use model::{KUBELET_MAX_MESSAGE_BYTES, Plan};
+pub(crate) use units::{Offer, Units, UnitsError};
 // The wire-size rules the plugin's ListAndWatch encoder writes by.
 #[cfg(test)]
 pub(crate) use model::tests as model_tests;
@@ -36,7 +35,7 @@ pub enum Resource {
 impl Resource {
     pub const ALL: [Resource; 3] = [Resource::GpuMemory, Resource::GpuCore, Resource::GpuCount];
 
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Resource::GpuMemory => "gpu-memory",
             Resource::GpuCore => "gpu-core",
@@ -66,12 +65,12 @@ pub struct Gpu {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct PerResource<T> {
     pub memory: T,
-    pub core: T,
-    pub count: T,
+    pub(crate) core: T,
+    pub(crate) count: T,
 }
 
 impl<T> PerResource<T> {
-    pub fn from_fn(mut f: impl FnMut(Resource) -> T) -> Self {
+    pub(crate) fn from_fn(mut f: impl FnMut(Resource) -> T) -> Self {
         PerResource {
             memory: f(Resource::GpuMemory),
             core: f(Resource::GpuCore),
@@ -79,7 +78,7 @@ impl<T> PerResource<T> {
         }
     }
 
-    pub fn map<U>(&self, mut f: impl FnMut(Resource, &T) -> U) -> PerResource<U> {
+    pub(crate) fn map<U>(&self, mut f: impl FnMut(Resource, &T) -> U) -> PerResource<U> {
         PerResource::from_fn(|r| f(r, &self[r]))
     }
 }

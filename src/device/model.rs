@@ -13,14 +13,14 @@ use super::{Gpu, Offer, Resource, Units};
 /// over it is dropped by the kubelet, so the plan must never build one.
 pub const KUBELET_MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 
-pub const HEALTHY: &str = "Healthy";
-pub const UNHEALTHY: &str = "Unhealthy";
+pub(crate) const HEALTHY: &str = "Healthy";
+pub(crate) const UNHEALTHY: &str = "Unhealthy";
 
 /// One device: unit `unit` of the GPU at position `gpu` in the plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct DeviceRef {
-    pub gpu: usize,
-    pub unit: u32,
+    pub(crate) gpu: usize,
+    pub(crate) unit: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -61,15 +61,15 @@ impl DeviceModel {
         self.resource
     }
 
-    pub fn gpus(&self) -> &[Gpu] {
+    pub(crate) fn gpus(&self) -> &[Gpu] {
         &self.gpus
     }
 
-    pub fn units(&self, gpu: usize) -> u32 {
+    pub(crate) fn units(&self, gpu: usize) -> u32 {
         self.units[gpu]
     }
 
-    pub fn unit_amount(&self) -> u64 {
+    pub(crate) fn unit_amount(&self) -> u64 {
         self.unit_amount
     }
 
@@ -99,7 +99,7 @@ impl DeviceModel {
         self.tags.encode(d.gpu, d.unit, &mut buf).to_owned()
     }
 
-    pub fn decode(&self, id: &[u8]) -> Result<DeviceRef, IdError> {
+    pub(crate) fn decode(&self, id: &[u8]) -> Result<DeviceRef, IdError> {
         let found = if self.resource == Resource::GpuCount {
             self.gpus
                 .iter()
@@ -141,7 +141,7 @@ impl DeviceModel {
 
     /// NUMA node advertised in the Topology field. Only whole GPUs carry it:
     /// on gpu-memory it would cost ~6 bytes per device against the 4 MiB cap.
-    pub fn topology(&self, gpu: usize) -> Option<u32> {
+    pub(crate) fn topology(&self, gpu: usize) -> Option<u32> {
         if self.resource == Resource::GpuCount {
             self.gpus[gpu].numa_node
         } else {
@@ -215,7 +215,7 @@ pub(crate) fn device_len(id_len: usize, health: &str, numa: Option<u32>) -> usiz
 }
 
 /// Bytes one `devices` entry takes in a ListAndWatchResponse.
-pub fn device_entry_len(id_len: usize, health: &str, numa: Option<u32>) -> usize {
+pub(crate) fn device_entry_len(id_len: usize, health: &str, numa: Option<u32>) -> usize {
     let device = device_len(id_len, health, numa);
     1 + encoded_len_varint(device as u64) + device
 }

@@ -78,7 +78,7 @@ pub fn shared(
 
 /// `size` whole GPUs, `must` included, packed onto the fewest NUMA nodes.
 /// `numa(gpu)` is the GPU's node (`None` counts as one node of its own kind).
-pub fn whole(
+pub(crate) fn whole(
     available: &[DeviceRef],
     must: &[DeviceRef],
     size: usize,

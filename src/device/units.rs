@@ -7,14 +7,14 @@ use super::{PerResource, Resource};
 /// The size of one device: gpu-memory devices are `memory_unit_mib` MiB,
 /// a GPU has `cores_per_gpu` gpu-core devices, gpu-count devices are GPUs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Units {
-    pub memory_unit_mib: u64,
-    pub cores_per_gpu: u32,
+pub(crate) struct Units {
+    pub(crate) memory_unit_mib: u64,
+    pub(crate) cores_per_gpu: u32,
 }
 
 /// Why a [`Units`] cannot be computed with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum UnitsError {
+pub(crate) enum UnitsError {
     /// A gpu-memory device of 0 MiB.
     MemoryUnitZero,
     /// gpu-core devices that are not a whole percent of a GPU each.
@@ -25,7 +25,7 @@ impl Units {
     /// Every grant must be a whole percent (`CUDA_DEVICE_SM_LIMIT` takes
     /// percents), so `cores_per_gpu` divides 100; a memory device holds
     /// at least 1 MiB.
-    pub fn check(self) -> Result<(), UnitsError> {
+    pub(crate) fn check(self) -> Result<(), UnitsError> {
         if self.memory_unit_mib == 0 {
             return Err(UnitsError::MemoryUnitZero);
         }
@@ -36,7 +36,7 @@ impl Units {
     }
 
     /// What one device of `r` is worth: MiB, percent of a GPU, GPUs.
-    pub fn amount(self, r: Resource) -> u64 {
+    pub(crate) fn amount(self, r: Resource) -> u64 {
         match r {
             Resource::GpuMemory => self.memory_unit_mib,
             Resource::GpuCore => u64::from(100 / self.cores_per_gpu),
@@ -45,13 +45,13 @@ impl Units {
     }
 
     /// [`Units::amount`] of every resource.
-    pub fn amounts(self) -> PerResource<u64> {
+    pub(crate) fn amounts(self) -> PerResource<u64> {
         PerResource::from_fn(|r| self.amount(r))
     }
 
     /// Devices of `r` on a GPU with `memory_mib` of memory (memory rounds
     /// down to whole devices).
-    pub fn per_gpu(self, r: Resource, memory_mib: u64) -> u32 {
+    pub(crate) fn per_gpu(self, r: Resource, memory_mib: u64) -> u32 {
         match r {
             Resource::GpuMemory => {
                 u32::try_from(memory_mib / self.memory_unit_mib).unwrap_or(u32::MAX)
@@ -65,8 +65,8 @@ impl Units {
 /// What a node advertises: its enabled resources and the size of a device.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Offer {
-    pub resources: Vec<Resource>,
-    pub units: Units,
+    pub(crate) resources: Vec<Resource>,
+    pub(crate) units: Units,
 }
 
 #[cfg(test)]

@@ -32,14 +32,14 @@ pub struct EnforcementConfig {
     pub state_dir: PathBuf,
     /// Where the library is mounted in a container; `ld.so.preload` names
     /// this path.
-    pub container_library_path: PathBuf,
+    pub(crate) container_library_path: PathBuf,
     /// Where a container's own cache directory is mounted; HAMi-core's
     /// usage region is a file in it.
-    pub container_cache_dir: PathBuf,
+    pub(crate) container_cache_dir: PathBuf,
     /// Without pod matching nothing says which containers live: cache
     /// directories last made longer ago than this are removed (0: never).
     /// With pod matching, those of pods gone are removed instead.
-    pub cache_max_age_s: u64,
+    pub(crate) cache_max_age_s: u64,
 }
 
 impl Default for EnforcementConfig {
@@ -102,7 +102,7 @@ pub(crate) fn check_path(path: &Path) -> Result<(), String> {
 
 impl EnforcementConfig {
     /// Every path checked, each error naming its `enforcement.*` key.
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
         for (key, path) in [
             ("library_dir", &self.library_dir),
             ("state_dir", &self.state_dir),

@@ -7,7 +7,7 @@ use std::fs::File;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
-use super::EnforcementError;
+use super::{EnforcementError, io};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LibraryError {
@@ -54,7 +54,7 @@ fn host_machine() -> (u16, &'static str) {
 
 /// Whether `header` (a file's first bytes) is a 64-bit little-endian shared
 /// object for this host's machine.
-pub fn check_header(header: &[u8]) -> Result<(), LibraryError> {
+pub(crate) fn check_header(header: &[u8]) -> Result<(), LibraryError> {
     if header.len() < 4 || &header[..4] != b"\x7fELF" {
         return Err(if header.len() < 4 && b"\x7fELF".starts_with(header) {
             LibraryError::Truncated(header.len())
@@ -89,7 +89,7 @@ pub fn check_header(header: &[u8]) -> Result<(), LibraryError> {
 }
 
 /// The file at `path` exists, is readable and is a loadable shared object.
-pub fn check_library(path: &Path) -> Result<(), EnforcementError> {
+pub(crate) fn check_library(path: &Path) -> Result<(), EnforcementError> {
     let fail = |reason| EnforcementError::Library {
         path: path.to_owned(),
         reason,
@@ -123,15 +123,6 @@ pub enum Installed {
     /// Written under a temporary name, then renamed over the old one
     /// (running containers keep the copy they opened).
     Replaced,
-}
-
-fn io(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> EnforcementError {
-    let path = path.to_owned();
-    move |source| EnforcementError::Io {
-        action,
-        path,
-        source,
-    }
 }
 
 /// Writes `bytes` to `dest` atomically: a temporary file in the same

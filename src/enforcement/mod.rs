@@ -7,21 +7,24 @@
 //! `config` and `plan` are pure; `library`, `state` and `region` do the
 //! file work; [`Enforcer`] ties them to one config for the plugin.
 
-pub mod config;
-pub mod library;
-pub mod plan;
-pub mod region;
-pub mod state;
-pub mod sweeper;
+pub(crate) mod config;
+pub(crate) mod library;
+pub(crate) mod plan;
+pub(crate) mod region;
+pub(crate) mod state;
+pub(crate) mod sweeper;
 
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
-pub use config::{EnforcementConfig, Mode};
-pub use library::{Installed, LibraryError, check_library, install_library};
-pub use plan::{CacheOwner, Grant, LIBRARY_FILE, Preload, cache_key};
-pub use region::{Region, RegionError};
-pub use state::{Keep, Swept};
+pub(crate) use config::EnforcementConfig;
+pub use config::Mode;
+pub use library::install_library;
+pub(crate) use library::{LibraryError, check_library};
+pub use plan::LIBRARY_FILE;
+pub(crate) use plan::{CacheOwner, Grant, Preload, cache_key};
+pub(crate) use region::{Region, RegionError};
+pub(crate) use state::{Keep, Swept};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EnforcementError {
@@ -35,16 +38,26 @@ pub enum EnforcementError {
     },
 }
 
+/// `map_err(io("create", path))`: an I/O error of `action` on `path`.
+fn io(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> EnforcementError {
+    let path = path.to_owned();
+    move |source| EnforcementError::Io {
+        action,
+        path,
+        source,
+    }
+}
+
 /// Enforcement as one config says, for the plugin: `None` from
 /// [`Enforcer::new`] when the mode is `none`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Enforcer {
+pub(crate) struct Enforcer {
     config: EnforcementConfig,
     layout: plan::StateLayout,
 }
 
 impl Enforcer {
-    pub fn new(config: &EnforcementConfig) -> Option<Enforcer> {
+    pub(crate) fn new(config: &EnforcementConfig) -> Option<Enforcer> {
         (config.mode == Mode::HamiCore).then(|| Enforcer {
             config: config.clone(),
             layout: plan::StateLayout::new(&config.state_dir),
@@ -52,18 +65,18 @@ impl Enforcer {
     }
 
     /// The library's host path.
-    pub fn library_path(&self) -> PathBuf {
+    pub(crate) fn library_path(&self) -> PathBuf {
         self.config.library_dir.join(LIBRARY_FILE)
     }
 
     /// Whether the library is there and loadable: readiness, and the
     /// first step of every shared Allocate.
-    pub fn check(&self) -> Result<(), EnforcementError> {
+    pub(crate) fn check(&self) -> Result<(), EnforcementError> {
         check_library(&self.library_path())
     }
 
     /// The mounts and env `grant` adds, with nothing touched on disk.
-    pub fn plan(&self, grant: Grant, owner: CacheOwner<'_>) -> Option<Preload> {
+    pub(crate) fn plan(&self, grant: Grant, owner: CacheOwner<'_>) -> Option<Preload> {
         plan::plan(&self.config, grant, owner)
     }
 
@@ -71,7 +84,7 @@ impl Enforcer {
     /// making the state directory's shared parts (again, if it was wiped)
     /// and a fresh cache directory for `owner`. An error means the grant
     /// must be refused.
-    pub fn prepare(
+    pub(crate) fn prepare(
         &self,
         grant: Grant,
         owner: CacheOwner<'_>,
@@ -91,20 +104,20 @@ impl Enforcer {
 
     /// Removes the cache directories `keep` does not keep; says how many
     /// are left.
-    pub fn sweep(&self, keep: &Keep) -> Result<Swept, EnforcementError> {
+    pub(crate) fn sweep(&self, keep: &Keep) -> Result<Swept, EnforcementError> {
         state::sweep(&self.layout.containers_dir, keep, SystemTime::now())
     }
 
     /// Directories made before this are stale without pod matching; None
     /// when they never are.
-    pub fn max_age(&self) -> Option<std::time::Duration> {
+    pub(crate) fn max_age(&self) -> Option<std::time::Duration> {
         let secs = self.config.cache_max_age_s;
         (secs > 0).then(|| std::time::Duration::from_secs(secs))
     }
 
     /// The usage region of the container whose cache key is `key`; None
     /// until its first CUDA process made one.
-    pub fn usage(&self, key: &str) -> Result<Option<Region>, RegionError> {
+    pub(crate) fn usage(&self, key: &str) -> Result<Option<Region>, RegionError> {
         let file = self.cache_file(key);
         if !file.exists() {
             return Ok(None);

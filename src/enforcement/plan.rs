@@ -20,18 +20,18 @@ use super::EnforcementConfig;
 /// The library's file name in `library_dir`, as HAMi-core's build names it.
 pub const LIBRARY_FILE: &str = "libvgpu.so";
 /// glibc reads this file in every process it starts: no image change needed.
-pub const PRELOAD_TARGET: &str = "/etc/ld.so.preload";
+pub(crate) const PRELOAD_TARGET: &str = "/etc/ld.so.preload";
 /// HAMi-core's node-wide lock (`/tmp/vgpulock/lock`, src/utils.c) is
 /// compiled in; every container of the node must share one directory there.
-pub const LOCK_TARGET: &str = "/tmp/vgpulock";
+pub(crate) const LOCK_TARGET: &str = "/tmp/vgpulock";
 /// The env HAMi-core reads for its usage region's file.
-pub const CACHE_ENV: &str = "CUDA_DEVICE_MEMORY_SHARED_CACHE";
+pub(crate) const CACHE_ENV: &str = "CUDA_DEVICE_MEMORY_SHARED_CACHE";
 /// The usage region's file name in a container's cache directory.
-pub const CACHE_FILE: &str = "vgpu.cache";
+pub(crate) const CACHE_FILE: &str = "vgpu.cache";
 
 /// Whether a grant shares a GPU (and so is capped) or holds it whole.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Grant {
+pub(crate) enum Grant {
     /// gpu-memory or gpu-core: preloaded. The limit envs themselves
     /// (`CUDA_DEVICE_MEMORY_LIMIT_0`, `CUDA_DEVICE_SM_LIMIT`) come with the
     /// grant's response already.
@@ -43,7 +43,7 @@ pub enum Grant {
 /// Whose cache directory: the container when pod matching knows it, else
 /// the grant (by the digest of its device IDs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CacheOwner<'a> {
+pub(crate) enum CacheOwner<'a> {
     Container {
         pod_uid: &'a str,
         container: &'a str,
@@ -76,7 +76,7 @@ fn safe_part(part: &str) -> String {
 /// The cache directory's name: `<pod UID>_<container>` (HAMi's naming, so
 /// HAMi's own monitor can read a shared state directory) or
 /// `ids-<digest>`. `_` separates because no part can hold one.
-pub fn cache_key(owner: CacheOwner<'_>) -> String {
+pub(crate) fn cache_key(owner: CacheOwner<'_>) -> String {
     match owner {
         CacheOwner::Container { pod_uid, container } => {
             format!("{}_{}", safe_part(pod_uid), safe_part(container))
@@ -87,14 +87,14 @@ pub fn cache_key(owner: CacheOwner<'_>) -> String {
 
 /// The host paths under the state directory.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StateLayout {
-    pub preload_file: PathBuf,
-    pub containers_dir: PathBuf,
-    pub lock_dir: PathBuf,
+pub(crate) struct StateLayout {
+    pub(crate) preload_file: PathBuf,
+    pub(crate) containers_dir: PathBuf,
+    pub(crate) lock_dir: PathBuf,
 }
 
 impl StateLayout {
-    pub fn new(state_dir: &Path) -> StateLayout {
+    pub(crate) fn new(state_dir: &Path) -> StateLayout {
         StateLayout {
             preload_file: state_dir.join("ld.so.preload"),
             containers_dir: state_dir.join("containers"),
@@ -105,17 +105,17 @@ impl StateLayout {
 
 /// What one shared grant adds to its container's response.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Preload {
+pub(crate) struct Preload {
     /// The container's cache directory on the host.
-    pub cache_dir: PathBuf,
-    pub mounts: Vec<Mount>,
-    pub envs: Vec<(String, String)>,
+    pub(crate) cache_dir: PathBuf,
+    pub(crate) mounts: Vec<Mount>,
+    pub(crate) envs: Vec<(String, String)>,
 }
 
 impl Preload {
     /// Adds the mounts and envs to `response` (an env the response has
     /// already keeps its value: the plugin's own envs come first).
-    pub fn apply(self, response: &mut ContainerAllocateResponse) {
+    pub(crate) fn apply(self, response: &mut ContainerAllocateResponse) {
         response.mounts.extend(self.mounts);
         for (k, v) in self.envs {
             response.envs.entry(k).or_insert(v);
@@ -132,7 +132,11 @@ fn mount(host: &Path, container: &Path, read_only: bool) -> Mount {
 }
 
 /// The mounts and env for `grant` owned by `owner`; none for a whole GPU.
-pub fn plan(config: &EnforcementConfig, grant: Grant, owner: CacheOwner<'_>) -> Option<Preload> {
+pub(crate) fn plan(
+    config: &EnforcementConfig,
+    grant: Grant,
+    owner: CacheOwner<'_>,
+) -> Option<Preload> {
     if grant == Grant::Whole {
         return None;
     }
@@ -164,7 +168,7 @@ pub fn plan(config: &EnforcementConfig, grant: Grant, owner: CacheOwner<'_>) -> 
 }
 
 /// The `ld.so.preload` text: the library's path inside the container.
-pub fn preload_text(config: &EnforcementConfig) -> String {
+pub(crate) fn preload_text(config: &EnforcementConfig) -> String {
     format!("{}\n", config.container_library_path.display())
 }
 

@@ -16,9 +16,9 @@ use std::io::Read;
 use std::path::Path;
 
 /// `MULTIPROCESS_SHARED_REGION_MAGIC_FLAG`: `initialized_flag` once set up.
-pub const MAGIC: i32 = 19_920_718;
+pub(crate) const MAGIC: i32 = 19_920_718;
 /// The (major, minor) versions whose layout this reader knows.
-pub const SUPPORTED: [(u32, u32); 2] = [(1, 1), (1, 2)];
+pub(crate) const SUPPORTED: [(u32, u32); 2] = [(1, 1), (1, 2)];
 
 const MAX_DEVICES: usize = 16; // CUDA_DEVICE_MAX_COUNT
 const MAX_PROCS: usize = 1024; // SHARED_REGION_MAX_PROCESS_NUM
@@ -39,7 +39,7 @@ const OFF_LIMIT: usize = OFF_UUIDS + MAX_DEVICES * UUID_LEN;
 const OFF_PROCS: usize = OFF_LIMIT + 2 * MAX_DEVICES * 8;
 const OFF_PROC_NUM: usize = OFF_PROCS + MAX_PROCS * SLOT_LEN;
 /// sizeof(shared_region_t); HAMi-core's file is one byte longer.
-pub const REGION_LEN: usize = OFF_PROC_NUM + 16 + 8 + 32;
+pub(crate) const REGION_LEN: usize = OFF_PROC_NUM + 16 + 8 + 32;
 
 // shrreg_proc_slot_t: i32 pid @0, i32 hostpid @4, device_memory_t used[16]
 // @8 (64 bytes each: context, module, data, offset, total, unused[3]),
@@ -52,7 +52,7 @@ const DEVICE_MEMORY_TOTAL: usize = 32;
 const SLOT_STATUS: usize = 1928;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum RegionError {
+pub(crate) enum RegionError {
     #[error("the region is {have} bytes, shorter than HAMi-core's {need}")]
     Truncated { have: usize, need: usize },
     #[error("the region is not initialised (magic {0}, want {MAGIC})")]
@@ -69,18 +69,18 @@ pub enum RegionError {
 
 /// One device of a container as its region says.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeviceUsage {
-    pub uuid: String,
+pub(crate) struct DeviceUsage {
+    pub(crate) uuid: String,
     /// The cap HAMi-core enforces, in bytes (0: none).
-    pub limit_bytes: u64,
+    pub(crate) limit_bytes: u64,
     /// The memory the container's live processes hold on it, in bytes.
-    pub used_bytes: u64,
+    pub(crate) used_bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Region {
-    pub version: (u32, u32),
-    pub devices: Vec<DeviceUsage>,
+pub(crate) struct Region {
+    pub(crate) version: (u32, u32),
+    pub(crate) devices: Vec<DeviceUsage>,
 }
 
 fn u32_at(b: &[u8], at: usize) -> u32 {
@@ -92,7 +92,7 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
 }
 
 /// Parses a region from its bytes (the file's, or a test's).
-pub fn parse(b: &[u8]) -> Result<Region, RegionError> {
+pub(crate) fn parse(b: &[u8]) -> Result<Region, RegionError> {
     if b.len() < REGION_LEN {
         return Err(RegionError::Truncated {
             have: b.len(),
@@ -142,7 +142,7 @@ pub fn parse(b: &[u8]) -> Result<Region, RegionError> {
 
 /// The region in the file at `path` (a container's cache file). A region
 /// being written is read as it stands: a snapshot, as HAMi's monitor reads.
-pub fn read(path: &Path) -> Result<Region, RegionError> {
+pub(crate) fn read(path: &Path) -> Result<Region, RegionError> {
     let fail = |e: std::io::Error| RegionError::Read {
         path: path.display().to_string(),
         reason: e.to_string(),

@@ -12,9 +12,9 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
-use super::EnforcementError;
 use super::library::write_atomically;
 use super::plan::StateLayout;
+use super::{EnforcementError, io};
 
 /// Containers may run as any user: HAMi-core creates its region and lock
 /// files in these directories from inside them.
@@ -25,15 +25,6 @@ const TMP_PREFIX: &str = ".tmp-";
 const OLD_PREFIX: &str = ".old-";
 /// A temporary entry this old belongs to no Allocate still running.
 const TMP_GRACE: Duration = Duration::from_secs(60);
-
-fn io(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> EnforcementError {
-    let path = path.to_owned();
-    move |source| EnforcementError::Io {
-        action,
-        path,
-        source,
-    }
-}
 
 /// A unique temporary name in this process.
 fn unique(prefix: &str, key: &str) -> String {
@@ -54,7 +45,7 @@ fn make_dir(path: &Path, mode: u32) -> Result<(), EnforcementError> {
 /// The state directory's shared parts, made if missing: the directory, the
 /// containers' parent, the lock directory and `ld.so.preload` with
 /// `preload` as its text (rewritten atomically only when it differs).
-pub fn ensure_state(
+pub(crate) fn ensure_state(
     state_dir: &Path,
     layout: &StateLayout,
     preload: &str,
@@ -70,7 +61,7 @@ pub fn ensure_state(
 
 /// Makes `cache_dir` a fresh, empty directory: built under a temporary name
 /// and renamed into place, any old one moved aside first and removed after.
-pub fn fresh_cache_dir(cache_dir: &Path) -> Result<(), EnforcementError> {
+pub(crate) fn fresh_cache_dir(cache_dir: &Path) -> Result<(), EnforcementError> {
     let parent = cache_dir.parent().unwrap_or(Path::new("/"));
     let key = cache_dir
         .file_name()
@@ -99,7 +90,7 @@ pub fn fresh_cache_dir(cache_dir: &Path) -> Result<(), EnforcementError> {
 
 /// Which cache directories to keep in a sweep.
 #[derive(Debug, Clone)]
-pub enum Keep {
+pub(crate) enum Keep {
     /// Those named by `keys` (every container of every pod the pod cache
     /// holds), and any made after `as_of` (the moment the keys were read:
     /// an Allocate may have made one for a pod the keys miss).
@@ -114,14 +105,14 @@ pub enum Keep {
 
 /// One entry of the containers directory.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Entry {
-    pub name: String,
-    pub modified: SystemTime,
+pub(crate) struct Entry {
+    pub(crate) name: String,
+    pub(crate) modified: SystemTime,
 }
 
 /// The entries a sweep removes: cache directories `keep` does not keep, and
 /// temporary leftovers older than a minute.
-pub fn stale<'a>(entries: &'a [Entry], keep: &Keep, now: SystemTime) -> Vec<&'a str> {
+pub(crate) fn stale<'a>(entries: &'a [Entry], keep: &Keep, now: SystemTime) -> Vec<&'a str> {
     entries
         .iter()
         .filter(|e| {
@@ -141,15 +132,15 @@ pub fn stale<'a>(entries: &'a [Entry], keep: &Keep, now: SystemTime) -> Vec<&'a 
 
 /// What a sweep did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Swept {
-    pub removed: usize,
+pub(crate) struct Swept {
+    pub(crate) removed: usize,
     /// Cache directories left: the number to export as a metric.
-    pub remaining: usize,
+    pub(crate) remaining: usize,
 }
 
 /// Removes the stale entries of `containers_dir` (a missing one is empty).
 /// A directory that cannot be removed is reported after the others were.
-pub fn sweep(
+pub(crate) fn sweep(
     containers_dir: &Path,
     keep: &Keep,
     now: SystemTime,

@@ -15,25 +15,25 @@ use crate::matcher::{LiveContainer, MatcherHandle};
 use crate::metrics::{ContainerMemory, EnforcementSeries, Hold, Metrics};
 
 /// What `/readyz` calls enforcement.
-pub const READY_NAME: &str = "enforcement";
+pub(crate) const READY_NAME: &str = "enforcement";
 
-pub struct Sweeper;
+pub(crate) struct Sweeper;
 
 #[derive(Debug, Clone)]
-pub struct SweeperArgs {
-    pub enforcer: Enforcer,
+pub(crate) struct SweeperArgs {
+    pub(crate) enforcer: Enforcer,
     /// With pod matching: says which containers live. Without, cache
     /// directories go by age.
-    pub matcher: Option<MatcherHandle>,
-    pub tick: Duration,
-    pub metrics: Arc<Metrics>,
+    pub(crate) matcher: Option<MatcherHandle>,
+    pub(crate) tick: Duration,
+    pub(crate) metrics: Arc<Metrics>,
 }
 
-pub enum SweeperMsg {
+pub(crate) enum SweeperMsg {
     Tick,
 }
 
-pub struct SweeperState {
+pub(crate) struct SweeperState {
     args: SweeperArgs,
     /// Why the library was unusable at the last check (None: usable);
     /// unknown before the first.

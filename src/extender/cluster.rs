@@ -190,7 +190,7 @@ pub struct Reflectors {
 }
 
 impl Reflectors {
-    pub fn start(client: &Client, index: Arc<RwLock<Index>>) -> Reflectors {
+    pub(crate) fn start(client: &Client, index: Arc<RwLock<Index>>) -> Reflectors {
         let pods =
             watcher::Config::default().fields("status.phase!=Succeeded,status.phase!=Failed");
         Reflectors {

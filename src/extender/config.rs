@@ -16,13 +16,13 @@ pub struct ExtenderConfig {
     pub listen: String,
     /// The domain of the resources and annotations, as on the nodes.
     pub resource_domain: String,
-    pub policy: Policy,
+    pub(crate) policy: Policy,
     /// A kubeconfig file for the API server; empty: `$KUBECONFIG`, else the
     /// in-cluster service account.
-    pub kubeconfig: PathBuf,
+    pub(crate) kubeconfig: PathBuf,
     /// How long one bind may take (pod patch, Binding, and undo on failure);
     /// kube-scheduler's own wait is the extender's `httpTimeout`.
-    pub bind_timeout_ms: u64,
+    pub(crate) bind_timeout_ms: u64,
 }
 
 impl Default for ExtenderConfig {
@@ -68,7 +68,7 @@ impl ExtenderConfig {
         Ok(config)
     }
 
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
         // The daemon's own check of the domain, reported under our key.
         if let Err(ConfigError::Invalid { key, reason }) =
             crate::config::validate_resource_domain(&self.resource_domain)

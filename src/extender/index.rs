@@ -16,7 +16,7 @@ pub type PodName = (String, String);
 
 /// A node's GPUs as its inventory annotation publishes them.
 #[derive(Debug)]
-pub enum Gpus {
+pub(crate) enum Gpus {
     /// No inventory annotation: the device plugin does not run there.
     Unpublished,
     Unreadable(InventoryError),
@@ -68,7 +68,7 @@ pub struct Index {
     synced: (bool, bool),
 }
 
-pub fn pod_name(pod: &Pod) -> PodName {
+pub(crate) fn pod_name(pod: &Pod) -> PodName {
     (
         pod.metadata.namespace.clone().unwrap_or_default(),
         pod.metadata.name.clone().unwrap_or_default(),
@@ -99,7 +99,7 @@ impl Index {
     }
 
     /// `None`: the node is not in the cache (yet).
-    pub fn gpus(&self, node: &str) -> Option<&Gpus> {
+    pub(crate) fn gpus(&self, node: &str) -> Option<&Gpus> {
         self.nodes.get(node)
     }
 
@@ -182,17 +182,17 @@ impl Index {
         self.recount(&name);
     }
 
-    pub fn delete_node(&mut self, name: &str) {
+    pub(crate) fn delete_node(&mut self, name: &str) {
         self.nodes.remove(name);
     }
 
     /// Both reflectors have listed once: until then an unknown node or pod
     /// may simply not have arrived.
-    pub fn synced(&self) -> bool {
+    pub(crate) fn synced(&self) -> bool {
         self.synced == (true, true)
     }
 
-    pub fn replace_nodes(&mut self, nodes: Vec<Node>) {
+    pub(crate) fn replace_nodes(&mut self, nodes: Vec<Node>) {
         self.synced.0 = true;
         self.nodes.clear();
         for n in nodes {
@@ -223,7 +223,7 @@ impl Index {
         self.pods.insert(key, Held::of(&self.keys, pod));
     }
 
-    pub fn delete_pod(&mut self, key: &PodName) {
+    pub(crate) fn delete_pod(&mut self, key: &PodName) {
         self.changing(key, |ix| {
             ix.unindex(key);
             ix.reserved.remove(key);
@@ -231,7 +231,7 @@ impl Index {
     }
 
     /// A relist: pods the watch missed the deletion of are gone.
-    pub fn replace_pods(&mut self, pods: Vec<Pod>) {
+    pub(crate) fn replace_pods(&mut self, pods: Vec<Pod>) {
         self.synced.1 = true;
         let live: HashSet<PodName> = pods.iter().map(pod_name).collect();
         self.pods.clear();
@@ -259,7 +259,7 @@ impl Index {
 
     /// Counts `pod` (already carrying its assignment and node) until the
     /// bind is done and seen, or [`Index::release`]d.
-    pub fn reserve(&mut self, pod: Pod) {
+    pub(crate) fn reserve(&mut self, pod: Pod) {
         let key = pod_name(&pod);
         let held = Held::of(&self.keys, &pod);
         self.changing(&key.clone(), |ix| {
@@ -267,7 +267,7 @@ impl Index {
         });
     }
 
-    pub fn release(&mut self, key: &PodName) {
+    pub(crate) fn release(&mut self, key: &PodName) {
         self.changing(key, |ix| {
             ix.reserved.remove(key);
         });

@@ -10,7 +10,7 @@
 //! filter and prioritize read a snapshot, binds run one at a time.
 
 mod cluster;
-pub mod config;
+pub(crate) mod config;
 mod index;
 #[cfg(feature = "sim")]
 pub mod memory;

@@ -12,19 +12,19 @@ use crate::usage::{Assignment, Inventory, Keys, NodeUsage, PodAsks, Policy, fit,
 
 /// Why a node is filtered out.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Refusal {
-    pub reason: String,
+pub(crate) struct Refusal {
+    pub(crate) reason: String,
     /// Waiting or preempting pods cannot change it.
-    pub never: bool,
+    pub(crate) never: bool,
 }
 
 /// What a bind writes on the pod, and the pod as it will be once bound
 /// (counted while the bind is in flight).
 #[derive(Debug, Clone)]
-pub struct BindPlan {
+pub(crate) struct BindPlan {
     /// Set (`Some`) or removed (`None`).
-    pub annotations: BTreeMap<String, Option<String>>,
-    pub reserved: Pod,
+    pub(crate) annotations: BTreeMap<String, Option<String>>,
+    pub(crate) reserved: Pod,
 }
 
 pub struct Planner {
@@ -40,7 +40,7 @@ struct Fit<'a> {
 }
 
 impl Planner {
-    pub fn new(domain: &str, policy: Policy) -> Planner {
+    pub(crate) fn new(domain: &str, policy: Policy) -> Planner {
         Planner {
             keys: Keys::new(domain),
             policy,
@@ -49,7 +49,7 @@ impl Planner {
 
     /// The pod's GPU asks; `None` when it asks none (it is not ours to
     /// place, and costs nothing).
-    pub fn asks(&self, pod: &Pod) -> Option<PodAsks> {
+    pub(crate) fn asks(&self, pod: &Pod) -> Option<PodAsks> {
         let asks = PodAsks::from_pod(&self.keys, pod);
         asks.containers
             .iter()
@@ -91,12 +91,12 @@ impl Planner {
     }
 
     /// Whether every container of the pod fits on `node` at once.
-    pub fn fits(&self, ix: &Index, node: &str, asks: &PodAsks) -> Result<(), Refusal> {
+    pub(crate) fn fits(&self, ix: &Index, node: &str, asks: &PodAsks) -> Result<(), Refusal> {
         self.place(ix, node, asks).map(drop)
     }
 
     /// 0..=10 under the policy; 0 where the pod does not fit.
-    pub fn score(&self, ix: &Index, node: &str, asks: &PodAsks) -> u8 {
+    pub(crate) fn score(&self, ix: &Index, node: &str, asks: &PodAsks) -> u8 {
         self.place(ix, node, asks).map_or(0, |f| {
             score(f.inventory, f.usage, asks, &f.assignment, self.policy)
         })
@@ -105,7 +105,7 @@ impl Planner {
     /// Chooses the GPUs of the pod's containers on `node` against the
     /// current state; `None` for a pod that asks no GPU. `now_nanos` is
     /// the assume time (UnixNano) the node's matcher orders pods by.
-    pub fn plan_bind(
+    pub(crate) fn plan_bind(
         &self,
         ix: &Index,
         pod: &Pod,

@@ -27,12 +27,12 @@ pub struct ExtenderArgs {
 #[derive(Debug, Default, PartialEq, Deserialize, Serialize)]
 pub struct NodeList {
     #[serde(default)]
-    pub items: Vec<Value>,
+    pub(crate) items: Vec<Value>,
 }
 
 impl ExtenderArgs {
     /// The candidate node names, whichever way they came.
-    pub fn names(&self) -> Vec<String> {
+    pub(crate) fn names(&self) -> Vec<String> {
         match (&self.node_names, &self.nodes) {
             (Some(names), _) => names.clone(),
             (None, Some(list)) => list.items.iter().map(node_name).collect(),
@@ -41,7 +41,7 @@ impl ExtenderArgs {
     }
 }
 
-pub fn node_name(node: &Value) -> String {
+pub(crate) fn node_name(node: &Value) -> String {
     node["metadata"]["name"]
         .as_str()
         .unwrap_or_default()
@@ -51,19 +51,19 @@ pub fn node_name(node: &Value) -> String {
 #[derive(Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct ExtenderFilterResult {
     #[serde(rename = "Nodes")]
-    pub nodes: Option<NodeList>,
+    pub(crate) nodes: Option<NodeList>,
     #[serde(rename = "NodeNames")]
     pub node_names: Option<Vec<String>>,
     #[serde(rename = "FailedNodes")]
-    pub failed_nodes: BTreeMap<String, String>,
+    pub(crate) failed_nodes: BTreeMap<String, String>,
     #[serde(rename = "FailedAndUnresolvableNodes")]
-    pub failed_and_unresolvable_nodes: BTreeMap<String, String>,
+    pub(crate) failed_and_unresolvable_nodes: BTreeMap<String, String>,
     #[serde(rename = "Error")]
-    pub error: String,
+    pub(crate) error: String,
 }
 
 impl ExtenderFilterResult {
-    pub fn error(message: impl Into<String>) -> Self {
+    pub(crate) fn error(message: impl Into<String>) -> Self {
         ExtenderFilterResult {
             error: message.into(),
             ..Default::default()
@@ -93,7 +93,7 @@ pub struct ExtenderBindingArgs {
 }
 
 #[derive(Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
-pub struct ExtenderBindingResult {
+pub(crate) struct ExtenderBindingResult {
     #[serde(rename = "Error")]
-    pub error: String,
+    pub(crate) error: String,
 }

@@ -11,26 +11,26 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use super::probe::{self, ProbeSpec, Round};
 use super::tracker::HealthTracker;
 
-pub struct HealthMonitor;
+pub(crate) struct HealthMonitor;
 
 /// Where the monitor sends every change of the GPUs' health (one flag per
 /// GPU, in plan order).
-pub type HealthReport = Arc<dyn Fn(Arc<[bool]>) + Send + Sync>;
+pub(crate) type HealthReport = Arc<dyn Fn(Arc<[bool]>) + Send + Sync>;
 
 #[derive(Clone)]
-pub struct HealthArgs {
-    pub spec: ProbeSpec,
-    pub uuids: Vec<String>,
-    pub poll: Duration,
-    pub recovery: Duration,
-    pub report: HealthReport,
+pub(crate) struct HealthArgs {
+    pub(crate) spec: ProbeSpec,
+    pub(crate) uuids: Vec<String>,
+    pub(crate) poll: Duration,
+    pub(crate) recovery: Duration,
+    pub(crate) report: HealthReport,
 }
 
-pub enum HealthMsg {
+pub(crate) enum HealthMsg {
     Round(Round),
 }
 
-pub struct HealthState {
+pub(crate) struct HealthState {
     uuids: Vec<String>,
     tracker: HealthTracker,
     report: HealthReport,

@@ -8,13 +8,15 @@ mod actor;
 mod probe;
 mod tracker;
 
-pub use actor::{HealthArgs, HealthMonitor, HealthMsg, HealthReport};
-pub use probe::{HealthMode, ProbeSpec};
-pub use tracker::HealthTracker;
+pub(crate) use actor::{HealthArgs, HealthMonitor, HealthReport};
+pub(crate) use probe::{HealthMode, ProbeSpec};
 
 /// How the configured backend will check `gpus`: asks NVML off the async
 /// threads, as the probe thread will.
-pub async fn mode(config: &crate::config::Config, gpus: &[crate::device::Gpu]) -> HealthMode {
+pub(crate) async fn mode(
+    config: &crate::config::Config,
+    gpus: &[crate::device::Gpu],
+) -> HealthMode {
     let spec = ProbeSpec::new(config);
     let uuids: Vec<String> = gpus.iter().map(|g| g.uuid.clone()).collect();
     tokio::task::spawn_blocking(move || probe::mode(&spec, &uuids))

@@ -19,7 +19,7 @@ const APPLICATION_XIDS: &[u64] = &[13, 31, 43, 45, 68, 109];
 
 /// What to check.
 #[derive(Debug, Clone, PartialEq)]
-pub enum ProbeSpec {
+pub(crate) enum ProbeSpec {
     /// A file `<dir>/<uuid>` makes that GPU fail; no dir: always healthy.
     Mock {
         dir: Option<PathBuf>,
@@ -28,7 +28,7 @@ pub enum ProbeSpec {
 }
 
 impl ProbeSpec {
-    pub fn new(config: &Config) -> ProbeSpec {
+    pub(crate) fn new(config: &Config) -> ProbeSpec {
         let dir = &config.health.mock_dir;
         match config.devices.backend {
             Backend::Nvml => ProbeSpec::Nvml,
@@ -41,7 +41,7 @@ impl ProbeSpec {
 
 /// How GPU failures are noticed, for the start-up log line.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum HealthMode {
+pub(crate) enum HealthMode {
     /// Critical XID events arrive as they happen, on this many GPUs.
     XidEvents(usize),
     /// Only the periodic query, and why.
@@ -58,7 +58,7 @@ impl fmt::Display for HealthMode {
 }
 
 /// What the probe thread will do with `spec` (blocks: NVML).
-pub fn mode(spec: &ProbeSpec, uuids: &[String]) -> HealthMode {
+pub(crate) fn mode(spec: &ProbeSpec, uuids: &[String]) -> HealthMode {
     match spec {
         ProbeSpec::Mock { .. } => HealthMode::Polling("mock backend".into()),
         ProbeSpec::Nvml => match Nvml::init() {
@@ -90,10 +90,15 @@ fn xid_events<'n>(nvml: &'n Nvml, uuids: &[String]) -> Result<(EventSet<'n>, usi
 }
 
 /// One round: per GPU, `Some(reason)` when it failed.
-pub type Round = Vec<Option<String>>;
+pub(crate) type Round = Vec<Option<String>>;
 
 /// Runs rounds every `poll` until `report` returns false.
-pub fn run(spec: ProbeSpec, uuids: Vec<String>, poll: Duration, report: impl Fn(Round) -> bool) {
+pub(crate) fn run(
+    spec: ProbeSpec,
+    uuids: Vec<String>,
+    poll: Duration,
+    report: impl Fn(Round) -> bool,
+) {
     match spec {
         ProbeSpec::Mock { dir } => loop {
             let round = uuids

@@ -6,14 +6,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 #[derive(Debug)]
-pub struct HealthTracker {
+pub(crate) struct HealthTracker {
     recovery: Duration,
     last_failure: Vec<Option<Instant>>,
     healthy: Vec<bool>,
 }
 
 impl HealthTracker {
-    pub fn new(gpus: usize, recovery: Duration) -> Self {
+    pub(crate) fn new(gpus: usize, recovery: Duration) -> Self {
         HealthTracker {
             recovery,
             last_failure: vec![None; gpus],
@@ -21,13 +21,13 @@ impl HealthTracker {
         }
     }
 
-    pub fn healthy(&self) -> Arc<[bool]> {
+    pub(crate) fn healthy(&self) -> Arc<[bool]> {
         self.healthy.clone().into()
     }
 
     /// Applies one round (`failing[g]` is true when GPU g failed a check);
     /// returns the new health when it changed.
-    pub fn observe(&mut self, failing: &[bool], now: Instant) -> Option<Arc<[bool]>> {
+    pub(crate) fn observe(&mut self, failing: &[bool], now: Instant) -> Option<Arc<[bool]>> {
         let before = self.healthy.clone();
         for (g, &fails) in failing.iter().enumerate().take(self.healthy.len()) {
             if fails {

@@ -22,18 +22,18 @@ use crate::config::Config;
 /// longer, and a later attempt is better than a stuck actor.
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
-pub struct InventoryPublisher;
+pub(crate) struct InventoryPublisher;
 
 #[derive(Debug, Clone, PartialEq)]
-pub struct InventoryArgs {
-    pub node_name: String,
-    pub kubeconfig: PathBuf,
+pub(crate) struct InventoryArgs {
+    pub(crate) node_name: String,
+    pub(crate) kubeconfig: PathBuf,
     /// What the Node should carry from the start.
-    pub published: Published,
+    pub(crate) published: Published,
 }
 
 impl InventoryArgs {
-    pub fn new(config: &Config, published: Published) -> Self {
+    pub(crate) fn new(config: &Config, published: Published) -> Self {
         InventoryArgs {
             node_name: config.node_name.clone(),
             kubeconfig: config.matcher.kubeconfig.clone(),
@@ -42,14 +42,14 @@ impl InventoryArgs {
     }
 }
 
-pub enum InventoryMsg {
+pub(crate) enum InventoryMsg {
     /// A new inventory (GPU set, health or config changed).
     Publish(Published),
     /// Bring the Node in line (at start, and the backoff's retries).
     Sync,
 }
 
-pub struct InventoryState {
+pub(crate) struct InventoryState {
     node_name: String,
     kubeconfig: PathBuf,
     wanted: Published,

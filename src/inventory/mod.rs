@@ -9,7 +9,7 @@
 
 mod actor;
 
-pub use actor::{InventoryArgs, InventoryMsg, InventoryPublisher};
+pub(crate) use actor::{InventoryArgs, InventoryMsg, InventoryPublisher};
 
 use std::collections::BTreeMap;
 
@@ -41,13 +41,13 @@ fn inventory(config: &Config, gpus: &[Gpu], healthy: &[bool]) -> Inventory {
 /// What the node daemon wants its Node to carry: the annotation's key
 /// (`<domain>/gpu-inventory`) and the inventory.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Published {
-    pub key: String,
-    pub inventory: Inventory,
+pub(crate) struct Published {
+    pub(crate) key: String,
+    pub(crate) inventory: Inventory,
 }
 
 impl Published {
-    pub fn of(config: &Config, gpus: &[Gpu], healthy: &[bool]) -> Published {
+    pub(crate) fn of(config: &Config, gpus: &[Gpu], healthy: &[bool]) -> Published {
         Published {
             key: format!("{}/gpu-inventory", config.resource_domain),
             inventory: inventory(config, gpus, healthy),
@@ -60,7 +60,7 @@ impl Published {
 /// under a domain since changed); `None` when they already do. The
 /// comparison is by meaning, not by text: another writer's key order or
 /// spacing is no reason to patch.
-pub fn patch(
+pub(crate) fn patch(
     annotations: &BTreeMap<String, String>,
     wanted: &Published,
     stale: &[String],

@@ -11,25 +11,25 @@ use notify::{EventKind, RecommendedWatcher, RecursiveMode, Watcher};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
 
-pub struct KubeletWatcher;
+pub(crate) struct KubeletWatcher;
 
 /// Asks for every plugin to check its socket, kubelet and stream.
-pub type CheckPlugins = Arc<dyn Fn() + Send + Sync>;
+pub(crate) type CheckPlugins = Arc<dyn Fn() + Send + Sync>;
 
 #[derive(Clone)]
-pub struct WatcherArgs {
-    pub dir: PathBuf,
-    pub check: CheckPlugins,
+pub(crate) struct WatcherArgs {
+    pub(crate) dir: PathBuf,
+    pub(crate) check: CheckPlugins,
     /// The periodic check, for events the filesystem did not deliver.
-    pub tick: Duration,
+    pub(crate) tick: Duration,
 }
 
-pub enum WatcherMsg {
+pub(crate) enum WatcherMsg {
     /// Something happened to a socket in the directory, or the tick fired.
     Changed,
 }
 
-pub struct WatcherState {
+pub(crate) struct WatcherState {
     check: CheckPlugins,
     _watcher: RecommendedWatcher,
     ticker: JoinHandle<()>,

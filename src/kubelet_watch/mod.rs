@@ -5,4 +5,4 @@
 
 mod actor;
 
-pub use actor::{CheckPlugins, KubeletWatcher, WatcherArgs, WatcherMsg};
+pub(crate) use actor::{CheckPlugins, KubeletWatcher, WatcherArgs};

@@ -26,21 +26,21 @@ const RETRY: Duration = Duration::from_millis(200);
 /// An Event is a courtesy: it never holds up the answer for long.
 const EVENT_TIMEOUT: Duration = Duration::from_secs(2);
 
-pub struct PodMatcher;
+pub(crate) struct PodMatcher;
 
 #[derive(Debug, Clone)]
-pub struct MatcherArgs {
-    pub node_name: String,
+pub(crate) struct MatcherArgs {
+    pub(crate) node_name: String,
     /// This node's GPUs: what matching needs of the config and no more.
-    pub node: Inventory,
-    pub keys: Keys,
-    pub wait: Duration,
-    pub kubeconfig: PathBuf,
-    pub metrics: Arc<Metrics>,
+    pub(crate) node: Inventory,
+    pub(crate) keys: Keys,
+    pub(crate) wait: Duration,
+    pub(crate) kubeconfig: PathBuf,
+    pub(crate) metrics: Arc<Metrics>,
 }
 
 impl MatcherArgs {
-    pub fn new(
+    pub(crate) fn new(
         config: &crate::config::Config,
         gpus: &[crate::device::Gpu],
         metrics: Arc<Metrics>,
@@ -57,9 +57,9 @@ impl MatcherArgs {
 }
 
 /// What `/readyz` calls the matcher.
-pub const READY_NAME: &str = "pod matcher";
+pub(crate) const READY_NAME: &str = "pod matcher";
 
-pub struct MatcherState {
+pub(crate) struct MatcherState {
     args: MatcherArgs,
     client: Client,
     cache: PodCache,

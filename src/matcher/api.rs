@@ -28,14 +28,14 @@ pub(super) const UNSEEN_POD_WAIT: Duration =
 
 /// Where GetPreferredAllocation should take devices from.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Steer {
+pub(crate) struct Steer {
     /// The GPUs the container will get (empty: no opinion).
-    pub gpus: Vec<usize>,
+    pub(crate) gpus: Vec<usize>,
     /// Per GPU: keep off it (whole and shared work do not mix).
-    pub avoid: Vec<bool>,
+    pub(crate) avoid: Vec<bool>,
 }
 
-pub enum MatcherMsg {
+pub(crate) enum MatcherMsg {
     /// Find, place and record the container an Allocate is for.
     Allocate(Ask, RpcReplyPort<Result<Decision, MatcherError>>),
     /// The same lookup, recording nothing, for GetPreferredAllocation.
@@ -50,16 +50,16 @@ pub enum MatcherMsg {
 
 /// A container of a pod the pod cache holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LiveContainer {
-    pub pod: PodKey,
-    pub uid: String,
-    pub container: String,
+pub(crate) struct LiveContainer {
+    pub(crate) pod: PodKey,
+    pub(crate) uid: String,
+    pub(crate) container: String,
 }
 
 /// Why the matcher gave no container for an Allocate. The text is what
 /// the kubelet shows; [`MatcherError::reason`] is what metrics count.
 #[derive(Debug, thiserror::Error)]
-pub enum MatcherError {
+pub(crate) enum MatcherError {
     #[error("the pod matcher is not running (see the log for why)")]
     Down,
     /// The call failed: `timed_out`, or the matcher stopped meanwhile.
@@ -77,7 +77,7 @@ pub enum MatcherError {
 
 /// Why the matcher refused.
 #[derive(Debug, thiserror::Error)]
-pub enum Refusal {
+pub(crate) enum Refusal {
     #[error("the pod cache has not synced with the API server within {0} ms")]
     NotSynced(u128),
     #[error("the API server: {0}")]
@@ -88,7 +88,7 @@ pub enum Refusal {
 
 impl MatcherError {
     /// The kind of failure, for `rpc_failures_total{reason}`.
-    pub fn reason(&self) -> &'static str {
+    pub(crate) fn reason(&self) -> &'static str {
         match self {
             MatcherError::Down
             | MatcherError::NoAnswer {
@@ -122,10 +122,10 @@ fn no_answer<T>(e: RactorErr<T>) -> MatcherError {
 }
 
 #[derive(Debug, Clone, Default)]
-pub struct MatcherHandle(Arc<RwLock<Option<ActorRef<MatcherMsg>>>>);
+pub(crate) struct MatcherHandle(Arc<RwLock<Option<ActorRef<MatcherMsg>>>>);
 
 impl MatcherHandle {
-    pub fn set(&self, actor: Option<ActorRef<MatcherMsg>>) {
+    pub(crate) fn set(&self, actor: Option<ActorRef<MatcherMsg>>) {
         *self.0.write().expect("matcher handle poisoned") = actor;
     }
 
@@ -136,7 +136,7 @@ impl MatcherHandle {
     /// The container granted `devices` of `resource`, named by `ids` (the
     /// same devices, as the kubelet sent them). `wait` is the matcher's
     /// own bound (`matcher.wait_ms`); the call allows for its queue too.
-    pub async fn allocate<'a>(
+    pub(crate) async fn allocate<'a>(
         &self,
         resource: Resource,
         devices: &[DeviceRef],
@@ -151,7 +151,7 @@ impl MatcherHandle {
 
     /// A Warning Event saying `message` on the pod an Allocate of `devices`
     /// is for, when the matcher runs and finds it; does not wait.
-    pub fn warn<'a>(
+    pub(crate) fn warn<'a>(
         &self,
         resource: Resource,
         devices: &[DeviceRef],
@@ -166,7 +166,7 @@ impl MatcherHandle {
 
     /// The containers of the pods in the pod cache; None when the matcher
     /// is down, slow, or has not synced its cache.
-    pub async fn live(&self) -> Option<Vec<LiveContainer>> {
+    pub(crate) async fn live(&self) -> Option<Vec<LiveContainer>> {
         let actor = self.actor()?;
         let ms = LIVE_TIMEOUT.as_millis() as u64;
         call_t!(actor, MatcherMsg::Live, ms).ok().flatten()
@@ -174,7 +174,7 @@ impl MatcherHandle {
 
     /// Where `size` devices of `resource` should come from; no opinion
     /// when the matcher is down or slow.
-    pub async fn prefer(&self, resource: Resource, size: usize) -> Steer {
+    pub(crate) async fn prefer(&self, resource: Resource, size: usize) -> Steer {
         let Some(actor) = self.actor() else {
             return Steer::default();
         };

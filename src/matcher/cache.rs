@@ -14,7 +14,7 @@ use kube::{Api, Client};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-pub struct PodCache {
+pub(crate) struct PodCache {
     store: Store<Pod>,
     /// Bumped on every event the store applied.
     changes: watch::Receiver<u64>,
@@ -22,7 +22,7 @@ pub struct PodCache {
 }
 
 impl PodCache {
-    pub fn start(client: Client, node: &str) -> PodCache {
+    pub(crate) fn start(client: Client, node: &str) -> PodCache {
         let api: Api<Pod> = Api::all(client);
         let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
         let (store, writer) = reflector::store();
@@ -44,12 +44,12 @@ impl PodCache {
         }
     }
 
-    pub fn pods(&self) -> Vec<Arc<Pod>> {
+    pub(crate) fn pods(&self) -> Vec<Arc<Pod>> {
         self.store.state()
     }
 
     /// Waits for the first full list, until `deadline`.
-    pub async fn ready(&self, deadline: Instant) -> bool {
+    pub(crate) async fn ready(&self, deadline: Instant) -> bool {
         let wait = self.store.wait_until_ready();
         tokio::time::timeout_at(deadline.into(), wait)
             .await
@@ -57,7 +57,7 @@ impl PodCache {
     }
 
     /// Resolves once the first full list is in, however long that takes.
-    pub fn synced(&self) -> impl Future<Output = ()> + Send + 'static {
+    pub(crate) fn synced(&self) -> impl Future<Output = ()> + Send + 'static {
         let store = self.store.clone();
         async move {
             let _ = store.wait_until_ready().await;
@@ -66,12 +66,12 @@ impl PodCache {
 
     /// The store and a receiver told of each change: for readers besides
     /// the matcher, which see the cache but never wait on it.
-    pub fn reader(&self) -> (Store<Pod>, watch::Receiver<u64>) {
+    pub(crate) fn reader(&self) -> (Store<Pod>, watch::Receiver<u64>) {
         (self.store.clone(), self.changes.clone())
     }
 
     /// Waits for the store to change, until `deadline`; false when it passed.
-    pub async fn changed(&mut self, deadline: Instant) -> bool {
+    pub(crate) async fn changed(&mut self, deadline: Instant) -> bool {
         tokio::time::timeout_at(deadline.into(), self.changes.changed())
             .await
             .is_ok_and(|r| r.is_ok())

@@ -14,24 +14,24 @@ use serde::{Deserialize, Serialize};
 use crate::device::Resource;
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Grant {
-    pub gpus: Vec<String>,
+pub(crate) struct Grant {
+    pub(crate) gpus: Vec<String>,
     #[serde(
         rename = "gpu-memory",
         default,
         skip_serializing_if = "Option::is_none"
     )]
-    pub memory: Option<u64>,
+    pub(crate) memory: Option<u64>,
     #[serde(rename = "gpu-core", default, skip_serializing_if = "Option::is_none")]
-    pub core: Option<u64>,
+    pub(crate) core: Option<u64>,
     #[serde(rename = "gpu-count", default, skip_serializing_if = "Option::is_none")]
-    pub count: Option<u64>,
+    pub(crate) count: Option<u64>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub ids: BTreeMap<Resource, String>,
+    pub(crate) ids: BTreeMap<Resource, String>,
 }
 
 impl Grant {
-    pub fn amount(&self, r: Resource) -> Option<u64> {
+    pub(crate) fn amount(&self, r: Resource) -> Option<u64> {
         match r {
             Resource::GpuMemory => self.memory,
             Resource::GpuCore => self.core,
@@ -39,7 +39,7 @@ impl Grant {
         }
     }
 
-    pub fn set(&mut self, r: Resource, amount: u64, ids: String) {
+    pub(crate) fn set(&mut self, r: Resource, amount: u64, ids: String) {
         *match r {
             Resource::GpuMemory => &mut self.memory,
             Resource::GpuCore => &mut self.core,
@@ -49,24 +49,20 @@ impl Grant {
     }
 
     /// Holds its GPUs whole (gpu-count) rather than a share of one.
-    pub fn whole(&self) -> bool {
+    pub(crate) fn whole(&self) -> bool {
         self.count.is_some()
-    }
-
-    pub fn shared(&self) -> bool {
-        self.memory.is_some() || self.core.is_some()
     }
 }
 
 /// Container name → grant.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(transparent)]
-pub struct Ledger(pub BTreeMap<String, Grant>);
+pub struct Ledger(pub(crate) BTreeMap<String, Grant>);
 
 impl Ledger {
     /// A missing annotation is an empty ledger; a malformed one is an error
     /// (the caller logs it and treats the pod as unserved by us).
-    pub fn parse(text: Option<&str>) -> Result<Ledger, serde_json::Error> {
+    pub(crate) fn parse(text: Option<&str>) -> Result<Ledger, serde_json::Error> {
         text.map_or(Ok(Ledger::default()), serde_json::from_str)
     }
 
@@ -74,13 +70,13 @@ impl Ledger {
         serde_json::to_string(self).expect("a ledger always serialises")
     }
 
-    pub fn served(&self, container: &str, r: Resource) -> bool {
+    pub(crate) fn served(&self, container: &str, r: Resource) -> bool {
         self.0.get(container).is_some_and(|g| g.amount(r).is_some())
     }
 
     /// Adds what `other` has and this one lacks: entries are only ever
     /// added, so the union of two views of a ledger is the newest one.
-    pub fn merge(&mut self, other: &Ledger) {
+    pub(crate) fn merge(&mut self, other: &Ledger) {
         for (name, grant) in &other.0 {
             let mine = self.0.entry(name.clone()).or_default();
             if mine.gpus.is_empty() {
@@ -98,7 +94,7 @@ impl Ledger {
 
 /// A short, stable digest of a set of device IDs (order does not matter:
 /// the kubelet may list them in any order).
-pub fn ids_digest<'a>(ids: impl Iterator<Item = &'a str>) -> String {
+pub(crate) fn ids_digest<'a>(ids: impl Iterator<Item = &'a str>) -> String {
     let mut sorted: Vec<&str> = ids.collect();
     sorted.sort_unstable();
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;

@@ -23,15 +23,15 @@ pub struct Ask {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Decision {
     pub pod: PodKey,
-    pub uid: String,
-    pub container: String,
+    pub(crate) uid: String,
+    pub(crate) container: String,
     /// The GPUs the container gets; for GetPreferredAllocation of a
     /// container with no GPU yet, the best fit (empty when none fits).
     pub gpus: Vec<usize>,
     /// Amount in the resource's unit.
-    pub amount: u64,
+    pub(crate) amount: u64,
     /// Already served with these very IDs: answer again, record nothing.
-    pub repeat: bool,
+    pub(crate) repeat: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -89,7 +89,7 @@ pub enum MatchError {
 impl MatchError {
     /// The pod an Event about this error belongs on: the matched pod, or for
     /// no candidate, the first pod waiting for the resource.
-    pub fn pod(&self) -> Option<&PodKey> {
+    pub(crate) fn pod(&self) -> Option<&PodKey> {
         match self {
             MatchError::NoCandidate { best, .. } => best.as_ref(),
             MatchError::UnknownGpu { pod, .. }
@@ -140,7 +140,7 @@ pub fn decide(inv: &Inventory, pods: &[PodView], ask: &Ask) -> Result<Decision, 
 }
 
 /// [`decide`] with the pods' usage already known.
-pub fn decide_with(
+pub(crate) fn decide_with(
     inv: &Inventory,
     pods: &[PodView],
     usage: &NodeUsage,

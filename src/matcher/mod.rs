@@ -6,14 +6,14 @@
 
 mod actor;
 mod api;
-pub mod cache;
+pub(crate) mod cache;
 pub mod ledger;
 pub mod matching;
 pub mod pods;
 mod report;
 
-pub use actor::{MatcherArgs, PodMatcher, READY_NAME};
-pub use api::{LiveContainer, MatcherError, MatcherHandle, MatcherMsg, Steer};
+pub(crate) use actor::{MatcherArgs, PodMatcher, READY_NAME};
+pub(crate) use api::{LiveContainer, MatcherError, MatcherHandle, MatcherMsg, Steer};
 
 #[cfg(test)]
 mod tests;

@@ -9,7 +9,7 @@ use crate::usage::{Assignment, ContainerAsk, Keys, PodAsks};
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct PodKey {
-    pub namespace: String,
+    pub(crate) namespace: String,
     pub name: String,
 }
 
@@ -22,23 +22,23 @@ impl std::fmt::Display for PodKey {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PodView {
     pub key: PodKey,
-    pub uid: String,
+    pub(crate) uid: String,
     /// Phase `Pending` and not being deleted: the kubelet may be admitting it.
     pub admitting: bool,
     /// Not `Succeeded` or `Failed`: its grants still occupy GPUs.
-    pub live: bool,
+    pub(crate) live: bool,
     /// `<domain>/gpu-assume-time`, when present and a decimal number.
-    pub assume_time: Option<u128>,
+    pub(crate) assume_time: Option<u128>,
     /// creationTimestamp, nanoseconds since the epoch.
-    pub created: i128,
+    pub(crate) created: i128,
     /// `<domain>/gpu-uuid`, set by a scheduler extender.
-    pub gpu_uuid: Option<String>,
+    pub(crate) gpu_uuid: Option<String>,
     /// `<domain>/gpu-assignment`: the extender's GPUs per container.
-    pub assignment: Assignment,
+    pub(crate) assignment: Assignment,
     /// Init containers, then app containers, in spec order.
     pub containers: Vec<ContainerAsk>,
     pub ledger: Ledger,
-    pub resource_version: String,
+    pub(crate) resource_version: String,
 }
 
 /// Why a pod's annotations could not all be read; the pod is still used,
@@ -106,7 +106,7 @@ impl PodView {
     }
 
     /// Every GPU resource of every container served.
-    pub fn complete(&self) -> bool {
+    pub(crate) fn complete(&self) -> bool {
         self.containers.iter().all(|c| {
             Resource::ALL
                 .iter()

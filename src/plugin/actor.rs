@@ -42,31 +42,31 @@ const STREAM_GRACE: Duration = Duration::from_secs(3);
 /// again: the kubelet must handle the old stream's end first, or it drops
 /// the new registration (kubernetes#121994). We cannot see when it has, so
 /// we give it time; a lost race is still healed by `Check`.
-pub const SETTLE: Duration = Duration::from_millis(200);
+pub(crate) const SETTLE: Duration = Duration::from_millis(200);
 
-pub struct PluginActor;
+pub(crate) struct PluginActor;
 
 /// Everything a plugin needs.
 #[derive(Debug, Clone)]
-pub struct PluginArgs {
-    pub model: Arc<DeviceModel>,
-    pub resource_name: String,
-    pub endpoint: String,
-    pub socket: PathBuf,
-    pub kubelet_socket: PathBuf,
-    pub template: Arc<ResponseTemplate>,
-    pub placement: Placement,
+pub(crate) struct PluginArgs {
+    pub(crate) model: Arc<DeviceModel>,
+    pub(crate) resource_name: String,
+    pub(crate) endpoint: String,
+    pub(crate) socket: PathBuf,
+    pub(crate) kubelet_socket: PathBuf,
+    pub(crate) template: Arc<ResponseTemplate>,
+    pub(crate) placement: Placement,
     /// Caps shared grants; None with enforcement off.
-    pub enforcer: Option<Enforcer>,
-    pub healthy: Arc<[bool]>,
-    pub metrics: Arc<ResourceMetrics>,
+    pub(crate) enforcer: Option<Enforcer>,
+    pub(crate) healthy: Arc<[bool]>,
+    pub(crate) metrics: Arc<ResourceMetrics>,
     /// Set when a predecessor's stream ended just now (a reload): no
     /// registration before this instant with the same kubelet (see SETTLE).
-    pub settle_until: Option<Instant>,
+    pub(crate) settle_until: Option<Instant>,
 }
 
 impl PluginArgs {
-    pub fn new(
+    pub(crate) fn new(
         config: &Config,
         model: Arc<DeviceModel>,
         placement: Placement,
@@ -111,7 +111,7 @@ pub(super) fn template(config: &Config, resource: Resource) -> ResponseTemplate 
     ResponseTemplate::new(config.amount_env(resource), &extras)
 }
 
-pub enum PluginMsg {
+pub(crate) enum PluginMsg {
     /// Try to register the server of this generation: the retry scheduled
     /// for the given instant, or (None) at once, on start or on a trigger.
     Register(u64, Option<Instant>),
@@ -134,7 +134,7 @@ struct Server {
     socket_id: FileId,
 }
 
-pub struct PluginState {
+pub(crate) struct PluginState {
     args: PluginArgs,
     /// Every server's service reads the placement from here, per call.
     placement: watch::Sender<Placement>,
@@ -202,7 +202,7 @@ impl PluginState {
 /// Which file a path names now. The inode alone is not enough: a socket
 /// deleted and created again (a restarted kubelet) often gets the same one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct FileId {
+pub(crate) struct FileId {
     ino: u64,
     ctime: i64,
     ctime_nsec: i64,

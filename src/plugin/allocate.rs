@@ -12,13 +12,13 @@ use crate::device::{DeviceModel, DeviceRef, Resource};
 /// What the operator adds to every container (config `[allocate]`).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub(crate) struct Extras {
-    pub envs: BTreeMap<String, String>,
-    pub mounts: Vec<Mount>,
+    pub(crate) envs: BTreeMap<String, String>,
+    pub(crate) mounts: Vec<Mount>,
 }
 
 /// One resource's fixed part of every Allocate response.
 #[derive(Debug, Clone, PartialEq)]
-pub struct ResponseTemplate {
+pub(crate) struct ResponseTemplate {
     /// The env carrying a shared grant's amount, e.g. `DOSLAB_IO_GPU_MEMORY`.
     amount_env: String,
     envs: HashMap<String, String>,
@@ -29,8 +29,8 @@ pub struct ResponseTemplate {
 /// amount in the resource's unit.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Grant {
-    pub gpus: Vec<usize>,
-    pub amount: u64,
+    pub(crate) gpus: Vec<usize>,
+    pub(crate) amount: u64,
 }
 
 impl ResponseTemplate {
@@ -73,7 +73,7 @@ impl ResponseTemplate {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum AllocateError {
+pub(crate) enum AllocateError {
     #[error("no device IDs in the request")]
     Empty,
     #[error(

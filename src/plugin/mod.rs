@@ -10,13 +10,13 @@
 //! - `registration`: the Register call to the kubelet.
 
 mod actor;
-pub mod allocate;
+pub(crate) mod allocate;
 pub mod codec;
 mod pairing;
 mod placement;
 mod registration;
-pub mod service;
+pub(crate) mod service;
 
-pub use actor::{PluginActor, PluginArgs, PluginMsg, SETTLE};
-pub use pairing::LastShared;
-pub use placement::Placement;
+pub(crate) use actor::{PluginActor, PluginArgs, PluginMsg, SETTLE};
+pub(crate) use pairing::LastShared;
+pub(crate) use placement::Placement;

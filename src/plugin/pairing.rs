@@ -25,7 +25,7 @@ use crate::matcher::Steer;
 
 /// Shared by the plugins of one process (each holds a clone).
 #[derive(Debug, Clone, Default)]
-pub struct LastShared(Arc<Mutex<Book>>);
+pub(crate) struct LastShared(Arc<Mutex<Book>>);
 
 #[derive(Debug, Default)]
 struct Book {
@@ -60,7 +60,7 @@ struct Latest {
      GPU (without pod matching the plugin cannot know a container's second ask when it places \
      the first)"
 )]
-pub struct SplitError {
+pub(crate) struct SplitError {
     resource: Resource,
     other: Resource,
     first: String,
@@ -147,7 +147,7 @@ impl LastShared {
 
     /// Learns what the kubelet lists free for `model`'s resource and says
     /// where GetPreferredAllocation should take `size` devices from.
-    pub fn steer(&self, model: &DeviceModel, available: &[DeviceRef], size: usize) -> Steer {
+    pub(crate) fn steer(&self, model: &DeviceModel, available: &[DeviceRef], size: usize) -> Steer {
         let mut book = self.book();
         let gpus = model.gpus().len();
         let free = per_gpu(available, gpus);
@@ -191,7 +191,11 @@ impl LastShared {
     /// a shared resource). Refuses a container's second shared grant on
     /// another GPU than its first, which would hand it two GPUs' envs; the
     /// refusal ends the pair, so the next container starts afresh.
-    pub fn grant(&self, model: &DeviceModel, devices: &[DeviceRef]) -> Result<(), SplitError> {
+    pub(crate) fn grant(
+        &self,
+        model: &DeviceModel,
+        devices: &[DeviceRef],
+    ) -> Result<(), SplitError> {
         let mut book = self.book();
         let resource = model.resource();
         let Some(s) = slot(resource) else {

@@ -16,7 +16,7 @@ use crate::matcher::ledger::ids_digest;
 use crate::matcher::{MatcherError, MatcherHandle};
 
 #[derive(Debug, Clone)]
-pub enum Placement {
+pub(crate) enum Placement {
     /// From the IDs, with the pairing hint for GetPreferredAllocation.
     Ids(LastShared),
     /// From the pod matcher, which may wait up to `wait` for a pod.
@@ -55,7 +55,7 @@ impl PlaceError {
 }
 
 impl Placement {
-    pub fn uses_matcher(&self) -> bool {
+    pub(crate) fn uses_matcher(&self) -> bool {
         matches!(self, Placement::Matcher { .. })
     }
 

@@ -11,7 +11,7 @@ use crate::api::RegisterRequest;
 use crate::api::registration_client::RegistrationClient;
 
 #[derive(Debug, thiserror::Error)]
-pub enum RegisterError {
+pub(crate) enum RegisterError {
     #[error("kubelet socket {0} is not there yet")]
     NoKubelet(String),
     #[error("cannot reach the kubelet at {path}: {source}")]
@@ -24,7 +24,7 @@ pub enum RegisterError {
 }
 
 /// Registers `resource_name` served on `<device_plugin_dir>/<endpoint>`.
-pub async fn register(
+pub(crate) async fn register(
     kubelet_socket: &Path,
     endpoint: &str,
     resource_name: &str,

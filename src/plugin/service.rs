@@ -28,19 +28,19 @@ use crate::metrics::{ResourceMetrics, Rpc};
 /// What ListAndWatch streams: the current list, and whether it is the last
 /// one of this stream (the plugin is stopping or re-registering).
 #[derive(Debug, Clone, Default)]
-pub struct StreamItem {
-    pub list: DeviceListMessage,
-    pub last: bool,
+pub(crate) struct StreamItem {
+    pub(crate) list: DeviceListMessage,
+    pub(crate) last: bool,
 }
 
-pub fn options() -> DevicePluginOptions {
+pub(crate) fn options() -> DevicePluginOptions {
     DevicePluginOptions {
         pre_start_required: false,
         get_preferred_allocation_available: true,
     }
 }
 
-pub struct DevicePluginService {
+pub(crate) struct DevicePluginService {
     model: Arc<DeviceModel>,
     template: Arc<ResponseTemplate>,
     lists: watch::Receiver<StreamItem>,
@@ -53,7 +53,7 @@ pub struct DevicePluginService {
 struct Refusal(Status, &'static str);
 
 impl DevicePluginService {
-    pub fn new(
+    pub(crate) fn new(
         model: Arc<DeviceModel>,
         template: Arc<ResponseTemplate>,
         lists: watch::Receiver<StreamItem>,

@@ -53,16 +53,16 @@ const EXTENDER_SCORE_SCALE: i64 = 10;
 /// stand-in uses; an empty verb is not called).
 #[derive(Debug, Clone)]
 pub struct ExtenderConfig {
-    pub url_prefix: String,
-    pub filter_verb: String,
-    pub prioritize_verb: String,
-    pub bind_verb: String,
-    pub weight: i64,
-    pub node_cache_capable: bool,
-    pub ignorable: bool,
+    pub(crate) url_prefix: String,
+    pub(crate) filter_verb: String,
+    pub(crate) prioritize_verb: String,
+    pub(crate) bind_verb: String,
+    pub(crate) weight: i64,
+    pub(crate) node_cache_capable: bool,
+    pub(crate) ignorable: bool,
     /// Resource names; empty: every pod goes to the extender.
-    pub managed_resources: Vec<String>,
-    pub http_timeout: Duration,
+    pub(crate) managed_resources: Vec<String>,
+    pub(crate) http_timeout: Duration,
 }
 
 impl ExtenderConfig {
@@ -110,15 +110,15 @@ impl ExtenderConfig {
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
     /// The `schedulerName` of the pods it places.
-    pub name: String,
-    pub extender: Option<ExtenderConfig>,
+    pub(crate) name: String,
+    pub(crate) extender: Option<ExtenderConfig>,
     /// Ties between top-scoring nodes: `None` takes the first in name
     /// order, `Some(seed)` picks at random, reproducibly.
     pub seed: Option<u64>,
     pub initial_backoff: Duration,
     pub max_backoff: Duration,
     /// How often it looks for pending pods.
-    pub poll: Duration,
+    pub(crate) poll: Duration,
 }
 
 impl SchedulerConfig {
@@ -140,7 +140,7 @@ pub struct Outcome {
     pub attempts: u32,
     pub node: Option<String>,
     /// Why the last attempt failed.
-    pub error: Option<String>,
+    pub(crate) error: Option<String>,
     /// Why each node was filtered out on the last attempt (node totals or
     /// the extender's `FailedNodes` and `FailedAndUnresolvableNodes`).
     pub filtered: BTreeMap<String, String>,

@@ -8,9 +8,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ractor::{
-    Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent, call_t,
-};
+use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent, call_t};
 
 use super::children::{Args, Child, Shared, Spawned, wanted};
 use super::reload;
@@ -31,15 +29,15 @@ const FAILING_AFTER: u32 = 3;
 /// How long a stopping child may take (a plugin ends its stream and server).
 const CHILD_STOP_TIMEOUT: Duration = Duration::from_secs(4);
 
-pub struct Supervisor;
+pub(crate) struct Supervisor;
 
-pub struct SupervisorArgs {
-    pub config: Config,
-    pub plan: Plan,
-    pub metrics: Arc<Metrics>,
+pub(crate) struct SupervisorArgs {
+    pub(crate) config: Config,
+    pub(crate) plan: Plan,
+    pub(crate) metrics: Arc<Metrics>,
 }
 
-pub enum SupervisorMsg {
+pub(crate) enum SupervisorMsg {
     /// Start (again) a child that is not running.
     Start(Child),
     /// Have every plugin verify its socket, kubelet and stream.
@@ -52,7 +50,8 @@ pub enum SupervisorMsg {
     Stable(Child),
     /// The running children, each with its actor: which ones a reload
     /// restarted or a crash brought back shows in their ids.
-    Children(RpcReplyPort<BTreeMap<Child, ActorCell>>),
+    #[cfg(test)]
+    Children(ractor::RpcReplyPort<BTreeMap<Child, ractor::ActorCell>>),
 }
 
 struct Running {
@@ -62,7 +61,7 @@ struct Running {
     args: Args,
 }
 
-pub struct SupervisorState {
+pub(crate) struct SupervisorState {
     config: Config,
     plan: Plan,
     pairing: LastShared,
@@ -402,6 +401,7 @@ impl Actor for Supervisor {
                     state.steady(child);
                 }
             }
+            #[cfg(test)]
             SupervisorMsg::Children(reply) => {
                 let cells = state.children.iter();
                 let _ = reply.send(cells.map(|(c, r)| (*c, r.spawned.cell())).collect());

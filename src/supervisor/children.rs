@@ -24,7 +24,7 @@ use crate::plugin::{Placement, PluginActor, PluginArgs, PluginMsg};
 const WATCH_TICK: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Child {
+pub(crate) enum Child {
     Matcher,
     Plugin(Resource),
     Inventory,
@@ -69,11 +69,11 @@ pub(crate) fn wanted(config: &Config, plan: &Plan) -> Vec<Child> {
 /// What the supervisor keeps across its children's lives and hands to
 /// them, beside the config and plan.
 pub(crate) struct Shared<'a> {
-    pub metrics: &'a Arc<Metrics>,
-    pub healthy: &'a Arc<[bool]>,
-    pub placement: Placement,
-    pub report_health: &'a HealthReport,
-    pub check_plugins: &'a CheckPlugins,
+    pub(crate) metrics: &'a Arc<Metrics>,
+    pub(crate) healthy: &'a Arc<[bool]>,
+    pub(crate) placement: Placement,
+    pub(crate) report_health: &'a HealthReport,
+    pub(crate) check_plugins: &'a CheckPlugins,
 }
 
 /// One child's arguments.

@@ -14,4 +14,4 @@ mod reload;
 #[cfg(all(test, feature = "sim"))]
 mod tests;
 
-pub use actor::{Supervisor, SupervisorArgs, SupervisorMsg};
+pub(crate) use actor::{Supervisor, SupervisorArgs, SupervisorMsg};

@@ -52,89 +52,40 @@ pub(crate) fn repoint(old: &Placement, new: &Placement) -> bool {
     }
 }
 
-fn matcher(a: &MatcherArgs) -> impl PartialEq + '_ {
-    // The metrics registry is the supervisor's, the same across reloads.
-    let MatcherArgs {
-        node_name,
-        node,
-        keys,
-        wait,
-        kubeconfig,
-        metrics: _,
-    } = a;
-    (node_name, node, keys, wait, kubeconfig)
+/// `fn $name(&$args) -> impl PartialEq`: the fields that restart a child
+/// when they change, with every other field named as passed over, so a
+/// field added to the arguments does not compile until it is sorted.
+macro_rules! compared {
+    ($name:ident: $args:ident { $($keep:ident $(.$method:ident())?),+ ; $($skip:ident),* }) => {
+        fn $name(a: &$args) -> impl PartialEq + '_ {
+            let $args { $($keep,)+ $($skip: _,)* } = a;
+            ($($keep $(.$method())?,)+)
+        }
+    };
 }
 
-fn plugin(a: &PluginArgs) -> impl PartialEq + '_ {
-    // Health and placement are pushed to a running plugin; its metrics are
-    // looked up by resource name; the settle instant is set at its start.
-    let PluginArgs {
-        model,
-        resource_name,
-        endpoint,
-        socket,
-        kubelet_socket,
-        template,
-        enforcer,
-        placement: _,
-        healthy: _,
-        metrics: _,
-        settle_until: _,
-    } = a;
-    (
-        model,
-        resource_name,
-        endpoint,
-        socket,
-        kubelet_socket,
-        template,
-        enforcer,
-    )
-}
+// The metrics registry is the supervisor's, the same across reloads.
+compared!(matcher: MatcherArgs { node_name, node, keys, wait, kubeconfig; metrics });
 
-fn inventory(a: &InventoryArgs) -> impl PartialEq + '_ {
-    // The inventory itself is sent to the running publisher.
-    let InventoryArgs {
-        node_name,
-        kubeconfig,
-        published: _,
-    } = a;
-    (node_name, kubeconfig)
-}
+// Health and placement are pushed to a running plugin; its metrics are
+// looked up by resource name; the settle instant is set at its start.
+compared!(plugin: PluginArgs {
+    model, resource_name, endpoint, socket, kubelet_socket, template, enforcer;
+    placement, healthy, metrics, settle_until
+});
 
-fn watcher(a: &WatcherArgs) -> impl PartialEq + '_ {
-    // Where it sends is the supervisor's, the same across reloads.
-    let WatcherArgs {
-        dir,
-        check: _,
-        tick,
-    } = a;
-    (dir, tick)
-}
+// The inventory itself is sent to the running publisher.
+compared!(inventory: InventoryArgs { node_name, kubeconfig; published });
 
-fn health(a: &HealthArgs) -> impl PartialEq + '_ {
-    // Where it reports is the supervisor's, the same across reloads.
-    let HealthArgs {
-        spec,
-        uuids,
-        poll,
-        recovery,
-        report: _,
-    } = a;
-    (spec, uuids, poll, recovery)
-}
+// Where it sends is the supervisor's, the same across reloads.
+compared!(watcher: WatcherArgs { dir, tick; check });
 
-fn sweeper(a: &SweeperArgs) -> impl PartialEq + '_ {
-    // Which matcher handle it asks is the supervisor's, the same across
-    // reloads; whether it asks one is not.
-    let SweeperArgs {
-        enforcer,
-        matcher,
-        tick,
-        metrics: _,
-    } = a;
-    (enforcer, matcher.is_some(), tick)
-}
+// Where it reports is the supervisor's, the same across reloads.
+compared!(health: HealthArgs { spec, uuids, poll, recovery; report });
+
+// Which matcher handle it asks is the supervisor's, the same across
+// reloads; whether it asks one is not.
+compared!(sweeper: SweeperArgs { enforcer, matcher.is_some(), tick; metrics });
 
 #[cfg(test)]
 mod tests {

@@ -10,16 +10,16 @@ use crate::device::{PerResource, Resource};
 /// The annotation keys of a resource domain.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Keys {
-    pub assume_time: String,
-    pub gpu_uuid: String,
-    pub assigned: String,
+    pub(crate) assume_time: String,
+    pub(crate) gpu_uuid: String,
+    pub(crate) assigned: String,
     pub ledger: String,
     /// The extender's per-container GPUs ([`Assignment`]).
-    pub assignment: String,
+    pub(crate) assignment: String,
     /// The node's GPUs ([`super::Inventory`]), on the Node.
     pub inventory: String,
     /// `<domain>/<resource>`: the names containers ask by.
-    pub resources: PerResource<String>,
+    pub(crate) resources: PerResource<String>,
 }
 
 impl Keys {
@@ -40,21 +40,21 @@ impl Keys {
 /// whole ask of K.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(transparent)]
-pub struct Assignment(pub BTreeMap<String, Vec<String>>);
+pub(crate) struct Assignment(pub(crate) BTreeMap<String, Vec<String>>);
 
 impl Assignment {
     /// A missing annotation is no assignment; a malformed one is an error.
-    pub fn parse(text: Option<&str>) -> Result<Assignment, serde_json::Error> {
+    pub(crate) fn parse(text: Option<&str>) -> Result<Assignment, serde_json::Error> {
         text.map_or(Ok(Assignment::default()), serde_json::from_str)
     }
 
-    pub fn to_json(&self) -> String {
+    pub(crate) fn to_json(&self) -> String {
         serde_json::to_string(self).expect("an assignment always serialises")
     }
 
     /// The GPU, when every assigned container uses the same single one
     /// (what `<domain>/gpu-uuid` carries for older readers).
-    pub fn single_gpu(&self) -> Option<&str> {
+    pub(crate) fn single_gpu(&self) -> Option<&str> {
         let mut gpus = self.0.values().flatten();
         let first = gpus.next()?;
         gpus.all(|g| g == first).then_some(first.as_str())

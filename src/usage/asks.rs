@@ -8,13 +8,13 @@ use crate::device::{PerResource, Resource};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ContainerAsk {
     pub name: String,
-    pub init: bool,
+    pub(crate) init: bool,
     /// The limit of each resource, in devices (0: not asked).
-    pub devices: PerResource<u64>,
+    pub(crate) devices: PerResource<u64>,
 }
 
 impl ContainerAsk {
-    pub fn from_container(keys: &Keys, c: &Container, init: bool) -> ContainerAsk {
+    pub(crate) fn from_container(keys: &Keys, c: &Container, init: bool) -> ContainerAsk {
         let limits = c.resources.as_ref().and_then(|r| r.limits.as_ref());
         ContainerAsk {
             name: c.name.clone(),
@@ -33,24 +33,24 @@ impl ContainerAsk {
     }
 
     /// Asks GPUs whole; any memory or core it also asks comes with them.
-    pub fn whole(&self) -> bool {
+    pub(crate) fn whole(&self) -> bool {
         self.devices.count > 0
     }
 
     /// Asks a share of one GPU.
-    pub fn shared(&self) -> bool {
+    pub(crate) fn shared(&self) -> bool {
         !self.whole() && (self.devices.memory > 0 || self.devices.core > 0)
     }
 }
 
 /// Init containers, then app containers, in spec order.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct PodAsks {
-    pub containers: Vec<ContainerAsk>,
+pub(crate) struct PodAsks {
+    pub(crate) containers: Vec<ContainerAsk>,
 }
 
 impl PodAsks {
-    pub fn from_pod(keys: &Keys, pod: &Pod) -> PodAsks {
+    pub(crate) fn from_pod(keys: &Keys, pod: &Pod) -> PodAsks {
         let spec = pod.spec.as_ref();
         let init = spec
             .into_iter()

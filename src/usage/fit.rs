@@ -10,18 +10,18 @@ use crate::matcher::ledger::Ledger;
 /// Why a pod does not fit on a node.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("container {container}: {reason}")]
-pub struct FitError {
-    pub container: String,
-    pub reason: String,
+pub(crate) struct FitError {
+    pub(crate) container: String,
+    pub(crate) reason: String,
     /// It would not fit even on this node empty with every GPU healthy:
     /// no amount of waiting helps.
-    pub unresolvable: bool,
+    pub(crate) unresolvable: bool,
 }
 
 /// How to rank the nodes a pod fits on.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Policy {
+pub(crate) enum Policy {
     /// Fill busy nodes first, keeping whole nodes free for big pods.
     #[default]
     Binpack,
@@ -32,7 +32,7 @@ pub enum Policy {
 /// The healthy GPU with the least room left that still holds `need`
 /// (memory and core, real units), away from whole-GPU work; among equals,
 /// one of `preferred` first, then the lowest index.
-pub fn best_shared(
+pub(crate) fn best_shared(
     inv: &Inventory,
     usage: &NodeUsage,
     need: &PerResource<u64>,
@@ -97,7 +97,11 @@ impl HandedOn {
 /// and a whole ask takes the init containers' GPUs first (the pod holds
 /// them once), fresh ones only for the rest. IDs elsewhere contradict any
 /// other assignment.
-pub fn fit(inv: &Inventory, usage: &NodeUsage, asks: &PodAsks) -> Result<Assignment, FitError> {
+pub(crate) fn fit(
+    inv: &Inventory,
+    usage: &NodeUsage,
+    asks: &PodAsks,
+) -> Result<Assignment, FitError> {
     place_all(inv, usage.clone(), asks).map_err(|mut e| {
         let mut ideal = inv.clone();
         ideal.gpus.iter_mut().for_each(|g| g.healthy = true);
@@ -271,7 +275,7 @@ fn shortfall(inv: &Inventory, usage: &NodeUsage, need: &PerResource<u64>) -> Str
 /// 0..=10: how much a node is worth to the pod under `policy`, from how
 /// busy its healthy GPUs are once the pod is on them (a GPU held whole is
 /// full; a shared one as full as its fuller resource).
-pub fn score(
+pub(crate) fn score(
     inv: &Inventory,
     usage: &NodeUsage,
     asks: &PodAsks,

@@ -8,28 +8,28 @@ use serde::{Deserialize, Serialize};
 use crate::device::{Gpu, Offer, PerResource, Resource, Units, UnitsError};
 
 /// The only inventory format this build reads.
-pub const INVENTORY_VERSION: u32 = 1;
+pub(crate) const INVENTORY_VERSION: u32 = 1;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct GpuInfo {
-    pub uuid: String,
+    pub(crate) uuid: String,
     #[serde(rename = "memoryMiB")]
-    pub memory_mib: u64,
-    pub healthy: bool,
+    pub(crate) memory_mib: u64,
+    pub(crate) healthy: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub numa_node: Option<u32>,
+    pub(crate) numa_node: Option<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Inventory {
-    pub version: u32,
+    pub(crate) version: u32,
     #[serde(rename = "memoryUnitMiB")]
-    pub memory_unit_mib: u64,
-    pub cores_per_gpu: u32,
+    pub(crate) memory_unit_mib: u64,
+    pub(crate) cores_per_gpu: u32,
     /// The resources the node offers.
-    pub resources: Vec<Resource>,
+    pub(crate) resources: Vec<Resource>,
     pub gpus: Vec<GpuInfo>,
 }
 
@@ -90,12 +90,12 @@ impl Inventory {
         Ok(inv)
     }
 
-    pub fn to_json(&self) -> String {
+    pub(crate) fn to_json(&self) -> String {
         serde_json::to_string(self).expect("an inventory always serialises")
     }
 
     /// The size of one device of each resource on this node.
-    pub fn units(&self) -> Units {
+    pub(crate) fn units(&self) -> Units {
         Units {
             memory_unit_mib: self.memory_unit_mib,
             cores_per_gpu: self.cores_per_gpu,
@@ -115,16 +115,16 @@ impl Inventory {
     }
 
     /// `devices` in real units.
-    pub fn amount(&self, devices: &PerResource<u64>) -> PerResource<u64> {
+    pub(crate) fn amount(&self, devices: &PerResource<u64>) -> PerResource<u64> {
         let unit = self.unit();
         devices.map(|r, &d| d * unit[r])
     }
 
-    pub fn index(&self, uuid: &str) -> Option<usize> {
+    pub(crate) fn index(&self, uuid: &str) -> Option<usize> {
         self.gpus.iter().position(|g| g.uuid == uuid)
     }
 
-    pub fn offers(&self, r: Resource) -> bool {
+    pub(crate) fn offers(&self, r: Resource) -> bool {
         self.resources.contains(&r)
     }
 }

@@ -14,11 +14,16 @@ mod fit;
 mod inventory;
 mod node;
 
-pub use annotations::{Assignment, Keys};
-pub use asks::{ContainerAsk, PodAsks};
-pub use fit::{FitError, Policy, best_shared, fit, score};
-pub use inventory::{GpuInfo, INVENTORY_VERSION, Inventory, InventoryError};
-pub use node::{GpuUsage, Holding, NodeUsage, pod_holdings};
+pub(crate) use annotations::Assignment;
+pub use annotations::Keys;
+pub(crate) use asks::{ContainerAsk, PodAsks};
+pub(crate) use fit::{Policy, best_shared, fit, score};
+pub use inventory::Inventory;
+pub(crate) use inventory::InventoryError;
+// Only the stand-ins' in-memory cluster writes an inventory by hand.
+#[cfg(feature = "sim")]
+pub(crate) use inventory::{GpuInfo, INVENTORY_VERSION};
+pub(crate) use node::{Holding, NodeUsage, pod_holdings};
 
 #[cfg(test)]
 mod tests;

@@ -7,13 +7,13 @@ use crate::matcher::ledger::{Grant, Ledger};
 /// What one container holds: its GPUs and the amounts, in real units
 /// (MiB, percent, GPUs). A holding with GPUs counted holds them whole.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Holding {
-    pub gpus: Vec<String>,
-    pub amount: PerResource<u64>,
+pub(crate) struct Holding {
+    pub(crate) gpus: Vec<String>,
+    pub(crate) amount: PerResource<u64>,
 }
 
 impl Holding {
-    pub fn from_grant(g: &Grant) -> Holding {
+    pub(crate) fn from_grant(g: &Grant) -> Holding {
         Holding {
             gpus: g.gpus.clone(),
             amount: PerResource::from_fn(|r| g.amount(r).unwrap_or(0)),
@@ -37,7 +37,7 @@ impl Holding {
 /// both for one resource, so nothing counts twice; and a GPU the kubelet
 /// handed whole from an init container to the containers after it counts
 /// once, with the first container that holds it.
-pub fn pod_holdings(
+pub(crate) fn pod_holdings(
     inv: &Inventory,
     containers: &[ContainerAsk],
     ledger: &Ledger,
@@ -86,7 +86,7 @@ pub struct GpuUsage {
     /// MiB and percent used by shared holdings; GPUs: how many hold it whole.
     pub used: PerResource<u64>,
     /// How many shared holdings are on it.
-    pub sharers: u64,
+    pub(crate) sharers: u64,
 }
 
 impl GpuUsage {
@@ -94,7 +94,7 @@ impl GpuUsage {
         self.used.count > 0
     }
 
-    pub fn carries_shared(&self) -> bool {
+    pub(crate) fn carries_shared(&self) -> bool {
         self.sharers > 0
     }
 }
@@ -106,13 +106,16 @@ pub struct NodeUsage {
 }
 
 impl NodeUsage {
-    pub fn empty(inv: &Inventory) -> NodeUsage {
+    pub(crate) fn empty(inv: &Inventory) -> NodeUsage {
         NodeUsage {
             gpus: vec![GpuUsage::default(); inv.gpus.len()],
         }
     }
 
-    pub fn of<'a>(inv: &Inventory, holdings: impl IntoIterator<Item = &'a Holding>) -> NodeUsage {
+    pub(crate) fn of<'a>(
+        inv: &Inventory,
+        holdings: impl IntoIterator<Item = &'a Holding>,
+    ) -> NodeUsage {
         let mut u = NodeUsage::empty(inv);
         for h in holdings {
             u.add(inv, h);
@@ -121,12 +124,12 @@ impl NodeUsage {
     }
 
     /// Counts `h`; GPUs this node does not have are ignored.
-    pub fn add(&mut self, inv: &Inventory, h: &Holding) {
+    pub(crate) fn add(&mut self, inv: &Inventory, h: &Holding) {
         self.apply(inv, h, |total, n| *total += n);
     }
 
     /// This usage without `h` (which it counted).
-    pub fn without(&self, inv: &Inventory, h: &Holding) -> NodeUsage {
+    pub(crate) fn without(&self, inv: &Inventory, h: &Holding) -> NodeUsage {
         let mut u = self.clone();
         u.apply(inv, h, |total, n| *total = total.saturating_sub(n));
         u
@@ -146,7 +149,7 @@ impl NodeUsage {
     }
 
     /// What is left of `r` on GPU `g`, in real units.
-    pub fn free(&self, inv: &Inventory, g: usize, r: Resource) -> u64 {
+    pub(crate) fn free(&self, inv: &Inventory, g: usize, r: Resource) -> u64 {
         inv.capacity(g)[r].saturating_sub(self.gpus[g].used[r])
     }
 

@@ -3,6 +3,7 @@
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
+use super::node::GpuUsage;
 use super::*;
 use crate::device::{Gpu, Offer, PerResource, Resource, Units};
 use crate::matcher::ledger::{Grant, Ledger};

@@ -16,7 +16,7 @@ use crate::device::{DeviceModel, HEALTHY, UNHEALTHY, device_len, numa_len, topol
 /// One ListAndWatch message: every device of a model with its GPU's health,
 /// or the empty list a stopping plugin sends.
 #[derive(Clone, Default)]
-pub struct DeviceListMessage {
+pub(crate) struct DeviceListMessage {
     inner: Option<(Arc<DeviceModel>, Arc<[bool]>)>,
 }
 
@@ -30,23 +30,23 @@ impl std::fmt::Debug for DeviceListMessage {
 }
 
 impl DeviceListMessage {
-    pub fn new(model: Arc<DeviceModel>, healthy: Arc<[bool]>) -> Self {
+    pub(crate) fn new(model: Arc<DeviceModel>, healthy: Arc<[bool]>) -> Self {
         assert_eq!(model.gpus().len(), healthy.len());
         DeviceListMessage {
             inner: Some((model, healthy)),
         }
     }
 
-    pub fn empty() -> Self {
+    pub(crate) fn empty() -> Self {
         DeviceListMessage::default()
     }
 
-    pub fn device_count(&self) -> u64 {
+    pub(crate) fn device_count(&self) -> u64 {
         self.inner.as_ref().map_or(0, |(m, _)| m.device_count())
     }
 
     /// Devices whose GPU is healthy.
-    pub fn healthy_count(&self) -> u64 {
+    pub(crate) fn healthy_count(&self) -> u64 {
         self.inner.as_ref().map_or(0, |(m, h)| {
             (0..h.len())
                 .filter(|g| h[*g])

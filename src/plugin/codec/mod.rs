@@ -14,5 +14,6 @@
 mod list;
 mod request;
 
-pub use list::DeviceListMessage;
-pub use request::{AllocateIdsRequest, MAX_CONTAINERS, Oversize, PreferredRequest};
+pub(crate) use list::DeviceListMessage;
+pub(crate) use request::{AllocateIdsRequest, Oversize};
+pub use request::{MAX_CONTAINERS, PreferredRequest};

@@ -17,7 +17,7 @@ use prost::DecodeError;
 use prost::bytes::{Buf, BufMut};
 use prost::encoding::{
     DecodeContext, WireType, check_wire_type, decode_varint, encode_key, encode_varint,
-    encoded_len_varint, int32, message, skip_field,
+    encoded_len_varint, int32, key_len, message, skip_field,
 };
 
 /// Container requests accepted in one Allocate or GetPreferredAllocation.
@@ -29,7 +29,7 @@ pub const MAX_CONTAINERS: usize = 16;
 /// No resource lists more devices than fit in the kubelet's 4 MiB message,
 /// each at least a one-character ID and its health; no kubelet request
 /// names more IDs in one list.
-pub fn max_ids() -> usize {
+pub(crate) fn max_ids() -> usize {
     crate::device::KUBELET_MAX_MESSAGE_BYTES / crate::device::device_entry_len(1, "Healthy", None)
 }
 
@@ -67,16 +67,89 @@ impl IdList {
             &self.bytes[start..self.ends[i] as usize]
         })
     }
+}
 
-    pub fn len(&self) -> usize {
-        self.ends.len()
+/// One field of a hand-decoded message, under the tag its message gives it.
+trait Field {
+    fn merge(
+        &mut self,
+        tag: u32,
+        wire_type: WireType,
+        buf: &mut impl Buf,
+        ctx: DecodeContext,
+    ) -> Result<(), DecodeError>;
+    fn encode(&self, tag: u32, buf: &mut impl BufMut);
+    fn encoded_len(&self, tag: u32) -> usize;
+}
+
+/// `prost::Message` for a struct of [`Field`]s, each under its tag; other
+/// tags are skipped.
+macro_rules! message {
+    ($name:ty { $($tag:literal => $field:ident),+ }) => {
+        impl prost::Message for $name {
+            fn encode_raw(&self, buf: &mut impl BufMut) {
+                $(Field::encode(&self.$field, $tag, buf);)+
+            }
+
+            fn merge_field(
+                &mut self,
+                tag: u32,
+                wire_type: WireType,
+                buf: &mut impl Buf,
+                ctx: DecodeContext,
+            ) -> Result<(), DecodeError> {
+                match tag {
+                    $($tag => Field::merge(&mut self.$field, tag, wire_type, buf, ctx),)+
+                    _ => skip_field(wire_type, tag, buf, ctx),
+                }
+            }
+
+            fn encoded_len(&self) -> usize {
+                0 $(+ Field::encoded_len(&self.$field, $tag))+
+            }
+
+            fn clear(&mut self) {
+                *self = Self::default();
+            }
+        }
+    };
+}
+
+/// A proto3 `int32`: zero is not sent.
+impl Field for i32 {
+    fn merge(
+        &mut self,
+        _tag: u32,
+        wire_type: WireType,
+        buf: &mut impl Buf,
+        ctx: DecodeContext,
+    ) -> Result<(), DecodeError> {
+        int32::merge(wire_type, self, buf, ctx)
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.ends.is_empty()
+    fn encode(&self, tag: u32, buf: &mut impl BufMut) {
+        if *self != 0 {
+            int32::encode(tag, self, buf);
+        }
     }
 
-    fn merge(&mut self, wire_type: WireType, buf: &mut impl Buf) -> Result<(), DecodeError> {
+    fn encoded_len(&self, tag: u32) -> usize {
+        if *self != 0 {
+            int32::encoded_len(tag, self)
+        } else {
+            0
+        }
+    }
+}
+
+impl Field for IdList {
+    fn merge(
+        &mut self,
+        _tag: u32,
+        wire_type: WireType,
+        buf: &mut impl Buf,
+        _ctx: DecodeContext,
+    ) -> Result<(), DecodeError> {
         check_wire_type(WireType::LengthDelimited, wire_type)?;
         let len = usize::try_from(decode_varint(buf)?)
             .map_err(|_| error("device ID length overflows"))?;
@@ -104,9 +177,9 @@ impl IdList {
         }
     }
 
-    fn encoded_len(&self) -> usize {
+    fn encoded_len(&self, tag: u32) -> usize {
         self.iter()
-            .map(|id| 1 + encoded_len_varint(id.len() as u64) + id.len())
+            .map(|id| key_len(tag) + encoded_len_varint(id.len() as u64) + id.len())
             .sum()
     }
 }
@@ -126,47 +199,11 @@ impl<'a> FromIterator<&'a str> for IdList {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ContainerPreferred {
     pub available: IdList,
-    pub must_include: IdList,
-    pub size: i32,
+    pub(crate) must_include: IdList,
+    pub(crate) size: i32,
 }
 
-impl prost::Message for ContainerPreferred {
-    fn encode_raw(&self, buf: &mut impl BufMut) {
-        self.available.encode(1, buf);
-        self.must_include.encode(2, buf);
-        if self.size != 0 {
-            int32::encode(3, &self.size, buf);
-        }
-    }
-
-    fn merge_field(
-        &mut self,
-        tag: u32,
-        wire_type: WireType,
-        buf: &mut impl Buf,
-        ctx: DecodeContext,
-    ) -> Result<(), DecodeError> {
-        match tag {
-            1 => self.available.merge(wire_type, buf),
-            2 => self.must_include.merge(wire_type, buf),
-            3 => int32::merge(wire_type, &mut self.size, buf, ctx),
-            _ => skip_field(wire_type, tag, buf, ctx),
-        }
-    }
-
-    fn encoded_len(&self) -> usize {
-        let size = if self.size != 0 {
-            int32::encoded_len(3, &self.size)
-        } else {
-            0
-        };
-        self.available.encoded_len() + self.must_include.encoded_len() + size
-    }
-
-    fn clear(&mut self) {
-        *self = ContainerPreferred::default();
-    }
-}
+message!(ContainerPreferred { 1 => available, 2 => must_include, 3 => size });
 
 /// A container request whose ID lists may have gone past [`max_ids`].
 pub trait IdLists {
@@ -182,8 +219,8 @@ impl IdLists for ContainerPreferred {
 
 /// `ContainerAllocateRequest`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ContainerIds {
-    pub ids: IdList,
+pub(crate) struct ContainerIds {
+    pub(crate) ids: IdList,
 }
 
 impl IdLists for ContainerIds {
@@ -192,32 +229,7 @@ impl IdLists for ContainerIds {
     }
 }
 
-impl prost::Message for ContainerIds {
-    fn encode_raw(&self, buf: &mut impl BufMut) {
-        self.ids.encode(1, buf);
-    }
-
-    fn merge_field(
-        &mut self,
-        tag: u32,
-        wire_type: WireType,
-        buf: &mut impl Buf,
-        ctx: DecodeContext,
-    ) -> Result<(), DecodeError> {
-        match tag {
-            1 => self.ids.merge(wire_type, buf),
-            _ => skip_field(wire_type, tag, buf, ctx),
-        }
-    }
-
-    fn encoded_len(&self) -> usize {
-        self.ids.encoded_len()
-    }
-
-    fn clear(&mut self) {
-        *self = ContainerIds::default();
-    }
-}
+message!(ContainerIds { 1 => ids });
 
 /// A request's `repeated` container field (number 1), decoded up to
 /// [`MAX_CONTAINERS`]; the rest is skipped and only counted.
@@ -238,9 +250,12 @@ impl<T: prost::Message + Default + IdLists> Containers<T> {
         }
         Ok(&self.items)
     }
+}
 
+impl<T: prost::Message + Default> Field for Containers<T> {
     fn merge(
         &mut self,
+        tag: u32,
         wire_type: WireType,
         buf: &mut impl Buf,
         ctx: DecodeContext,
@@ -249,18 +264,18 @@ impl<T: prost::Message + Default + IdLists> Containers<T> {
             message::merge_repeated(wire_type, &mut self.items, buf, ctx)
         } else {
             self.skipped += 1;
-            skip_field(wire_type, 1, buf, ctx)
+            skip_field(wire_type, tag, buf, ctx)
         }
     }
 
-    fn encode(&self, buf: &mut impl BufMut) {
+    fn encode(&self, tag: u32, buf: &mut impl BufMut) {
         for c in &self.items {
-            message::encode(1, c, buf);
+            message::encode(tag, c, buf);
         }
     }
 
-    fn encoded_len(&self) -> usize {
-        message::encoded_len_repeated(1, &self.items)
+    fn encoded_len(&self, tag: u32) -> usize {
+        message::encoded_len_repeated(tag, &self.items)
     }
 }
 
@@ -272,50 +287,25 @@ impl<T> From<Vec<T>> for Containers<T> {
 
 /// A request of one [`Containers`] field, as both RPCs' requests are.
 macro_rules! containers_request {
-    ($(#[$doc:meta])* $name:ident, $item:ty) => {
+    ($(#[$doc:meta])* $vis:vis $name:ident, $item:ty) => {
         $(#[$doc])*
         #[derive(Debug, Clone, Default, PartialEq, Eq)]
-        pub struct $name {
-            pub containers: Containers<$item>,
+        $vis struct $name {
+            $vis containers: Containers<$item>,
         }
 
-        impl prost::Message for $name {
-            fn encode_raw(&self, buf: &mut impl BufMut) {
-                self.containers.encode(buf);
-            }
-
-            fn merge_field(
-                &mut self,
-                tag: u32,
-                wire_type: WireType,
-                buf: &mut impl Buf,
-                ctx: DecodeContext,
-            ) -> Result<(), DecodeError> {
-                match tag {
-                    1 => self.containers.merge(wire_type, buf, ctx),
-                    _ => skip_field(wire_type, tag, buf, ctx),
-                }
-            }
-
-            fn encoded_len(&self) -> usize {
-                self.containers.encoded_len()
-            }
-
-            fn clear(&mut self) {
-                *self = $name::default();
-            }
-        }
+        message!($name { 1 => containers });
     };
 }
 
 containers_request!(
     /// `PreferredAllocationRequest`.
-    PreferredRequest,
+    pub PreferredRequest,
     ContainerPreferred
 );
 containers_request!(
     /// `AllocateRequest`.
-    AllocateIdsRequest,
+    pub(crate) AllocateIdsRequest,
     ContainerIds
 );
 
@@ -394,7 +384,7 @@ mod tests {
         }
         .encode_to_vec();
         let ours = AllocateIdsRequest::decode(bytes.as_slice()).unwrap();
-        assert_eq!(ours.containers.items[0].ids.len(), max_ids());
+        assert_eq!(ours.containers.items[0].ids.iter().len(), max_ids());
         assert_eq!(ours.containers.checked(), Err(Oversize::Ids(max_ids())));
     }
 }

@@ -147,7 +147,7 @@ impl KubeletSim {
 
     /// Admits one pod's containers in the kubelet's order, reusing the init
     /// containers' devices; on a refusal every device of the pod goes back.
-    pub async fn admit_pod(
+    pub(crate) async fn admit_pod(
         &self,
         containers: &[PodContainer],
     ) -> Result<BTreeMap<String, Vec<Grant>>, String> {

@@ -13,7 +13,7 @@
 mod admission;
 mod registration;
 
-pub use admission::{Admission, pod_containers};
+pub use admission::pod_containers;
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::{Path, PathBuf};
@@ -32,7 +32,7 @@ use crate::api::{
 };
 
 /// The kubelet's gRPC receive limit.
-pub const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+pub(crate) const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 
 /// What the kubelet knows of one resource.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -41,7 +41,7 @@ pub struct ResourceView {
     pub stream_open: bool,
     pub devices: usize,
     pub healthy: usize,
-    pub messages: u64,
+    pub(crate) messages: u64,
     pub last_message_bytes: usize,
     pub stream_error: Option<String>,
 }
@@ -97,7 +97,7 @@ impl Shared {
 pub use crate::uds::plugin_sockets;
 
 /// The device manager's checkpoint: the one file a restart keeps.
-pub const CHECKPOINT: &str = "kubelet_internal_checkpoint";
+pub(crate) const CHECKPOINT: &str = "kubelet_internal_checkpoint";
 
 pub struct KubeletSim {
     dir: PathBuf,

@@ -13,13 +13,13 @@ use crate::api::device_plugin_client::DevicePluginClient;
 use crate::api::registration_server::Registration;
 use crate::api::{Empty, ListAndWatchResponse, RegisterRequest};
 
-pub struct RegistrationService {
-    pub dir: PathBuf,
-    pub shared: Arc<Shared>,
+pub(crate) struct RegistrationService {
+    pub(crate) dir: PathBuf,
+    pub(crate) shared: Arc<Shared>,
 }
 
 /// The kubelet's rule for an extended resource name.
-pub fn validate_resource_name(name: &str) -> Result<(), String> {
+pub(crate) fn validate_resource_name(name: &str) -> Result<(), String> {
     let Some((_, short)) = name.split_once('/') else {
         return Err(format!("resource name {name:?} has no '/'"));
     };
