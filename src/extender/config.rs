@@ -16,7 +16,7 @@ pub struct ExtenderConfig {
     pub listen: String,
     /// The domain of the resources and annotations, as on the nodes.
     pub resource_domain: String,
-    pub(crate) policy: Policy,
+    pub policy: Policy,
     /// A kubeconfig file for the API server; empty: `$KUBECONFIG`, else the
     /// in-cluster service account.
     pub(crate) kubeconfig: PathBuf,

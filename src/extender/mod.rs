@@ -259,14 +259,16 @@ pub enum ExtenderError {
 
 /// A started extender: where it listens and the index its reflectors keep.
 /// The reflectors stop when it is dropped.
-pub struct Started {
-    pub addr: std::net::SocketAddr,
-    pub index: Arc<RwLock<Index>>,
+pub(crate) struct Started {
+    pub(crate) addr: std::net::SocketAddr,
+    /// The demo waits on it to sync before it schedules.
+    #[cfg(feature = "sim")]
+    pub(crate) index: Arc<RwLock<Index>>,
     _reflectors: Reflectors,
 }
 
 /// Starts the reflectors and the HTTP server.
-pub async fn launch(config: &ExtenderConfig) -> Result<Started, ExtenderError> {
+pub(crate) async fn launch(config: &ExtenderConfig) -> Result<Started, ExtenderError> {
     let client =
         crate::kube_client::from_kubeconfig(&config.kubeconfig, "extender.kubeconfig").await?;
     let index = Arc::new(RwLock::new(Index::new(&config.resource_domain)));
@@ -284,6 +286,7 @@ pub async fn launch(config: &ExtenderConfig) -> Result<Started, ExtenderError> {
         })?;
     Ok(Started {
         addr,
+        #[cfg(feature = "sim")]
         index,
         _reflectors: reflectors,
     })

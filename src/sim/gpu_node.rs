@@ -40,7 +40,7 @@ impl GpuNode {
 
     /// What its daemon lists per resource, at `unit_mib` MiB per
     /// gpu-memory device and 100 gpu-core devices per GPU.
-    pub fn devices(&self, unit_mib: u64) -> [(String, u64); 3] {
+    pub(crate) fn devices(&self, unit_mib: u64) -> [(String, u64); 3] {
         let count = self.gpus.len() as u64;
         let memory = self.gpus.iter().map(|(_, mib)| mib / unit_mib).sum();
         Resource::ALL.map(|r| {

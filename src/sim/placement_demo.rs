@@ -243,7 +243,7 @@ fn node_config(
 }
 
 /// Runs the placement part, appending its report to `out`.
-pub async fn run(out: &mut String) -> Result<(), DemoError> {
+pub(crate) async fn run(out: &mut String) -> Result<(), DemoError> {
     let cluster = Cluster::start().await?;
     let _ = writeln!(
         out,

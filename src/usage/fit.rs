@@ -21,7 +21,7 @@ pub(crate) struct FitError {
 /// How to rank the nodes a pod fits on.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub(crate) enum Policy {
+pub enum Policy {
     /// Fill busy nodes first, keeping whole nodes free for big pods.
     #[default]
     Binpack,

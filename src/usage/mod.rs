@@ -17,7 +17,8 @@ mod node;
 pub(crate) use annotations::Assignment;
 pub use annotations::Keys;
 pub(crate) use asks::{ContainerAsk, PodAsks};
-pub(crate) use fit::{Policy, best_shared, fit, score};
+pub use fit::Policy;
+pub(crate) use fit::{best_shared, fit, score};
 pub use inventory::Inventory;
 pub(crate) use inventory::InventoryError;
 // Only the stand-ins' in-memory cluster writes an inventory by hand.

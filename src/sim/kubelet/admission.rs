@@ -20,7 +20,7 @@ use crate::sim::apiserver::{ApiServerSim, PodContainer, admission_order};
 /// One pod the kubelet admitted or refused.
 #[derive(Debug)]
 pub struct Admission {
-    pub namespace: String,
+    pub(crate) namespace: String,
     pub name: String,
     /// Each container's grants, or why the pod was refused.
     pub result: Result<BTreeMap<String, Vec<Grant>>, String>,
