@@ -344,20 +344,37 @@ async fn a_reload_changing_two_resources_settles_them_side_by_side() {
         &[(MEM, 2, 2048), (CORE, 2, 100), (COUNT, 1, 2)],
     )
     .await;
-    let log = daemon.log_text();
-    let reload: Vec<&str> = log[before..].lines().collect();
     // From the old plugin's end on: the kubelet may count a registration
-    // before the plugin has logged it, so older lines can follow `before`.
+    // before the plugin has logged it, so older lines can follow `before`,
+    // and the new plugin's line can come after the kubelet saw it.
+    fn after_stop(lines: &[&str], what: &str, resource: &str) -> Option<(usize, usize)> {
+        let of = |l: &&str| l.contains(&format!("resource={resource}"));
+        let from = lines.iter().position(|l| l.contains(" stopped") && of(l))?;
+        let at = lines[from..]
+            .iter()
+            .position(|l| l.contains(what) && of(l))?;
+        Some((from, from + at))
+    }
+    let deadline = std::time::Instant::now() + WAIT;
+    let log = loop {
+        let log = daemon.log_text();
+        let lines: Vec<&str> = log[before..].lines().collect();
+        if ["gpu-memory", "gpu-core"]
+            .iter()
+            .all(|r| after_stop(&lines, "registered with the kubelet", r).is_some())
+        {
+            break log;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no registration logged after the reload:\n{log}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let reload: Vec<&str> = log[before..].lines().collect();
     let after_stop = |what: &str, resource: &str| {
-        let from = reload
-            .iter()
-            .position(|l| l.contains(" stopped") && l.contains(&format!("resource={resource}")))
-            .unwrap_or_else(|| panic!("{resource} never stopped:\n{log}"));
-        let at = reload[from..]
-            .iter()
-            .position(|l| l.contains(what) && l.contains(&format!("resource={resource}")))
-            .unwrap_or_else(|| panic!("no {what:?} for {resource}:\n{log}"));
-        (from, from + at)
+        after_stop(&reload, what, resource)
+            .unwrap_or_else(|| panic!("no {what:?} for {resource} after it stopped:\n{log}"))
     };
     let resources = ["gpu-memory", "gpu-core"];
     // Each new plugin waits out the settle pause (kubernetes#121994)...
