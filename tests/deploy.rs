@@ -1049,6 +1049,20 @@ fn assert_gpu_scheduler(objs: &[Value], name: &str, domain: &str) {
         tag.parse::<u32>().is_ok(),
         "{image} is not a pinned patch release"
     );
+    // Neither container runs as root, writes its image or keeps a capability.
+    for c in &pod.containers {
+        let sc = c.security_context.clone().unwrap_or_default();
+        assert_eq!(sc.run_as_non_root, Some(true), "{}", c.name);
+        assert!(sc.run_as_user.is_some_and(|u| u != 0), "{}", c.name);
+        assert_eq!(sc.read_only_root_filesystem, Some(true), "{}", c.name);
+        assert_eq!(sc.allow_privilege_escalation, Some(false), "{}", c.name);
+        assert_eq!(
+            sc.capabilities.and_then(|c| c.drop),
+            Some(vec!["ALL".to_owned()]),
+            "{}",
+            c.name
+        );
+    }
     let command = scheduler.command.clone().unwrap();
     assert_eq!(command[0], "kube-scheduler");
     let config_path = command
