@@ -611,7 +611,10 @@ fn helm_lints_the_chart_and_its_schema_refuses_bad_values() {
         ("kubeletRootDir=var/lib/kubelet", "kubeletRootDir"),
         ("nodeSelektor.gpu=true", "nodeSelektor"),
         ("config=device_plugin_dir = \"/x\"", "device_plugin_dir"),
+        // TOML keys may be quoted; the chart's guards see them too.
+        ("config=\"http_listen\" = \"0.0.0.0:1\"", "http_listen"),
         ("config=[enforcement]", "enforcement.mode"),
+        ("config=[ 'enforcement' ]", "enforcement.mode"),
         ("enforcement.mode=on", "mode"),
         ("enforcement.libraryDir=usr/local/vgpu", "libraryDir"),
         ("enforcement.stateDir=/var/lib/a b", "stateDir"),
@@ -631,6 +634,10 @@ fn helm_lints_the_chart_and_its_schema_refuses_bad_values() {
         ),
         (
             "extender.config=listen = \"0.0.0.0:1\"",
+            "extender.config sets listen",
+        ),
+        (
+            "extender.config='listen' = \"0.0.0.0:1\"",
             "extender.config sets listen",
         ),
         ("extender.config=[extender]", "table header"),

@@ -22,11 +22,11 @@ then the user's config, which must not set them again.
 */}}
 {{- define "gpu-device-plugin.config" -}}
 {{- range $key := list "resource_domain" "device_plugin_dir" "http_listen" }}
-{{- if regexMatch (printf "(?m)^\\s*%s\\s*=" $key) $.Values.config }}
+{{- if regexMatch (printf "(?m)^\\s*[\"']?%s[\"']?\\s*=" $key) $.Values.config }}
 {{- fail (printf "config sets %s: the chart sets it from resourceDomain, kubeletRootDir and metricsPort; set those values instead" $key) }}
 {{- end }}
 {{- end -}}
-{{- if regexMatch "(?m)^\\s*\\[\\s*enforcement\\s*\\]|^\\s*enforcement\\s*[.=]" .Values.config }}
+{{- if regexMatch "(?m)^\\s*\\[\\s*[\"']?enforcement[\"']?\\s*\\]|^\\s*[\"']?enforcement[\"']?\\s*[.=]" .Values.config }}
 {{- fail "config sets [enforcement]: the chart sets it from enforcement.mode, enforcement.libraryDir and enforcement.stateDir; set those values instead" }}
 {{- end -}}
 # Set by the chart from resourceDomain, kubeletRootDir and metricsPort.
@@ -58,7 +58,7 @@ user's keys of the same table, which must not set them again.
 */}}
 {{- define "gpu-device-plugin.scheduler.extenderConfig" -}}
 {{- range $key := list "listen" "resource_domain" }}
-{{- if regexMatch (printf "(?m)^\\s*%s\\s*=" $key) $.Values.extender.config }}
+{{- if regexMatch (printf "(?m)^\\s*[\"']?%s[\"']?\\s*=" $key) $.Values.extender.config }}
 {{- fail (printf "extender.config sets %s: the chart sets it from extender.port and resourceDomain; set those values instead" $key) }}
 {{- end }}
 {{- end -}}
