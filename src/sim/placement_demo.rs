@@ -368,6 +368,15 @@ fn with_extender(
         let (Ok(assignment), Ok(ledger)) = (assignment, ledger) else {
             return fail(format!("{name}: unreadable annotations: {pod}"));
         };
+        // Every admitted container is in the ledger, and nothing else is:
+        // an empty or partial ledger would check nothing below.
+        if !ledger.0.keys().eq(grants.keys()) {
+            return fail(format!(
+                "{name}: ledger {:?} against admitted containers {:?}",
+                ledger.0.keys().collect::<Vec<_>>(),
+                grants.keys().collect::<Vec<_>>()
+            ));
+        }
         for (container, grant) in &ledger.0 {
             let assigned = assignment.0.get(container).cloned().unwrap_or_default();
             let visible = super::kubelet::merged_envs(&grants[container])
