@@ -370,15 +370,7 @@ fn handed_whole(inv: &Inventory, pod: &PodView, next: &ContainerAsk) -> Vec<usiz
             continue;
         };
         let gpus: Vec<usize> = grant.gpus.iter().filter_map(|u| inv.index(u)).collect();
-        if c.hands_on() {
-            for g in gpus {
-                if !pool.contains(&g) {
-                    pool.push(g);
-                }
-            }
-        } else {
-            pool.retain(|g| !gpus.contains(g));
-        }
+        c.pass_on(&mut pool, &gpus);
     }
     pool
 }

@@ -45,6 +45,22 @@ impl ContainerAsk {
         self.init && !self.restartable
     }
 
+    /// `pool`, the devices the kubelet keeps for the pod's next containers
+    /// (its `devicesToReuse`), after this container was granted `granted`:
+    /// an init container that hands on adds them, any other container
+    /// keeps them, so they leave it.
+    pub(crate) fn pass_on<T: PartialEq + Clone>(&self, pool: &mut Vec<T>, granted: &[T]) {
+        if self.hands_on() {
+            for d in granted {
+                if !pool.contains(d) {
+                    pool.push(d.clone());
+                }
+            }
+        } else {
+            pool.retain(|d| !granted.contains(d));
+        }
+    }
+
     /// Asks GPUs whole; any memory or core it also asks comes with them.
     pub(crate) fn whole(&self) -> bool {
         self.devices.count > 0

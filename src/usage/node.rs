@@ -84,11 +84,7 @@ pub(crate) fn pod_holdings(
                 .filter(|g| !handed.contains(g))
                 .cloned()
                 .collect();
-            if c.hands_on() {
-                handed.extend(h.gpus.iter().cloned());
-            } else {
-                handed.retain(|g| !gpus.contains(g));
-            }
+            c.pass_on(&mut handed, &gpus);
             if !h.gpus.is_empty() {
                 holdings.push(h);
             }
