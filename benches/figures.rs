@@ -376,6 +376,7 @@ async fn pod_matching_figures() {
         let c = PodContainer {
             name: "app".into(),
             init: false,
+            restartable: false,
             wants: wants(i),
         };
         api.add_pod("default", &format!("gpu-{i}"), "bench-node", &[c], &[]);
@@ -432,6 +433,7 @@ async fn pod_matching_figures() {
         let c = PodContainer {
             name: "app".into(),
             init: false,
+            restartable: false,
             wants: wants(i),
         };
         api.add_pod("default", &format!("seed-{i}"), "bench-node", &[c], &[]);

@@ -94,6 +94,7 @@ fn workload(rng: &mut Rng, n: usize) -> Vec<Vec<PodContainer>> {
     let container = |name: String, wants: [u64; 3]| PodContainer {
         name,
         init: false,
+        restartable: false,
         wants,
     };
     (0..n)

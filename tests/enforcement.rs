@@ -308,6 +308,7 @@ async fn with_pod_matching_directories_follow_pods_and_refusals_reach_the_pod() 
     let app = |name: &str| PodContainer {
         name: name.into(),
         init: false,
+        restartable: false,
         wants: [4, 0, 0],
     };
     api.add_pod("default", "p", NODE, &[app("app")], &[]);

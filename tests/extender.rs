@@ -22,6 +22,7 @@ fn c(name: &str, memory: u64, core: u64, count: u64) -> PodContainer {
     PodContainer {
         name: name.into(),
         init: false,
+        restartable: false,
         wants: [memory, core, count],
     }
 }

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use gpu_device_plugin::sim::apiserver::{ApiServerSim, PodContainer, admission_order};
 use gpu_device_plugin::sim::kubelet::Grant;
+use gpu_device_plugin::sim::scheduler::Outcome;
 use serde_json::Value;
 use support::*;
 
@@ -561,12 +562,62 @@ async fn an_app_asking_more_whole_gpus_than_its_init_takes_the_inits_and_one_fre
     handed_on_whole_gpus(1, 2).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_app_asking_fewer_whole_gpus_than_its_init_takes_one_of_the_inits() {
+    handed_on_whole_gpus(2, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sidecar_keeps_its_whole_gpu_so_the_app_needs_a_second() {
+    whole_gpus_after(sidecar("init", [0, 0, 1]), 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reusing_the_grants_of_two_init_containers_takes_an_id_they_share_once() {
+    let c = Cluster::start("").await;
+    c.api.add_pod(
+        "default",
+        "p",
+        NODE,
+        &[
+            container("init1", true, [0, 0, 1]),
+            container("init2", true, [0, 0, 1]),
+            container("app", false, [0, 0, 2]),
+        ],
+        &[],
+    );
+    let init1 = c.kubelet.admit(&[(RES[2], 1)]).await.unwrap();
+    let init2 = c
+        .kubelet
+        .admit_reusing(&[(RES[2], 1)], &init1)
+        .await
+        .unwrap();
+    assert_eq!(init2[0].device_ids, init1[0].device_ids);
+    let both: Vec<Grant> = init1.iter().chain(&init2).cloned().collect();
+    let app = c
+        .kubelet
+        .admit_reusing(&[(RES[2], 2)], &both)
+        .await
+        .unwrap();
+    let ids: BTreeSet<&String> = app[0].device_ids.iter().collect();
+    assert_eq!(ids.len(), 2, "{:?}", app[0].device_ids);
+    assert!(ids.contains(&init1[0].device_ids[0]), "{ids:?}");
+}
+
 /// An init container asking `init` whole GPUs, then an app container asking
-/// `app`, on a node with exactly as many free GPUs as the larger of the two:
-/// the kubelet hands the init's GPUs on to the app first and takes only the
-/// rest fresh, so the pod is bound there and admitted, each container's
-/// IDs, envs, ledger and assignment naming the same GPUs.
+/// `app`: the kubelet hands the init's GPUs on to the app first and takes
+/// only the rest fresh, so the larger of the two is enough.
 async fn handed_on_whole_gpus(init: u64, app: u64) {
+    whole_gpus_after(container("init", true, [0, 0, init]), app).await;
+}
+
+/// The init container `first` (named "init"), then an app container asking
+/// `app` whole GPUs, on a node with one GPU fewer free than the pod needs:
+/// not bound. Once one more is free (exactly as many as it needs), it is
+/// bound there and admitted, each container's IDs, envs, ledger and
+/// assignment naming the same GPUs, and the app reusing what the init
+/// container hands on (a sidecar hands on nothing).
+async fn whole_gpus_after(first: PodContainer, app: u64) {
     let c = Cluster::start("").await;
     c.api.add_node(
         NODE,
@@ -578,12 +629,24 @@ async fn handed_on_whole_gpus(init: u64, app: u64) {
         ],
         &[],
     );
-    let needed = init.max(app);
+    let init = first.wants[2];
+    let (needed, reused) = if first.restartable {
+        (init + app, 0)
+    } else {
+        (init.max(app), init.min(app))
+    };
     c.api.add_pod(
         "default",
         "big",
         NODE,
         &[container("train", false, [0, 0, GPUS as u64 - needed])],
+        &[],
+    );
+    c.api.add_pod(
+        "default",
+        "blocker",
+        NODE,
+        &[container("train", false, [0, 0, 1])],
         &[],
     );
     let big = c.kubelet.admit_bound(&c.api, NODE).await;
@@ -600,12 +663,24 @@ async fn handed_on_whole_gpus(init: u64, app: u64) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let sim = start_scheduler(&kubeconfig, &url, 1).await;
-    let pod = [
-        container("init", true, [0, 0, init]),
-        container("app", false, [0, 0, app]),
-    ];
+    let pod = [first, container("app", false, [0, 0, app])];
     c.api
         .add_unscheduled_pod("default", "handed", "doslab-gpu-scheduler", &pod);
+    let refused = |o: &BTreeMap<String, Outcome>| {
+        o.get("default/handed")
+            .is_some_and(|o| o.node.is_none() && o.filtered.contains_key(NODE))
+    };
+    while !refused(&sim.outcomes()) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not refused with one GPU short: {:?}",
+            sim.outcomes()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(c.api.pod("default", "handed").unwrap()["spec"]["nodeName"].is_null());
+    c.api.set_phase("default", "blocker", "Succeeded");
+    c.kubelet.admit_bound(&c.api, NODE).await;
     while c.api.pod("default", "handed").unwrap()["spec"]["nodeName"].is_null() {
         assert!(
             std::time::Instant::now() < deadline,
@@ -646,8 +721,8 @@ async fn handed_on_whole_gpus(init: u64, app: u64) {
     }
     assert_eq!(
         ids("init").intersection(&ids("app")).count() as u64,
-        init.min(app),
-        "the app reuses the init container's GPUs"
+        reused,
+        "the app reuses what the init container hands on"
     );
     assert_eq!(annotation(&p, "doslab.io/gpu-assigned"), Some("true"));
     sim.stop();

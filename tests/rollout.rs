@@ -187,6 +187,7 @@ fn container(name: &str, wants: [u64; 3]) -> PodContainer {
     PodContainer {
         name: name.into(),
         init: false,
+        restartable: false,
         wants,
     }
 }

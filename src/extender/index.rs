@@ -366,6 +366,7 @@ mod tests {
             let app = PodContainer {
                 name: "app".into(),
                 init: false,
+                restartable: false,
                 wants: [1000, 0, 0],
             };
             let mut p = gpu_pod("ns", name, &[app]);

@@ -153,6 +153,7 @@ mod tests {
         PodContainer {
             name: name.into(),
             init,
+            restartable: false,
             wants: [memory, core, count],
         }
     }

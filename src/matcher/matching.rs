@@ -157,11 +157,19 @@ pub(crate) fn decide_with(
         });
         if let Some((pod, container, grant)) = served {
             // The kubelet hands an init container's devices on to the next
-            // container of the pod; otherwise it is asking again.
+            // container of the pod; otherwise it is asking again. It never
+            // asks again for a container while the pod's next ones wait
+            // (their devices are checkpointed), so IDs of an app container
+            // or a sidecar, which hand nothing on, are the next one's choice.
             let next = unserved(pod, r).find(|c| c.wants(r) == ask.devices);
             match next {
                 Some(c) if pod.admitting => {
-                    return place(inv, usage, pod, c, ask, Ids::HandedOn);
+                    let hands_on = pod
+                        .containers
+                        .iter()
+                        .any(|c| c.name == *container && c.hands_on());
+                    let ids = if hands_on { Ids::HandedOn } else { Ids::Chosen };
+                    return place(inv, usage, pod, c, ask, ids);
                 }
                 _ => {
                     return Ok(Decision {
@@ -248,7 +256,10 @@ fn place(
         .map(|uuids| uuids.iter().map(|u| known(u, "the extender")).collect())
         .transpose()?;
     // Until its ledger has this resource, the usage counts the container's
-    // own assigned ask of it: it must not stand in its own way.
+    // own assigned ask of it (a whole GPU handed on from an init container
+    // is counted with the init container instead, and taking it out too
+    // lowers only the whole-GPU count, which nothing below reads): it must
+    // not stand in its own way.
     let others;
     let usage = match assignment {
         Some(gpus) if own.and_then(|g| g.amount(r)).is_none() => {
@@ -263,19 +274,22 @@ fn place(
         }
         _ => usage,
     };
-    // Whole GPUs of the pod's init containers go to the containers after
-    // them before any fresh one, whichever the kubelet picks of them:
-    // never a contradiction.
+    // Whole GPUs the pod's init containers still hand on go to the next
+    // container before any fresh one, whichever the kubelet picks of them:
+    // never a contradiction. The ledger says exactly which those are, so
+    // whole GPUs are checked even when handed on; shared IDs handed on are
+    // not followed per GPU, and the assignment says where they run.
     let handed = match r {
-        Resource::GpuCount => handed_whole(inv, pod),
+        Resource::GpuCount => handed_whole(inv, pod, c),
         _ => Vec::new(),
     };
+    let checked = ids == Ids::Chosen || r == Resource::GpuCount;
     if let Some(assigned) = &assigned {
         let contradicts = ask
             .id_gpus
             .iter()
             .any(|g| !assigned.contains(g) && !handed.contains(g));
-        if ids == Ids::Chosen && !ask.id_gpus.is_empty() && contradicts {
+        if checked && !ask.id_gpus.is_empty() && contradicts {
             return Err(MatchError::Contradicts {
                 pod: pod.key.clone(),
                 container: c.name.clone(),
@@ -345,15 +359,20 @@ fn place(
     Ok(decision(vec![gpu]))
 }
 
-/// The GPUs the pod's init containers were granted whole.
-fn handed_whole(inv: &Inventory, pod: &PodView) -> Vec<usize> {
-    pod.containers
-        .iter()
-        .filter(|c| c.init)
-        .filter_map(|c| pod.ledger.0.get(&c.name))
-        .filter(|g| g.whole())
-        .flat_map(|g| g.gpus.iter().filter_map(|u| inv.index(u)))
-        .collect()
+/// The whole GPUs the kubelet holds for `next` to take first, per the
+/// ledger: those granted to the pod's init containers before it that hand
+/// theirs on, less those a sidecar or an app container before it took (the
+/// kubelet's `devicesToReuse`).
+fn handed_whole(inv: &Inventory, pod: &PodView, next: &ContainerAsk) -> Vec<usize> {
+    let mut pool: Vec<usize> = Vec::new();
+    for c in pod.containers.iter().take_while(|c| c.name != next.name) {
+        let Some(grant) = pod.ledger.0.get(&c.name).filter(|g| g.whole()) else {
+            continue;
+        };
+        let gpus: Vec<usize> = grant.gpus.iter().filter_map(|u| inv.index(u)).collect();
+        c.pass_on(&mut pool, &gpus);
+    }
+    pool
 }
 
 fn same_set(a: &[usize], b: &[usize]) -> bool {

@@ -34,6 +34,7 @@ fn container(name: &str, mem: u64, core: u64, count: u64) -> ContainerAsk {
     ContainerAsk {
         name: name.into(),
         init: false,
+        restartable: false,
         devices: PerResource {
             memory: mem,
             core,
@@ -425,7 +426,13 @@ fn devices_handed_on_from_an_init_container_take_the_assigned_gpu() {
     let mut pods = vec![pod(
         "p",
         1,
-        vec![container("init", 10, 0, 0), container("app", 10, 0, 0)],
+        vec![
+            ContainerAsk {
+                init: true,
+                ..container("init", 10, 0, 0)
+            },
+            container("app", 10, 0, 0),
+        ],
     )];
     assign(&mut pods[0], &[("init", &["GPU-a"]), ("app", &["GPU-b"])]);
     serve(&mut pods, &ask(GpuMemory, 10, &[0], &["i"])).unwrap();
@@ -440,6 +447,73 @@ fn init(name: &str, count: u64) -> ContainerAsk {
         init: true,
         ..container(name, 0, 0, count)
     }
+}
+
+/// A restartable init container (`restartPolicy: Always`).
+fn sidecar(name: &str, count: u64) -> ContainerAsk {
+    ContainerAsk {
+        restartable: true,
+        ..init(name, count)
+    }
+}
+
+#[test]
+fn a_sidecar_keeps_its_whole_gpu_so_the_app_naming_it_contradicts() {
+    let mut pods = vec![pod(
+        "p",
+        1,
+        vec![sidecar("s", 1), container("app", 0, 0, 1)],
+    )];
+    assign(&mut pods[0], &[("s", &["GPU-a"]), ("app", &["GPU-b"])]);
+    serve(&mut pods, &ask(GpuCount, 1, &[0], &["a"])).unwrap();
+    let err = serve(&mut pods, &ask(GpuCount, 1, &[0], &["a"])).unwrap_err();
+    assert!(matches!(err, MatchError::Contradicts { .. }), "{err}");
+    // An init container's GPU goes to the sidecar, which keeps it: the
+    // app has none handed on.
+    let mut pods = vec![pod(
+        "q",
+        1,
+        vec![init("i", 1), sidecar("s", 1), container("app", 0, 0, 1)],
+    )];
+    assign(
+        &mut pods[0],
+        &[("i", &["GPU-a"]), ("s", &["GPU-a"]), ("app", &["GPU-b"])],
+    );
+    serve(&mut pods, &ask(GpuCount, 1, &[0], &["a"])).unwrap();
+    let d = serve(&mut pods, &ask(GpuCount, 1, &[0], &["a"])).unwrap();
+    assert_eq!(who(&d), ("q".into(), "s".into(), vec![0]));
+    let err = serve(&mut pods, &ask(GpuCount, 1, &[0], &["a"])).unwrap_err();
+    assert!(matches!(err, MatchError::Contradicts { .. }), "{err}");
+    let d = serve(&mut pods, &ask(GpuCount, 1, &[1], &["b"])).unwrap();
+    assert_eq!(who(&d), ("q".into(), "app".into(), vec![1]));
+}
+
+#[test]
+fn a_gpu_an_earlier_app_container_took_is_no_longer_handed_on() {
+    // Init 2, then two apps of 1: the first takes GPU-a of the two, so the
+    // second naming GPU-a again (assigned GPU-b) contradicts.
+    let mut pods = vec![pod(
+        "p",
+        1,
+        vec![
+            init("i", 2),
+            container("app1", 0, 0, 2),
+            container("app2", 0, 0, 1),
+        ],
+    )];
+    assign(
+        &mut pods[0],
+        &[
+            ("i", &["GPU-a", "GPU-b"]),
+            ("app1", &["GPU-a", "GPU-b"]),
+            ("app2", &["GPU-b"]),
+        ],
+    );
+    serve(&mut pods, &ask(GpuCount, 2, &[0, 1], &["a", "b"])).unwrap();
+    let d = serve(&mut pods, &ask(GpuCount, 2, &[0, 1], &["a", "b"])).unwrap();
+    assert_eq!(who(&d), ("p".into(), "app1".into(), vec![0, 1]));
+    let err = serve(&mut pods, &ask(GpuCount, 1, &[0], &["a"])).unwrap_err();
+    assert!(matches!(err, MatchError::Contradicts { .. }), "{err}");
 }
 
 #[test]

@@ -30,10 +30,19 @@ use crate::device::Resource;
 pub struct PodContainer {
     pub name: String,
     pub init: bool,
+    /// An init container with `restartPolicy: Always` (a sidecar): it keeps
+    /// its devices for the pod's life. Only init containers can be.
+    pub restartable: bool,
     pub wants: [u64; 3],
 }
 
 impl PodContainer {
+    /// Hands its devices on to the containers after it, as the kubelet
+    /// does for an init container that is not a sidecar.
+    pub(crate) fn hands_on(&self) -> bool {
+        self.init && !self.restartable
+    }
+
     /// `(doslab.io/<resource>, devices)` for every resource it asks for.
     pub fn asks(&self) -> Vec<(String, usize)> {
         Resource::ALL
@@ -602,8 +611,12 @@ fn pod_object(
                     .map(|(r, n)| (r, n.to_string().into()))
                     .collect();
                 // Extended resources: requests default to the limits.
-                json!({"name": c.name, "image": "cuda",
-                       "resources": {"limits": limits.clone(), "requests": limits}})
+                let mut spec = json!({"name": c.name, "image": "cuda",
+                       "resources": {"limits": limits.clone(), "requests": limits}});
+                if c.restartable {
+                    spec["restartPolicy"] = "Always".into();
+                }
+                spec
             })
             .collect()
     };
@@ -832,6 +845,7 @@ mod tests {
         vec![PodContainer {
             name: "main".into(),
             init: false,
+            restartable: false,
             wants: [1024, 10, 0],
         }]
     }

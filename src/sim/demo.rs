@@ -264,6 +264,7 @@ async fn admit_pods(config: &Config, kubelet: &KubeletSim, api: &ApiServerSim, o
                     PodContainer {
                         name: (*name).into(),
                         init: *init,
+                        restartable: false,
                         wants: Resource::ALL.map(|r| amounts[r] / units.amount(r)),
                     }
                 })

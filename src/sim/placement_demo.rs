@@ -150,6 +150,7 @@ impl Cluster {
             let main = PodContainer {
                 name: "main".into(),
                 init: false,
+                restartable: false,
                 wants: [gib * 1024 / self.unit_mib, *core, 0],
             };
             self.api

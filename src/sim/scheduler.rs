@@ -763,6 +763,7 @@ mod tests {
         vec![PodContainer {
             name: name.into(),
             init: false,
+            restartable: false,
             wants: [memory, 0, 0],
         }]
     }

@@ -9,6 +9,10 @@ use crate::device::{PerResource, Resource};
 pub struct ContainerAsk {
     pub name: String,
     pub(crate) init: bool,
+    /// An init container with `restartPolicy: Always` (a sidecar): it runs
+    /// beside the app containers for the pod's whole life, so the kubelet
+    /// lets it keep its devices and hands none of them on.
+    pub(crate) restartable: bool,
     /// The limit of each resource, in devices (0: not asked).
     pub(crate) devices: PerResource<u64>,
 }
@@ -19,6 +23,7 @@ impl ContainerAsk {
         ContainerAsk {
             name: c.name.clone(),
             init,
+            restartable: init && c.restart_policy.as_deref() == Some("Always"),
             devices: keys.resources.map(|_, name| {
                 limits
                     .and_then(|l| l.get(name))
@@ -30,6 +35,30 @@ impl ContainerAsk {
 
     pub fn wants(&self, r: Resource) -> u64 {
         self.devices[r]
+    }
+
+    /// An init container that ends before the next starts: the kubelet
+    /// hands its devices on to the containers after it (its
+    /// `devicesToReuse`). Every other container takes from those first and
+    /// keeps what it took.
+    pub(crate) fn hands_on(&self) -> bool {
+        self.init && !self.restartable
+    }
+
+    /// `pool`, the devices the kubelet keeps for the pod's next containers
+    /// (its `devicesToReuse`), after this container was granted `granted`:
+    /// an init container that hands on adds them, any other container
+    /// keeps them, so they leave it.
+    pub(crate) fn pass_on<T: PartialEq + Clone>(&self, pool: &mut Vec<T>, granted: &[T]) {
+        if self.hands_on() {
+            for d in granted {
+                if !pool.contains(d) {
+                    pool.push(d.clone());
+                }
+            }
+        } else {
+            pool.retain(|d| !granted.contains(d));
+        }
     }
 
     /// Asks GPUs whole; any memory or core it also asks comes with them.

@@ -63,7 +63,9 @@ fn holds(inv: &Inventory, usage: &NodeUsage, g: usize, need: &PerResource<u64>) 
 
 /// The devices of a resource the kubelet keeps from a pod's init containers
 /// and hands to the containers after them before taking fresh ones (its
-/// `devicesToReuse`): how many are left, and the GPUs they are on.
+/// `devicesToReuse`): how many are left, and the GPUs they are on. Sidecars
+/// (restartable init containers) take from it like app containers and add
+/// nothing.
 #[derive(Debug, Clone, Default)]
 struct HandedOn {
     devices: u64,
@@ -95,8 +97,11 @@ impl HandedOn {
 /// pod's init containers (for every resource of which they left some)
 /// before fresh ones: a shared container handed some must go on their GPU,
 /// and a whole ask takes the init containers' GPUs first (the pod holds
-/// them once), fresh ones only for the rest. IDs elsewhere contradict any
-/// other assignment.
+/// them once), fresh ones only for the rest. A sidecar (restartable init
+/// container) takes from them the same way but keeps its devices for the
+/// pod's life: it hands nothing on. At Allocate, IDs outside a container's
+/// assigned GPUs and the GPUs still handed on by the pod's init containers
+/// are refused.
 pub(crate) fn fit(
     inv: &Inventory,
     usage: &NodeUsage,
@@ -142,7 +147,7 @@ fn place_all(
                 .collect();
             let fresh = whole(inv, &usage, c, reused.len()).map_err(fail)?;
             let gpus: Vec<usize> = reused.iter().chain(&fresh).copied().collect();
-            if c.init {
+            if c.hands_on() {
                 h.add(c.devices.count, &gpus);
             } else {
                 h.gpus.retain(|g| !reused.contains(g));
@@ -178,8 +183,8 @@ fn place_all(
             };
             for r in SHARED.into_iter().filter(|&r| c.wants(r) > 0) {
                 let h = &mut handed[r];
-                // An app container keeps what it was handed.
-                if c.init {
+                // An app container or a sidecar keeps what it was handed.
+                if c.hands_on() {
                     h.add(c.wants(r), &[g]);
                 } else {
                     h.devices = h.devices.saturating_sub(c.wants(r));

@@ -36,7 +36,10 @@ impl Holding {
 /// one at a time, and a half-served container still holds the rest). Never
 /// both for one resource, so nothing counts twice; and a GPU the kubelet
 /// handed whole from an init container to the containers after it counts
-/// once, with the first container that holds it.
+/// once, with the first container that holds it. Only a GPU still handed
+/// on counts once: a sidecar (restartable init container) or an app
+/// container that holds a GPU keeps it, so a later container naming it too
+/// holds it again.
 pub(crate) fn pod_holdings(
     inv: &Inventory,
     containers: &[ContainerAsk],
@@ -49,6 +52,9 @@ pub(crate) fn pod_holdings(
             holdings.push(Holding::from_grant(grant));
         }
     }
+    // The GPUs the kubelet holds whole for the pod's init containers to
+    // hand on: counted already.
+    let mut handed: Vec<String> = Vec::new();
     for c in containers {
         let grant = ledger.0.get(&c.name);
         let served = grant.map(Holding::from_grant);
@@ -60,23 +66,30 @@ pub(crate) fn pod_holdings(
                 None => ask[r],
             }),
         });
-        match (served, rest) {
+        let own: Vec<Holding> = match (served, rest) {
             (Some(mut s), Some(r)) if s.gpus == r.gpus => {
                 s.amount = PerResource::from_fn(|res| s.amount[res] + r.amount[res]);
-                holdings.push(s);
+                vec![s]
             }
-            (s, r) => holdings.extend(s.into_iter().chain(r.filter(Holding::holds))),
+            (s, r) => s.into_iter().chain(r.filter(Holding::holds)).collect(),
+        };
+        for mut h in own {
+            if !h.whole() {
+                holdings.push(h);
+                continue;
+            }
+            let gpus = std::mem::take(&mut h.gpus);
+            h.gpus = gpus
+                .iter()
+                .filter(|g| !handed.contains(g))
+                .cloned()
+                .collect();
+            c.pass_on(&mut handed, &gpus);
+            if !h.gpus.is_empty() {
+                holdings.push(h);
+            }
         }
     }
-    let mut whole: Vec<String> = Vec::new();
-    holdings.retain_mut(|h| {
-        if !h.whole() {
-            return true;
-        }
-        h.gpus.retain(|g| !whole.contains(g));
-        whole.extend(h.gpus.iter().cloned());
-        !h.gpus.is_empty()
-    });
     holdings
 }
 

@@ -34,11 +34,20 @@ fn ask(name: &str, init: bool, mem: u64, core: u64, count: u64) -> ContainerAsk 
     ContainerAsk {
         name: name.into(),
         init,
+        restartable: false,
         devices: PerResource {
             memory: mem,
             core,
             count,
         },
+    }
+}
+
+/// A restartable init container (`restartPolicy: Always`).
+fn sidecar(name: &str, mem: u64, core: u64, count: u64) -> ContainerAsk {
+    ContainerAsk {
+        restartable: true,
+        ..ask(name, true, mem, core, count)
     }
 }
 
@@ -130,11 +139,19 @@ fn asks_are_read_from_the_spec_init_containers_first() {
     };
     let p = Pod {
         spec: Some(PodSpec {
-            init_containers: Some(vec![Container {
-                name: "init".into(),
-                resources: limits(&[("gpu-memory", "4")]),
-                ..Default::default()
-            }]),
+            init_containers: Some(vec![
+                Container {
+                    name: "init".into(),
+                    resources: limits(&[("gpu-memory", "4")]),
+                    ..Default::default()
+                },
+                Container {
+                    name: "proxy".into(),
+                    resources: limits(&[("gpu-count", "1")]),
+                    restart_policy: Some("Always".into()),
+                    ..Default::default()
+                },
+            ]),
             containers: vec![
                 Container {
                     name: "app".into(),
@@ -159,6 +176,7 @@ fn asks_are_read_from_the_spec_init_containers_first() {
         PodAsks::from_pod(&keys, &p).containers,
         vec![
             ask("init", true, 4, 0, 0),
+            sidecar("proxy", 0, 0, 1),
             ask("app", false, 8, 30, 0),
             ask("train", false, 0, 0, 2),
             ask("sidecar", false, 0, 0, 0),
@@ -308,6 +326,90 @@ fn a_container_handed_its_init_containers_devices_goes_on_their_gpu() {
     let a = fit(&inv, &usage, &p).unwrap();
     assert_eq!(a.0["app"], ["GPU-0"]);
     assert_eq!(a.0["side"], ["GPU-1"]);
+}
+
+#[test]
+fn a_sidecar_keeps_its_memory_and_hands_none_on() {
+    // 32 devices of 256 MiB per GPU.
+    let inv = inventory(&[8192, 8192]);
+    let usage = NodeUsage::empty(&inv);
+    // The sidecar keeps its 20 devices: the app takes fresh ones, on the
+    // GPU with room for it.
+    let p = pod(vec![
+        sidecar("proxy", 20, 10, 0),
+        ask("app", false, 16, 10, 0),
+    ]);
+    let a = fit(&inv, &usage, &p).unwrap();
+    assert_eq!(a.0["proxy"], ["GPU-0"]);
+    assert_eq!(a.0["app"], ["GPU-1"]);
+    // A sidecar takes from what the init containers hand on first: 8 of
+    // the 20 on GPU-0, which leaves 12 for the app, also on GPU-0, where
+    // there is no room for it.
+    let p = pod(vec![
+        ask("init", true, 20, 0, 0),
+        sidecar("proxy", 8, 0, 0),
+        ask("app", false, 16, 0, 0),
+    ]);
+    let e = fit(&inv, &usage, &p).unwrap_err();
+    assert_eq!(e.container, "app");
+    assert!(e.reason.contains("init containers on GPU-0"), "{e}");
+}
+
+#[test]
+fn a_sidecar_keeps_its_whole_gpu_so_the_app_needs_another() {
+    let inv = inventory(&[8192, 8192, 8192]);
+    let whole = |gpus: &[&str]| Holding {
+        gpus: gpus.iter().map(|g| g.to_string()).collect(),
+        amount: inv.amount(&ask("w", false, 0, 0, gpus.len() as u64).devices),
+    };
+    let one_free = NodeUsage::of(&inv, [&whole(&["GPU-0", "GPU-1"])]);
+    let two_free = NodeUsage::of(&inv, [&whole(&["GPU-0"])]);
+    let p = pod(vec![sidecar("proxy", 0, 0, 1), ask("app", false, 0, 0, 1)]);
+    let e = fit(&inv, &one_free, &p).unwrap_err();
+    assert_eq!(e.container, "app");
+    assert!(!e.unresolvable, "{e}");
+    let a = fit(&inv, &two_free, &p).unwrap();
+    assert_eq!(a, assignment(&[("proxy", &["GPU-1"]), ("app", &["GPU-2"])]));
+    let u = NodeUsage::of(
+        &inv,
+        &pod_holdings(&inv, &p.containers, &Ledger::default(), &a),
+    );
+    assert_eq!(
+        u.gpus.iter().map(|g| g.used.count).collect::<Vec<_>>(),
+        [0, 1, 1]
+    );
+    // An init container's GPU goes to the sidecar, which keeps it: the app
+    // still needs a fresh one.
+    let p = pod(vec![
+        ask("init", true, 0, 0, 1),
+        sidecar("proxy", 0, 0, 1),
+        ask("app", false, 0, 0, 1),
+    ]);
+    assert_eq!(fit(&inv, &one_free, &p).unwrap_err().container, "app");
+    let a = fit(&inv, &two_free, &p).unwrap();
+    assert_eq!(a.0["init"], ["GPU-1"]);
+    assert_eq!(a.0["proxy"], ["GPU-1"]);
+    assert_eq!(a.0["app"], ["GPU-2"]);
+}
+
+#[test]
+fn a_sidecars_whole_gpu_is_not_counted_once_with_the_apps() {
+    let inv = inventory(&[8192, 8192]);
+    // A ledger (or an assignment from before sidecars were understood)
+    // naming one GPU for both: each holds it, the kubelet never hands a
+    // sidecar's GPU on.
+    let containers = vec![sidecar("proxy", 0, 0, 1), ask("app", false, 0, 0, 1)];
+    let mut ledger = Ledger::default();
+    for c in ["proxy", "app"] {
+        ledger
+            .0
+            .insert(c.into(), grant("GPU-1", None, None, Some(1)));
+    }
+    let held = pod_holdings(&inv, &containers, &ledger, &Assignment::default());
+    assert_eq!(NodeUsage::of(&inv, &held).gpus[1].used.count, 2, "{held:?}");
+    let a = assignment(&[("proxy", &["GPU-1"]), ("app", &["GPU-1"])]);
+    let held = pod_holdings(&inv, &containers, &Ledger::default(), &a);
+    assert_eq!(NodeUsage::of(&inv, &held).gpus[1].used.count, 2, "{held:?}");
 }
 
 #[test]

@@ -280,7 +280,17 @@ pub fn container(name: &str, init: bool, wants: [u64; 3]) -> PodContainer {
     PodContainer {
         name: name.into(),
         init,
+        restartable: false,
         wants,
+    }
+}
+
+/// A stand-in pod's sidecar: an init container with `restartPolicy:
+/// Always`, asking `wants` devices.
+pub fn sidecar(name: &str, wants: [u64; 3]) -> PodContainer {
+    PodContainer {
+        restartable: true,
+        ..container(name, true, wants)
     }
 }
 

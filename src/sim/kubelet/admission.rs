@@ -4,7 +4,9 @@
 //! containers first, each container's resources one after another (per
 //! resource GetPreferredAllocation, then Allocate), and the devices of the
 //! init containers reused by the containers after them, as the device
-//! manager's `devicesToReuse` does. A refused pod ends `Failed` (the
+//! manager's `devicesToReuse` does (a sidecar, an init container with
+//! `restartPolicy: Always`, takes from them first like an app container
+//! and keeps what it took). A refused pod ends `Failed` (the
 //! kubelet's UnexpectedAdmissionError) and its devices go back; the devices
 //! of a pod deleted or finished go back when the kubelet next looks.
 
@@ -40,6 +42,7 @@ pub fn pod_containers(pod: &Value) -> Vec<PodContainer> {
                 .map(move |c| PodContainer {
                     name: c["name"].as_str().unwrap_or_default().to_owned(),
                     init,
+                    restartable: init && c["restartPolicy"] == "Always",
                     wants: Resource::ALL.map(|r| {
                         let limit = &c["resources"]["limits"][format!("doslab.io/{}", r.name())];
                         limit
@@ -174,8 +177,8 @@ impl KubeletSim {
             for (resource, ids) in devices(&grants) {
                 let pool = reusable.entry(resource).or_default();
                 // Init containers add to what the next may reuse; an app
-                // container keeps what it took for itself.
-                if c.init {
+                // container or a sidecar keeps what it took for itself.
+                if c.hands_on() {
                     pool.extend(ids);
                 } else {
                     pool.retain(|id| !ids.contains(id));

@@ -248,11 +248,16 @@ impl KubeletSim {
         let mut fresh: Vec<(String, Vec<String>)> = Vec::new();
         for (resource, amount) in requests {
             let resource = resource.as_ref();
+            // Grants of several init containers name the IDs one handed to
+            // the next more than once: the kubelet reuses their union.
+            let mut seen = HashSet::new();
             let reuse: Vec<String> = reusable
                 .iter()
                 .filter(|g| g.resource == resource)
-                .flat_map(|g| g.device_ids.iter().cloned())
+                .flat_map(|g| &g.device_ids)
+                .filter(|id| seen.insert(*id))
                 .take(*amount)
+                .cloned()
                 .collect();
             match self.admit_one(resource, *amount, reuse).await {
                 Ok((g, taken)) => {
