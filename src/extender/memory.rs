@@ -236,14 +236,7 @@ pub fn gpu_pod(namespace: &str, name: &str, containers: &[PodContainer]) -> Pod 
         containers
             .iter()
             .filter(|c| c.init == init)
-            .map(|c| {
-                let limits: serde_json::Map<String, serde_json::Value> = c
-                    .asks()
-                    .into_iter()
-                    .map(|(r, n)| (r, n.to_string().into()))
-                    .collect();
-                serde_json::json!({"name": c.name, "image": "cuda", "resources": {"limits": limits}})
-            })
+            .map(PodContainer::spec)
             .collect()
     };
     serde_json::from_value(serde_json::json!({

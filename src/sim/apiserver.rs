@@ -43,6 +43,23 @@ impl PodContainer {
         self.init && !self.restartable
     }
 
+    /// Its entry in a pod's `containers` or `initContainers`, as the API
+    /// server stores it: extended resources' requests default to the
+    /// limits; a sidecar carries `restartPolicy: Always`.
+    pub(crate) fn spec(&self) -> Value {
+        let limits: serde_json::Map<String, Value> = self
+            .asks()
+            .into_iter()
+            .map(|(r, n)| (r, n.to_string().into()))
+            .collect();
+        let mut spec = json!({"name": self.name, "image": "cuda",
+               "resources": {"limits": limits.clone(), "requests": limits}});
+        if self.restartable {
+            spec["restartPolicy"] = "Always".into();
+        }
+        spec
+    }
+
     /// `(doslab.io/<resource>, devices)` for every resource it asks for.
     pub fn asks(&self) -> Vec<(String, usize)> {
         Resource::ALL
@@ -604,20 +621,7 @@ fn pod_object(
         containers
             .iter()
             .filter(|c| c.init == init)
-            .map(|c| {
-                let limits: serde_json::Map<String, Value> = c
-                    .asks()
-                    .into_iter()
-                    .map(|(r, n)| (r, n.to_string().into()))
-                    .collect();
-                // Extended resources: requests default to the limits.
-                let mut spec = json!({"name": c.name, "image": "cuda",
-                       "resources": {"limits": limits.clone(), "requests": limits}});
-                if c.restartable {
-                    spec["restartPolicy"] = "Always".into();
-                }
-                spec
-            })
+            .map(PodContainer::spec)
             .collect()
     };
     json!({

@@ -258,8 +258,9 @@ fn container_requests(c: &Container) -> BTreeMap<String, i128> {
     out
 }
 
-/// A pod's effective requests: the larger of its app containers' sum and
-/// its largest init container, per resource.
+/// A pod's effective requests, per resource: the larger of its app
+/// containers' sum and its largest init container, sidecars counted beside
+/// everything that runs after them.
 fn pod_requests(pod: &Pod) -> BTreeMap<String, i128> {
     let Some(spec) = &pod.spec else {
         return BTreeMap::new();
@@ -270,11 +271,27 @@ fn pod_requests(pod: &Pod) -> BTreeMap<String, i128> {
             *total.entry(name).or_default() += n;
         }
     }
+    // As kube-scheduler counts sidecars (restartable init containers): each
+    // runs beside everything after it, so it adds to the app containers'
+    // sum and to every later init container's own request.
+    let mut sidecars: BTreeMap<String, i128> = BTreeMap::new();
+    let mut init_peak: BTreeMap<String, i128> = BTreeMap::new();
     for c in spec.init_containers.iter().flatten() {
+        let sidecar = c.restart_policy.as_deref() == Some("Always");
         for (name, n) in container_requests(c) {
-            let t = total.entry(name).or_default();
-            *t = (*t).max(n);
+            let beside = sidecars.entry(name.clone()).or_default();
+            if sidecar {
+                *beside += n;
+                *total.entry(name.clone()).or_default() += n;
+            }
+            let running = if sidecar { *beside } else { n + *beside };
+            let peak = init_peak.entry(name).or_default();
+            *peak = (*peak).max(running);
         }
+    }
+    for (name, peak) in init_peak {
+        let t = total.entry(name).or_default();
+        *t = (*t).max(peak);
     }
     total
 }
@@ -961,5 +978,31 @@ mod tests {
         .unwrap();
         // Requests win over limits; the init container's 70 beats 20 + 30.
         assert_eq!(pod_requests(&pod)[MEM], 70_000);
+
+        // A sidecar (10) runs beside the init container after it (50: 60)
+        // and beside the app containers (30 + 10 = 40): 60. Without the
+        // sidecar being counted it would be 50.
+        let init = |name: &str, n: &str, sidecar: bool| {
+            let mut c = json!({"name": name, "resources": {"limits": {MEM: n}}});
+            if sidecar {
+                c["restartPolicy"] = "Always".into();
+            }
+            c
+        };
+        let pod = |inits: Vec<Value>, app: &str| -> Pod {
+            serde_json::from_value(json!({"spec": {
+                "initContainers": inits,
+                "containers": [{"name": "a", "resources": {"limits": {MEM: app}}}],
+            }}))
+            .unwrap()
+        };
+        let with = pod(vec![init("s", "10", true), init("i", "50", false)], "30");
+        assert_eq!(pod_requests(&with)[MEM], 60_000);
+        // A big app: the sidecar adds to its sum.
+        let big = pod(vec![init("s", "10", true), init("i", "50", false)], "55");
+        assert_eq!(pod_requests(&big)[MEM], 65_000);
+        // An init container before the sidecar does not run beside it.
+        let before = pod(vec![init("i", "50", false), init("s", "10", true)], "30");
+        assert_eq!(pod_requests(&before)[MEM], 50_000);
     }
 }
