@@ -147,12 +147,8 @@ fn place_all(
                 .collect();
             let fresh = whole(inv, &usage, c, reused.len()).map_err(fail)?;
             let gpus: Vec<usize> = reused.iter().chain(&fresh).copied().collect();
-            if c.hands_on() {
-                h.add(c.devices.count, &gpus);
-            } else {
-                h.gpus.retain(|g| !reused.contains(g));
-                h.devices = h.gpus.len() as u64;
-            }
+            c.pass_on(&mut h.gpus, &gpus);
+            h.devices = h.gpus.len() as u64;
             (gpus, fresh)
         } else if c.shared() {
             let reused: Vec<Resource> = SHARED
