@@ -655,13 +655,8 @@ async fn whole_gpus_after(first: PodContainer, app: u64) {
     let kubeconfig = c.files.path().join("kubeconfig");
     let (_extender, url) = start_extender(&kubeconfig);
     let deadline = std::time::Instant::now() + WAIT;
-    while annotation(&c.api.node(NODE).unwrap(), "doslab.io/gpu-inventory").is_none() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "inventory not published"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let published = || annotation(&c.api.node(NODE).unwrap(), "doslab.io/gpu-inventory").is_some();
+    poll_until(deadline, published, || "inventory not published".into()).await;
     let sim = start_scheduler(&kubeconfig, &url, 1).await;
     let pod = [first, container("app", false, [0, 0, app])];
     c.api
@@ -670,25 +665,21 @@ async fn whole_gpus_after(first: PodContainer, app: u64) {
         o.get("default/handed")
             .is_some_and(|o| o.node.is_none() && o.filtered.contains_key(NODE))
     };
-    while !refused(&sim.outcomes()) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "not refused with one GPU short: {:?}",
-            sim.outcomes()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    poll_until(
+        deadline,
+        || refused(&sim.outcomes()),
+        || format!("not refused with one GPU short: {:?}", sim.outcomes()),
+    )
+    .await;
     assert!(c.api.pod("default", "handed").unwrap()["spec"]["nodeName"].is_null());
     c.api.set_phase("default", "blocker", "Succeeded");
     c.kubelet.admit_bound(&c.api, NODE).await;
-    while c.api.pod("default", "handed").unwrap()["spec"]["nodeName"].is_null() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "not bound: {:?}",
-            sim.outcomes()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    poll_until(
+        deadline,
+        || !c.api.pod("default", "handed").unwrap()["spec"]["nodeName"].is_null(),
+        || format!("not bound: {:?}", sim.outcomes()),
+    )
+    .await;
     let admitted = c.kubelet.admit_bound(&c.api, NODE).await;
     let grants = admitted[0].result.as_ref().expect("admitted");
     let p = c.api.pod("default", "handed").unwrap();

@@ -335,6 +335,19 @@ pub async fn wait_for_sample(addr: &str, series: &str, value: f64) {
     }
 }
 
+/// Polls `done` until it holds; once `deadline` passes, panics with
+/// `why()` (several waits of one test can share a deadline).
+pub async fn poll_until(
+    deadline: Instant,
+    mut done: impl FnMut() -> bool,
+    why: impl Fn() -> String,
+) {
+    while !done() {
+        assert!(Instant::now() < deadline, "{}", why());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A real shared object for this host (for the enforcement library's ELF
 /// check): the C library this process maps, wherever the distribution
 /// keeps it.
