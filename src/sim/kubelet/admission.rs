@@ -78,7 +78,8 @@ fn devices<'a>(grants: impl IntoIterator<Item = &'a Grant>) -> BTreeMap<String, 
     out
 }
 
-fn release(s: &mut SimState, held: &BTreeMap<String, BTreeSet<String>>) {
+/// Gives `held` (IDs by resource) back to the free devices.
+pub(super) fn release(s: &mut SimState, held: &BTreeMap<String, BTreeSet<String>>) {
     for (resource, ids) in held {
         if let Some(used) = s.allocated.get_mut(resource) {
             used.retain(|id| !ids.contains(id));

@@ -245,7 +245,7 @@ impl KubeletSim {
         let mut grants: Vec<Grant> = Vec::new();
         // Only what this container took fresh goes back on a failure: reused
         // IDs stay with the init container.
-        let mut fresh: Vec<(String, Vec<String>)> = Vec::new();
+        let mut fresh: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
         for (resource, amount) in requests {
             let resource = resource.as_ref();
             // Grants of several init containers name the IDs one handed to
@@ -261,19 +261,11 @@ impl KubeletSim {
                 .collect();
             match self.admit_one(resource, *amount, reuse).await {
                 Ok((g, taken)) => {
-                    fresh.push((g.resource.clone(), taken));
+                    fresh.entry(g.resource.clone()).or_default().extend(taken);
                     grants.push(g);
                 }
                 Err(e) => {
-                    self.shared.update(|s| {
-                        for (resource, ids) in &fresh {
-                            if let Some(used) = s.allocated.get_mut(resource) {
-                                for id in ids {
-                                    used.remove(id);
-                                }
-                            }
-                        }
-                    });
+                    self.shared.update(|s| admission::release(s, &fresh));
                     return Err(e);
                 }
             }
