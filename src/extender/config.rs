@@ -12,7 +12,10 @@ use crate::usage::Policy;
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ExtenderConfig {
-    /// Where kube-scheduler reaches the extender (its `urlPrefix`).
+    /// Where kube-scheduler reaches the extender (its `urlPrefix`). The
+    /// default is loopback: `/bind` has no authentication, so only the
+    /// kube-scheduler beside it (same pod) may reach it unless an operator
+    /// chooses otherwise.
     pub listen: String,
     /// The domain of the resources and annotations, as on the nodes.
     pub resource_domain: String,
@@ -28,7 +31,7 @@ pub struct ExtenderConfig {
 impl Default for ExtenderConfig {
     fn default() -> Self {
         ExtenderConfig {
-            listen: "0.0.0.0:8888".into(),
+            listen: "127.0.0.1:8888".into(),
             resource_domain: "doslab.io".into(),
             policy: Policy::Binpack,
             kubeconfig: PathBuf::new(),
@@ -79,7 +82,7 @@ impl ExtenderConfig {
             return Err(invalid(
                 "listen",
                 format!(
-                    "{:?} is not an address:port like \"0.0.0.0:8888\"",
+                    "{:?} is not an address:port like \"127.0.0.1:8888\"",
                     self.listen
                 ),
             ));
@@ -102,6 +105,10 @@ mod tests {
     fn defaults_section_and_errors() {
         let empty = ExtenderConfig::from_toml("resource_domain = \"other.io\"\n").unwrap();
         assert_eq!(empty, ExtenderConfig::default());
+        // The unauthenticated /bind is reachable from the pod network only
+        // when an operator says so.
+        let listen: std::net::SocketAddr = empty.listen.parse().unwrap();
+        assert!(listen.ip().is_loopback(), "{listen}");
 
         let text = "memory_unit_mib = 4\n[extender]\nlisten = \"127.0.0.1:0\"\npolicy = \"spread\"\n\
                     kubeconfig = \"/etc/kube/config\"\n";
