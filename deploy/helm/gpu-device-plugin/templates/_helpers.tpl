@@ -71,3 +71,7 @@ listen = {{ printf "127.0.0.1:%d" (int .Values.extender.port) | quote }}
 resource_domain = {{ .Values.resourceDomain | quote }}
 {{ .Values.extender.config }}
 {{- end }}
+
+{{- define "gpu-device-plugin.scheduler.serviceAccountUser" -}}
+system:serviceaccount:{{ .Values.extender.namespace }}:{{ .Values.extender.schedulerName }}
+{{- end }}
