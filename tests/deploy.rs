@@ -26,7 +26,8 @@ use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{
     ConfigMap, Container, Namespace, NodeSelectorTerm, PodSpec, Service, ServiceAccount,
 };
-use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, RoleBinding};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, RoleBinding};
 use serde_json::{Value, json};
 use support::{BIN, real_shared_object};
 
@@ -162,6 +163,7 @@ fn parse_all(objs: &[Value]) {
             "MutatingAdmissionPolicyBinding" => {
                 drop(strict::<MutatingAdmissionPolicyBinding>(&v1alpha1(obj)))
             }
+            "NetworkPolicy" => drop(strict::<NetworkPolicy>(obj)),
             "ServiceMonitor" => {}
             other => panic!("unexpected kind {other}"),
         }
@@ -407,6 +409,10 @@ fn the_chart_and_kustomize_render_the_same_objects() {
     for (values, trees) in [
         (&[][..], &["deploy"][..]),
         (&EXTENDER_ON[..], &KUSTOMIZE_ALL[..]),
+        (
+            &["--set", "networkPolicy.enabled=true"][..],
+            &["deploy", "deploy/networkpolicy"][..],
+        ),
     ] {
         let helm = normalised(chart(values));
         let kust = normalised(kustomize(trees));
@@ -477,17 +483,17 @@ fn the_chart_renders_what_its_values_say() {
     let svc = svc.spec.unwrap();
     assert_eq!(svc.cluster_ip.as_deref(), Some("None"));
     assert_eq!(svc.ports.unwrap()[0].port, 9446);
-    let vap: Value = find(&objs, "ValidatingAdmissionPolicy").unwrap().clone();
+    let vap = named(&objs, "ValidatingAdmissionPolicy", "gpu-device-plugin");
     let cel = vap.to_string();
     assert!(cel.contains("authentication.kubernetes.io/node-name"));
     assert!(cel.contains("'doslab.io/'"));
     assert!(cel.contains("system:serviceaccount:gpu-device-plugin:gpu-device-plugin"));
-    let binding: ValidatingAdmissionPolicyBinding =
-        typed(&objs, "ValidatingAdmissionPolicyBinding");
-    assert_eq!(
-        binding.spec.unwrap().policy_name,
-        vap["metadata"]["name"].as_str().map(String::from)
-    );
+    // Each policy has its binding.
+    for policy in ["gpu-device-plugin", "gpu-device-plugin-accounting"] {
+        let binding: ValidatingAdmissionPolicyBinding =
+            strict(named(&objs, "ValidatingAdmissionPolicyBinding", policy));
+        assert_eq!(binding.spec.unwrap().policy_name.as_deref(), Some(policy));
+    }
     assert_mounts_follow_config(&objs, "/var/lib/kubelet/device-plugins");
 
     // A kubelet elsewhere (k0s): the hostPath, the mount and the config move.
@@ -556,11 +562,11 @@ fn the_chart_renders_what_its_values_say() {
         "metricsPort=9500",
     ]);
     parse_all(&objs);
-    let cel = find(&objs, "ValidatingAdmissionPolicy")
-        .unwrap()
-        .to_string();
-    assert!(cel.contains("system:serviceaccount:gpus:gpu-device-plugin"));
-    assert!(cel.contains("'example.com/'") && !cel.contains("doslab.io"));
+    for policy in ["gpu-device-plugin", "gpu-device-plugin-accounting"] {
+        let cel = named(&objs, "ValidatingAdmissionPolicy", policy).to_string();
+        assert!(cel.contains("system:serviceaccount:gpus:gpu-device-plugin"));
+        assert!(cel.contains("'example.com/'") && !cel.contains("doslab.io"));
+    }
     let config =
         gpu_device_plugin::config::Config::from_toml(&config_toml(&objs), Some("n".into()))
             .unwrap();
@@ -641,6 +647,11 @@ fn helm_lints_the_chart_and_its_schema_refuses_bad_values() {
             "extender.config sets listen",
         ),
         ("extender.config=[extender]", "table header"),
+        (
+            "formerResourceDomains[0]=Old_Domain",
+            "/formerResourceDomains/0",
+        ),
+        ("networkPolicy.from=everyone", "/networkPolicy/from"),
     ] {
         // With the extender on, so that its own templates' checks run too.
         let args = [
@@ -656,12 +667,16 @@ fn helm_lints_the_chart_and_its_schema_refuses_bad_values() {
     }
 }
 
-/// The admission policy's CEL, evaluated: `request` is the admission
-/// request, `old`/`new` the pod before and after the patch. Returns whether
-/// the policy applies and, if so, the messages of the validations it fails.
+/// An admission policy's CEL, evaluated: `request` is the admission
+/// request, `old`/`new` the object before and after (`old` null on a
+/// create). Returns whether the policy applies (its match constraints and
+/// conditions) and, if so, the messages of the validations it fails.
 fn admit(policy: &Value, request: &Value, old: &Value, new: &Value) -> Option<Vec<String>> {
     use cel_interpreter::{Context, Value as Cel};
     let spec = &policy["spec"];
+    if !in_match_constraints(policy, request) {
+        return None;
+    }
     let mut ctx = Context::default();
     ctx.add_variable("request", request).unwrap();
     ctx.add_variable("oldObject", old).unwrap();
@@ -688,6 +703,32 @@ fn admit(policy: &Value, request: &Value, old: &Value, new: &Value) -> Option<Ve
     )
 }
 
+/// Whether a resource rule of the policy's matchConstraints names the
+/// request's resource (with its subresource) and operation, as the API
+/// server matches them.
+fn in_match_constraints(policy: &Value, request: &Value) -> bool {
+    let resource = request["resource"]["resource"].as_str().unwrap();
+    let resource = match request["subResource"].as_str().unwrap() {
+        "" => resource.to_owned(),
+        sub => format!("{resource}/{sub}"),
+    };
+    policy["spec"]["matchConstraints"]["resourceRules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|rule| {
+            rule["apiGroups"] == json!([""])
+                && rule["resources"]
+                    .as_array()
+                    .unwrap()
+                    .contains(&json!(resource))
+                && rule["operations"]
+                    .as_array()
+                    .unwrap()
+                    .contains(&request["operation"])
+        })
+}
+
 /// One CEL expression (a JSON string) evaluated in `ctx`.
 fn eval_cel(ctx: &cel_interpreter::Context, expr: &Value) -> cel_interpreter::Value {
     let expr = expr.as_str().unwrap();
@@ -697,132 +738,168 @@ fn eval_cel(ctx: &cel_interpreter::Context, expr: &Value) -> cel_interpreter::Va
         .unwrap_or_else(|e| panic!("{expr}: {e}"))
 }
 
-/// Whether every matchCondition of an admission policy holds in `ctx`.
+/// Whether every matchCondition of an admission policy (none: true) holds
+/// in `ctx`.
 fn match_conditions_hold(ctx: &cel_interpreter::Context, policy: &Value) -> bool {
     policy["spec"]["matchConditions"]
         .as_array()
-        .unwrap()
-        .iter()
+        .into_iter()
+        .flatten()
         .all(|c| eval_cel(ctx, &c["expression"]) == cel_interpreter::Value::Bool(true))
 }
 
-#[test]
-fn the_admission_policy_lets_the_daemon_patch_only_its_nodes_pods_and_domain_annotations() {
-    let kustomized = kustomize(&["deploy"]);
-    let rendered = chart(&[]);
-    let user = "system:serviceaccount:gpu-device-plugin:gpu-device-plugin";
-    let request = |user: &str, node: Option<&str>| {
-        let mut r = json!({
-            "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "userInfo": {"username": user}
-        });
-        if let Some(node) = node {
-            r["userInfo"]["extra"] = json!({"authentication.kubernetes.io/node-name": [node]});
-        }
-        r
-    };
-    let pod = |annotations: Option<Value>| {
-        let mut p = json!({
-            "metadata": {"name": "p", "namespace": "default", "labels": {"app": "a"}},
-            "spec": {"nodeName": "gpu-node-1", "containers": [{"name": "c", "image": "i"}]}
-        });
-        if let Some(a) = annotations {
-            p["metadata"]["annotations"] = a;
-        }
-        p
-    };
-    let ours = request(user, Some("gpu-node-1"));
-    let before = pod(Some(json!({"keep": "x"})));
-    let patched = pod(Some(json!({"keep": "x", "doslab.io/gpu-uuid": "GPU-a"})));
-    let mut relabelled = patched.clone();
-    relabelled["metadata"]["labels"]["app"] = json!("b");
-    let mut respecced = patched.clone();
-    respecced["spec"]["containers"][0]["image"] = json!("evil");
-    let mut unbound = before.clone();
-    unbound["spec"].as_object_mut().unwrap().remove("nodeName");
-    let cases: [(&str, &Value, &Value, &Value, Option<usize>); 10] = [
-        (
-            "adds a domain annotation",
-            &ours,
-            &before,
-            &patched,
-            Some(0),
-        ),
-        (
-            "annotates a pod that had none",
-            &ours,
-            &pod(None),
-            &pod(Some(json!({"doslab.io/gpu-assume-time": "1"}))),
-            Some(0),
-        ),
-        (
-            "another node's pod",
-            &request(user, Some("gpu-node-2")),
-            &before,
-            &patched,
-            Some(1),
-        ),
-        (
-            "a token without a node",
-            &request(user, None),
-            &before,
-            &patched,
-            Some(1),
-        ),
-        ("a pod not yet bound", &ours, &unbound, &unbound, Some(1)),
-        (
-            "a foreign annotation",
-            &ours,
-            &before,
-            &pod(Some(json!({"keep": "y"}))),
-            Some(1),
-        ),
-        (
-            "drops a foreign annotation",
-            &ours,
-            &before,
-            &pod(None),
-            Some(1),
-        ),
-        ("changes a label", &ours, &before, &relabelled, Some(1)),
-        ("changes the spec", &ours, &before, &respecced, Some(1)),
-        (
-            "anyone else is not the policy's business",
-            &request(
-                "system:serviceaccount:kube-system:other",
-                Some("gpu-node-2"),
-            ),
-            &before,
-            &respecced,
-            None,
-        ),
-    ];
-    for objs in [&kustomized, &rendered] {
-        let policy = find(objs, "ValidatingAdmissionPolicy").unwrap();
-        for (what, req, old, new, failures) in &cases {
+/// The daemon's user, as its service account's token names it.
+const DAEMON: &str = "system:serviceaccount:gpu-device-plugin:gpu-device-plugin";
+/// The GPU scheduler's (kube-scheduler and the extender beside it).
+const GPU_SCHEDULER: &str = "system:serviceaccount:kube-system:doslab-gpu-scheduler";
+/// A tenant's workload.
+const TENANT: &str = "system:serviceaccount:team-a:default";
+
+/// An admission request: `user` (with the node its token is bound to, if
+/// any) doing `operation` on `resource` (`pods`, `pods/status`, ...).
+fn admission_request(user: &str, node: Option<&str>, operation: &str, resource: &str) -> Value {
+    let (resource, sub) = resource.split_once('/').unwrap_or((resource, ""));
+    let mut r = json!({
+        "operation": operation,
+        "resource": {"group": "", "version": "v1", "resource": resource},
+        "subResource": sub,
+        "userInfo": {"username": user}
+    });
+    if let Some(node) = node {
+        r["userInfo"]["extra"] = json!({"authentication.kubernetes.io/node-name": [node]});
+    }
+    r
+}
+
+/// A pod on `node` (unbound: None) with these annotations (None: no
+/// annotations at all).
+fn pod_on(node: Option<&str>, annotations: Option<Value>) -> Value {
+    let mut p = json!({
+        "metadata": {"name": "p", "namespace": "default", "labels": {"app": "a"}},
+        "spec": {"containers": [{"name": "c", "image": "i"}]}
+    });
+    if let Some(node) = node {
+        p["spec"]["nodeName"] = json!(node);
+    }
+    if let Some(a) = annotations {
+        p["metadata"]["annotations"] = a;
+    }
+    p
+}
+
+/// One admission case: what it shows, the request, the object before and
+/// after, and how many validations fail (None: the policy does not apply).
+type Case<'a> = (&'a str, Value, Value, Value, Option<usize>);
+
+/// Runs `cases` against the policy `name` of each of `renders`.
+fn assert_cases(renders: &[Vec<Value>], name: &str, cases: &[Case]) {
+    for objs in renders {
+        let policy = named(objs, "ValidatingAdmissionPolicy", name);
+        for (what, req, old, new, failures) in cases {
             let got = admit(policy, req, old, new);
             assert_eq!(
                 got.as_ref().map(Vec::len),
                 *failures,
-                "{what}: failed validations {got:?}"
+                "{name}: {what}: failed validations {got:?}"
             );
         }
     }
 }
 
 #[test]
+fn the_admission_policy_lets_the_daemon_patch_only_its_nodes_pods_and_domain_annotations() {
+    let pod = |annotations| pod_on(Some("gpu-node-1"), annotations);
+    let request = |user: &str, node| admission_request(user, node, "UPDATE", "pods");
+    let ours = request(DAEMON, Some("gpu-node-1"));
+    let before = pod(Some(json!({"keep": "x"})));
+    let patched = pod(Some(json!({"keep": "x", "doslab.io/gpu-uuid": "GPU-a"})));
+    let mut relabelled = patched.clone();
+    relabelled["metadata"]["labels"]["app"] = json!("b");
+    let mut respecced = patched.clone();
+    respecced["spec"]["containers"][0]["image"] = json!("evil");
+    let unbound = pod_on(None, Some(json!({"keep": "x"})));
+    let cases: [Case; 10] = [
+        (
+            "adds a domain annotation",
+            ours.clone(),
+            before.clone(),
+            patched.clone(),
+            Some(0),
+        ),
+        (
+            "annotates a pod that had none",
+            ours.clone(),
+            pod(None),
+            pod(Some(json!({"doslab.io/gpu-assume-time": "1"}))),
+            Some(0),
+        ),
+        (
+            "another node's pod",
+            request(DAEMON, Some("gpu-node-2")),
+            before.clone(),
+            patched.clone(),
+            Some(1),
+        ),
+        (
+            "a token without a node",
+            request(DAEMON, None),
+            before.clone(),
+            patched.clone(),
+            Some(1),
+        ),
+        (
+            "a pod not yet bound",
+            ours.clone(),
+            unbound.clone(),
+            unbound,
+            Some(1),
+        ),
+        (
+            "a foreign annotation",
+            ours.clone(),
+            before.clone(),
+            pod(Some(json!({"keep": "y"}))),
+            Some(1),
+        ),
+        (
+            "drops a foreign annotation",
+            ours.clone(),
+            before.clone(),
+            pod(None),
+            Some(1),
+        ),
+        (
+            "changes a label",
+            ours.clone(),
+            before.clone(),
+            relabelled,
+            Some(1),
+        ),
+        (
+            "changes the spec",
+            ours.clone(),
+            before.clone(),
+            respecced.clone(),
+            Some(1),
+        ),
+        (
+            "anyone else is not the policy's business",
+            request(
+                "system:serviceaccount:kube-system:other",
+                Some("gpu-node-2"),
+            ),
+            before,
+            respecced,
+            None,
+        ),
+    ];
+    let renders = [kustomize(&["deploy"]), chart(&[])];
+    assert_cases(&renders, "gpu-device-plugin", &cases);
+}
+
+#[test]
 fn the_admission_policy_lets_the_daemon_patch_only_its_own_nodes_gpu_inventory() {
-    let user = "system:serviceaccount:gpu-device-plugin:gpu-device-plugin";
-    let request = |node: Option<&str>| {
-        let mut r = json!({
-            "resource": {"group": "", "version": "v1", "resource": "nodes"},
-            "userInfo": {"username": user}
-        });
-        if let Some(node) = node {
-            r["userInfo"]["extra"] = json!({"authentication.kubernetes.io/node-name": [node]});
-        }
-        r
-    };
+    let request = |node| admission_request(DAEMON, node, "UPDATE", "nodes");
     let node = |name: &str, annotations: Value| {
         json!({
             "metadata": {"name": name, "labels": {"gpu": "true"}, "annotations": annotations},
@@ -837,83 +914,155 @@ fn the_admission_policy_lets_the_daemon_patch_only_its_own_nodes_gpu_inventory()
     relabelled["metadata"]["labels"]["gpu"] = json!("false");
     let mut cordoned = published.clone();
     cordoned["spec"]["unschedulable"] = json!(true);
-    let with_old_domain = node(
-        "gpu-node-1",
-        json!({"keep": "x", "old.example/gpu-inventory": "{}"}),
-    );
-    let cases: [(&str, &Value, &Value, &Value, Option<usize>); 10] = [
-        ("publishes", &ours, &before, &published, Some(0)),
+    let with = |key: &str| node("gpu-node-1", json!({"keep": "x", key: "{}"}));
+    let drops_former = |failures| {
         (
-            "rewrites",
-            &ours,
-            &published,
-            &node("gpu-node-1", inv("{\"version\":2}")),
+            "drops an inventory under a former domain",
+            ours.clone(),
+            with("old.example/gpu-inventory"),
+            published.clone(),
+            failures,
+        )
+    };
+    let cases: [Case; 11] = [
+        (
+            "publishes",
+            ours.clone(),
+            before.clone(),
+            published.clone(),
             Some(0),
         ),
         (
-            "drops an inventory under a former domain",
-            &ours,
-            &with_old_domain,
-            &published,
+            "rewrites",
+            ours.clone(),
+            published.clone(),
+            node("gpu-node-1", inv("{\"version\":2}")),
             Some(0),
+        ),
+        (
+            "drops another vendor's inventory",
+            ours.clone(),
+            with("nvidia.com/gpu-inventory"),
+            published.clone(),
+            Some(1),
         ),
         (
             "another node",
-            &request(Some("gpu-node-2")),
-            &before,
-            &published,
+            request(Some("gpu-node-2")),
+            before.clone(),
+            published.clone(),
             Some(1),
         ),
         (
             "a token without a node",
-            &request(None),
-            &before,
-            &published,
+            request(None),
+            before.clone(),
+            published.clone(),
             Some(1),
         ),
         (
             "a foreign annotation",
-            &ours,
-            &before,
-            &node("gpu-node-1", json!({"keep": "y"})),
+            ours.clone(),
+            before.clone(),
+            node("gpu-node-1", json!({"keep": "y"})),
             Some(1),
         ),
         (
             "another annotation of the domain",
-            &ours,
-            &before,
-            &node(
-                "gpu-node-1",
-                json!({"keep": "x", "doslab.io/gpu-ledger": "{}"}),
-            ),
+            ours.clone(),
+            before.clone(),
+            with("doslab.io/gpu-ledger"),
             Some(1),
         ),
         (
             "drops a foreign annotation",
-            &ours,
-            &before,
-            &node("gpu-node-1", json!({"doslab.io/gpu-inventory": "{}"})),
+            ours.clone(),
+            before.clone(),
+            node("gpu-node-1", json!({"doslab.io/gpu-inventory": "{}"})),
             Some(1),
         ),
-        ("changes a label", &ours, &published, &relabelled, Some(1)),
-        ("cordons the node", &ours, &published, &cordoned, Some(1)),
+        (
+            "changes a label",
+            ours.clone(),
+            published.clone(),
+            relabelled,
+            Some(1),
+        ),
+        (
+            "cordons the node",
+            ours.clone(),
+            published.clone(),
+            cordoned,
+            Some(1),
+        ),
+        // Unless the operator names the domain the daemon served before.
+        drops_former(Some(1)),
     ];
-    for objs in [&kustomize(&["deploy"]), &chart(&[])] {
-        let policy = find(objs, "ValidatingAdmissionPolicy").unwrap();
-        let rules = &policy["spec"]["matchConstraints"]["resourceRules"][0]["resources"];
-        assert!(
-            rules.as_array().unwrap().contains(&json!("nodes")),
-            "{rules}"
-        );
-        for (what, req, old, new, failures) in &cases {
-            let got = admit(policy, req, old, new);
-            assert_eq!(
-                got.as_ref().map(Vec::len),
-                *failures,
-                "{what}: failed validations {got:?}"
-            );
-        }
-    }
+    let renders = [kustomize(&["deploy"]), chart(&[])];
+    assert_cases(&renders, "gpu-device-plugin", &cases);
+    let former = chart(&["--set", "formerResourceDomains={old.example,older.example}"]);
+    assert_cases(&[former], "gpu-device-plugin", &[drops_former(Some(0))]);
+}
+
+#[test]
+fn the_admission_policy_lets_the_daemon_post_only_warnings_about_pods_from_its_node() {
+    let request = |node| admission_request(DAEMON, node, "CREATE", "events");
+    let event = |host: &str, kind: &str, type_: &str| {
+        json!({
+            "metadata": {"generateName": "p.", "namespace": "team-a"},
+            "involvedObject": {"apiVersion": "v1", "kind": kind, "name": "p", "namespace": "team-a"},
+            "reason": "GpuAllocateFailed",
+            "message": "node gpu-node-1: cannot allocate ...",
+            "type": type_,
+            "source": {"component": "gpu-device-plugin", "host": host}
+        })
+    };
+    let ours = request(Some("gpu-node-1"));
+    let mut other_component = event("gpu-node-1", "Pod", "Warning");
+    other_component["source"]["component"] = json!("kubelet");
+    let mut no_source = event("gpu-node-1", "Pod", "Warning");
+    no_source.as_object_mut().unwrap().remove("source");
+    let posts =
+        |what, req: &Value, ev: Value, failures| (what, req.clone(), Value::Null, ev, failures);
+    let cases: [Case; 7] = [
+        posts(
+            "the matcher's event",
+            &ours,
+            event("gpu-node-1", "Pod", "Warning"),
+            Some(0),
+        ),
+        posts(
+            "in another node's name",
+            &ours,
+            event("gpu-node-2", "Pod", "Warning"),
+            Some(1),
+        ),
+        posts(
+            "a token without a node",
+            &request(None),
+            event("gpu-node-1", "Pod", "Warning"),
+            Some(1),
+        ),
+        posts(
+            "about a Node",
+            &ours,
+            event("gpu-node-1", "Node", "Warning"),
+            Some(1),
+        ),
+        posts(
+            "a Normal event",
+            &ours,
+            event("gpu-node-1", "Pod", "Normal"),
+            Some(1),
+        ),
+        posts("as the kubelet", &ours, other_component, Some(1)),
+        posts("with no source", &ours, no_source, Some(1)),
+    ];
+    assert_cases(
+        &[kustomize(&["deploy"]), chart(&[])],
+        "gpu-device-plugin",
+        &cases,
+    );
 }
 
 /// `obj` as the API type `T`, refused when a key is misspelt: the typed
@@ -1212,38 +1361,27 @@ fn assert_gpu_scheduler(objs: &[Value], name: &str, domain: &str) {
         &format!("{name}-authentication-reader"),
     ));
     assert_eq!(rb.metadata.namespace.as_deref(), Some("kube-system"));
-    let role: ClusterRole = strict(named(objs, "ClusterRole", name));
-    let rules = role.rules.unwrap();
-    let grants = |group: &str, resource: &str, verb: &str, name: Option<&str>| {
-        rules.iter().any(|r: &PolicyRule| {
-            r.api_groups.iter().flatten().any(|g| g == group)
-                && r.resources.iter().flatten().any(|x| x == resource)
-                && r.verbs.iter().any(|v| v == verb)
-                && name.is_none_or(|n| {
-                    r.resource_names
-                        .as_ref()
-                        .is_none_or(|names| names.iter().any(|x| x == n))
-                })
+    // Its ClusterRole: what system:kube-scheduler lacks, for its own lease.
+    let lease = le["resourceName"].as_str().unwrap();
+    assert_eq!(lease, name);
+    let want = GPU_SCHEDULER_CALLS
+        .iter()
+        .map(|((g, r, v, n), _)| {
+            let n = n.map(|_| lease.to_owned());
+            (g.to_string(), r.to_string(), v.to_string(), n)
         })
-    };
-    let lease = le["resourceName"].as_str();
-    assert!(grants("coordination.k8s.io", "leases", "create", None));
-    for verb in ["get", "update"] {
-        assert!(
-            grants("coordination.k8s.io", "leases", verb, lease),
-            "lease {verb}"
-        );
-    }
-    for (resource, verbs) in [
-        ("pods", &["get", "list", "watch", "patch"][..]),
-        ("pods/binding", &["create"]),
-        ("nodes", &["get", "list", "watch"]),
-        ("events", &["create"]),
-    ] {
-        for verb in verbs {
-            assert!(grants("", resource, verb, None), "{resource} {verb}");
-        }
-    }
+        .collect();
+    assert_eq!(rights(named(objs, "ClusterRole", name)), want);
+    // Its admission policy names its account and the domain.
+    let policy = named(objs, "ValidatingAdmissionPolicy", name).to_string();
+    assert!(
+        policy.contains(&format!("system:serviceaccount:{ns}:{name}")),
+        "{policy}"
+    );
+    assert!(policy.contains(&format!("'{domain}/'")), "{policy}");
+    let binding: ValidatingAdmissionPolicyBinding =
+        strict(named(objs, "ValidatingAdmissionPolicyBinding", name));
+    assert_eq!(binding.spec.unwrap().policy_name.as_deref(), Some(name));
 }
 
 #[test]
@@ -1479,4 +1617,606 @@ fn enforcement_installs_the_library_and_mounts_the_host_directories() {
         gpu_device_plugin::enforcement::Mode::None
     );
     assert_enforcement_dirs_follow_config(&objs);
+}
+
+/// The accounting policy on pods of every kind of writer: nobody creates a
+/// pod carrying `<domain>/` annotations, only the daemon and the GPU
+/// scheduler change them, and everything else a pod goes through passes.
+fn accounting_cases(domain: &str, daemon: &str, scheduler: &str) -> Vec<Case<'static>> {
+    let key = |k: &str| format!("{domain}/{k}");
+    let ledger = json!({ key("gpu-ledger"): "{\"GPU-a\":{}}" });
+    let assignment = json!({ key("gpu-assignment"): "{\"c\":[\"GPU-a\"]}", "keep": "x" });
+    let on = |annotations| pod_on(Some("gpu-node-1"), annotations);
+    let req = |user: &str, op: &str, resource: &str| {
+        admission_request(user, Some("gpu-node-1"), op, resource)
+    };
+    let mut relabelled = on(Some(ledger.clone()));
+    relabelled["metadata"]["labels"]["app"] = json!("b");
+    let mut running = on(Some(ledger.clone()));
+    running["status"] = json!({"phase": "Running"});
+    let binding = |annotations: Value| {
+        json!({
+            "metadata": {"name": "p", "namespace": "default", "annotations": annotations},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": "gpu-node-1"}
+        })
+    };
+    let mut with_foreign = ledger.clone();
+    with_foreign["keep"] = json!("y");
+    vec![
+        (
+            "a tenant creates a pod with a ledger",
+            req(TENANT, "CREATE", "pods"),
+            Value::Null,
+            on(Some(ledger.clone())),
+            Some(2),
+        ),
+        (
+            "a Job's controller creates a pod from a template with an assignment",
+            req(
+                "system:serviceaccount:kube-system:job-controller",
+                "CREATE",
+                "pods",
+            ),
+            Value::Null,
+            pod_on(None, Some(assignment.clone())),
+            Some(2),
+        ),
+        (
+            "not even the daemon creates a pod with a ledger",
+            req(daemon, "CREATE", "pods"),
+            Value::Null,
+            on(Some(ledger.clone())),
+            Some(1),
+        ),
+        (
+            "a tenant creates a GPU pod",
+            req(TENANT, "CREATE", "pods"),
+            Value::Null,
+            pod_on(None, Some(json!({"keep": "x"}))),
+            Some(0),
+        ),
+        (
+            "a look-alike domain is not the domain",
+            req(TENANT, "CREATE", "pods"),
+            Value::Null,
+            pod_on(
+                None,
+                Some(
+                    json!({ format!("{domain}.evil/gpu-ledger"): "{}", format!("x{domain}/gpu-ledger"): "{}" }),
+                ),
+            ),
+            Some(0),
+        ),
+        (
+            "a tenant adds a ledger to its pod",
+            req(TENANT, "UPDATE", "pods"),
+            on(None),
+            on(Some(ledger.clone())),
+            Some(1),
+        ),
+        (
+            "a tenant rewrites the ledger",
+            req(TENANT, "UPDATE", "pods"),
+            on(Some(ledger.clone())),
+            on(Some(json!({ key("gpu-ledger"): "{}" }))),
+            Some(1),
+        ),
+        (
+            "a tenant removes the assignment",
+            req(TENANT, "UPDATE", "pods"),
+            on(Some(assignment.clone())),
+            on(Some(json!({"keep": "x"}))),
+            Some(1),
+        ),
+        (
+            "a tenant relabels its pod",
+            req(TENANT, "UPDATE", "pods"),
+            on(Some(ledger.clone())),
+            relabelled,
+            Some(0),
+        ),
+        (
+            "a tenant changes its own annotation",
+            req(TENANT, "UPDATE", "pods"),
+            on(Some(
+                json!({ key("gpu-ledger"): "{\"GPU-a\":{}}", "keep": "x" }),
+            )),
+            on(Some(with_foreign)),
+            Some(0),
+        ),
+        (
+            "the kubelet's status update",
+            req("system:node:gpu-node-1", "UPDATE", "pods/status"),
+            on(Some(ledger.clone())),
+            running,
+            Some(0),
+        ),
+        (
+            "a status update that adds an assignment",
+            req("system:node:gpu-node-1", "UPDATE", "pods/status"),
+            on(None),
+            on(Some(assignment.clone())),
+            Some(1),
+        ),
+        (
+            "a tenant's Binding carrying a ledger",
+            req(TENANT, "CREATE", "pods/binding"),
+            Value::Null,
+            binding(ledger.clone()),
+            Some(1),
+        ),
+        (
+            "the GPU scheduler's Binding",
+            req(scheduler, "CREATE", "pods/binding"),
+            Value::Null,
+            binding(json!({})),
+            Some(0),
+        ),
+        (
+            "the daemon writes its ledger",
+            req(daemon, "UPDATE", "pods"),
+            on(Some(json!({ key("gpu-assigned"): "false" }))),
+            on(Some(
+                json!({ key("gpu-assigned"): "true", key("gpu-ledger"): "{}" }),
+            )),
+            Some(0),
+        ),
+        (
+            "the extender writes the assignment",
+            req(scheduler, "UPDATE", "pods"),
+            pod_on(None, Some(json!({"keep": "x"}))),
+            pod_on(None, Some(assignment.clone())),
+            Some(0),
+        ),
+        (
+            "the extender takes it back",
+            req(scheduler, "UPDATE", "pods"),
+            pod_on(None, Some(assignment)),
+            pod_on(None, Some(json!({"keep": "x"}))),
+            Some(0),
+        ),
+        (
+            "deleting a pod is not the policy's business",
+            req(TENANT, "DELETE", "pods"),
+            on(Some(ledger)),
+            Value::Null,
+            None,
+        ),
+    ]
+}
+
+#[test]
+fn only_the_daemon_and_the_gpu_scheduler_write_the_accounting_annotations() {
+    let renders = [kustomize(&["deploy"]), chart(&[])];
+    let cases = accounting_cases("doslab.io", DAEMON, GPU_SCHEDULER);
+    assert_cases(&renders, "gpu-device-plugin-accounting", &cases);
+    // The chart's domain, namespace and scheduler name follow the values.
+    let other = chart(&[
+        "--set",
+        "resourceDomain=gpu.example",
+        "--set",
+        "namespace=gpus",
+        "--set",
+        "extender.schedulerName=placer",
+        "--set",
+        "extender.namespace=sched",
+    ]);
+    let cases = accounting_cases(
+        "gpu.example",
+        "system:serviceaccount:gpus:gpu-device-plugin",
+        "system:serviceaccount:sched:placer",
+    );
+    assert_cases(&[other.clone()], "gpu-device-plugin-accounting", &cases);
+    // The default names are nobody there.
+    let forged = on_pod_update("doslab.io");
+    for user in [DAEMON, GPU_SCHEDULER] {
+        let req = admission_request(user, Some("gpu-node-1"), "UPDATE", "pods");
+        let policy = named(
+            &other,
+            "ValidatingAdmissionPolicy",
+            "gpu-device-plugin-accounting",
+        );
+        let failed = admit(policy, &req, &forged.0, &forged.1).unwrap();
+        assert!(
+            failed.is_empty(),
+            "doslab.io is not this chart's domain: {failed:?}"
+        );
+        let forged = on_pod_update("gpu.example");
+        let failed = admit(policy, &req, &forged.0, &forged.1).unwrap();
+        assert_eq!(failed.len(), 1, "{user} is not this chart's");
+    }
+    let binding: ValidatingAdmissionPolicyBinding = strict(named(
+        &renders[0],
+        "ValidatingAdmissionPolicyBinding",
+        "gpu-device-plugin-accounting",
+    ));
+    let spec = binding.spec.unwrap();
+    assert_eq!(
+        spec.policy_name.as_deref(),
+        Some("gpu-device-plugin-accounting")
+    );
+    assert_eq!(spec.validation_actions.unwrap(), ["Deny"]);
+}
+
+/// A bound pod before and after someone adds a `<domain>/gpu-ledger`.
+fn on_pod_update(domain: &str) -> (Value, Value) {
+    (
+        pod_on(Some("gpu-node-1"), None),
+        pod_on(
+            Some("gpu-node-1"),
+            Some(json!({ format!("{domain}/gpu-ledger"): "{}" })),
+        ),
+    )
+}
+
+#[test]
+fn the_gpu_scheduler_may_patch_only_the_domain_annotations_of_unbound_pods() {
+    let request = |user: &str, resource| admission_request(user, None, "UPDATE", resource);
+    let ours = request(GPU_SCHEDULER, "pods");
+    let unbound = |annotations| pod_on(None, annotations);
+    let assigned =
+        json!({"keep": "x", "doslab.io/gpu-assignment": "{}", "doslab.io/gpu-uuid": "GPU-a"});
+    let mut respecced = unbound(Some(json!({"keep": "x"})));
+    respecced["spec"]["containers"][0]["image"] = json!("evil");
+    let mut relabelled = unbound(Some(json!({"keep": "x"})));
+    relabelled["metadata"]["labels"]["app"] = json!("b");
+    let mut finalized = unbound(Some(json!({"keep": "x"})));
+    finalized["metadata"]["finalizers"] = json!(["example.com/hold"]);
+    let cases: [Case; 9] = [
+        (
+            "writes the assignment",
+            ours.clone(),
+            unbound(Some(json!({"keep": "x"}))),
+            unbound(Some(assigned.clone())),
+            Some(0),
+        ),
+        (
+            "takes it back after a failed Binding",
+            ours.clone(),
+            unbound(Some(assigned.clone())),
+            unbound(Some(json!({"keep": "x"}))),
+            Some(0),
+        ),
+        (
+            "a bound pod's accounting",
+            ours.clone(),
+            pod_on(Some("gpu-node-1"), Some(json!({"keep": "x"}))),
+            pod_on(Some("gpu-node-1"), Some(assigned)),
+            Some(1),
+        ),
+        (
+            "changes an image",
+            ours.clone(),
+            unbound(Some(json!({"keep": "x"}))),
+            respecced,
+            Some(1),
+        ),
+        (
+            "changes a label",
+            ours.clone(),
+            unbound(Some(json!({"keep": "x"}))),
+            relabelled,
+            Some(1),
+        ),
+        (
+            "adds a finalizer",
+            ours.clone(),
+            unbound(Some(json!({"keep": "x"}))),
+            finalized,
+            Some(1),
+        ),
+        (
+            "drops a foreign annotation",
+            ours.clone(),
+            unbound(Some(json!({"keep": "x"}))),
+            unbound(None),
+            Some(1),
+        ),
+        (
+            "kube-scheduler's status update is not the policy's business",
+            request(GPU_SCHEDULER, "pods/status"),
+            unbound(None),
+            unbound(None),
+            None,
+        ),
+        (
+            "nor is anyone else",
+            request(TENANT, "pods"),
+            unbound(None),
+            unbound(Some(json!({"keep": "x"}))),
+            None,
+        ),
+    ];
+    let renders = [kustomize(&KUSTOMIZE_ALL), chart(&EXTENDER_ON)];
+    assert_cases(&renders, "doslab-gpu-scheduler", &cases);
+    let binding: ValidatingAdmissionPolicyBinding = strict(named(
+        &renders[1],
+        "ValidatingAdmissionPolicyBinding",
+        "doslab-gpu-scheduler",
+    ));
+    assert_eq!(binding.spec.unwrap().validation_actions.unwrap(), ["Deny"]);
+}
+
+/// A right: API group, resource, verb, and the one object's name (None:
+/// any).
+type Right = (
+    &'static str,
+    &'static str,
+    &'static str,
+    Option<&'static str>,
+);
+
+/// Every API call the daemon makes, with the code that makes it. The
+/// daemon's ClusterRole must grant exactly these: a verb without a caller
+/// fails the test as a call without a grant does.
+const DAEMON_CALLS: [(Right, &str); 7] = [
+    (
+        ("", "pods", "list", None),
+        "src/matcher/cache.rs: the pod cache's reflector, fieldSelector spec.nodeName=<node>",
+    ),
+    (
+        ("", "pods", "watch", None),
+        "src/matcher/cache.rs: the same reflector",
+    ),
+    (
+        ("", "pods", "patch", None),
+        "src/matcher/actor.rs: the ledger and gpu-assigned write",
+    ),
+    (
+        ("", "pods", "get", None),
+        "src/matcher/actor.rs: the re-read after a conflicting ledger write",
+    ),
+    (
+        ("", "events", "create", None),
+        "src/matcher/actor.rs: GpuAllocateFailed on a pod it cannot place",
+    ),
+    (
+        ("", "nodes", "get", None),
+        "src/inventory/actor.rs: its Node's annotations",
+    ),
+    (
+        ("", "nodes", "patch", None),
+        "src/inventory/actor.rs: the gpu-inventory annotation",
+    ),
+];
+
+/// The GPU scheduler's calls that the cluster's own system:kube-scheduler
+/// does not grant (it may create any lease, but get/update only the one
+/// named kube-scheduler; it may not patch pods): exactly the scheduler's
+/// ClusterRole. What else the extender calls (pods get/list/watch in
+/// src/extender/cluster.rs's KubeBinder::get_pod and reflectors, nodes
+/// list/watch in the reflectors, pods/binding create in KubeBinder::bind)
+/// system:kube-scheduler grants.
+const GPU_SCHEDULER_CALLS: [(Right, &str); 3] = [
+    (
+        (
+            "coordination.k8s.io",
+            "leases",
+            "get",
+            Some("doslab-gpu-scheduler"),
+        ),
+        "kube-scheduler's leader election (leaderElection.resourceName)",
+    ),
+    (
+        (
+            "coordination.k8s.io",
+            "leases",
+            "update",
+            Some("doslab-gpu-scheduler"),
+        ),
+        "kube-scheduler's leader election: renewing the lease",
+    ),
+    (
+        ("", "pods", "patch", None),
+        "src/extender/cluster.rs: KubeBinder::annotate, the assignment before the Binding and its undo",
+    ),
+];
+
+/// Every (group, resource, verb, name) a ClusterRole grants.
+fn rights(role: &Value) -> std::collections::BTreeSet<(String, String, String, Option<String>)> {
+    let role: ClusterRole = strict(role);
+    let mut all = std::collections::BTreeSet::new();
+    for r in role.rules.unwrap() {
+        let names = r
+            .resource_names
+            .clone()
+            .map_or(vec![None], |n| n.into_iter().map(Some).collect());
+        for g in r.api_groups.iter().flatten() {
+            for res in r.resources.iter().flatten() {
+                for v in &r.verbs {
+                    for n in &names {
+                        all.insert((g.clone(), res.clone(), v.clone(), n.clone()));
+                    }
+                }
+            }
+        }
+    }
+    all
+}
+
+fn owned(
+    calls: &[(Right, &str)],
+) -> std::collections::BTreeSet<(String, String, String, Option<String>)> {
+    calls
+        .iter()
+        .map(|((g, r, v, n), _)| {
+            (
+                g.to_string(),
+                r.to_string(),
+                v.to_string(),
+                n.map(String::from),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn each_service_account_is_granted_exactly_the_calls_its_code_makes() {
+    for objs in [kustomize(&KUSTOMIZE_ALL), chart(&EXTENDER_ON)] {
+        assert_eq!(
+            rights(named(&objs, "ClusterRole", "gpu-device-plugin")),
+            owned(&DAEMON_CALLS),
+            "the daemon's ClusterRole against the calls of its code"
+        );
+        assert_eq!(
+            rights(named(&objs, "ClusterRole", "doslab-gpu-scheduler")),
+            owned(&GPU_SCHEDULER_CALLS),
+            "the GPU scheduler's ClusterRole against what system:kube-scheduler lacks"
+        );
+        // No other grants: the built-in roles, the authentication reader,
+        // and each ClusterRole bound to its own account alone.
+        let bindings: Vec<(String, String, String)> = objs
+            .iter()
+            .filter(|o| o["kind"] == "ClusterRoleBinding" || o["kind"] == "RoleBinding")
+            .flat_map(|o| {
+                let role = o["roleRef"]["name"].as_str().unwrap().to_owned();
+                o["subjects"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(move |s| {
+                        (
+                            role.clone(),
+                            s["namespace"].as_str().unwrap().to_owned(),
+                            s["name"].as_str().unwrap().to_owned(),
+                        )
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let sa = |ns: &str, name: &str| (ns.to_owned(), name.to_owned());
+        let want = [
+            (
+                "gpu-device-plugin",
+                sa("gpu-device-plugin", "gpu-device-plugin"),
+            ),
+            (
+                "doslab-gpu-scheduler",
+                sa("kube-system", "doslab-gpu-scheduler"),
+            ),
+            (
+                "system:kube-scheduler",
+                sa("kube-system", "doslab-gpu-scheduler"),
+            ),
+            (
+                "system:volume-scheduler",
+                sa("kube-system", "doslab-gpu-scheduler"),
+            ),
+            (
+                "extension-apiserver-authentication-reader",
+                sa("kube-system", "doslab-gpu-scheduler"),
+            ),
+        ];
+        let mut got: Vec<_> = bindings
+            .into_iter()
+            .map(|(role, ns, name)| (role, (ns, name)))
+            .collect();
+        got.sort();
+        let mut want: Vec<_> = want
+            .iter()
+            .map(|(r, s)| (r.to_string(), s.clone()))
+            .collect();
+        want.sort();
+        assert_eq!(got, want);
+    }
+}
+
+#[test]
+fn the_optional_network_policy_admits_only_the_scrapers_to_the_metrics_port() {
+    assert!(
+        find(&kustomize(&["deploy"]), "NetworkPolicy").is_none()
+            && find(&chart(&[]), "NetworkPolicy").is_none(),
+        "the NetworkPolicy is opt-in"
+    );
+    let scrapers = r#"
+networkPolicy:
+  enabled: true
+  from:
+    - namespaceSelector:
+        matchLabels:
+          kubernetes.io/metadata.name: observability
+    - ipBlock:
+        cidr: 10.1.0.0/16
+"#;
+    let kust = kustomize(&["deploy", "deploy/networkpolicy"]);
+    for (objs, from) in [
+        (
+            kust.clone(),
+            json!([{
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}
+            }]),
+        ),
+        (
+            chart(&["--set", "networkPolicy.enabled=true"]),
+            json!([{
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}
+            }]),
+        ),
+        (
+            chart_with(scrapers),
+            json!([
+                {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "observability"}}},
+                {"ipBlock": {"cidr": "10.1.0.0/16"}}
+            ]),
+        ),
+    ] {
+        parse_all(&objs);
+        let np: NetworkPolicy = strict(find(&objs, "NetworkPolicy").unwrap());
+        let ds: DaemonSet = typed(&objs, "DaemonSet");
+        assert_eq!(np.metadata.namespace, ds.metadata.namespace);
+        let spec = np.spec.unwrap();
+        // It selects the daemon's pods, and shuts only their ingress.
+        let labels = ds.spec.unwrap().template.metadata.unwrap().labels.unwrap();
+        let selector = spec.pod_selector.unwrap().match_labels.unwrap();
+        assert!(
+            selector.iter().all(|(k, v)| labels.get(k) == Some(v)),
+            "{selector:?}"
+        );
+        assert_eq!(spec.policy_types.unwrap(), ["Ingress"]);
+        let ingress = spec.ingress.unwrap();
+        assert_eq!(ingress.len(), 1);
+        let ports = ingress[0].ports.clone().unwrap();
+        let named_port = |p: &k8s_openapi::api::networking::v1::NetworkPolicyPort| p.port.clone();
+        assert_eq!(
+            ports.iter().map(named_port).collect::<Vec<_>>(),
+            [Some(
+                k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String("http".into())
+            )]
+        );
+        assert_eq!(ports[0].protocol.as_deref(), Some("TCP"));
+        assert_eq!(
+            serde_json::to_value(ingress[0].from.clone().unwrap()).unwrap(),
+            from
+        );
+        // The port named http is the metrics port.
+        let c = &pod_spec(&objs).containers[0];
+        let http = c
+            .ports
+            .iter()
+            .flatten()
+            .find(|p| p.name.as_deref() == Some("http"));
+        assert!(http.is_some(), "the daemon has no port named http");
+    }
+    // An empty `from` would admit everyone: the schema refuses it.
+    let values = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(
+        values.path(),
+        "networkPolicy:\n  enabled: true\n  from: []\n",
+    )
+    .unwrap();
+    let out = run(
+        "helm",
+        &[
+            "template",
+            "x",
+            CHART,
+            "-f",
+            values.path().to_str().unwrap(),
+        ],
+    );
+    assert!(!out.status.success(), "an empty from rendered");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("/networkPolicy/from"), "{stderr}");
 }
