@@ -1801,30 +1801,35 @@ fn only_the_daemon_and_the_gpu_scheduler_write_the_accounting_annotations() {
         "--set",
         "extender.namespace=sched",
     ]);
-    let cases = accounting_cases(
+    let mut cases = accounting_cases(
         "gpu.example",
         "system:serviceaccount:gpus:gpu-device-plugin",
         "system:serviceaccount:sched:placer",
     );
-    assert_cases(&[other.clone()], "gpu-device-plugin-accounting", &cases);
-    // The default names are nobody there.
-    let forged = on_pod_update("doslab.io");
+    // The default accounts are nobody there, and doslab.io no domain.
+    let ledger = |domain: &str| {
+        let key = format!("{domain}/gpu-ledger");
+        pod_on(Some("gpu-node-1"), Some(json!({ key: "{}" })))
+    };
     for user in [DAEMON, GPU_SCHEDULER] {
         let req = admission_request(user, Some("gpu-node-1"), "UPDATE", "pods");
-        let policy = named(
-            &other,
-            "ValidatingAdmissionPolicy",
-            "gpu-device-plugin-accounting",
-        );
-        let failed = admit(policy, &req, &forged.0, &forged.1).unwrap();
-        assert!(
-            failed.is_empty(),
-            "doslab.io is not this chart's domain: {failed:?}"
-        );
-        let forged = on_pod_update("gpu.example");
-        let failed = admit(policy, &req, &forged.0, &forged.1).unwrap();
-        assert_eq!(failed.len(), 1, "{user} is not this chart's");
+        let bare = pod_on(Some("gpu-node-1"), None);
+        cases.push((
+            "a default account",
+            req.clone(),
+            bare.clone(),
+            ledger("gpu.example"),
+            Some(1),
+        ));
+        cases.push((
+            "the default domain",
+            req,
+            bare,
+            ledger("doslab.io"),
+            Some(0),
+        ));
     }
+    assert_cases(&[other], "gpu-device-plugin-accounting", &cases);
     let binding: ValidatingAdmissionPolicyBinding = strict(named(
         &renders[0],
         "ValidatingAdmissionPolicyBinding",
@@ -1836,17 +1841,6 @@ fn only_the_daemon_and_the_gpu_scheduler_write_the_accounting_annotations() {
         Some("gpu-device-plugin-accounting")
     );
     assert_eq!(spec.validation_actions.unwrap(), ["Deny"]);
-}
-
-/// A bound pod before and after someone adds a `<domain>/gpu-ledger`.
-fn on_pod_update(domain: &str) -> (Value, Value) {
-    (
-        pod_on(Some("gpu-node-1"), None),
-        pod_on(
-            Some("gpu-node-1"),
-            Some(json!({ format!("{domain}/gpu-ledger"): "{}" })),
-        ),
-    )
 }
 
 #[test]
