@@ -18,7 +18,7 @@ use super::api::{
 };
 use super::cache::PodCache;
 use super::ledger::Ledger;
-use super::matching::{Ask, Decision, MatchError, decide, decide_with, record, usage};
+use super::matching::{Ask, Decision, MatchError, decide, decide_with, deleting, record, usage};
 use super::pods::{PodKey, PodView};
 use crate::metrics::{Hold, Metrics};
 use crate::usage::{Inventory, Keys};
@@ -108,6 +108,9 @@ impl MatcherState {
                 if w.before.contains(&view.resource_version) {
                     view.resource_version.clone_from(&w.after);
                 }
+            }
+            if pod.metadata.deletion_timestamp.is_some() {
+                deleting(&mut view);
             }
             views.push(view);
         }

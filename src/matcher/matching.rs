@@ -139,6 +139,16 @@ pub fn usage(inv: &Inventory, pods: &[PodView]) -> NodeUsage {
     NodeUsage::of(inv, &holdings)
 }
 
+/// `view` of a pod being deleted: it keeps what it holds (the kubelet frees
+/// its devices only as its containers stop), but it is never admitted
+/// again and its device IDs may already be another container's, so its
+/// ledger names no IDs an Allocate could repeat.
+pub(crate) fn deleting(view: &mut PodView) {
+    for grant in view.ledger.0.values_mut() {
+        grant.ids.clear();
+    }
+}
+
 /// Candidates in the order they are served: pods the scheduler stamped
 /// with an assume-time first, earliest first; then by creation time; then
 /// by namespace/name.
