@@ -366,6 +366,44 @@ async fn with_pod_matching_directories_follow_pods_and_refusals_reach_the_pod() 
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_whose_cache_directory_cannot_be_made_records_nothing() {
+    use gpu_device_plugin::sim::apiserver::{ApiServerSim, PodContainer};
+    let api = ApiServerSim::start().await.unwrap();
+    let files = tempfile::tempdir().unwrap();
+    let kubeconfig = files.path().join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig).unwrap();
+    let extra = format!("pod_matching = true\nnode_name = \"{NODE}\"");
+    let env = [("KUBECONFIG", kubeconfig.as_os_str())];
+    let node = Node::start(true, &extra, &env).await;
+    let app = PodContainer {
+        name: "app".into(),
+        init: false,
+        restartable: false,
+        wants: [4, 0, 0],
+    };
+    api.add_pod("default", "p", NODE, std::slice::from_ref(&app), &[]);
+    // The library is there, so the check passes; the state directory is a
+    // file, so the container's cache directory cannot be made.
+    let state = node.host.path().join("state");
+    let _ = std::fs::remove_dir_all(&state);
+    std::fs::write(&state, "not a directory").unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let err = node.kubelet.admit(&[(MEMORY, 4)]).await.unwrap_err();
+    assert!(err.contains("enforcement state"), "{err}");
+    let ledger = |api: &ApiServerSim| {
+        api.pod("default", "p").unwrap()["metadata"]["annotations"]
+            .get("doslab.io/gpu-ledger")
+            .cloned()
+    };
+    assert_eq!(ledger(&api), None, "a refused grant is not recorded");
+    // Once the directory can be made, the same container is served.
+    std::fs::remove_file(&state).unwrap();
+    let grants = node.kubelet.admit(&[(MEMORY, 4)]).await.unwrap();
+    assert!(mount(&grants[0].response, "/etc/ld.so.preload").is_some());
+    assert!(ledger(&api).is_some());
+}
+
 #[test]
 fn check_config_fails_on_a_node_without_the_library_and_notes_it_elsewhere() {
     let dir = tempfile::tempdir().unwrap();

@@ -13,10 +13,12 @@ use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
-use super::api::{LiveContainer, MatcherError, MatcherMsg, Refusal, Steer, UNSEEN_POD_WAIT};
+use super::api::{
+    Allocated, LiveContainer, MatcherError, MatcherMsg, Prepare, Refusal, Steer, UNSEEN_POD_WAIT,
+};
 use super::cache::PodCache;
 use super::ledger::Ledger;
-use super::matching::{Ask, Decision, MatchError, decide, decide_with, record, usage};
+use super::matching::{Ask, Decision, MatchError, decide, decide_with, deleting, record, usage};
 use super::pods::{PodKey, PodView};
 use crate::metrics::{Hold, Metrics};
 use crate::usage::{Inventory, Keys};
@@ -107,6 +109,9 @@ impl MatcherState {
                     view.resource_version.clone_from(&w.after);
                 }
             }
+            if pod.metadata.deletion_timestamp.is_some() {
+                deleting(&mut view);
+            }
             views.push(view);
         }
         let live: HashSet<&str> = views.iter().map(|v| v.uid.as_str()).collect();
@@ -129,9 +134,16 @@ impl MatcherState {
         }
     }
 
-    /// Finds the container, places it and records it on the pod.
-    async fn allocate(&mut self, ask: &Ask) -> Result<Decision, MatcherError> {
-        let deadline = Instant::now() + self.args.wait;
+    /// Finds the container, places it, readies it with `prepare` and
+    /// records it on the pod, by `caller` (the caller's deadline) at the
+    /// latest. A failed `prepare` records nothing.
+    async fn allocate(
+        &mut self,
+        ask: &Ask,
+        caller: Instant,
+        prepare: Option<&Prepare>,
+    ) -> Allocated {
+        let deadline = caller.min(Instant::now() + self.args.wait);
         if !self.cache.ready(deadline).await {
             return Err(self.failure(ask, Refusal::NotSynced(self.args.wait.as_millis())));
         }
@@ -139,14 +151,30 @@ impl MatcherState {
         loop {
             let views = self.views(&gone);
             match decide(&self.args.node, &views, ask) {
-                Ok(d) if d.repeat => return Ok(d),
                 Ok(d) => {
+                    let preload = match prepare {
+                        Some(p) => match p(&d).await {
+                            Ok(preload) => preload,
+                            Err(source) => {
+                                let e = MatcherError::Enforcement {
+                                    resource: ask.resource,
+                                    source,
+                                };
+                                self.post_event(Some(&d.pod), &e.to_string()).await;
+                                return Err(e);
+                            }
+                        },
+                        None => None,
+                    };
+                    if d.repeat {
+                        return Ok((d, preload));
+                    }
                     let view = views
                         .iter()
                         .find(|v| v.uid == d.uid)
                         .expect("decided on it");
                     match self.write(view.clone(), ask, &d, deadline).await {
-                        Ok(()) => return Ok(d),
+                        Ok(()) => return Ok((d, preload)),
                         Err(WriteError::Gone) => {
                             tracing::info!(pod = %d.pod, "pod went away while being served");
                             gone.insert(d.uid);
@@ -246,10 +274,10 @@ impl MatcherState {
         }
     }
 
-    async fn prefer(&mut self, ask: &Ask) -> Steer {
+    async fn prefer(&mut self, ask: &Ask, caller: Instant) -> Steer {
         // Waiting a little for a pod the cache has not seen keeps an
         // assigned pod's IDs on its GPU.
-        let deadline = Instant::now() + UNSEEN_POD_WAIT;
+        let deadline = caller.min(Instant::now() + UNSEEN_POD_WAIT);
         let (views, usage, decided) = loop {
             let views = self.views(&HashSet::new());
             let usage = usage(&self.args.node, &views);
@@ -264,10 +292,17 @@ impl MatcherState {
                 .iter()
                 .any(|v| v.uid == d.uid && v.assignment.0.contains_key(&d.container))
         });
+        // A container asking whole GPUs has its GPUs fixed once one of its
+        // resources is served: the rest follow them, and its own whole GPUs
+        // are no GPUs to keep its share off.
+        let fixed = assigned
+            || decided
+                .as_ref()
+                .is_some_and(|d| d.whole && !d.gpus.is_empty());
         match decided {
-            // The extender's GPUs and no others: the kubelet takes a hint
-            // for each GPU it is not told to avoid.
-            Some(d) if assigned => Steer {
+            // The extender's (or the container's own) GPUs and no others:
+            // the kubelet takes a hint for each GPU it is not told to avoid.
+            Some(d) if fixed => Steer {
                 avoid: (0..inv.gpus.len()).map(|g| !d.gpus.contains(&g)).collect(),
                 gpus: d.gpus,
             },
@@ -276,21 +311,6 @@ impl MatcherState {
                 avoid: usage.avoid(inv, ask.resource),
             },
         }
-    }
-
-    /// The pod the lookup `ask` finds, waiting a little for one the cache
-    /// has not seen, for an Event the plugin asks for.
-    async fn warn(&mut self, ask: &Ask, message: &str) {
-        let deadline = Instant::now() + UNSEEN_POD_WAIT;
-        let pod = loop {
-            let views = self.views(&HashSet::new());
-            match decide(&self.args.node, &views, ask) {
-                Err(MatchError::NoCandidate { .. }) if self.cache.changed(deadline).await => {}
-                Ok(d) => break Some(d.pod),
-                Err(e) => break e.pod().cloned(),
-            }
-        };
-        self.post_event(pod.as_ref(), message).await;
     }
 
     /// Every container of the cached pods, once the cache has synced.
@@ -409,10 +429,17 @@ impl Actor for PodMatcher {
         state: &mut MatcherState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            MatcherMsg::Allocate(ask, reply) => {
-                let result = state.allocate(&ask).await;
+            // A caller that has gone (timed out, or its RPC was cancelled)
+            // reads no answer: serving it would record a grant no container
+            // gets.
+            MatcherMsg::Allocate(ask, _, _, reply) if reply.is_closed() => {
+                tracing::info!(resource = %ask.resource, "skipping an Allocate whose caller has gone");
+            }
+            MatcherMsg::Prefer(_, _, reply) if reply.is_closed() => {}
+            MatcherMsg::Allocate(ask, deadline, prepare, reply) => {
+                let result = state.allocate(&ask, deadline, prepare.as_ref()).await;
                 match &result {
-                    Ok(d) => tracing::info!(
+                    Ok((d, _)) => tracing::info!(
                         pod = %d.pod,
                         container = %d.container,
                         resource = %ask.resource,
@@ -426,10 +453,9 @@ impl Actor for PodMatcher {
                 // The plugin may have timed out; nothing to do then.
                 let _ = reply.send(result);
             }
-            MatcherMsg::Prefer(ask, reply) => {
-                let _ = reply.send(state.prefer(&ask).await);
+            MatcherMsg::Prefer(ask, deadline, reply) => {
+                let _ = reply.send(state.prefer(&ask, deadline).await);
             }
-            MatcherMsg::Warn(ask, message) => state.warn(&ask, &message).await,
             MatcherMsg::Live(reply) => {
                 let _ = reply.send(state.live().await);
             }

@@ -3,7 +3,9 @@
 //! the matcher, so plugins never hold a stale actor.
 
 use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
 
 use ractor::{ActorRef, RactorErr, RpcReplyPort, call_t};
 
@@ -11,6 +13,7 @@ use super::ledger::ids_digest;
 use super::matching::{Ask, Decision, MatchError};
 use super::pods::PodKey;
 use crate::device::{DeviceRef, Resource};
+use crate::enforcement::{EnforcementError, Preload};
 
 /// Beyond the matcher's own wait (`matcher.wait_ms`), what an Allocate
 /// allows for its queue: it answers one lookup at a time.
@@ -35,14 +38,26 @@ pub(crate) struct Steer {
     pub(crate) avoid: Vec<bool>,
 }
 
+/// Readies what a decision needs before the matcher records it
+/// (enforcement's cache directory): an error refuses the Allocate with
+/// nothing recorded. Called again if the pod goes away and another is
+/// decided on.
+pub(crate) type Prepare = Arc<
+    dyn Fn(&Decision) -> BoxFuture<'static, Result<Option<Preload>, EnforcementError>>
+        + Send
+        + Sync,
+>;
+
+/// What an Allocate gets from the matcher.
+pub(crate) type Allocated = Result<(Decision, Option<Preload>), MatcherError>;
+
 pub(crate) enum MatcherMsg {
-    /// Find, place and record the container an Allocate is for.
-    Allocate(Ask, RpcReplyPort<Result<Decision, MatcherError>>),
-    /// The same lookup, recording nothing, for GetPreferredAllocation.
-    Prefer(Ask, RpcReplyPort<Steer>),
-    /// The same lookup, recording nothing: a Warning Event with this
-    /// message on the pod found (the plugin refused the Allocate itself).
-    Warn(Ask, String),
+    /// Find, place, prepare and record the container an Allocate is for,
+    /// giving up by the caller's deadline.
+    Allocate(Ask, Instant, Option<Prepare>, RpcReplyPort<Allocated>),
+    /// The same lookup, recording nothing, for GetPreferredAllocation, by
+    /// the caller's deadline.
+    Prefer(Ask, Instant, RpcReplyPort<Steer>),
     /// Every container of every pod in the pod cache; None before the
     /// cache's first full list (nothing yet says which pods are gone).
     Live(RpcReplyPort<Option<Vec<LiveContainer>>>),
@@ -65,6 +80,12 @@ pub(crate) enum MatcherError {
     /// The call failed: `timed_out`, or the matcher stopped meanwhile.
     #[error("the pod matcher did not answer: {detail}")]
     NoAnswer { timed_out: bool, detail: String },
+    /// Enforcement could not ready the decided container's cap.
+    #[error("{resource}: {source}")]
+    Enforcement {
+        resource: Resource,
+        source: EnforcementError,
+    },
     #[error("node {node}: cannot allocate {amount} {resource} ({devices} devices): {why}")]
     Refused {
         node: String,
@@ -97,6 +118,7 @@ impl MatcherError {
             MatcherError::NoAnswer {
                 timed_out: true, ..
             } => "timeout",
+            MatcherError::Enforcement { .. } => "enforcement",
             MatcherError::Refused { why, .. } => match why {
                 Refusal::NotSynced(_) => "not_synced",
                 Refusal::ApiServer(_) => "api_server",
@@ -107,6 +129,8 @@ impl MatcherError {
                     MatchError::Contradicts { .. } => "contradicts_assignment",
                     MatchError::HeldWhole { .. } => "held_whole",
                     MatchError::CarriesShared { .. } => "carries_shared",
+                    MatchError::Splits { .. } => "splits_container",
+                    MatchError::NoWholeGpus { .. } => "no_whole_gpus",
                     MatchError::Full { .. } => "full",
                 },
             },
@@ -134,34 +158,22 @@ impl MatcherHandle {
     }
 
     /// The container granted `devices` of `resource`, named by `ids` (the
-    /// same devices, as the kubelet sent them). `wait` is the matcher's
-    /// own bound (`matcher.wait_ms`); the call allows for its queue too.
+    /// same devices, as the kubelet sent them), readied by `prepare` before
+    /// it is recorded. `wait` is the matcher's own bound
+    /// (`matcher.wait_ms`); the call allows for its queue too.
     pub(crate) async fn allocate<'a>(
         &self,
         resource: Resource,
         devices: &[DeviceRef],
         ids: impl Iterator<Item = &'a str>,
         wait: Duration,
-    ) -> Result<Decision, MatcherError> {
+        prepare: Option<Prepare>,
+    ) -> Allocated {
         let actor = self.actor().ok_or(MatcherError::Down)?;
         let ask = allocate_ask(resource, devices, ids);
-        let ms = (wait + QUEUE_SLACK).as_millis() as u64;
-        call_t!(actor, MatcherMsg::Allocate, ms, ask).map_err(no_answer)?
-    }
-
-    /// A Warning Event saying `message` on the pod an Allocate of `devices`
-    /// is for, when the matcher runs and finds it; does not wait.
-    pub(crate) fn warn<'a>(
-        &self,
-        resource: Resource,
-        devices: &[DeviceRef],
-        ids: impl Iterator<Item = &'a str>,
-        message: String,
-    ) {
-        if let Some(actor) = self.actor() {
-            let ask = allocate_ask(resource, devices, ids);
-            let _ = actor.send_message(MatcherMsg::Warn(ask, message));
-        }
+        let bound = wait + QUEUE_SLACK;
+        let (ms, deadline) = (bound.as_millis() as u64, Instant::now() + bound);
+        call_t!(actor, MatcherMsg::Allocate, ms, ask, deadline, prepare).map_err(no_answer)?
     }
 
     /// The containers of the pods in the pod cache; None when the matcher
@@ -184,8 +196,11 @@ impl MatcherHandle {
             digest: None,
             id_gpus: Vec::new(),
         };
-        let ms = PREFER_TIMEOUT.as_millis() as u64;
-        call_t!(actor, MatcherMsg::Prefer, ms, ask).unwrap_or_default()
+        let (ms, deadline) = (
+            PREFER_TIMEOUT.as_millis() as u64,
+            Instant::now() + PREFER_TIMEOUT,
+        );
+        call_t!(actor, MatcherMsg::Prefer, ms, ask, deadline).unwrap_or_default()
     }
 }
 
@@ -307,6 +322,7 @@ mod tests {
                 &devices,
                 ["a"].into_iter(),
                 Duration::ZERO,
+                None,
             )
             .await
             .unwrap_err()

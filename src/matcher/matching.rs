@@ -2,10 +2,12 @@
 //! and which GPU it gets. Pure: the actor gathers the pods, this
 //! decides, the actor records.
 
-use super::ledger::{Grant, Ledger};
+use super::ledger::Ledger;
 use super::pods::{PodKey, PodView};
-use crate::device::{PerResource, Resource};
-use crate::usage::{ContainerAsk, Holding, Inventory, NodeUsage, best_shared, pod_holdings};
+use crate::device::Resource;
+use crate::usage::{
+    Assignment, ContainerAsk, Holding, Inventory, NodeUsage, best_shared, pod_holdings,
+};
 
 /// What is being asked for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,6 +34,9 @@ pub struct Decision {
     pub(crate) amount: u64,
     /// Already served with these very IDs: answer again, record nothing.
     pub(crate) repeat: bool,
+    /// The container holds `gpus` whole ([`ContainerAsk::rides_whole`]): a
+    /// shared amount rides inside them, with nothing to cap.
+    pub(crate) whole: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -75,6 +80,25 @@ pub enum MatchError {
     HeldWhole { pod: PodKey, uuid: String },
     #[error("GPU {uuid} carries shared work; {pod} wants it whole")]
     CarriesShared { pod: PodKey, uuid: String },
+    #[error(
+        "{pod}/{container} already got GPUs {gpus:?} with its {first}, and the kubelet's \
+         {resource} devices are on {ids:?}; refusing them rather than give one container two \
+         GPUs' envs"
+    )]
+    Splits {
+        pod: PodKey,
+        container: String,
+        first: Resource,
+        resource: Resource,
+        gpus: Vec<String>,
+        ids: Vec<String>,
+    },
+    #[error("{pod} wants {wanted} GPUs whole and only {clear} are clear of other work")]
+    NoWholeGpus {
+        pod: PodKey,
+        wanted: u64,
+        clear: u64,
+    },
     #[error("GPU {uuid} has {free} of {capacity} {resource} left; {pod} wants {amount}")]
     Full {
         pod: PodKey,
@@ -97,6 +121,8 @@ impl MatchError {
             | MatchError::Contradicts { pod, .. }
             | MatchError::HeldWhole { pod, .. }
             | MatchError::CarriesShared { pod, .. }
+            | MatchError::Splits { pod, .. }
+            | MatchError::NoWholeGpus { pod, .. }
             | MatchError::Full { pod, .. } => Some(pod),
         }
     }
@@ -111,6 +137,16 @@ pub fn usage(inv: &Inventory, pods: &[PodView]) -> NodeUsage {
         .flat_map(|p| pod_holdings(inv, &p.containers, &p.ledger, &p.assignment))
         .collect();
     NodeUsage::of(inv, &holdings)
+}
+
+/// `view` of a pod being deleted: it keeps what it holds (the kubelet frees
+/// its devices only as its containers stop), but it is never admitted
+/// again and its device IDs may already be another container's, so its
+/// ledger names no IDs an Allocate could repeat.
+pub(crate) fn deleting(view: &mut PodView) {
+    for grant in view.ledger.0.values_mut() {
+        grant.ids.clear();
+    }
 }
 
 /// Candidates in the order they are served: pods the scheduler stamped
@@ -172,6 +208,10 @@ pub(crate) fn decide_with(
                     return place(inv, usage, pod, c, ask, ids);
                 }
                 _ => {
+                    let whole = pod
+                        .containers
+                        .iter()
+                        .any(|c| c.name == *container && c.whole());
                     return Ok(Decision {
                         pod: pod.key.clone(),
                         uid: pod.uid.clone(),
@@ -179,6 +219,7 @@ pub(crate) fn decide_with(
                         gpus: grant.gpus.iter().filter_map(|g| inv.index(g)).collect(),
                         amount: grant.amount(r).unwrap_or(0),
                         repeat: true,
+                        whole,
                     });
                 }
             }
@@ -241,6 +282,7 @@ fn place(
         gpus,
         amount,
         repeat: false,
+        whole: c.whole(),
     };
     let uuid = |g: usize| inv.gpus[g].uuid.clone();
     let known = |u: &String, key: &str| {
@@ -255,33 +297,16 @@ fn place(
     let assigned: Option<Vec<usize>> = assignment
         .map(|uuids| uuids.iter().map(|u| known(u, "the extender")).collect())
         .transpose()?;
-    // Until its ledger has this resource, the usage counts the container's
-    // own assigned ask of it (a whole GPU handed on from an init container
-    // is counted with the init container instead, and taking it out too
-    // lowers only the whole-GPU count, which nothing below reads): it must
-    // not stand in its own way.
-    let others;
-    let usage = match assignment {
-        Some(gpus) if own.and_then(|g| g.amount(r)).is_none() => {
-            let mut amount = PerResource::default();
-            amount[r] = inv.amount(&c.devices)[r];
-            let holding = Holding {
-                gpus: gpus.clone(),
-                amount,
-            };
-            others = usage.without(inv, &holding);
-            &others
-        }
-        _ => usage,
-    };
+    let others = without_own(inv, usage, pod, c);
+    let usage = &others;
     // Whole GPUs the pod's init containers still hand on go to the next
     // container before any fresh one, whichever the kubelet picks of them:
     // never a contradiction. The ledger says exactly which those are, so
     // whole GPUs are checked even when handed on; shared IDs handed on are
     // not followed per GPU, and the assignment says where they run.
-    let handed = match r {
-        Resource::GpuCount => handed_whole(inv, pod, c),
-        _ => Vec::new(),
+    let handed = match c.whole() {
+        true => handed_whole(inv, pod, c),
+        false => Vec::new(),
     };
     let checked = ids == Ids::Chosen || r == Resource::GpuCount;
     if let Some(assigned) = &assigned {
@@ -299,14 +324,84 @@ fn place(
             });
         }
     }
+    // What the ledger records fixes the GPUs of a container asking whole
+    // ones, whichever of its resources came first.
+    let recorded: Option<Vec<usize>> = own
+        .filter(|g| !g.gpus.is_empty())
+        .map(|g| g.gpus.iter().filter_map(|u| inv.index(u)).collect());
     if r == Resource::GpuCount {
         // The kubelet holds the IDs' GPUs for the container, exclusive:
         // those are its GPUs, also when handed on from an init container
         // to another than the assigned one.
-        let gpus = match assigned {
-            Some(a) if ask.id_gpus.is_empty() || same_set(&ask.id_gpus, &a) => a,
+        let gpus = match (recorded, assigned) {
+            (Some(fixed), _) if !ask.id_gpus.is_empty() && !same_set(&ask.id_gpus, &fixed) => {
+                let first = Resource::ALL
+                    .into_iter()
+                    .find(|&s| own.and_then(|g| g.amount(s)).is_some())
+                    .unwrap_or(Resource::GpuMemory);
+                return Err(MatchError::Splits {
+                    pod: pod.key.clone(),
+                    container: c.name.clone(),
+                    first,
+                    resource: r,
+                    gpus: fixed.iter().map(|&g| uuid(g)).collect(),
+                    ids: ask.id_gpus.iter().map(|&g| uuid(g)).collect(),
+                });
+            }
+            (Some(fixed), _) => fixed,
+            (None, Some(a)) if ask.id_gpus.is_empty() || same_set(&ask.id_gpus, &a) => a,
             _ => ask.id_gpus.clone(),
         };
+        if let Some(&g) = gpus.iter().find(|&&g| usage.gpus[g].carries_shared()) {
+            return Err(MatchError::CarriesShared {
+                pod: pod.key.clone(),
+                uuid: uuid(g),
+            });
+        }
+        return Ok(decision(gpus));
+    }
+    if c.rides_whole(r) {
+        // Its share rides inside its whole GPUs: once its count (or another
+        // share) is recorded, those; else the extender's; else as many GPUs
+        // clear of other work as it asks, those the kubelet's IDs or an init
+        // container point at first, so its count can follow.
+        let gpus = match recorded.or(assigned) {
+            Some(gpus) => gpus,
+            None => {
+                let wanted = c.wants(Resource::GpuCount);
+                let clear = |g: &usize| {
+                    inv.gpus[*g].healthy
+                        && !usage.gpus[*g].held_whole()
+                        && !usage.gpus[*g].carries_shared()
+                };
+                let mut gpus: Vec<usize> = Vec::new();
+                for g in handed
+                    .iter()
+                    .chain(&ask.id_gpus)
+                    .copied()
+                    .chain(0..inv.gpus.len())
+                {
+                    if clear(&g) && !gpus.contains(&g) {
+                        gpus.push(g);
+                    }
+                }
+                if (gpus.len() as u64) < wanted {
+                    return Err(MatchError::NoWholeGpus {
+                        pod: pod.key.clone(),
+                        wanted,
+                        clear: gpus.len() as u64,
+                    });
+                }
+                gpus.truncate(wanted as usize);
+                gpus
+            }
+        };
+        if let Some(&g) = gpus.iter().find(|&&g| usage.gpus[g].held_whole()) {
+            return Err(MatchError::HeldWhole {
+                pod: pod.key.clone(),
+                uuid: uuid(g),
+            });
+        }
         if let Some(&g) = gpus.iter().find(|&&g| usage.gpus[g].carries_shared()) {
             return Err(MatchError::CarriesShared {
                 pod: pod.key.clone(),
@@ -339,7 +434,7 @@ fn place(
             });
         }
     };
-    if usage.gpus[gpu].held_whole() && !own.is_some_and(Grant::whole) {
+    if usage.gpus[gpu].held_whole() {
         return Err(MatchError::HeldWhole {
             pod: pod.key.clone(),
             uuid: uuid(gpu),
@@ -357,6 +452,32 @@ fn place(
         });
     }
     Ok(decision(vec![gpu]))
+}
+
+/// `usage` less what container `c` of `pod` holds and is assigned, as the
+/// usage counts it: a container must not stand in its own way (its own
+/// share before its count, or its own assigned ask). A whole GPU an init
+/// container hands on to `c` leaves the count too: it is the pod's own.
+fn without_own(inv: &Inventory, usage: &NodeUsage, pod: &PodView, c: &ContainerAsk) -> NodeUsage {
+    let ledger = Ledger(
+        pod.ledger
+            .0
+            .iter()
+            .filter(|(n, _)| **n == c.name)
+            .map(|(n, g)| (n.clone(), g.clone()))
+            .collect(),
+    );
+    let assignment = Assignment(
+        pod.assignment
+            .0
+            .iter()
+            .filter(|(n, _)| **n == c.name)
+            .map(|(n, g)| (n.clone(), g.clone()))
+            .collect(),
+    );
+    pod_holdings(inv, std::slice::from_ref(c), &ledger, &assignment)
+        .iter()
+        .fold(usage.clone(), |u, h| u.without(inv, h))
 }
 
 /// The whole GPUs the kubelet holds for `next` to take first, per the

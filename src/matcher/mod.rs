@@ -13,7 +13,8 @@ pub mod pods;
 mod report;
 
 pub(crate) use actor::{MatcherArgs, PodMatcher, READY_NAME};
-pub(crate) use api::{LiveContainer, MatcherError, MatcherHandle, MatcherMsg, Steer};
+pub(crate) use api::{LiveContainer, MatcherError, MatcherHandle, MatcherMsg, Prepare, Steer};
+pub(crate) use matching::Decision;
 
 #[cfg(test)]
 mod tests;

@@ -676,3 +676,90 @@ fn pods_are_read_from_the_api_with_bad_annotations_named() {
     let (view, _) = PodView::from_pod(&keys, &api_pod(&[], "Succeeded", false));
     assert!(!view.live && !view.admitting);
 }
+
+#[test]
+fn the_ids_of_a_pod_being_deleted_go_to_the_next_container() {
+    let mut pods = vec![
+        pod("old", 1, vec![container("c", 10, 0, 0)]),
+        pod("new", 2, vec![container("c", 10, 0, 0)]),
+    ];
+    let first = serve(&mut pods, &ask(GpuMemory, 10, &[1], &["a", "b"])).unwrap();
+    assert_eq!(first.pod.name, "old");
+    // Being deleted, its devices freed: the kubelet gives the same IDs to
+    // the next container, which must not get the old pod's grant.
+    pods[0].admitting = false;
+    super::matching::deleting(&mut pods[0]);
+    let d = serve(&mut pods, &ask(GpuMemory, 10, &[1], &["a", "b"])).unwrap();
+    assert_eq!((d.pod.name.as_str(), d.repeat), ("new", false));
+}
+
+/// Serves `resources` of a container asking one GPU whole, 100 MiB and
+/// 10 %, in that order, the IDs on `gpus`, beside a pod sharing GPU-a.
+fn whole_with_share(
+    resources: &[Resource],
+    gpus: &[&[usize]],
+) -> Vec<Result<Decision, MatchError>> {
+    let mut pods = vec![
+        pod("sharer", 1, vec![container("c", 10, 10, 0)]),
+        pod("whole", 2, vec![container("c", 100, 10, 1)]),
+    ];
+    serve(&mut pods, &ask(GpuMemory, 10, &[0], &["s1"])).unwrap();
+    serve(&mut pods, &ask(GpuCore, 10, &[0], &["s2"])).unwrap();
+    resources
+        .iter()
+        .zip(gpus)
+        .enumerate()
+        .map(|(i, (&r, ids))| {
+            let n = match r {
+                GpuMemory => 100,
+                GpuCore => 10,
+                GpuCount => 1,
+            };
+            serve(&mut pods, &ask(r, n, ids, &[&format!("w{i}")]))
+        })
+        .collect()
+}
+
+#[test]
+fn a_share_rides_inside_the_whole_gpu_in_either_order() {
+    let gpus = |r: &Result<Decision, MatchError>| {
+        let d = r.as_ref().unwrap();
+        assert!(d.whole, "{d:?}");
+        d.gpus.clone()
+    };
+    // Count first: memory and core IDs anywhere name its whole GPU.
+    let served = whole_with_share(&[GpuCount, GpuMemory, GpuCore], &[&[1], &[0], &[1]]);
+    assert_eq!(served.iter().map(gpus).collect::<Vec<_>>(), [[1], [1], [1]]);
+    // Memory first, its IDs on the shared GPU-a: the container is placed on
+    // the clear GPU-b, and its count follows there.
+    let served = whole_with_share(&[GpuMemory, GpuCount, GpuCore], &[&[0], &[1], &[1]]);
+    assert_eq!(served.iter().map(gpus).collect::<Vec<_>>(), [[1], [1], [1]]);
+    // Its count IDs on another GPU than its share's: refused, not split.
+    let served = whole_with_share(&[GpuCore, GpuCount], &[&[1], &[0]]);
+    assert_eq!(gpus(&served[0]), [1]);
+    let err = served[1].as_ref().unwrap_err();
+    assert!(matches!(err, MatchError::Splits { .. }), "{err}");
+    assert!(
+        err.to_string().contains("GPU-b") && err.to_string().contains("GPU-a"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_share_of_a_whole_container_needs_a_clear_gpu() {
+    let mut pods = vec![
+        pod(
+            "sharer",
+            1,
+            vec![container("c", 10, 0, 0), container("d", 10, 0, 0)],
+        ),
+        pod("whole", 2, vec![container("c", 100, 0, 1)]),
+    ];
+    serve(&mut pods, &ask(GpuMemory, 10, &[0], &["s1"])).unwrap();
+    serve(&mut pods, &ask(GpuMemory, 10, &[1], &["s2"])).unwrap();
+    let err = serve(&mut pods, &ask(GpuMemory, 100, &[1], &["w"])).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "default/whole wants 1 GPUs whole and only 0 are clear of other work"
+    );
+}

@@ -25,12 +25,17 @@ pub(crate) struct ResponseTemplate {
     mounts: Vec<Mount>,
 }
 
-/// What a container gets: GPUs (indexes; one for a shared resource) and an
-/// amount in the resource's unit.
+/// What a container gets: GPUs (indexes; one for a shared resource of a
+/// container asking no whole GPU) and an amount in the resource's unit.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Grant {
     pub(crate) gpus: Vec<usize>,
     pub(crate) amount: u64,
+    /// The container holds `gpus` whole
+    /// ([`ContainerAsk::rides_whole`](crate::usage::ContainerAsk::rides_whole)):
+    /// a shared amount rides inside them, so its response is the whole
+    /// GPUs' and caps nothing, whichever resource the kubelet served first.
+    pub(crate) whole: bool,
 }
 
 impl ResponseTemplate {
@@ -55,7 +60,7 @@ impl ResponseTemplate {
         envs.insert("NVIDIA_VISIBLE_DEVICES".into(), uuids.join(","));
         let shared = model.resource();
         let amount = grant.amount;
-        if shared != Resource::GpuCount {
+        if shared != Resource::GpuCount && !grant.whole {
             envs.insert(self.amount_env.clone(), amount.to_string());
             let (key, value) = if shared == Resource::GpuMemory {
                 ("CUDA_DEVICE_MEMORY_LIMIT_0", format!("{amount}m"))
@@ -124,6 +129,7 @@ pub(crate) fn ids_grant(
     Ok(Grant {
         gpus,
         amount: devices.len() as u64 * model.unit_amount(),
+        whole: resource == Resource::GpuCount,
     })
 }
 

@@ -3,9 +3,11 @@
 //! book's hints). Both paths sit behind [`Placement::steer`] (for
 //! GetPreferredAllocation) and [`Placement::grant`] (for Allocate), so the
 //! gRPC service only decodes, delegates and encodes. A shared grant under
-//! enforcement is checked before anything is recorded and given its
-//! preload after: a container is never placed to run unlimited.
+//! enforcement is readied (library checked, cache directory made) before
+//! anything is recorded: a container is never placed to run unlimited, and
+//! a refused grant leaves no ledger entry or pairing behind.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::allocate::{AllocateError, Grant, ids_grant};
@@ -13,7 +15,7 @@ use super::pairing::{LastShared, SplitError};
 use crate::device::{DeviceModel, DeviceRef, Resource, packing};
 use crate::enforcement::{self, EnforcementError, Enforcer, Preload};
 use crate::matcher::ledger::ids_digest;
-use crate::matcher::{MatcherError, MatcherHandle};
+use crate::matcher::{Decision, MatcherError, MatcherHandle, Prepare};
 
 #[derive(Debug, Clone)]
 pub(crate) enum Placement {
@@ -85,7 +87,9 @@ impl Placement {
 
     /// Allocate: what a container granted `devices` of `model`'s resource
     /// gets, and under `enforcer` the preload of a shared grant. `ids` are
-    /// the same devices as the kubelet named them.
+    /// the same devices as the kubelet named them. Enforcement readies a
+    /// shared grant before the pairing book or the ledger records it, so a
+    /// refused one leaves nothing behind.
     pub(crate) async fn grant(
         &self,
         model: &DeviceModel,
@@ -93,57 +97,61 @@ impl Placement {
         ids: &[&str],
         enforcer: Option<&Enforcer>,
     ) -> Result<(Grant, Option<Preload>), PlaceError> {
-        let kind = match model.resource() {
-            Resource::GpuCount => enforcement::Grant::Whole,
-            _ => enforcement::Grant::Shared,
-        };
-        let enforcer = enforcer.filter(|_| kind == enforcement::Grant::Shared);
-        // Checked before the pairing book or the ledger records the grant,
-        // so a refused one leaves nothing behind.
-        if let Some(e) = enforcer {
-            let e = e.clone();
-            if let Err(err) = blocking(move || e.check()).await {
-                self.warn(model, devices, ids, &err);
-                return Err(err.into());
-            }
-        }
-        let (grant, owner) = match self {
+        let enforcer = enforcer.filter(|_| model.resource() != Resource::GpuCount);
+        match self {
             Placement::Ids(book) => {
                 let grant = ids_grant(model, devices)?;
+                let preload = match enforcer {
+                    Some(e) => {
+                        let owner = Owner::Grant(ids_digest(ids.iter().copied()));
+                        prepare(e, &grant, owner).await?
+                    }
+                    None => None,
+                };
                 book.grant(model, devices)?;
-                (grant, Owner::Grant(ids_digest(ids.iter().copied())))
+                Ok((grant, preload))
             }
             Placement::Matcher { handle, wait } => {
-                let d = handle
-                    .allocate(model.resource(), devices, ids.iter().copied(), *wait)
+                let prepare = enforcer.map(|e| {
+                    let e = e.clone();
+                    let hook: Prepare = Arc::new(move |d: &Decision| {
+                        let (e, grant) = (e.clone(), grant_of(d));
+                        let owner = Owner::Container(d.uid.clone(), d.container.clone());
+                        Box::pin(async move { prepare(&e, &grant, owner).await })
+                    });
+                    hook
+                });
+                let resource = model.resource();
+                let (d, preload) = handle
+                    .allocate(resource, devices, ids.iter().copied(), *wait, prepare)
                     .await?;
-                let grant = Grant {
-                    gpus: d.gpus,
-                    amount: d.amount,
-                };
-                (grant, Owner::Container(d.uid, d.container))
-            }
-        };
-        let Some(e) = enforcer else {
-            return Ok((grant, None));
-        };
-        let e = e.clone();
-        match blocking(move || e.prepare(kind, owner.as_cache_owner())).await {
-            Ok(preload) => Ok((grant, preload)),
-            Err(err) => {
-                self.warn(model, devices, ids, &err);
-                Err(err.into())
+                Ok((grant_of(&d), preload))
             }
         }
     }
+}
 
-    /// With pod matching, a Warning Event on the pod the grant is for.
-    fn warn(&self, model: &DeviceModel, devices: &[DeviceRef], ids: &[&str], e: &EnforcementError) {
-        if let Placement::Matcher { handle, .. } = self {
-            let message = format!("{}: {e}", model.resource());
-            handle.warn(model.resource(), devices, ids.iter().copied(), message);
-        }
+/// The grant a matcher's decision gives.
+fn grant_of(d: &Decision) -> Grant {
+    Grant {
+        gpus: d.gpus.clone(),
+        amount: d.amount,
+        whole: d.whole,
     }
+}
+
+/// Enforcement's cap for `grant`, readied off the async threads; a grant
+/// riding inside whole GPUs has nothing to cap.
+async fn prepare(
+    e: &Enforcer,
+    grant: &Grant,
+    owner: Owner,
+) -> Result<Option<Preload>, EnforcementError> {
+    if grant.whole {
+        return Ok(None);
+    }
+    let e = e.clone();
+    blocking(move || e.prepare(enforcement::Grant::Shared, owner.as_cache_owner())).await
 }
 
 /// Whose cache directory a grant gets, owned for the blocking task.

@@ -70,6 +70,16 @@ impl ContainerAsk {
     pub(crate) fn shared(&self) -> bool {
         !self.whole() && (self.devices.memory > 0 || self.devices.core > 0)
     }
+
+    /// The one rule for a container asking whole GPUs and gpu-memory or
+    /// gpu-core too: its `r` rides inside its whole GPUs. That ask is
+    /// recorded in its ledger, but never places it on another GPU, never
+    /// counts as shared work on one, and is answered with the container's
+    /// whole GPUs and nothing to cap, whichever of its resources the kubelet
+    /// serves first.
+    pub(crate) fn rides_whole(&self, r: Resource) -> bool {
+        self.whole() && r != Resource::GpuCount && self.devices[r] > 0
+    }
 }
 
 /// Init containers, then app containers, in spec order.

@@ -167,7 +167,7 @@ impl KubeletSim {
                     allocate_took: Duration::ZERO,
                 })
                 .collect();
-            let grants = match self.admit_reusing(&c.asks(), &pool).await {
+            let grants = match self.admit_reusing(&self.arrange(c.asks()), &pool).await {
                 Ok(g) => g,
                 Err(e) => {
                     let held = devices(out.values().flatten());

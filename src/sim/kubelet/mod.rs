@@ -103,6 +103,38 @@ pub struct KubeletSim {
     dir: PathBuf,
     shared: Arc<Shared>,
     server: Option<(oneshot::Sender<()>, JoinHandle<()>)>,
+    order: Mutex<ResourceOrder>,
+}
+
+/// The order in which admission serves one container's resources. The real
+/// kubelet walks a Go map, so any order comes; the stand-in draws it from a
+/// seed, so a failure can be replayed, or tests force one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ResourceOrder {
+    /// A random order per container from this xorshift state (not zero).
+    Seeded(u64),
+    /// These resource names first, in this order; any other after them.
+    Given(Vec<String>),
+}
+
+impl ResourceOrder {
+    /// `asks` in this order; a seeded order moves on to its next draw.
+    fn arrange(&mut self, asks: &mut [(String, usize)]) {
+        match self {
+            ResourceOrder::Seeded(state) => {
+                for i in (1..asks.len()).rev() {
+                    // xorshift64: enough to shuffle three resources.
+                    *state ^= *state << 13;
+                    *state ^= *state >> 7;
+                    *state ^= *state << 17;
+                    asks.swap(i, (*state % (i as u64 + 1)) as usize);
+                }
+            }
+            ResourceOrder::Given(names) => {
+                asks.sort_by_key(|(r, _)| names.iter().position(|n| n == r).unwrap_or(usize::MAX));
+            }
+        }
+    }
 }
 
 impl KubeletSim {
@@ -116,6 +148,7 @@ impl KubeletSim {
             dir: dir.to_owned(),
             shared,
             server: None,
+            order: Mutex::new(ResourceOrder::Seeded(0x9e37_79b9_7f4a_7c15)),
         };
         std::fs::write(dir.join(CHECKPOINT), "{}")?;
         sim.serve()?;
@@ -176,6 +209,23 @@ impl KubeletSim {
             }
         }
         self.serve()
+    }
+
+    /// How admission orders each container's resources from now on (a
+    /// seed of zero, which xorshift cannot leave, is taken as one).
+    pub fn set_order(&self, order: ResourceOrder) {
+        let order = match order {
+            ResourceOrder::Seeded(0) => ResourceOrder::Seeded(1),
+            o => o,
+        };
+        *self.order.lock().expect("kubelet sim lock poisoned") = order;
+    }
+
+    /// `asks` in the order admission serves them (see [`ResourceOrder`]).
+    pub(crate) fn arrange(&self, mut asks: Vec<(String, usize)>) -> Vec<(String, usize)> {
+        let mut order = self.order.lock().expect("kubelet sim lock poisoned");
+        order.arrange(&mut asks);
+        asks
     }
 
     /// What the kubelet knows, per resource name.
