@@ -446,13 +446,22 @@ impl Scheduler {
             let created = |p: &Pod| p.metadata.creation_timestamp.clone().map(|t| t.0);
             (created(a), key(a)).cmp(&(created(b), key(b)))
         });
+        // One look at the cluster per round, as the informers' cache: the
+        // pods this round places are counted as assumed.
+        let mut nodes = Api::<Node>::all(self.client.clone())
+            .list(&ListParams::default())
+            .await?
+            .items;
+        nodes.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+        let all = pods
+            .list(&ListParams::default().fields("status.phase!=Succeeded,status.phase!=Failed"))
+            .await?
+            .items;
         {
             // The informer shows these bound now: no longer assumed.
-            let bound: std::collections::HashSet<String> = pods
-                .list(&ListParams::default().fields("spec.nodeName!="))
-                .await?
-                .items
+            let bound: std::collections::HashSet<String> = all
                 .iter()
+                .filter(|p| p.spec.as_ref().is_some_and(|s| s.node_name.is_some()))
                 .map(key)
                 .collect();
             lock(&self.shared).assumed.retain(|k, _| !bound.contains(k));
@@ -486,7 +495,7 @@ impl Scheduler {
                 continue;
             }
             let mut filtered = BTreeMap::new();
-            let result = self.schedule_one(&pod, &mut filtered).await;
+            let result = self.schedule_one(&pod, &nodes, &all, &mut filtered).await;
             {
                 let mut s = lock(&self.shared);
                 let outcome = s.outcomes.entry(k.clone()).or_default();
@@ -532,24 +541,14 @@ impl Scheduler {
     async fn schedule_one(
         &mut self,
         pod: &Pod,
+        nodes: &[Node],
+        all: &[Pod],
         reasons: &mut BTreeMap<String, String>,
     ) -> Result<(String, Option<ExtenderConfig>), String> {
-        let list = |e: kube::Error| format!("cannot list: {e}");
-        let mut nodes = Api::<Node>::all(self.client.clone())
-            .list(&ListParams::default())
-            .await
-            .map_err(list)?
-            .items;
-        nodes.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
-        let all = Api::<Pod>::all(self.client.clone())
-            .list(&ListParams::default().fields("status.phase!=Succeeded,status.phase!=Failed"))
-            .await
-            .map_err(list)?
-            .items;
         // The scheduler's cache: the pods bound, and those assumed whose
         // bind the list does not show yet.
         let mut placed: HashMap<String, Vec<Pod>> = HashMap::new();
-        for p in all {
+        for p in all.iter().cloned() {
             if let Some(n) = p.spec.as_ref().and_then(|s| s.node_name.clone()) {
                 placed.entry(n).or_default().push(p);
             }
@@ -561,7 +560,7 @@ impl Scheduler {
             }
         }
         let mut feasible = Vec::new();
-        for node in &nodes {
+        for node in nodes {
             let name = node.metadata.name.clone().unwrap_or_default();
             let bound: Vec<&Pod> = placed.get(&name).into_iter().flatten().collect();
             match node_misfit(node, &bound, pod) {
@@ -1144,6 +1143,26 @@ mod tests {
             Value::Null
         );
         assert_eq!(w.api.requests().get("bind"), Some(&2));
+    }
+
+    /// The stand-in's `shipped()` is the GPU profile deploy/scheduler ships.
+    #[test]
+    fn shipped_config_is_the_deployed_one() {
+        let map: Value =
+            serde_yaml::from_str(include_str!("../../deploy/scheduler/configmap.yaml")).unwrap();
+        let config: Value =
+            serde_yaml::from_str(map["data"]["scheduler.yaml"].as_str().unwrap()).unwrap();
+        let ext = &config["extenders"][0];
+        assert_eq!(ext["weight"], DOSLAB_WEIGHT);
+        let timeout = format!("{}s", DOSLAB_HTTP_TIMEOUT.as_secs());
+        assert_eq!(ext["httpTimeout"], timeout.as_str());
+        let disabled: Vec<&str> = config["profiles"][0]["plugins"]["score"]["disabled"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(disabled, DOSLAB_DISABLED_SCORES);
     }
 
     #[test]
