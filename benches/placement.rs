@@ -850,8 +850,11 @@ impl BurstWorld {
                     (&format!("{DOMAIN}/gpu-memory"), memory),
                     (&format!("{DOMAIN}/gpu-core"), 100 * n),
                     (&format!("{DOMAIN}/gpu-count"), n),
-                    ("cpu", 64),
-                    ("memory", 256 << 30),
+                    // Small, so that each pod's default request (100m,
+                    // 200Mi) moves LeastAllocated as much as real requests
+                    // do on a real node: the default plugins spread.
+                    ("cpu", 4),
+                    ("memory", 8 << 30),
                     ("pods", 110),
                 ],
                 &[(&key, &inventory)],
