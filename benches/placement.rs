@@ -1039,7 +1039,8 @@ async fn burst_figures() {
         e.weight = 1;
         SchedulerConfig::new(Some(e))
     };
-    let configs: [(&str, fn(&str) -> SchedulerConfig); 2] = [
+    type Config = fn(&str) -> SchedulerConfig;
+    let configs: [(&str, Config); 2] = [
         ("weight 1, default score plugins", defaults),
         ("shipped config", SchedulerConfig::shipped),
     ];
