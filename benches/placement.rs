@@ -1,6 +1,8 @@
 //! `cargo bench --bench placement`: how well the scheduler extender places
 //! GPU pods compared with node-total scheduling (what kube-scheduler does
-//! alone), and what filter and bind cost at 1,000 nodes. Prints figures for
+//! alone), what filter and bind cost at 1,000 nodes, and (`burst`) how the
+//! real extender behind the kube-scheduler stand-in binds a 40-pod burst
+//! and how full binpack and spread let the GPUs get. Prints figures for
 //! the README; nothing here asserts a number.
 //!
 //! Both schedulers hand their pods to the same node side: a kubelet
@@ -8,7 +10,7 @@
 //! node's real matcher (`matcher::matching::decide`), so an admission
 //! failure here is what the node would refuse.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -793,9 +795,275 @@ async fn latency_figures() {
     );
 }
 
+/// The burst section's cluster: (node, GPU sizes in GiB); 14 GPUs, 600 GiB.
+const BURST_NODES: [(&str, &[u64]); 4] = [
+    ("gpu-0", &[80, 80]),
+    ("gpu-1", &[40, 40, 40, 40]),
+    ("gpu-2", &[24, 24, 24, 24]),
+    ("gpu-3", &[80, 40, 24, 24]),
+];
+
+/// A burst pod's memory ask in GiB: mostly small inference replicas, some
+/// mid-size, a few that need most of a 24 GiB GPU.
+fn burst_ask(rng: &mut Rng) -> u64 {
+    rng.weighted(&[(1, 25), (2, 25), (4, 20), (8, 20), (20, 10)])
+}
+
+/// An API-server stand-in with [`BURST_NODES`] (GPU inventories published,
+/// and cpu and memory for the default score plugins), the real extender
+/// (reflectors and HTTP) under `policy`, and the scheduler stand-in under
+/// `config` pointed at it.
+struct BurstWorld {
+    api: gpu_device_plugin::sim::apiserver::ApiServerSim,
+    sim: Option<gpu_device_plugin::sim::scheduler::SchedulerSim>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    _files: tempfile::TempDir,
+}
+
+impl BurstWorld {
+    async fn start(
+        policy: &str,
+        config: impl FnOnce(&str) -> gpu_device_plugin::sim::scheduler::SchedulerConfig,
+        seed: u64,
+    ) -> BurstWorld {
+        use gpu_device_plugin::sim::apiserver::ApiServerSim;
+        use gpu_device_plugin::sim::scheduler::SchedulerSim;
+        let files = tempfile::tempdir().unwrap();
+        let kubeconfig = files.path().join("kubeconfig");
+        let api = ApiServerSim::start().await.unwrap();
+        api.write_kubeconfig(&kubeconfig).unwrap();
+        let key = Keys::new(DOMAIN).inventory;
+        for (name, sizes) in BURST_NODES {
+            let gpus: Vec<(String, u64)> = sizes
+                .iter()
+                .enumerate()
+                .map(|(i, g)| (format!("GPU-{name}-{i}"), g * GIB))
+                .collect();
+            let refs: Vec<(&str, u64)> = gpus.iter().map(|(u, m)| (u.as_str(), *m)).collect();
+            let node = gpu_node(name, &refs);
+            let inventory = node.metadata.annotations.as_ref().unwrap()[&key].clone();
+            let memory: u64 = sizes.iter().map(|g| g * GIB).sum();
+            let n = sizes.len() as u64;
+            api.add_node(
+                name,
+                &[
+                    (&format!("{DOMAIN}/gpu-memory"), memory),
+                    (&format!("{DOMAIN}/gpu-core"), 100 * n),
+                    (&format!("{DOMAIN}/gpu-count"), n),
+                    // Small, so that each pod's default request (100m,
+                    // 200Mi) moves LeastAllocated as much as real requests
+                    // do on a real node: the default plugins spread.
+                    ("cpu", 4),
+                    ("memory", 8 << 30),
+                    ("pods", 110),
+                ],
+                &[(&key, &inventory)],
+            );
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let toml = format!(
+            "[extender]\nlisten = \"127.0.0.1:{port}\"\npolicy = \"{policy}\"\nkubeconfig = {:?}\n",
+            kubeconfig.display().to_string()
+        );
+        let extender = ExtenderConfig::from_toml(&toml).unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(gpu_device_plugin::extender::run(extender, async {
+            let _ = stopped.await;
+        }));
+        // Synced once a filter is answered without an error.
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let probe = gpu_pod(NAMESPACE, "probe", &[container(1)]);
+        let body = serde_json::json!({"Pod": probe, "Nodes": null, "NodeNames": ["gpu-0"]});
+        loop {
+            if let Ok(stream) = TcpStream::connect(addr).await {
+                drop(stream);
+                let answer = Http::connect(addr)
+                    .await
+                    .post("filter", &body.to_string())
+                    .await;
+                if answer.contains(r#""Error":"""#) {
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let mut config = config(&format!("http://{addr}"));
+        config.seed = Some(seed);
+        config.initial_backoff = Duration::from_millis(100);
+        config.max_backoff = Duration::from_secs(1);
+        let sim = SchedulerSim::start(&kubeconfig, config).await.unwrap();
+        BurstWorld {
+            api,
+            sim: Some(sim),
+            stop: Some(stop),
+            _files: files,
+        }
+    }
+
+    fn outcomes(&self) -> BTreeMap<String, gpu_device_plugin::sim::scheduler::Outcome> {
+        self.sim.as_ref().map(|s| s.outcomes()).unwrap_or_default()
+    }
+
+    fn add(&self, name: &str, gib: u64) {
+        self.api.add_unscheduled_pod(
+            NAMESPACE,
+            name,
+            "doslab-gpu-scheduler",
+            &[container(gib * GIB)],
+        );
+    }
+}
+
+impl Drop for BurstWorld {
+    fn drop(&mut self) {
+        if let Some(sim) = self.sim.take() {
+            sim.stop();
+        }
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+fn container(memory: u64) -> PodContainer {
+    PodContainer {
+        name: "main".into(),
+        init: false,
+        restartable: false,
+        wants: [memory, 0, 0],
+    }
+}
+
+/// 40 pods created at once: bind refusals and create→bound p50/p99.
+async fn one_burst(
+    policy: &str,
+    config: impl FnOnce(&str) -> gpu_device_plugin::sim::scheduler::SchedulerConfig,
+) -> String {
+    const PODS: usize = 40;
+    let w = BurstWorld::start(policy, config, SEED).await;
+    let mut rng = Rng(SEED);
+    let created = Instant::now();
+    let names: Vec<String> = (0..PODS)
+        .map(|i| format!("{NAMESPACE}/burst-{i:02}"))
+        .collect();
+    for (i, _) in names.iter().enumerate() {
+        w.add(&format!("burst-{i:02}"), burst_ask(&mut rng));
+    }
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let outcomes = loop {
+        let o = w.outcomes();
+        if names
+            .iter()
+            .all(|n| o.get(n).is_some_and(|o| o.node.is_some()))
+        {
+            break o;
+        }
+        if Instant::now() > deadline {
+            break o;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let refused: u32 = names
+        .iter()
+        .filter_map(|n| outcomes.get(n))
+        .map(|o| o.bind_failures)
+        .sum();
+    let binds = refused as usize + PODS;
+    let mut waits: Vec<Duration> = names
+        .iter()
+        .filter_map(|n| outcomes.get(n)?.bound_at)
+        .map(|t| t - created)
+        .collect();
+    waits.sort();
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    format!(
+        "{} bound, bind refusals {refused}/{binds} ({:.1} %), create→bound p50 {:.0} ms p99 {:.0} ms",
+        waits.len(),
+        refused as f64 * 100.0 / binds as f64,
+        ms(percentile(&waits, 0.5)),
+        ms(percentile(&waits, 0.99)),
+    )
+}
+
+/// Pods one at a time, each waited for, until the first that nothing
+/// holds: the share of GPU memory bound then.
+async fn fill(
+    policy: &str,
+    config: impl FnOnce(&str) -> gpu_device_plugin::sim::scheduler::SchedulerConfig,
+    seed: u64,
+) -> f64 {
+    let total: u64 = BURST_NODES.iter().flat_map(|(_, g)| g.iter()).sum();
+    let w = BurstWorld::start(policy, config, seed).await;
+    let mut rng = Rng(seed);
+    let mut held = 0;
+    for i in 0.. {
+        let gib = burst_ask(&mut rng);
+        let name = format!("fill-{i:03}");
+        w.add(&name, gib);
+        let key = format!("{NAMESPACE}/{name}");
+        let outcome = loop {
+            let o = w.outcomes().get(&key).cloned();
+            match o {
+                Some(o) if o.node.is_some() => break o,
+                // Unschedulable (a refused bind is tried again).
+                Some(o)
+                    if o.attempts > o.bind_failures
+                        && o.bound_at.is_none()
+                        && o.filtered.len() == BURST_NODES.len() =>
+                {
+                    break o;
+                }
+                _ => tokio::time::sleep(Duration::from_millis(2)).await,
+            }
+        };
+        if outcome.node.is_none() {
+            break;
+        }
+        held += gib;
+    }
+    held as f64 * 100.0 / total as f64
+}
+
+/// The real extender behind the scheduler stand-in: a 40-pod burst, then
+/// one pod at a time until the first Unschedulable, for each policy under
+/// kube-scheduler's defaults (weight 1, the spreading score plugins on)
+/// and under the shipped config.
+async fn burst_figures() {
+    use gpu_device_plugin::sim::scheduler::{ExtenderConfig as Ext, SchedulerConfig};
+    let defaults = |url: &str| {
+        let mut e = Ext::doslab(url);
+        e.weight = 1;
+        SchedulerConfig::new(Some(e))
+    };
+    type Config = fn(&str) -> SchedulerConfig;
+    let configs: [(&str, Config); 2] = [
+        ("weight 1, default score plugins", defaults),
+        ("shipped config", SchedulerConfig::shipped),
+    ];
+    for policy in ["binpack", "spread"] {
+        for (what, config) in configs {
+            let burst = one_burst(policy, config).await;
+            println!("burst: {policy}, {what}: 40 pods: {burst}");
+            let mut held = Vec::new();
+            for seed in 1..=3 {
+                held.push(format!("{:.1}", fill(policy, config, seed).await));
+            }
+            println!(
+                "burst: {policy}, {what}: GPU memory held at the first Unschedulable, seeds 1-3: {} %",
+                held.join(" / ")
+            );
+        }
+    }
+}
+
 fn main() {
     // `cargo bench --bench placement -- NAME` runs the sections whose name
-    // contains NAME (`latency`, `placement`); `cargo bench` passes --bench.
+    // contains NAME (`latency`, `placement`, `burst`); `cargo bench` passes
+    // --bench.
     let only = std::env::args().skip(1).find(|a| !a.starts_with("--"));
     let run = |name: &str| only.as_deref().is_none_or(|o| name.contains(o));
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -810,6 +1078,9 @@ fn main() {
         }
         if run("placement") {
             placement_figures().await;
+        }
+        if run("burst") {
+            burst_figures().await;
         }
     });
 }

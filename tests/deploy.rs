@@ -1288,7 +1288,8 @@ fn assert_gpu_scheduler(objs: &[Value], name: &str, domain: &str) {
         (&e["filterVerb"], &e["prioritizeVerb"], &e["bindVerb"]),
         (&json!("filter"), &json!("prioritize"), &json!("bind"))
     );
-    assert_eq!(e["weight"], 1);
+    // One point of the extender's 0-10 outweighs every default score plugin.
+    assert_eq!(e["weight"], 100);
     assert_eq!(e["nodeCacheCapable"], true);
     assert_eq!(e["ignorable"], false);
     let managed: Vec<(String, Value)> = e["managedResources"]

@@ -43,11 +43,16 @@ struct Setup {
 
 /// n1: two 40 GiB GPUs; n2: one 24 GiB GPU; bare: no inventory.
 async fn setup(policy: &str) -> Setup {
+    setup_with(policy, "").await
+}
+
+/// [`setup`] with more `[extender]` keys.
+async fn setup_with(policy: &str, keys: &str) -> Setup {
     let cluster = MemoryCluster::new();
     cluster.add_node(gpu_node("n1", &[("GPU-a", 40960), ("GPU-b", 40960)]));
     cluster.add_node(gpu_node("n2", &[("GPU-c", 24576)]));
     cluster.add_node(node_with("bare", None));
-    let toml = format!("[extender]\nlisten = \"127.0.0.1:0\"\npolicy = \"{policy}\"\n");
+    let toml = format!("[extender]\nlisten = \"127.0.0.1:0\"\npolicy = \"{policy}\"\n{keys}");
     let config = ExtenderConfig::from_toml(&toml).unwrap();
     let x = Arc::new(Extender::new(&config, cluster.index(), cluster.clone()));
     let addr = start(&config.listen, x).await.unwrap();
@@ -263,13 +268,13 @@ async fn a_failed_binding_undoes_the_annotations_and_reserves_nothing() {
     );
     // Both GPUs of n1 are still free for a pod that needs both.
     let both = gpu_pod("ns", "both", &[c("a", 40960, 0, 0), c("b", 40960, 0, 0)]);
+    s.cluster.put_pod(both.clone());
     let args = json!({"Pod": wire_pod(&both), "Nodes": null, "NodeNames": ["n1"]});
     assert_eq!(
         post_json(s.addr, "filter", &args).await["NodeNames"],
         json!(["n1"])
     );
-    // The retry works.
-    let r = post_json(s.addr, "bind", &bind_args("p", "n1")).await;
+    let r = post_json(s.addr, "bind", &bind_args("both", "n1")).await;
     assert_eq!(r["Error"], "");
 }
 
@@ -311,6 +316,113 @@ async fn binds_in_flight_count_before_the_watch_shows_them() {
     s.cluster.delete_pod(&("ns".into(), "a".into()));
     let r = post_json(s.addr, "filter", &args).await;
     assert_eq!(r["NodeNames"], json!(["n2"]), "{r}");
+}
+
+/// The filter answer's node names for `pod` over `nodes`.
+async fn passes(s: &Setup, pod: &Pod, nodes: &[&str]) -> Value {
+    let args = json!({"Pod": wire_pod(pod), "Nodes": null, "NodeNames": nodes});
+    post_json(s.addr, "filter", &args).await["NodeNames"].clone()
+}
+
+#[tokio::test]
+async fn pods_filtered_or_scored_count_before_their_binds_come() {
+    // kube-scheduler filters the next pod before the last one's bind: a
+    // and b are both judged before either binds.
+    let s = setup("binpack").await;
+    let pod = |name: &str| gpu_pod("ns", name, &[c("app", 30720, 0, 0)]);
+    for name in ["a", "b", "c"] {
+        s.cluster.put_pod(pod(name));
+    }
+    // One node left (n2 has 24 GiB): a is nominated on n1.
+    assert_eq!(passes(&s, &pod("a"), &["n1", "n2"]).await, json!(["n1"]));
+    assert_eq!(passes(&s, &pod("b"), &["n1", "n2"]).await, json!(["n1"]));
+    // Both GPUs of n1 are spoken for: c waits instead of failing its bind.
+    assert_eq!(passes(&s, &pod("c"), &["n1", "n2"]).await, json!([]));
+    // Filtered again, a pod is judged without its own nomination.
+    assert_eq!(passes(&s, &pod("b"), &["n1"]).await, json!(["n1"]));
+    // The binds come in any order and each finds its room.
+    for name in ["b", "a"] {
+        let r = post_json(s.addr, "bind", &bind_args(name, "n1")).await;
+        assert_eq!(r["Error"], "", "{name}: {r}");
+    }
+    let gpu = |name: &str| annotations(&s.cluster, name)["doslab.io/gpu-uuid"].clone();
+    assert_ne!(gpu("a"), gpu("b"));
+
+    // Scored: the best node alone at the top, and it is nominated there.
+    let small = |name: &str| gpu_pod("ns", name, &[c("app", 16384, 0, 0)]);
+    let args = json!({"Pod": wire_pod(&small("d")), "Nodes": null, "NodeNames": ["n1", "n2"]});
+    let r = post_json(s.addr, "prioritize", &args).await;
+    assert_eq!(
+        r,
+        json!([{"Host": "n1", "Score": 0}, {"Host": "n2", "Score": 10}])
+    );
+    assert_eq!(passes(&s, &small("e"), &["n2"]).await, json!([]));
+}
+
+#[tokio::test]
+async fn nominations_expire() {
+    let s = setup_with("binpack", "reservation_ttl_ms = 200\n").await;
+    let pod = |name: &str| gpu_pod("ns", name, &[c("app", 24576, 0, 0)]);
+    assert_eq!(passes(&s, &pod("a"), &["n2"]).await, json!(["n2"]));
+    assert_eq!(passes(&s, &pod("b"), &["n2"]).await, json!([]));
+    tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    assert_eq!(passes(&s, &pod("b"), &["n2"]).await, json!(["n2"]));
+}
+
+#[tokio::test]
+async fn a_bind_whose_caller_hangs_up_keeps_nothing() {
+    let s = setup("binpack").await;
+    s.cluster
+        .put_pod(gpu_pod("ns", "p", &[c("app", 24576, 0, 0)]));
+    s.cluster
+        .answer_late("patch", std::time::Duration::from_secs(2));
+    let hang_up = std::time::Duration::from_millis(200);
+    let args = bind_args("p", "n2").to_string();
+    let call = tokio::time::timeout(hang_up, post(s.addr, "bind", &args)).await;
+    assert!(call.is_err(), "the bind answered before the hang-up");
+    // The handler is dropped with the connection: n2 is free again.
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let q = gpu_pod("ns", "q", &[c("app", 24576, 0, 0)]);
+    assert_eq!(passes(&s, &q, &["n2"]).await, json!(["n2"]));
+}
+
+#[tokio::test]
+async fn a_binding_that_lands_late_counts_as_done_within_the_deadline() {
+    let s = setup_with("binpack", "bind_timeout_ms = 400\n").await;
+    s.cluster
+        .put_pod(gpu_pod("ns", "p", &[c("app", 24576, 0, 0)]));
+    s.cluster
+        .answer_late("bind", std::time::Duration::from_secs(2));
+    let started = std::time::Instant::now();
+    let r = post_json(s.addr, "bind", &bind_args("p", "n2")).await;
+    let took = started.elapsed();
+    assert_eq!(r["Error"], "", "{r}");
+    assert!(took < std::time::Duration::from_millis(500), "{took:?}");
+    // Bound, and it keeps its assignment: its GPU is not handed out again.
+    let a = annotations(&s.cluster, "p");
+    assert_eq!(a["doslab.io/gpu-uuid"], "GPU-c");
+    let q = gpu_pod("ns", "q", &[c("app", 24576, 0, 0)]);
+    assert_eq!(passes(&s, &q, &["n2"]).await, json!([]));
+}
+
+#[tokio::test]
+async fn a_failed_bind_answers_within_its_deadline_undo_included() {
+    let s = setup_with("binpack", "bind_timeout_ms = 400\n").await;
+    s.cluster
+        .put_pod(gpu_pod("ns", "p", &[c("app", 24576, 0, 0)]));
+    s.cluster.fail_bindings(1);
+    s.cluster
+        .answer_late("patch", std::time::Duration::from_millis(250));
+    let started = std::time::Instant::now();
+    let r = post_json(s.addr, "bind", &bind_args("p", "n2")).await;
+    let took = started.elapsed();
+    assert!(r["Error"].as_str().unwrap().contains("injected"), "{r}");
+    assert!(took < std::time::Duration::from_millis(500), "{took:?}");
+    // The undo was written although its answer came too late to wait for.
+    let a = annotations(&s.cluster, "p");
+    assert!(!a.contains_key("doslab.io/gpu-assignment"), "{a:?}");
+    let q = gpu_pod("ns", "q", &[c("app", 24576, 0, 0)]);
+    assert_eq!(passes(&s, &q, &["n2"]).await, json!(["n2"]));
 }
 
 #[tokio::test]

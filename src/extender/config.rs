@@ -26,6 +26,12 @@ pub struct ExtenderConfig {
     /// How long one bind may take (pod patch, Binding, and undo on failure);
     /// kube-scheduler's own wait is the extender's `httpTimeout`.
     pub(crate) bind_timeout_ms: u64,
+    /// How long a placement not yet seen bound is counted at most: a pod
+    /// filtered or scored whose bind has not come (kube-scheduler filters
+    /// the next pods before it binds this one), a bind whose caller hung up
+    /// or whose Binding's fate is unknown, or a bind done that the watch
+    /// has not shown yet (from the end of its `bind_timeout_ms`).
+    pub(crate) reservation_ttl_ms: u64,
 }
 
 impl Default for ExtenderConfig {
@@ -36,6 +42,7 @@ impl Default for ExtenderConfig {
             policy: Policy::Binpack,
             kubeconfig: PathBuf::new(),
             bind_timeout_ms: 10_000,
+            reservation_ttl_ms: 10_000,
         }
     }
 }
@@ -93,6 +100,12 @@ impl ExtenderConfig {
                 "must be between 100 and 120000 (milliseconds)",
             ));
         }
+        if !(100..=600_000).contains(&self.reservation_ttl_ms) {
+            return Err(invalid(
+                "reservation_ttl_ms",
+                "must be between 100 and 600000 (milliseconds)",
+            ));
+        }
         Ok(())
     }
 }
@@ -129,5 +142,7 @@ mod tests {
         assert!(e.contains("`extender.resource_domain`"), "{e}");
         let e = err("[extender]\nbind_timeout_ms = 5\n");
         assert!(e.contains("`extender.bind_timeout_ms`"), "{e}");
+        let e = err("[extender]\nreservation_ttl_ms = 0\n");
+        assert!(e.contains("`extender.reservation_ttl_ms`"), "{e}");
     }
 }

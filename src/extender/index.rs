@@ -4,6 +4,7 @@
 //! thousand nodes only runs the fit. Pure: the watchers feed it events.
 
 use std::collections::{HashMap, HashSet};
+use std::time::Instant;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 
@@ -53,6 +54,25 @@ impl Held {
     }
 }
 
+/// What a reservation stands for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Stage {
+    /// Filtered or prioritized, its bind not yet begun: the node the
+    /// extender expects the scheduler to choose. A new filter of the pod
+    /// replaces it.
+    Nominated,
+    /// A bind is writing it (or wrote it and the watch has yet to show it).
+    Binding,
+}
+
+#[derive(Debug)]
+struct Reservation {
+    held: Held,
+    stage: Stage,
+    /// Every reservation ends by this time at the latest.
+    until: Instant,
+}
+
 #[derive(Debug)]
 pub struct Index {
     keys: Keys,
@@ -60,10 +80,11 @@ pub struct Index {
     pods: HashMap<PodName, Held>,
     /// Pods by `spec.nodeName`.
     by_node: HashMap<String, HashSet<PodName>>,
-    /// Binds in flight: the pod as the bind will leave it (assignment
-    /// annotations, `spec.nodeName`), counted on its node until the
-    /// reflector shows it bound, or it is deleted, or the bind is undone.
-    reserved: HashMap<PodName, Held>,
+    /// Placements not yet seen bound: the pod as its bind will leave it
+    /// (assignment annotations, `spec.nodeName`), counted on its node until
+    /// the reflector shows it bound, or it is deleted, or the reservation
+    /// is released or expires.
+    reserved: HashMap<PodName, Reservation>,
     /// Each reflector's first full list arrived (nodes, pods).
     synced: (bool, bool),
 }
@@ -116,7 +137,8 @@ impl Index {
         let in_flight = self
             .reserved
             .iter()
-            .filter(move |(_, h)| h.node.as_deref() == Some(node));
+            .filter(move |(_, r)| r.held.node.as_deref() == Some(node))
+            .map(|(k, r)| (k, &r.held));
         stored.chain(in_flight)
     }
 
@@ -145,7 +167,7 @@ impl Index {
 
     /// The nodes whose usage `key` counts in, stored or in flight.
     fn nodes_holding(&self, key: &PodName) -> Vec<String> {
-        [self.pods.get(key), self.reserved.get(key)]
+        [self.pods.get(key), self.reserved.get(key).map(|r| &r.held)]
             .into_iter()
             .flatten()
             .filter_map(|h| h.node.clone())
@@ -257,13 +279,14 @@ impl Index {
         }
     }
 
-    /// Counts `pod` (already carrying its assignment and node) until the
-    /// bind is done and seen, or [`Index::release`]d.
-    pub(crate) fn reserve(&mut self, pod: Pod) {
+    /// Counts `pod` (already carrying its assignment and node) until it is
+    /// seen bound, [`Index::release`]d, or `until` passes; replaces the
+    /// pod's earlier reservation.
+    pub(crate) fn reserve(&mut self, pod: Pod, stage: Stage, until: Instant) {
         let key = pod_name(&pod);
         let held = Held::of(&self.keys, &pod);
         self.changing(&key.clone(), |ix| {
-            ix.reserved.insert(key, held);
+            ix.reserved.insert(key, Reservation { held, stage, until });
         });
     }
 
@@ -271,6 +294,41 @@ impl Index {
         self.changing(key, |ix| {
             ix.reserved.remove(key);
         });
+    }
+
+    /// Ends the pod's reservation if it is only a nomination (a bind in
+    /// flight keeps its own).
+    pub(crate) fn release_nomination(&mut self, key: &PodName) {
+        if self.stage(key) == Some(Stage::Nominated) {
+            self.release(key);
+        }
+    }
+
+    /// Turns a bind's reservation into a nomination ending at `until`: its
+    /// bind stopped without knowing whether the Binding landed.
+    pub(crate) fn demote(&mut self, key: &PodName, until: Instant) {
+        if let Some(r) = self.reserved.get_mut(key) {
+            r.stage = Stage::Nominated;
+            r.until = r.until.min(until);
+        }
+    }
+
+    pub(crate) fn stage(&self, key: &PodName) -> Option<Stage> {
+        self.reserved.get(key).map(|r| r.stage)
+    }
+
+    /// Ends the reservations whose time is up at `now`.
+    pub(crate) fn expire(&mut self, now: Instant) {
+        let over: Vec<PodName> = self
+            .reserved
+            .iter()
+            .filter(|(_, r)| r.until <= now)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in over {
+            tracing::info!(pod = ?key, "a GPU reservation expired before its pod was seen bound");
+            self.release(&key);
+        }
     }
 
     pub fn node_count(&self) -> usize {
@@ -306,6 +364,10 @@ mod tests {
         }
     }
 
+    fn later() -> Instant {
+        Instant::now() + std::time::Duration::from_secs(60)
+    }
+
     fn on(index: &Index, node: &str) -> Vec<String> {
         let mut v: Vec<String> = index.held_on(node).map(|(k, _)| k.1.clone()).collect();
         v.sort();
@@ -321,7 +383,7 @@ mod tests {
         assert!(on(&ix, "n2").is_empty());
 
         // A bind in flight counts on its node, once.
-        ix.reserve(pod("b", Some("n2"), "Pending"));
+        ix.reserve(pod("b", Some("n2"), "Pending"), Stage::Binding, later());
         assert_eq!(on(&ix, "n2"), ["b"]);
         ix.apply_pod(pod("b", None, "Pending"));
         assert_eq!(on(&ix, "n2"), ["b"], "an older version does not end it");
@@ -337,13 +399,45 @@ mod tests {
         assert!(on(&ix, "n2").is_empty());
 
         // An undone bind stops counting; a relist drops what it lacks.
-        ix.reserve(pod("c", Some("n1"), "Pending"));
+        ix.reserve(pod("c", Some("n1"), "Pending"), Stage::Binding, later());
         ix.release(&("ns".into(), "c".into()));
         assert!(on(&ix, "n1").is_empty());
         ix.apply_pod(pod("d", Some("n1"), "Running"));
-        ix.reserve(pod("e", Some("n1"), "Pending"));
+        ix.reserve(pod("e", Some("n1"), "Pending"), Stage::Binding, later());
         ix.replace_pods(vec![pod("f", Some("n1"), "Running")]);
         assert_eq!(on(&ix, "n1"), ["f"]);
+    }
+
+    #[test]
+    fn every_reservation_ends_nominations_give_way_and_binds_stay() {
+        let mut ix = Index::new("doslab.io");
+        let key = |name: &str| ("ns".to_owned(), name.to_owned());
+        let now = Instant::now();
+        let soon = now + std::time::Duration::from_secs(1);
+        ix.reserve(pod("a", Some("n1"), "Pending"), Stage::Nominated, soon);
+        ix.reserve(pod("b", Some("n1"), "Pending"), Stage::Binding, later());
+        assert_eq!(on(&ix, "n1"), ["a", "b"]);
+
+        // A new filter of a pod ends its nomination, never a bind's hold.
+        ix.release_nomination(&key("b"));
+        ix.release_nomination(&key("a"));
+        assert_eq!(on(&ix, "n1"), ["b"]);
+
+        // A nomination moves with the pod: one node at a time.
+        ix.reserve(pod("a", Some("n1"), "Pending"), Stage::Nominated, soon);
+        ix.reserve(pod("a", Some("n2"), "Pending"), Stage::Nominated, soon);
+        assert_eq!(on(&ix, "n1"), ["b"]);
+        assert_eq!(on(&ix, "n2"), ["a"]);
+
+        // Nothing outlives its time; a bind cut short becomes a nomination
+        // that ends no later than told.
+        ix.expire(now);
+        assert_eq!(on(&ix, "n2"), ["a"], "not yet");
+        ix.demote(&key("b"), soon);
+        assert_eq!(ix.stage(&key("b")), Some(Stage::Nominated));
+        ix.expire(soon);
+        assert!(on(&ix, "n1").is_empty() && on(&ix, "n2").is_empty());
+        assert!(ix.reserved.is_empty());
     }
 
     /// GPU memory used per GPU of `node`, as the filter reads it.
@@ -389,11 +483,11 @@ mod tests {
         assert_eq!(used(&ix, "n"), [1000, 0]);
 
         // A bind in flight counts until released; once bound, once.
-        ix.reserve(on_gpu("b", "GPU-b", false));
+        ix.reserve(on_gpu("b", "GPU-b", false), Stage::Binding, later());
         assert_eq!(used(&ix, "n"), [1000, 1000]);
         ix.release(&key("b"));
         assert_eq!(used(&ix, "n"), [1000, 0]);
-        ix.reserve(on_gpu("b", "GPU-b", false));
+        ix.reserve(on_gpu("b", "GPU-b", false), Stage::Binding, later());
         ix.apply_pod(on_gpu("b", "GPU-b", false));
         assert_eq!(used(&ix, "n"), [1000, 1000]);
 

@@ -6,6 +6,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 
@@ -23,6 +24,9 @@ struct State {
     conflicts: u32,
     failing_bindings: u32,
     bindings: u64,
+    /// Per call (`get`, `patch`, `bind`): how long its answer takes after
+    /// the call has done its work, as from a loaded API server.
+    late: BTreeMap<&'static str, Duration>,
 }
 
 #[derive(Clone)]
@@ -109,6 +113,20 @@ impl MemoryCluster {
         self.lock().failing_bindings = n;
     }
 
+    /// Calls `verb` (`get`, `patch` or `bind`) answer `after` their work is
+    /// done: a caller that stops waiting does not undo what they did.
+    pub fn answer_late(&self, verb: &'static str, after: Duration) {
+        self.lock().late.insert(verb, after);
+    }
+
+    async fn answer<T>(&self, verb: &'static str, result: T) -> T {
+        let late = self.lock().late.get(verb).copied();
+        if let Some(d) = late {
+            tokio::time::sleep(d).await;
+        }
+        result
+    }
+
     /// Bindings created so far.
     pub fn bindings(&self) -> u64 {
         self.lock().bindings
@@ -137,7 +155,7 @@ impl MemoryCluster {
 
 impl Binder for MemoryCluster {
     async fn get_pod(&self, key: &PodName) -> Result<Option<Pod>, BindError> {
-        Ok(self.pod(key))
+        self.answer("get", Ok(self.pod(key))).await
     }
 
     async fn annotate(
@@ -162,7 +180,7 @@ impl Binder for MemoryCluster {
                 }
             }
         }
-        self.update(key, |pod| {
+        let done = self.update(key, |pod| {
             let on_pod = pod.metadata.annotations.get_or_insert_default();
             for (k, v) in annotations {
                 match v {
@@ -170,7 +188,8 @@ impl Binder for MemoryCluster {
                     None => on_pod.remove(k),
                 };
             }
-        })
+        });
+        self.answer("patch", done).await
     }
 
     async fn bind(&self, key: &PodName, uid: &str, node: &str) -> Result<(), BindError> {
@@ -189,10 +208,10 @@ impl Binder for MemoryCluster {
             }
             s.bindings += 1;
         }
-        self.update(key, |pod| {
+        let done = self.update(key, |pod| {
             pod.spec.get_or_insert_default().node_name = Some(node.to_owned());
-        })
-        .map(drop)
+        });
+        self.answer("bind", done.map(drop)).await
     }
 }
 

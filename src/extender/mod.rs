@@ -24,10 +24,12 @@ use std::time::{Duration, Instant};
 
 pub use cluster::{BindError, Binder, KubeBinder, Reflectors};
 pub use config::ExtenderConfig;
+use index::Stage;
 pub use index::{Index, PodName};
 pub use plan::Planner;
 pub use server::start;
 
+use k8s_openapi::api::core::v1::Pod;
 use wire::{ExtenderArgs, ExtenderBindingArgs, ExtenderFilterResult, HostPriority, NodeList};
 
 pub struct Extender<B> {
@@ -37,10 +39,45 @@ pub struct Extender<B> {
     /// One bind at a time: each plans against the state the previous left.
     bind_lock: tokio::sync::Mutex<()>,
     bind_timeout: Duration,
+    /// How long a placement not yet seen bound counts: a nomination, or a
+    /// bind that ended without knowing whether its Binding landed.
+    reservation_ttl: Duration,
 }
 
 /// How often a bind re-reads and re-plans a pod that changed under it.
 const BIND_ATTEMPTS: usize = 3;
+
+/// The share of `bind_timeout` a bind keeps for finding out whether a
+/// Binding without an answer landed, and undoing the assignment if not.
+const CHECK_SHARE: u32 = 4;
+
+/// A bind's reservation while the bind runs: if the bind's future is
+/// dropped (kube-scheduler hung up at its `httpTimeout`, and axum dropped
+/// the handler), the reservation ends at once if no Binding was sent, or
+/// becomes a nomination that expires if one may have landed.
+struct Held<'a> {
+    index: &'a RwLock<Index>,
+    key: &'a PodName,
+    ttl: Duration,
+    binding_sent: bool,
+    settled: bool,
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        tracing::warn!(pod = ?self.key, binding_sent = self.binding_sent,
+            "bind abandoned by its caller; its GPU reservation ends");
+        let mut ix = self.index.write().expect("index lock poisoned");
+        if self.binding_sent {
+            ix.demote(self.key, Instant::now() + self.ttl);
+        } else {
+            ix.release(self.key);
+        }
+    }
+}
 
 impl<B: Binder> Extender<B> {
     pub fn new(config: &ExtenderConfig, index: Arc<RwLock<Index>>, binder: B) -> Self {
@@ -50,11 +87,33 @@ impl<B: Binder> Extender<B> {
             binder,
             bind_lock: tokio::sync::Mutex::new(()),
             bind_timeout: Duration::from_millis(config.bind_timeout_ms),
+            reservation_ttl: Duration::from_millis(config.reservation_ttl_ms),
         }
     }
 
-    fn snapshot(&self) -> std::sync::RwLockReadGuard<'_, Index> {
-        self.index.read().expect("index lock poisoned")
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Index> {
+        self.index.write().expect("index lock poisoned")
+    }
+
+    /// The index with the reservations that are over ended, and `pod`'s
+    /// own nomination ended too: a pod filtered or scored again is judged
+    /// without its earlier guess.
+    fn fresh(&self, pod: &Pod) -> std::sync::RwLockWriteGuard<'_, Index> {
+        let mut ix = self.write();
+        ix.expire(Instant::now());
+        ix.release_nomination(&index::pod_name(pod));
+        ix
+    }
+
+    /// Counts `pod` on `node`, where the scheduler will bind it (the one
+    /// node left, or the one scored highest), until its bind replaces the
+    /// nomination, it is filtered again, or the nomination expires: the
+    /// scheduler filters the next pods before this one's bind arrives.
+    fn nominate(&self, ix: &mut Index, pod: &Pod, node: &str) {
+        if let Ok(Some(plan)) = self.planner.plan_bind(ix, pod, node, 0) {
+            let until = Instant::now() + self.reservation_ttl;
+            ix.reserve(plan.reserved, Stage::Nominated, until);
+        }
     }
 
     pub fn filter(&self, args: &ExtenderArgs) -> ExtenderFilterResult {
@@ -68,7 +127,7 @@ impl<B: Binder> Extender<B> {
             // Not ours to judge: every node passes, nothing is read.
             None => passed = names,
             Some(asks) => {
-                let ix = self.snapshot();
+                let mut ix = self.fresh(pod);
                 if !ix.synced() {
                     return ExtenderFilterResult::error(
                         "gpu extender: not yet synced with the API server; try again shortly",
@@ -86,6 +145,11 @@ impl<B: Binder> Extender<B> {
                             result.failed_nodes.insert(name, refusal.reason);
                         }
                     }
+                }
+                // One node left: the scheduler binds there without asking
+                // for scores.
+                if let [only] = passed.as_slice() {
+                    self.nominate(&mut ix, pod, only);
                 }
             }
         }
@@ -107,36 +171,61 @@ impl<B: Binder> Extender<B> {
         result
     }
 
+    /// Scores under the policy, with the one best node alone at the top
+    /// ([`wire::MAX_SCORE`], every other node at most one less), so that
+    /// with the shipped weight the scheduler takes the node the policy
+    /// chose and nominated, not one tied with it at random.
     pub fn prioritize(&self, args: &ExtenderArgs) -> Result<Vec<HostPriority>, String> {
         let pod = args
             .pod
             .as_ref()
             .ok_or("gpu extender: the prioritize request has no Pod")?;
         let names = args.names();
-        let asks = self.planner.asks(pod);
-        let ix = self.snapshot();
+        let Some(asks) = self.planner.asks(pod) else {
+            let zero = |host| HostPriority { host, score: 0 };
+            return Ok(names.into_iter().map(zero).collect());
+        };
+        let mut ix = self.fresh(pod);
+        let scores: Vec<u8> = names
+            .iter()
+            .map(|host| self.planner.score(&ix, host, &asks))
+            .collect();
+        // The first of the highest in name order: the same choice for the
+        // same state, so pods fill one node before the next under binpack.
+        let best = (0..names.len())
+            .filter(|&i| self.planner.fits(&ix, &names[i], &asks).is_ok())
+            .max_by_key(|&i| (scores[i], std::cmp::Reverse(&names[i])));
+        if let Some(b) = best {
+            self.nominate(&mut ix, pod, &names[b]);
+        }
         Ok(names
             .into_iter()
-            .map(|host| {
-                let score = asks
-                    .as_ref()
-                    .map_or(0, |a| self.planner.score(&ix, &host, a));
-                HostPriority {
-                    host,
-                    score: i64::from(score),
-                }
+            .zip(scores)
+            .enumerate()
+            .map(|(i, (host, score))| {
+                let score = if Some(i) == best {
+                    wire::MAX_SCORE
+                } else {
+                    i64::from(score).min(wire::MAX_SCORE - 1)
+                };
+                HostPriority { host, score }
             })
             .collect())
     }
 
     /// Places the pod's containers on GPUs of `args.node`, records the
-    /// assignment on the pod, then binds it. On failure nothing stays
-    /// reserved and the pod's annotations are as before.
+    /// assignment on the pod, then binds it, answering within
+    /// `bind_timeout_ms`. On failure nothing stays reserved and the pod's
+    /// annotations are as before, except where the Binding's fate is
+    /// unknown: then the reservation lives on as an expiring nomination.
     pub async fn bind(&self, args: &ExtenderBindingArgs) -> Result<(), String> {
-        let _one = self.bind_lock.lock().await;
+        let deadline = Instant::now() + self.bind_timeout;
         let key: PodName = (args.pod_namespace.clone(), args.pod_name.clone());
         let who = format!("pod {}/{}", key.0, key.1);
-        let result = self.bind_locked(&key, args).await;
+        let result = match tokio::time::timeout_at(deadline.into(), self.bind_lock.lock()).await {
+            Ok(_one) => self.bind_locked(&key, args, deadline).await,
+            Err(_) => Err("the binds before it took all of bind_timeout_ms".into()),
+        };
         match &result {
             Ok(()) => tracing::info!(pod = %who, node = %args.node, "bound"),
             Err(e) => tracing::warn!(pod = %who, node = %args.node, error = %e, "bind refused"),
@@ -154,13 +243,26 @@ impl<B: Binder> Extender<B> {
             .unwrap_or_else(|_| Err(BindError::Api("no answer in time".into())))
     }
 
-    async fn bind_locked(&self, key: &PodName, args: &ExtenderBindingArgs) -> Result<(), String> {
-        let deadline = Instant::now() + self.bind_timeout;
+    async fn bind_locked(
+        &self,
+        key: &PodName,
+        args: &ExtenderBindingArgs,
+        deadline: Instant,
+    ) -> Result<(), String> {
+        // The writes stop early enough to leave time to check and undo.
+        let writes_end = deadline - self.bind_timeout / CHECK_SHARE;
         let node = args.node.as_str();
+        let mut held = Held {
+            index: &self.index,
+            key,
+            ttl: self.reservation_ttl,
+            binding_sent: false,
+            settled: false,
+        };
         let mut attempts = 0;
         let patched = loop {
             let pod = self
-                .within(deadline, self.binder.get_pod(key))
+                .within(writes_end, self.binder.get_pod(key))
                 .await
                 .map_err(|e| e.to_string())?
                 .ok_or("the pod does not exist")?;
@@ -183,19 +285,24 @@ impl<B: Binder> Extender<B> {
                 .duration_since(std::time::UNIX_EPOCH)
                 .unwrap_or_default()
                 .as_nanos();
-            let Some(plan) = self.planner.plan_bind(&self.snapshot(), &pod, node, now)? else {
-                break None;
+            let plan = {
+                // The pod's own nomination (wherever it was) gives way to
+                // the node the scheduler chose.
+                let mut ix = self.fresh(&pod);
+                let plan = self.planner.plan_bind(&ix, &pod, node, now)?;
+                if let Some(p) = &plan {
+                    let until = deadline + self.reservation_ttl;
+                    ix.reserve(p.reserved.clone(), Stage::Binding, until);
+                }
+                plan
             };
-            self.index
-                .write()
-                .expect("index lock poisoned")
-                .reserve(plan.reserved);
+            let Some(plan) = plan else { break None };
             let rv = pod.metadata.resource_version.as_deref();
             let patch = self.binder.annotate(key, rv, &plan.annotations);
-            match self.within(deadline, patch).await {
+            match self.within(writes_end, patch).await {
                 Ok(_) => break Some(plan.annotations),
                 Err(e) => {
-                    self.release(key);
+                    self.write().release(key);
                     attempts += 1;
                     if e != BindError::Conflict || attempts == BIND_ATTEMPTS {
                         return Err(format!("recording the GPU assignment failed: {e}"));
@@ -204,40 +311,58 @@ impl<B: Binder> Extender<B> {
             }
         };
         let uid = args.pod_uid.as_str();
+        held.binding_sent = true;
         let bound = self
-            .within(deadline, self.binder.bind(key, uid, node))
+            .within(writes_end, self.binder.bind(key, uid, node))
             .await;
-        let Err(e) = bound else { return Ok(()) };
-        // The Binding may have landed although its answer did not.
-        if let Ok(Some(pod)) = self.within(deadline, self.binder.get_pod(key)).await
-            && pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node)
-        {
+        let Err(e) = bound else {
+            held.settled = true;
+            return Ok(());
+        };
+        // The Binding may have landed although its answer did not: a
+        // bound pod keeps its assignment, whatever the Binding answered.
+        let pod = match self.within(deadline, self.binder.get_pod(key)).await {
+            Ok(Some(pod)) => pod,
+            Ok(None) => {
+                held.settled = true;
+                self.write().release(key);
+                return Err(format!("creating the Binding failed: {e}; the pod is gone"));
+            }
+            Err(check) => {
+                // Unknown: neither undo (the pod may be bound) nor release
+                // (its GPUs may be in use); the nomination expires.
+                drop(held);
+                return Err(format!(
+                    "creating the Binding failed: {e}; whether it landed is unknown ({check})"
+                ));
+            }
+        };
+        if pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node) {
+            held.settled = true;
+            tracing::info!(pod = ?key, %node, error = %e, "the Binding landed although its answer did not");
             return Ok(());
         }
         if let Some(annotations) = patched {
-            self.undo(key, &annotations).await;
+            let rv = pod.metadata.resource_version.clone();
+            self.undo(key, rv.as_deref(), &annotations, deadline).await;
         }
-        self.release(key);
+        held.settled = true;
+        self.write().release(key);
         Err(format!("creating the Binding failed: {e}"))
     }
 
-    fn release(&self, key: &PodName) {
-        self.index
-            .write()
-            .expect("index lock poisoned")
-            .release(key);
-    }
-
-    /// Removes the annotations a failed bind wrote. It gets a deadline of
-    /// its own: the bind's may be what ran out.
+    /// Removes the annotations a failed bind wrote, by `deadline`, and only
+    /// from the pod as last read (`resource_version`): if a late Binding
+    /// landed since, the precondition fails and the pod keeps them.
     async fn undo(
         &self,
         key: &PodName,
+        resource_version: Option<&str>,
         written: &std::collections::BTreeMap<String, Option<String>>,
+        deadline: Instant,
     ) {
         let removal = written.keys().map(|k| (k.clone(), None)).collect();
-        let deadline = Instant::now() + self.bind_timeout;
-        let call = self.binder.annotate(key, None, &removal);
+        let call = self.binder.annotate(key, resource_version, &removal);
         if let Err(e) = self.within(deadline, call).await {
             tracing::error!(pod = ?key, error = %e,
                 "cannot remove the GPU assignment of a pod whose bind failed; \

@@ -71,6 +71,9 @@ impl ExtenderFilterResult {
     }
 }
 
+/// kube-scheduler's `MaxExtenderPriority`: scores are 0..=10.
+pub(crate) const MAX_SCORE: i64 = 10;
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HostPriority {
     #[serde(rename = "Host")]

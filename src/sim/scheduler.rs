@@ -7,9 +7,14 @@
 //! - one pod at a time, in creation order; a pod that cannot be placed
 //!   waits out a per-pod backoff (1 s doubling to 10 s by default) and is
 //!   tried again;
+//! - binds in the background: once a node is chosen the pod is *assumed*
+//!   there and the next pod is filtered at once, before the bind's answer
+//!   (kube-scheduler's binding cycle); a failed bind forgets the assumed
+//!   pod and backs it off;
 //! - its own node-level fit first: per node, allocatable minus the requests
-//!   of the pods bound there, for every resource the pod requests (the
-//!   extended ones included, as with `ignoredByScheduler: false`);
+//!   of the pods bound or assumed there, for every resource the pod
+//!   requests (the extended ones included, as with `ignoredByScheduler:
+//!   false`);
 //! - the extender only for pods asking one of its `managedResources` (in
 //!   requests or limits of any container, init ones included);
 //! - filter: `POST <urlPrefix>/<filterVerb>` with `{"Pod", "Nodes",
@@ -20,16 +25,23 @@
 //!   `FailedNodes` and `FailedAndUnresolvableNodes` only explain;
 //! - a single feasible node is taken without prioritizing; otherwise
 //!   prioritize with the same body, each `Score` × weight × 10 (errors there
-//!   are ignored: no score), the highest total wins (ties: first in name
-//!   order, or random with a seed);
+//!   are ignored: no score), added to the default score plugins that tell
+//!   nodes apart here: NodeResourcesFit (LeastAllocated over cpu and
+//!   memory, each request at least 100m / 200Mi) and
+//!   NodeResourcesBalancedAllocation (cpu and memory as requested), weight
+//!   1 each, 0..=100 each, unless the profile disables them; the highest
+//!   total wins (ties: first in name order, or random with a seed);
+//! - every extender call ends at its `httpTimeout` (default 5 s): the
+//!   scheduler hangs up and the attempt fails;
 //! - bind: `POST <urlPrefix>/<bindVerb>` with `{"PodName", "PodNamespace",
 //!   "PodUID", "Node"}`, success only on 200 and an empty `Error`; without
 //!   a binding extender the scheduler creates `pods/<name>/binding` itself;
 //! - answers are read with Go's case-insensitive key matching.
 //!
-//! What it leaves out: score plugins of its own (only the extender scores),
-//! preemption, and the unschedulable queue's wake-up on cluster events
-//! (backoff only).
+//! What it leaves out: the score plugins that score every node alike for
+//! these pods (TaintToleration, NodeAffinity, ImageLocality, and
+//! PodTopologySpread without constraints), preemption, and the
+//! unschedulable queue's wake-up on cluster events (backoff only).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -49,6 +61,17 @@ use tokio::task::JoinHandle;
 /// 0..=100: an extender's score is scaled by this on top of its weight.
 const EXTENDER_SCORE_SCALE: i64 = 10;
 
+/// The shipped config's extender `weight`: one point of the extender's
+/// 0..=10 score (× weight × 10) outweighs every default score plugin
+/// together, so the extender's policy decides.
+pub const DOSLAB_WEIGHT: i64 = 100;
+/// The shipped config's extender `httpTimeout`.
+pub const DOSLAB_HTTP_TIMEOUT: Duration = Duration::from_secs(30);
+/// The score plugins the shipped GPU profile disables: they spread pods by
+/// cpu and memory, against a binpack policy.
+pub const DOSLAB_DISABLED_SCORES: [&str; 2] =
+    ["NodeResourcesFit", "NodeResourcesBalancedAllocation"];
+
 /// An `extenders:` entry of a KubeSchedulerConfiguration (the verbs the
 /// stand-in uses; an empty verb is not called).
 #[derive(Debug, Clone)]
@@ -57,31 +80,31 @@ pub struct ExtenderConfig {
     pub(crate) filter_verb: String,
     pub(crate) prioritize_verb: String,
     pub(crate) bind_verb: String,
-    pub(crate) weight: i64,
+    pub weight: i64,
     pub(crate) node_cache_capable: bool,
     pub(crate) ignorable: bool,
     /// Resource names; empty: every pod goes to the extender.
     pub(crate) managed_resources: Vec<String>,
-    pub(crate) http_timeout: Duration,
+    pub http_timeout: Duration,
 }
 
 impl ExtenderConfig {
     /// The project's extender at `url_prefix`, configured as deploy/scheduler
-    /// configures it.
+    /// configures it (a test in tests/deploy.rs holds the two together).
     pub fn doslab(url_prefix: &str) -> ExtenderConfig {
         ExtenderConfig {
             url_prefix: url_prefix.to_owned(),
             filter_verb: "filter".into(),
             prioritize_verb: "prioritize".into(),
             bind_verb: "bind".into(),
-            weight: 1,
+            weight: DOSLAB_WEIGHT,
             node_cache_capable: true,
             ignorable: false,
             managed_resources: ["gpu-memory", "gpu-core", "gpu-count"]
                 .iter()
                 .map(|r| format!("doslab.io/{r}"))
                 .collect(),
-            http_timeout: Duration::from_secs(30),
+            http_timeout: DOSLAB_HTTP_TIMEOUT,
         }
     }
 
@@ -119,6 +142,8 @@ pub struct SchedulerConfig {
     pub max_backoff: Duration,
     /// How often it looks for pending pods.
     pub(crate) poll: Duration,
+    /// Score plugins the profile disables (`plugins.score.disabled`).
+    pub disabled_scores: Vec<String>,
 }
 
 impl SchedulerConfig {
@@ -130,7 +155,20 @@ impl SchedulerConfig {
             initial_backoff: Duration::from_secs(1),
             max_backoff: Duration::from_secs(10),
             poll: Duration::from_millis(20),
+            disabled_scores: Vec::new(),
         }
+    }
+
+    /// The GPU profile and extender as deploy/scheduler ships them.
+    pub fn shipped(extender_url: &str) -> SchedulerConfig {
+        SchedulerConfig {
+            disabled_scores: DOSLAB_DISABLED_SCORES.map(String::from).to_vec(),
+            ..SchedulerConfig::new(Some(ExtenderConfig::doslab(extender_url)))
+        }
+    }
+
+    fn scores(&self, plugin: &str) -> bool {
+        !self.disabled_scores.iter().any(|d| d == plugin)
     }
 }
 
@@ -144,6 +182,10 @@ pub struct Outcome {
     /// Why each node was filtered out on the last attempt (node totals or
     /// the extender's `FailedNodes` and `FailedAndUnresolvableNodes`).
     pub filtered: BTreeMap<String, String>,
+    /// Binds that failed (each a scheduling error and a backoff).
+    pub bind_failures: u32,
+    /// When its bind succeeded.
+    pub bound_at: Option<Instant>,
 }
 
 struct Backoff {
@@ -151,20 +193,30 @@ struct Backoff {
     until: Instant,
 }
 
+type Http =
+    hyper_util::client::legacy::Client<hyper_util::client::legacy::connect::HttpConnector, Body>;
+
+/// What the scheduling loop and its background binds share.
+#[derive(Default)]
+struct Shared {
+    backoff: HashMap<String, Backoff>,
+    outcomes: BTreeMap<String, Outcome>,
+    /// Pods chosen a node whose bind has not been seen done: counted on
+    /// that node by the node-level fit and the score plugins, and not
+    /// scheduled again meanwhile.
+    assumed: HashMap<String, (String, Pod)>,
+}
+
 struct Scheduler {
     config: SchedulerConfig,
     client: Client,
-    http: hyper_util::client::legacy::Client<
-        hyper_util::client::legacy::connect::HttpConnector,
-        Body,
-    >,
-    backoff: HashMap<String, Backoff>,
-    outcomes: Arc<Mutex<BTreeMap<String, Outcome>>>,
+    http: Http,
+    shared: Arc<Mutex<Shared>>,
     rng: u64,
 }
 
 pub struct SchedulerSim {
-    outcomes: Arc<Mutex<BTreeMap<String, Outcome>>>,
+    shared: Arc<Mutex<Shared>>,
     task: JoinHandle<()>,
 }
 
@@ -174,7 +226,7 @@ impl SchedulerSim {
         let client = crate::kube_client::from_kubeconfig(kubeconfig, "kubeconfig")
             .await
             .map_err(|e| e.to_string())?;
-        let outcomes = Arc::new(Mutex::new(BTreeMap::new()));
+        let shared: Arc<Mutex<Shared>> = Arc::default();
         let http =
             hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
                 .build_http();
@@ -183,8 +235,7 @@ impl SchedulerSim {
             config,
             client,
             http,
-            backoff: HashMap::new(),
-            outcomes: outcomes.clone(),
+            shared: shared.clone(),
         };
         let task = tokio::spawn(async move {
             loop {
@@ -194,16 +245,55 @@ impl SchedulerSim {
                 tokio::time::sleep(scheduler.config.poll).await;
             }
         });
-        Ok(SchedulerSim { outcomes, task })
+        Ok(SchedulerSim { shared, task })
     }
 
     /// Every pod it tried, by `namespace/name`.
     pub fn outcomes(&self) -> BTreeMap<String, Outcome> {
-        self.outcomes.lock().expect("outcomes poisoned").clone()
+        lock(&self.shared).outcomes.clone()
     }
 
     pub fn stop(self) {
         self.task.abort();
+    }
+}
+
+fn lock(shared: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
+    shared.lock().expect("scheduler stand-in state poisoned")
+}
+
+/// Records the end of an attempt on `k`: bound to `node`, or failed (and
+/// backed off) with `error`.
+fn settle(
+    shared: &Mutex<Shared>,
+    config: &SchedulerConfig,
+    k: &str,
+    result: Result<String, String>,
+) {
+    let mut s = lock(shared);
+    match result {
+        Ok(node) => {
+            let outcome = s.outcomes.entry(k.to_owned()).or_default();
+            outcome.node = Some(node);
+            outcome.error = None;
+            outcome.bound_at = Some(Instant::now());
+            s.backoff.remove(k);
+        }
+        Err(e) => {
+            tracing::debug!(pod = %k, error = %e, "scheduler stand-in: unschedulable");
+            s.assumed.remove(k);
+            s.outcomes.entry(k.to_owned()).or_default().error = Some(e);
+            let b = s.backoff.entry(k.to_owned()).or_insert(Backoff {
+                attempts: 0,
+                until: Instant::now(),
+            });
+            b.attempts += 1;
+            let delay = config
+                .initial_backoff
+                .saturating_mul(1 << (b.attempts - 1).min(16))
+                .min(config.max_backoff);
+            b.until = Instant::now() + delay;
+        }
     }
 }
 
@@ -356,14 +446,34 @@ impl Scheduler {
             let created = |p: &Pod| p.metadata.creation_timestamp.clone().map(|t| t.0);
             (created(a), key(a)).cmp(&(created(b), key(b)))
         });
+        // One look at the cluster per round, as the informers' cache: the
+        // pods this round places are counted as assumed.
+        let mut nodes = Api::<Node>::all(self.client.clone())
+            .list(&ListParams::default())
+            .await?
+            .items;
+        nodes.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+        let all = pods
+            .list(&ListParams::default().fields("status.phase!=Succeeded,status.phase!=Failed"))
+            .await?
+            .items;
+        {
+            // The informer shows these bound now: no longer assumed.
+            let bound: std::collections::HashSet<String> = all
+                .iter()
+                .filter(|p| p.spec.as_ref().is_some_and(|s| s.node_name.is_some()))
+                .map(key)
+                .collect();
+            lock(&self.shared).assumed.retain(|k, _| !bound.contains(k));
+        }
         for pod in pending {
             let k = key(&pod);
-            if self
-                .backoff
-                .get(&k)
-                .is_some_and(|b| Instant::now() < b.until)
             {
-                continue;
+                let s = lock(&self.shared);
+                let waits = s.backoff.get(&k).is_some_and(|b| Instant::now() < b.until);
+                if waits || s.assumed.contains_key(&k) {
+                    continue;
+                }
             }
             // The real scheduler's queue drops a pod the moment its
             // informer sees it deleted or bound; a round listed long ago
@@ -381,67 +491,78 @@ impl Scheduler {
                         .is_none_or(String::is_empty)
             });
             if !waiting {
-                self.backoff.remove(&k);
+                lock(&self.shared).backoff.remove(&k);
                 continue;
             }
             let mut filtered = BTreeMap::new();
-            let result = self.schedule_one(&pod, &mut filtered).await;
-            let mut outcomes = self.outcomes.lock().expect("outcomes poisoned");
-            let outcome = outcomes.entry(k.clone()).or_default();
-            outcome.attempts += 1;
-            outcome.filtered = filtered;
+            let result = self.schedule_one(&pod, &nodes, &all, &mut filtered).await;
+            {
+                let mut s = lock(&self.shared);
+                let outcome = s.outcomes.entry(k.clone()).or_default();
+                outcome.attempts += 1;
+                outcome.filtered = filtered;
+            }
             match result {
-                Ok(node) => {
-                    outcome.node = Some(node);
-                    outcome.error = None;
-                    self.backoff.remove(&k);
-                }
-                Err(e) => {
-                    tracing::debug!(pod = %k, error = %e, "scheduler stand-in: unschedulable");
-                    outcome.error = Some(e);
-                    let b = self.backoff.entry(k).or_insert(Backoff {
-                        attempts: 0,
-                        until: Instant::now(),
-                    });
-                    b.attempts += 1;
-                    let delay = self
-                        .config
-                        .initial_backoff
-                        .saturating_mul(1 << (b.attempts - 1).min(16))
-                        .min(self.config.max_backoff);
-                    b.until = Instant::now() + delay;
-                }
+                // The binding cycle runs on while the next pod is filtered.
+                Ok((node, extender)) => self.bind_in_background(pod, node, extender),
+                Err(e) => settle(&self.shared, &self.config, &k, Err(e)),
             }
         }
         Ok(())
     }
 
-    /// Places one pod: the node the pod was bound to, or why not; `reasons`
-    /// gets why each filtered node was.
+    /// Assumes `pod` on `node` and binds it in the background (through
+    /// the extender when it binds), as kube-scheduler's binding cycle.
+    fn bind_in_background(&self, pod: Pod, node: String, extender: Option<ExtenderConfig>) {
+        let k = key(&pod);
+        lock(&self.shared)
+            .assumed
+            .insert(k.clone(), (node.clone(), pod.clone()));
+        let (client, http) = (self.client.clone(), self.http.clone());
+        let (shared, config) = (self.shared.clone(), self.config.clone());
+        tokio::spawn(async move {
+            let result = match extender.filter(|e| !e.bind_verb.is_empty()) {
+                Some(e) => extender_bind(&http, &e, &pod, &node).await,
+                None => bind(&client, &pod, &node).await,
+            };
+            if result.is_err() {
+                lock(&shared)
+                    .outcomes
+                    .entry(k.clone())
+                    .or_default()
+                    .bind_failures += 1;
+            }
+            settle(&shared, &config, &k, result.map(|()| node));
+        });
+    }
+
+    /// Chooses a node for one pod (and the extender that binds it), or
+    /// says why none; `reasons` gets why each filtered node was.
     async fn schedule_one(
         &mut self,
         pod: &Pod,
+        nodes: &[Node],
+        all: &[Pod],
         reasons: &mut BTreeMap<String, String>,
-    ) -> Result<String, String> {
-        let list = |e: kube::Error| format!("cannot list: {e}");
-        let mut nodes = Api::<Node>::all(self.client.clone())
-            .list(&ListParams::default())
-            .await
-            .map_err(list)?
-            .items;
-        nodes.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
-        let all = Api::<Pod>::all(self.client.clone())
-            .list(&ListParams::default().fields("status.phase!=Succeeded,status.phase!=Failed"))
-            .await
-            .map_err(list)?
-            .items;
+    ) -> Result<(String, Option<ExtenderConfig>), String> {
+        // The scheduler's cache: the pods bound, and those assumed whose
+        // bind the list does not show yet.
+        let mut placed: HashMap<String, Vec<Pod>> = HashMap::new();
+        for p in all.iter().cloned() {
+            if let Some(n) = p.spec.as_ref().and_then(|s| s.node_name.clone()) {
+                placed.entry(n).or_default().push(p);
+            }
+        }
+        for (node, p) in lock(&self.shared).assumed.values() {
+            let on = placed.entry(node.clone()).or_default();
+            if !on.iter().any(|q| key(q) == key(p)) {
+                on.push(p.clone());
+            }
+        }
         let mut feasible = Vec::new();
-        for node in &nodes {
+        for node in nodes {
             let name = node.metadata.name.clone().unwrap_or_default();
-            let bound: Vec<&Pod> = all
-                .iter()
-                .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(&name))
-                .collect();
+            let bound: Vec<&Pod> = placed.get(&name).into_iter().flatten().collect();
             match node_misfit(node, &bound, pod) {
                 Some(why) => {
                     reasons.insert(name, why);
@@ -476,13 +597,69 @@ impl Scheduler {
             }
             // With one node left there is nothing to prioritize.
             1 => feasible.remove(0),
-            _ => self.pick(extender.as_ref(), pod, &feasible).await,
+            _ => {
+                let by_node: BTreeMap<&str, i64> = feasible
+                    .iter()
+                    .map(|n| {
+                        let node = nodes.iter().find(|x| x.metadata.name.as_ref() == Some(n));
+                        let on: Vec<&Pod> = placed.get(n).into_iter().flatten().collect();
+                        let score = node.map_or(0, |node| self.plugin_scores(node, &on, pod));
+                        (n.as_str(), score)
+                    })
+                    .collect();
+                self.pick(extender.as_ref(), pod, by_node).await
+            }
         };
-        match extender.filter(|e| !e.bind_verb.is_empty()) {
-            Some(e) => self.extender_bind(&e, pod, &node).await?,
-            None => self.bind(pod, &node).await?,
+        Ok((node, extender))
+    }
+
+    /// The enabled default score plugins' total for `pod` on `node` beside
+    /// the pods `on` it: NodeResourcesFit (LeastAllocated) and
+    /// NodeResourcesBalancedAllocation over cpu and memory, weight 1 each.
+    fn plugin_scores(&self, node: &Node, on: &[&Pod], pod: &Pod) -> i64 {
+        let allocatable = node.status.as_ref().and_then(|s| s.allocatable.as_ref());
+        let alloc = |r: &str| {
+            allocatable
+                .and_then(|a| a.get(r))
+                .and_then(milli)
+                .unwrap_or(0)
+        };
+        // (allocatable, requested counting the non-zero defaults, as
+        // requested) per scored resource; ones the node lacks are skipped.
+        let resources: Vec<(i128, i128, i128)> = [("cpu", 100), ("memory", 200 << 20)]
+            .into_iter()
+            .map(|(r, default_units)| {
+                let asked = |p: &Pod| pod_requests(p).get(r).copied().unwrap_or(0);
+                let non_zero = |p: &Pod| match asked(p) {
+                    0 => default_units * if r == "cpu" { 1 } else { 1000 },
+                    n => n,
+                };
+                let all = on.iter().copied().chain([pod]);
+                let requested = all.clone().map(non_zero).sum();
+                let exact = all.map(asked).sum();
+                (alloc(r), requested, exact)
+            })
+            .filter(|(a, _, _)| *a > 0)
+            .collect();
+        let mut total = 0;
+        if self.config.scores("NodeResourcesFit") && !resources.is_empty() {
+            let least: i128 = resources
+                .iter()
+                .map(|(a, r, _)| if r > a { 0 } else { (a - r) * 100 / a })
+                .sum();
+            total += (least / resources.len() as i128) as i64;
         }
-        Ok(node)
+        if self.config.scores("NodeResourcesBalancedAllocation") {
+            let fractions: Vec<f64> = resources
+                .iter()
+                .map(|(a, _, e)| (*e as f64 / *a as f64).min(1.0))
+                .collect();
+            let n = fractions.len().max(1) as f64;
+            let mean = fractions.iter().sum::<f64>() / n;
+            let std = (fractions.iter().map(|f| (f - mean).powi(2)).sum::<f64>() / n).sqrt();
+            total += ((1.0 - std) * 100.0) as i64;
+        }
+        total
     }
 
     /// The extender's filter: the nodes that pass, and the reasons of
@@ -493,7 +670,7 @@ impl Scheduler {
         pod: &Pod,
         nodes: &[String],
     ) -> Result<(Vec<String>, BTreeMap<String, String>), String> {
-        let answer = self.send(e, &e.filter_verb, &args(e, pod, nodes)).await?;
+        let answer = send(&self.http, e, &e.filter_verb, &args(e, pod, nodes)).await?;
         let error = field(&answer, "Error").as_str().unwrap_or_default();
         if !error.is_empty() {
             return Err(error.to_owned());
@@ -525,12 +702,18 @@ impl Scheduler {
         Ok((names, failed))
     }
 
-    /// The top-scoring node; an extender that cannot prioritize scores
-    /// nothing.
-    async fn pick(&mut self, e: Option<&ExtenderConfig>, pod: &Pod, nodes: &[String]) -> String {
-        let mut scores: BTreeMap<&str, i64> = nodes.iter().map(|n| (n.as_str(), 0)).collect();
+    /// The top-scoring node, from the plugins' `scores` and the
+    /// extender's; an extender that cannot prioritize scores nothing.
+    async fn pick(
+        &mut self,
+        e: Option<&ExtenderConfig>,
+        pod: &Pod,
+        mut scores: BTreeMap<&str, i64>,
+    ) -> String {
+        let nodes: Vec<String> = scores.keys().map(|n| n.to_string()).collect();
         if let Some(e) = e.filter(|e| !e.prioritize_verb.is_empty()) {
-            match self.send(e, &e.prioritize_verb, &args(e, pod, nodes)).await {
+            let body = args(e, pod, &nodes);
+            match send(&self.http, e, &e.prioritize_verb, &body).await {
                 Ok(Value::Array(list)) => {
                     for hp in &list {
                         let host = field(hp, "Host").as_str().unwrap_or_default();
@@ -562,73 +745,77 @@ impl Scheduler {
         };
         top[i].to_owned()
     }
+}
 
-    async fn extender_bind(&self, e: &ExtenderConfig, pod: &Pod, node: &str) -> Result<(), String> {
-        let body = json!({
-            "PodName": pod.metadata.name,
-            "PodNamespace": pod.metadata.namespace,
-            "PodUID": pod.metadata.uid,
-            "Node": node,
-        });
-        let answer = self.send(e, &e.bind_verb, &body).await?;
-        match field(&answer, "Error").as_str().unwrap_or_default() {
-            "" => Ok(()),
-            error => Err(error.to_owned()),
+async fn extender_bind(
+    http: &Http,
+    e: &ExtenderConfig,
+    pod: &Pod,
+    node: &str,
+) -> Result<(), String> {
+    let body = json!({
+        "PodName": pod.metadata.name,
+        "PodNamespace": pod.metadata.namespace,
+        "PodUID": pod.metadata.uid,
+        "Node": node,
+    });
+    let answer = send(http, e, &e.bind_verb, &body).await?;
+    match field(&answer, "Error").as_str().unwrap_or_default() {
+        "" => Ok(()),
+        error => Err(error.to_owned()),
+    }
+}
+
+/// The Binding the default binder creates.
+async fn bind(client: &Client, pod: &Pod, node: &str) -> Result<(), String> {
+    let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
+    let name = pod.metadata.name.clone().unwrap_or_default();
+    let binding = Binding {
+        metadata: ObjectMeta {
+            name: Some(name.clone()),
+            namespace: Some(namespace.to_owned()),
+            uid: pod.metadata.uid.clone(),
+            ..Default::default()
+        },
+        target: ObjectReference {
+            kind: Some("Node".into()),
+            name: Some(node.to_owned()),
+            ..Default::default()
+        },
+    };
+    Api::<Pod>::namespaced(client.clone(), namespace)
+        .create_subresource::<_, Value>("binding", &name, &PostParams::default(), &binding)
+        .await
+        .map(drop)
+        .map_err(|e| format!("binding to {node}: {e}"))
+}
+
+/// `POST <urlPrefix>/<verb>` as kube-scheduler's HTTP extender sends it.
+async fn send(http: &Http, e: &ExtenderConfig, verb: &str, body: &Value) -> Result<Value, String> {
+    let url = format!("{}/{verb}", e.url_prefix.trim_end_matches('/'));
+    let request = Request::post(&url)
+        .header("Content-Type", "application/json")
+        .body(Body::from(body.to_string()))
+        .map_err(|err| err.to_string())?;
+    let exchange = async {
+        let response = http
+            .request(request)
+            .await
+            .map_err(|err| format!("{verb} at {url}: {err}"))?;
+        if response.status() != StatusCode::OK {
+            return Err(format!(
+                "failed {verb} with extender at URL {url}, code {}",
+                response.status().as_u16()
+            ));
         }
-    }
-
-    /// The Binding the default binder creates.
-    async fn bind(&self, pod: &Pod, node: &str) -> Result<(), String> {
-        let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
-        let name = pod.metadata.name.clone().unwrap_or_default();
-        let binding = Binding {
-            metadata: ObjectMeta {
-                name: Some(name.clone()),
-                namespace: Some(namespace.to_owned()),
-                uid: pod.metadata.uid.clone(),
-                ..Default::default()
-            },
-            target: ObjectReference {
-                kind: Some("Node".into()),
-                name: Some(node.to_owned()),
-                ..Default::default()
-            },
-        };
-        Api::<Pod>::namespaced(self.client.clone(), namespace)
-            .create_subresource::<_, Value>("binding", &name, &PostParams::default(), &binding)
+        let bytes = axum::body::to_bytes(Body::new(response.into_body()), 64 << 20)
             .await
-            .map(drop)
-            .map_err(|e| format!("binding to {node}: {e}"))
-    }
-
-    /// `POST <urlPrefix>/<verb>` as kube-scheduler's HTTP extender sends it.
-    async fn send(&self, e: &ExtenderConfig, verb: &str, body: &Value) -> Result<Value, String> {
-        let url = format!("{}/{verb}", e.url_prefix.trim_end_matches('/'));
-        let request = Request::post(&url)
-            .header("Content-Type", "application/json")
-            .body(Body::from(body.to_string()))
-            .map_err(|err| err.to_string())?;
-        let exchange = async {
-            let response = self
-                .http
-                .request(request)
-                .await
-                .map_err(|err| format!("{verb} at {url}: {err}"))?;
-            if response.status() != StatusCode::OK {
-                return Err(format!(
-                    "failed {verb} with extender at URL {url}, code {}",
-                    response.status().as_u16()
-                ));
-            }
-            let bytes = axum::body::to_bytes(Body::new(response.into_body()), 64 << 20)
-                .await
-                .map_err(|err| format!("{verb} at {url}: {err}"))?;
-            serde_json::from_slice(&bytes).map_err(|err| format!("{verb} at {url}: {err}"))
-        };
-        tokio::time::timeout(e.http_timeout, exchange)
-            .await
-            .map_err(|_| format!("{verb} at {url}: no answer within {:?}", e.http_timeout))?
-    }
+            .map_err(|err| format!("{verb} at {url}: {err}"))?;
+        serde_json::from_slice(&bytes).map_err(|err| format!("{verb} at {url}: {err}"))
+    };
+    tokio::time::timeout(e.http_timeout, exchange)
+        .await
+        .map_err(|_| format!("{verb} at {url}: no answer within {:?}", e.http_timeout))?
 }
 
 /// `ExtenderArgs` as Go marshals it: the Pod as the informer holds it (no
@@ -956,6 +1143,26 @@ mod tests {
             Value::Null
         );
         assert_eq!(w.api.requests().get("bind"), Some(&2));
+    }
+
+    /// The stand-in's `shipped()` is the GPU profile deploy/scheduler ships.
+    #[test]
+    fn shipped_config_is_the_deployed_one() {
+        let map: Value =
+            serde_yaml::from_str(include_str!("../../deploy/scheduler/configmap.yaml")).unwrap();
+        let config: Value =
+            serde_yaml::from_str(map["data"]["scheduler.yaml"].as_str().unwrap()).unwrap();
+        let ext = &config["extenders"][0];
+        assert_eq!(ext["weight"], DOSLAB_WEIGHT);
+        let timeout = format!("{}s", DOSLAB_HTTP_TIMEOUT.as_secs());
+        assert_eq!(ext["httpTimeout"], timeout.as_str());
+        let disabled: Vec<&str> = config["profiles"][0]["plugins"]["score"]["disabled"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(disabled, DOSLAB_DISABLED_SCORES);
     }
 
     #[test]

@@ -267,7 +267,7 @@ pub fn start_extender(kubeconfig: &Path) -> (Daemon, String) {
 /// The kube-scheduler stand-in calling the extender at `extender_url`,
 /// retrying unschedulable pods quickly.
 pub async fn start_scheduler(kubeconfig: &Path, extender_url: &str, seed: u64) -> SchedulerSim {
-    let mut config = SchedulerConfig::new(Some(ExtenderConfig::doslab(extender_url)));
+    let mut config = SchedulerConfig::shipped(extender_url);
     config.seed = Some(seed);
     config.initial_backoff = Duration::from_millis(100);
     config.max_backoff = Duration::from_secs(1);
