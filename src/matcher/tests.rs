@@ -40,6 +40,7 @@ fn container(name: &str, mem: u64, core: u64, count: u64) -> ContainerAsk {
             core,
             count,
         },
+        invalid: None,
     }
 }
 
