@@ -48,13 +48,17 @@ impl PodContainer {
     }
 
     /// Its entry in a pod's `containers` or `initContainers`, as the API
-    /// server stores it: extended resources' requests default to the
-    /// limits; a sidecar carries `restartPolicy: Always`.
+    /// server stores it: quantities in canonical form (`8000` is `8k`),
+    /// extended resources' requests default to the limits; a sidecar
+    /// carries `restartPolicy: Always`.
     pub(crate) fn spec(&self) -> Value {
         let limits: serde_json::Map<String, Value> = self
             .asks()
             .into_iter()
-            .map(|(r, n)| (r, n.to_string().into()))
+            .map(|(r, n)| {
+                let q = quantity::canonical(&n.to_string());
+                (r, q.expect("a device count is a quantity").into())
+            })
             .collect();
         let mut spec = json!({"name": self.name, "image": "cuda",
                "resources": {"limits": limits.clone(), "requests": limits}});
