@@ -136,16 +136,16 @@ impl Quantity {
             return "0".into();
         }
         let sign = if self.negative { "-" } else { "" };
-        if self.format == Format::BinarySi {
-            if let Some(mut m) = self.magnitude().filter(|&m| m >= 1024) {
-                let mut power = 0;
-                while m % 1024 == 0 && power < BINARY.len() {
-                    m /= 1024;
-                    power += 1;
-                }
-                let suffix = if power == 0 { "" } else { BINARY[power - 1] };
-                return format!("{sign}{m}{suffix}");
+        if self.format == Format::BinarySi
+            && let Some(mut m) = self.magnitude().filter(|&m| m >= 1024)
+        {
+            let mut power = 0;
+            while m.is_multiple_of(1024) && power < BINARY.len() {
+                m /= 1024;
+                power += 1;
             }
+            let suffix = if power == 0 { "" } else { BINARY[power - 1] };
+            return format!("{sign}{m}{suffix}");
         }
         // Decimal: the exponent down to a multiple of 3, the mantissa
         // padded with zeros to keep the value.
@@ -202,7 +202,7 @@ impl Quantity {
         match 10u128.checked_pow(self.exponent.unsigned_abs()) {
             Some(d) => {
                 let whole = self.mantissa / d;
-                whole > max || (whole == max && self.mantissa % d != 0)
+                whole > max || (whole == max && !self.mantissa.is_multiple_of(d))
             }
             None => false,
         }
@@ -219,7 +219,7 @@ impl Quantity {
             self.exponent = 0;
             return;
         }
-        while self.mantissa % 10 == 0 {
+        while self.mantissa.is_multiple_of(10) {
             self.mantissa /= 10;
             self.exponent += 1;
         }

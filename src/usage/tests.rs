@@ -727,7 +727,7 @@ mod hostile {
         }
         let asks = asks_of(containers);
         assert_eq!(asks.invalid(), None);
-        let got: Vec<_> = asks.containers.iter().map(|c| c.devices.clone()).collect();
+        let got: Vec<_> = asks.containers.iter().map(|c| c.devices).collect();
         assert_eq!(got, want);
     }
 
