@@ -22,8 +22,6 @@
 //! crates that read it (e.g. `k8s-quantity-parser`) go through `f64`,
 //! which loses exactness past 2^53 and cannot canonicalise.
 
-use std::fmt;
-
 /// What a quantity's suffix says about how it is written back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Format {
@@ -131,6 +129,7 @@ impl Quantity {
     }
 
     /// The canonical string the API server stores for this quantity.
+    #[cfg(any(test, feature = "sim"))]
     pub(crate) fn canonical(&self) -> String {
         if self.mantissa == 0 {
             return "0".into();
@@ -179,7 +178,9 @@ impl Quantity {
     }
 
     /// Thousandths of the quantity, rounded up (apimachinery's
-    /// `MilliValue`); `None` past `i128`.
+    /// `MilliValue`); `None` past `i128`. Only the scheduler stand-in
+    /// weighs CPU and memory requests.
+    #[cfg(any(test, feature = "sim"))]
     pub(crate) fn milli(&self) -> Option<i128> {
         let e = self.exponent.checked_add(3)?;
         let m = i128::try_from(self.mantissa).ok()?;
@@ -226,12 +227,6 @@ impl Quantity {
     }
 }
 
-impl fmt::Display for Quantity {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.canonical())
-    }
-}
-
 /// Reads `text` as a whole count of at most `max` (devices): the one
 /// function every reader of a resource amount uses.
 pub(crate) fn parse_count(text: &str, max: u64) -> Result<u64, QuantityError> {
@@ -243,7 +238,9 @@ pub(crate) fn parse_count(text: &str, max: u64) -> Result<u64, QuantityError> {
         })
 }
 
-/// The canonical form of `text`, as the API server stores it.
+/// The canonical form of `text`, as the API server stores it: for the
+/// API-server stand-in.
+#[cfg(any(test, feature = "sim"))]
 pub(crate) fn canonical(text: &str) -> Result<String, QuantityError> {
     Quantity::parse(text).map(|q| q.canonical())
 }
