@@ -250,6 +250,104 @@ async fn bind_records_the_assignment_then_binds_and_retries_are_idempotent() {
     assert!(!annotations(&s.cluster, "q").contains_key("doslab.io/gpu-assignment"));
 }
 
+/// The API server stores 30000 as `30k` and kube-scheduler sends that: it
+/// is 30000 MiB, not "no ask" (which passed every node and bound with no
+/// assignment).
+#[tokio::test]
+async fn round_thousands_in_canonical_form_are_filtered_and_bound_by_amount() {
+    let s = setup("binpack").await;
+    let pod = gpu_pod("ns", "p", &[c("app", 30000, 0, 0)]);
+    let limits = &pod.spec.as_ref().unwrap().containers[0].resources;
+    let limit = &limits.as_ref().unwrap().limits.as_ref().unwrap()["doslab.io/gpu-memory"];
+    assert_eq!(limit.0, "30k");
+    let args = json!({"Pod": wire_pod(&pod), "NodeNames": ["n1", "n2"]});
+    let r = post_json(s.addr, "filter", &args).await;
+    assert_eq!(r["NodeNames"], json!(["n1"]), "{r}");
+    assert_eq!(
+        r["FailedAndUnresolvableNodes"]["n2"],
+        "container app: no GPU has 30000 MiB free (largest 24576 MiB on GPU-c)"
+    );
+    s.cluster.put_pod(pod);
+    let r = post_json(s.addr, "bind", &bind_args("p", "n1")).await;
+    assert_eq!(r, json!({"Error": ""}));
+    let a = annotations(&s.cluster, "p");
+    assert_eq!(a["doslab.io/gpu-assignment"], r#"{"app":["GPU-a"]}"#);
+    // A second 30k pod no longer fits beside it on GPU-a: it goes to GPU-b.
+    s.cluster
+        .put_pod(gpu_pod("ns", "q", &[c("app", 30000, 0, 0)]));
+    let r = post_json(s.addr, "bind", &bind_args("q", "n1")).await;
+    assert_eq!(r, json!({"Error": ""}));
+    let a = annotations(&s.cluster, "q");
+    assert_eq!(a["doslab.io/gpu-assignment"], r#"{"app":["GPU-b"]}"#);
+}
+
+/// A limit that is not a whole number of devices is refused on every node
+/// with the reason, never read as no ask.
+#[tokio::test]
+async fn an_unreadable_limit_is_refused_with_the_reason() {
+    let s = setup("binpack").await;
+    for (bad, why) in [
+        ("1.5", "is not a whole number"),
+        ("-8k", "is negative"),
+        ("8 k", "unknown suffix"),
+        ("1e30", "is larger than"),
+    ] {
+        let mut pod = gpu_pod("ns", "p", &[c("app", 0, 10, 0)]);
+        let container = &mut pod.spec.as_mut().unwrap().containers[0];
+        let limits = container
+            .resources
+            .as_mut()
+            .unwrap()
+            .limits
+            .as_mut()
+            .unwrap();
+        limits.insert(
+            "doslab.io/gpu-memory".into(),
+            k8s_openapi::apimachinery::pkg::api::resource::Quantity(bad.into()),
+        );
+        let args = json!({"Pod": wire_pod(&pod), "NodeNames": ["n1", "n2", "bare"]});
+        let r = post_json(s.addr, "filter", &args).await;
+        assert_eq!(r["NodeNames"], json!([]), "{r}");
+        for node in ["n1", "n2", "bare"] {
+            let reason = r["FailedAndUnresolvableNodes"][node].as_str().unwrap();
+            assert!(
+                reason.starts_with("container app: limit doslab.io/gpu-memory quantity")
+                    && reason.contains(&format!("{bad:?}"))
+                    && reason.contains(why),
+                "{bad}: {reason}"
+            );
+        }
+        s.cluster.put_pod(pod);
+        let r = post_json(s.addr, "bind", &bind_args("p", "n1")).await;
+        let e = r["Error"].as_str().unwrap();
+        assert!(e.contains(why), "{bad}: {e}");
+        assert!(!annotations(&s.cluster, "p").contains_key("doslab.io/gpu-assignment"));
+    }
+}
+
+/// A node whose inventory names a GPU twice takes no pod: counted by
+/// UUID, both would hold the pods of one and five 40 GiB pods fit on two
+/// 40 GiB GPUs.
+#[tokio::test]
+async fn a_node_with_a_duplicate_gpu_uuid_takes_no_pod() {
+    let s = setup("binpack").await;
+    s.cluster
+        .add_node(gpu_node("dup", &[("GPU-x", 40960), ("GPU-x", 40960)]));
+    let pod = gpu_pod("ns", "p", &[c("app", 40960, 0, 0)]);
+    let args = json!({"Pod": wire_pod(&pod), "NodeNames": ["dup"]});
+    let r = post_json(s.addr, "filter", &args).await;
+    assert_eq!(r["NodeNames"], json!([]), "{r}");
+    let reason = r["FailedAndUnresolvableNodes"]["dup"].as_str().unwrap();
+    assert!(
+        reason.contains(r#"GPU uuid "GPU-x" is listed twice"#),
+        "{reason}"
+    );
+    s.cluster.put_pod(pod);
+    let r = post_json(s.addr, "bind", &bind_args("p", "dup")).await;
+    assert!(r["Error"].as_str().unwrap().contains("listed twice"), "{r}");
+    assert_eq!(s.cluster.bindings(), 0);
+}
+
 #[tokio::test]
 async fn a_failed_binding_undoes_the_annotations_and_reserves_nothing() {
     let s = setup("binpack").await;

@@ -48,12 +48,11 @@ impl Planner {
     }
 
     /// The pod's GPU asks; `None` when it asks none (it is not ours to
-    /// place, and costs nothing).
+    /// place, and costs nothing). A limit that cannot be read is ours: it
+    /// is refused in [`Planner::fits`], never read as no ask.
     pub(crate) fn asks(&self, pod: &Pod) -> Option<PodAsks> {
         let asks = PodAsks::from_pod(&self.keys, pod);
-        asks.containers
-            .iter()
-            .any(|c| c.whole() || c.shared())
+        (asks.invalid().is_some() || asks.containers.iter().any(|c| c.whole() || c.shared()))
             .then_some(asks)
     }
 
@@ -62,6 +61,9 @@ impl Planner {
             reason,
             never: true,
         };
+        if let Some(e) = asks.invalid() {
+            return Err(never(e.to_string()));
+        }
         let key = &self.keys.inventory;
         let (inventory, usage) = match ix.gpus(node) {
             None => {

@@ -51,6 +51,9 @@ pub enum PodWarning {
     Ledger(String, String),
     #[error("annotation {0} is not a valid GPU assignment ({1}); ignoring it")]
     Assignment(String, String),
+    /// The container's other resources still match; this one never does.
+    #[error("{0}; no device of it is matched to the pod")]
+    Ask(String),
 }
 
 impl PodView {
@@ -98,7 +101,12 @@ impl PodView {
                 .map(|v| v.trim().to_owned())
                 .filter(|v| !v.is_empty()),
             assignment,
-            containers: PodAsks::from_pod(keys, pod).containers,
+            containers: {
+                let asks = PodAsks::from_pod(keys, pod);
+                let invalid = asks.containers.iter().filter_map(|c| c.invalid.as_ref());
+                warnings.extend(invalid.map(|e| PodWarning::Ask(e.to_string())));
+                asks.containers
+            },
             ledger,
             resource_version: meta.resource_version.clone().unwrap_or_default(),
         };

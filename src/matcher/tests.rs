@@ -40,6 +40,7 @@ fn container(name: &str, mem: u64, core: u64, count: u64) -> ContainerAsk {
             core,
             count,
         },
+        invalid: None,
     }
 }
 
@@ -761,5 +762,33 @@ fn a_share_of_a_whole_container_needs_a_clear_gpu() {
     assert_eq!(
         err.to_string(),
         "default/whole wants 1 GPUs whole and only 0 are clear of other work"
+fn limits_are_read_as_quantities_and_an_unreadable_one_is_named() {
+    let keys = Keys::new("doslab.io");
+    let with_app_limit = |q: &str| {
+        let mut p = api_pod(&[], "Pending", false);
+        let app = &mut p.spec.as_mut().unwrap().containers[0];
+        app.resources
+            .as_mut()
+            .unwrap()
+            .limits
+            .as_mut()
+            .unwrap()
+            .insert("doslab.io/gpu-memory".into(), Quantity(q.into()));
+        PodView::from_pod(&keys, &p)
+    };
+    // The API server stores 8000 as 8k.
+    let (view, warnings) = with_app_limit("8k");
+    assert!(warnings.is_empty(), "{warnings:?}");
+    assert_eq!(view.containers[1].wants(GpuMemory), 8000);
+    let (view, warnings) = with_app_limit("1.5");
+    assert_eq!(view.containers[1].wants(GpuMemory), 0);
+    let [PodWarning::Ask(why)] = warnings.as_slice() else {
+        panic!("{warnings:?}");
+    };
+    assert!(
+        why.contains(
+            "container app: limit doslab.io/gpu-memory quantity \"1.5\" is not a whole number"
+        ),
+        "{why}"
     );
 }

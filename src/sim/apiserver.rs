@@ -6,7 +6,10 @@
 //! precondition, JSON patch with `test`, the `pods/<name>/binding`
 //! subresource (once per pod, 409 after), event create. It counts requests
 //! by verb and can inject what a real API server does on a bad day: 503s,
-//! slow answers, and writes by others that make a patch conflict.
+//! slow answers, and writes by others that make a patch conflict. Like the
+//! real one it stores every resource quantity of a pod's containers and a
+//! node's status in canonical form (`8000` is stored as `8k`), and refuses
+//! a write with a quantity it cannot read (422).
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -23,6 +26,7 @@ use tokio::sync::broadcast;
 use tokio::task::JoinHandle;
 
 use crate::device::Resource;
+use crate::usage::quantity;
 
 /// One container of a pod to create: name, init or not, and the devices it
 /// asks of gpu-memory, gpu-core and gpu-count.
@@ -44,13 +48,17 @@ impl PodContainer {
     }
 
     /// Its entry in a pod's `containers` or `initContainers`, as the API
-    /// server stores it: extended resources' requests default to the
-    /// limits; a sidecar carries `restartPolicy: Always`.
+    /// server stores it: quantities in canonical form (`8000` is `8k`),
+    /// extended resources' requests default to the limits; a sidecar
+    /// carries `restartPolicy: Always`.
     pub(crate) fn spec(&self) -> Value {
         let limits: serde_json::Map<String, Value> = self
             .asks()
             .into_iter()
-            .map(|(r, n)| (r, n.to_string().into()))
+            .map(|(r, n)| {
+                let q = quantity::canonical(&n.to_string());
+                (r, q.expect("a device count is a quantity").into())
+            })
             .collect();
         let mut spec = json!({"name": self.name, "image": "cuda",
                "resources": {"limits": limits.clone(), "requests": limits}});
@@ -490,6 +498,9 @@ fn patch_object(shared: &Shared, key: Key, content_type: &str, patch: &Value) ->
             );
         }
     }
+    if let Err(e) = canonical_quantities(key.0, &mut object) {
+        return status(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", &e);
+    }
     let object = inner.write(key, Some(object), &shared.changes);
     json_response(StatusCode::OK, &object.expect("written"))
 }
@@ -606,6 +617,56 @@ async fn watch(
         .expect("valid response")
 }
 
+/// The quantities of `object` (a pod's containers' limits and requests,
+/// init containers too; a node's capacity and allocatable) in canonical
+/// form, as the API server stores them; the first it cannot read is the
+/// error, naming where it is.
+fn canonical_quantities(kind: Kind, object: &mut Value) -> Result<(), String> {
+    let maps: Vec<&mut Value> = match kind {
+        Kind::Pod => {
+            let mut maps = Vec::new();
+            if let Value::Object(s) = &mut object["spec"] {
+                for (list, containers) in s.iter_mut() {
+                    if list != "containers" && list != "initContainers" {
+                        continue;
+                    }
+                    for c in containers.as_array_mut().into_iter().flatten() {
+                        if let Some(Value::Object(r)) = c.get_mut("resources") {
+                            for (which, m) in r.iter_mut() {
+                                if which == "limits" || which == "requests" {
+                                    maps.push(m);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            maps
+        }
+        Kind::Node => match &mut object["status"] {
+            Value::Object(s) => s
+                .iter_mut()
+                .filter(|(k, _)| *k == "capacity" || *k == "allocatable")
+                .map(|(_, m)| m)
+                .collect(),
+            _ => Vec::new(),
+        },
+    };
+    for m in maps {
+        for (name, q) in m.as_object_mut().into_iter().flatten() {
+            let text = match &*q {
+                Value::String(s) => s.clone(),
+                Value::Number(n) => n.to_string(),
+                other => return Err(format!("{name}: {other} is not a quantity")),
+            };
+            *q = quantity::canonical(&text)
+                .map_err(|e| format!("{name}: {e}"))?
+                .into();
+        }
+    }
+    Ok(())
+}
+
 fn pod_key(namespace: &str, name: &str) -> Key {
     (Kind::Pod, namespace.to_owned(), name.to_owned())
 }
@@ -711,6 +772,7 @@ impl ApiServerSim {
             pod["metadata"]["namespace"].as_str().unwrap_or_default(),
             pod["metadata"]["name"].as_str().unwrap_or_default(),
         );
+        canonical_quantities(Kind::Pod, &mut pod).expect("whole device counts are quantities");
         inner.write(key, Some(pod), &self.shared.changes);
     }
 
@@ -722,7 +784,7 @@ impl ApiServerSim {
             .iter()
             .map(|(r, n)| (r.to_string(), n.to_string().into()))
             .collect();
-        let node = json!({
+        let mut node = json!({
             "apiVersion": "v1", "kind": "Node",
             "metadata": {
                 "name": name, "uid": format!("uid-node-{name}"),
@@ -731,6 +793,7 @@ impl ApiServerSim {
             },
             "status": {"capacity": quantities.clone(), "allocatable": quantities},
         });
+        canonical_quantities(Kind::Node, &mut node).expect("whole device counts are quantities");
         let key = (Kind::Node, String::new(), name.to_owned());
         self.shared
             .lock()
@@ -989,5 +1052,65 @@ mod tests {
                 .items
                 .is_empty()
         );
+    }
+
+    #[tokio::test]
+    async fn quantities_are_stored_in_canonical_form_and_unreadable_ones_refused() {
+        let api = ApiServerSim::start().await.unwrap();
+        let containers = [
+            PodContainer {
+                name: "init".into(),
+                init: true,
+                restartable: false,
+                wants: [4000, 0, 0],
+            },
+            PodContainer {
+                name: "main".into(),
+                init: false,
+                restartable: false,
+                wants: [8000, 1500, 4096],
+            },
+        ];
+        api.add_pod("default", "p", "n1", &containers, &[]);
+        let pod = api.pod("default", "p").unwrap();
+        let init = &pod["spec"]["initContainers"][0]["resources"];
+        assert_eq!(init["limits"]["doslab.io/gpu-memory"], "4k");
+        assert_eq!(init["requests"]["doslab.io/gpu-memory"], "4k");
+        let main = &pod["spec"]["containers"][0]["resources"]["limits"];
+        assert_eq!(main["doslab.io/gpu-memory"], "8k");
+        assert_eq!(main["doslab.io/gpu-core"], "1500");
+        assert_eq!(main["doslab.io/gpu-count"], "4096");
+
+        api.add_node("n1", &[("doslab.io/gpu-memory", 10000)], &[]);
+        assert_eq!(
+            api.node("n1").unwrap()["status"]["capacity"]["doslab.io/gpu-memory"],
+            "10k"
+        );
+        let nodes: Api<Node> = Api::all(client(&api).await);
+        let patch = json!({"status": {"allocatable": {"memory": "1024Ki", "cpu": 2.5}}});
+        nodes
+            .patch("n1", &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap();
+        let allocatable = &api.node("n1").unwrap()["status"]["allocatable"];
+        assert_eq!(allocatable["memory"], "1Mi");
+        assert_eq!(allocatable["cpu"], "2500m");
+        assert_eq!(allocatable["doslab.io/gpu-memory"], "10k");
+
+        let before = api.node("n1").unwrap();
+        let bad = json!({"status": {"capacity": {"doslab.io/gpu-memory": "8 k"}}});
+        let e = nodes
+            .patch("n1", &PatchParams::default(), &Patch::Merge(&bad))
+            .await
+            .unwrap_err();
+        match e {
+            kube::Error::Api(s) => {
+                assert_eq!(s.code, 422);
+                assert!(s.message.contains("doslab.io/gpu-memory"), "{}", s.message);
+                assert!(s.message.contains("\"8 k\""), "{}", s.message);
+            }
+            e => panic!("{e}"),
+        }
+        assert_eq!(api.node("n1").unwrap(), before);
     }
 }

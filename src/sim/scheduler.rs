@@ -305,31 +305,10 @@ fn key(pod: &Pod) -> String {
     )
 }
 
-/// A quantity in thousandths (`100m` CPU is 100, `1` is 1000, `1Ki` is
-/// 1 024 000); `None` when it does not parse.
+/// A quantity in thousandths, rounded up (`100m` CPU is 100, `1` is
+/// 1000, `1Ki` is 1 024 000); `None` when it does not parse.
 fn milli(q: &Quantity) -> Option<i128> {
-    let s = q.0.trim();
-    let split = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '-' || c == '+'))
-        .unwrap_or(s.len());
-    let (number, suffix) = s.split_at(split);
-    let scale: f64 = match suffix {
-        "m" => 1.0,
-        "" => 1e3,
-        "k" => 1e6,
-        "M" => 1e9,
-        "G" => 1e12,
-        "T" => 1e15,
-        "Ki" => 1024.0 * 1e3,
-        "Mi" => 1024f64.powi(2) * 1e3,
-        "Gi" => 1024f64.powi(3) * 1e3,
-        "Ti" => 1024f64.powi(4) * 1e3,
-        _ => return None,
-    };
-    number
-        .parse::<f64>()
-        .ok()
-        .map(|n| (n * scale).ceil() as i128)
+    crate::usage::quantity::Quantity::parse(&q.0).ok()?.milli()
 }
 
 /// A container's requests; an extended resource with only a limit requests

@@ -3,7 +3,19 @@
 use k8s_openapi::api::core::v1::{Container, Pod};
 
 use super::Keys;
+use super::quantity::{QuantityError, parse_count};
 use crate::device::{PerResource, Resource};
+
+/// A limit that is not a whole number of devices: the container's ask
+/// cannot be known, so the pod must not be placed or matched as if it
+/// asked nothing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("container {container}: limit {resource} {error}")]
+pub(crate) struct AskError {
+    pub(crate) container: String,
+    pub(crate) resource: String,
+    pub(crate) error: QuantityError,
+}
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ContainerAsk {
@@ -13,23 +25,36 @@ pub struct ContainerAsk {
     /// beside the app containers for the pod's whole life, so the kubelet
     /// lets it keep its devices and hands none of them on.
     pub(crate) restartable: bool,
-    /// The limit of each resource, in devices (0: not asked).
+    /// The limit of each resource, in devices (0: not asked, or not
+    /// readable: see `invalid`).
     pub(crate) devices: PerResource<u64>,
+    /// The first limit that is not a whole number of devices.
+    pub(crate) invalid: Option<AskError>,
 }
 
 impl ContainerAsk {
     pub(crate) fn from_container(keys: &Keys, c: &Container, init: bool) -> ContainerAsk {
         let limits = c.resources.as_ref().and_then(|r| r.limits.as_ref());
+        let mut invalid = None;
+        let devices = keys.resources.map(|_, name| {
+            let Some(q) = limits.and_then(|l| l.get(name)) else {
+                return 0;
+            };
+            parse_count(&q.0, u64::MAX).unwrap_or_else(|error| {
+                invalid.get_or_insert(AskError {
+                    container: c.name.clone(),
+                    resource: name.clone(),
+                    error,
+                });
+                0
+            })
+        });
         ContainerAsk {
             name: c.name.clone(),
             init,
             restartable: init && c.restart_policy.as_deref() == Some("Always"),
-            devices: keys.resources.map(|_, name| {
-                limits
-                    .and_then(|l| l.get(name))
-                    .and_then(|q| q.0.trim().parse::<u64>().ok())
-                    .unwrap_or(0)
-            }),
+            devices,
+            invalid,
         }
     }
 
@@ -89,6 +114,11 @@ pub(crate) struct PodAsks {
 }
 
 impl PodAsks {
+    /// The first container's limit that cannot be read.
+    pub(crate) fn invalid(&self) -> Option<&AskError> {
+        self.containers.iter().find_map(|c| c.invalid.as_ref())
+    }
+
     pub(crate) fn from_pod(keys: &Keys, pod: &Pod) -> PodAsks {
         let spec = pod.spec.as_ref();
         let init = spec

@@ -135,6 +135,9 @@ fn place_all(
         {
             return Err(fail(format!("asks {r}, which this node does not offer")));
         }
+        if let Some(why) = inv.overflow(&c.devices) {
+            return Err(fail(why));
+        }
         let need = inv.amount(&c.devices);
         // The GPUs this container adds to the usage.
         let (gpus, counted) = if c.whole() {
@@ -297,7 +300,12 @@ pub(crate) fn score(
             let cap = inv.capacity(g);
             [Resource::GpuMemory, Resource::GpuCore]
                 .into_iter()
-                .map(|r| (u.used[r] * 1000).checked_div(cap[r]).unwrap_or(1000))
+                .map(|r| {
+                    // A saturated usage is full.
+                    (u.used[r].saturating_mul(1000))
+                        .checked_div(cap[r])
+                        .unwrap_or(1000)
+                })
                 .max()
                 .unwrap_or(0)
                 .min(1000)

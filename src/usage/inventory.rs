@@ -87,7 +87,36 @@ impl Inventory {
                 }
             })
         })?;
+        inv.check_gpus().map_err(InventoryError::Invalid)?;
         Ok(inv)
+    }
+
+    /// Every GPU is named once (usage is counted by UUID: two GPUs of one
+    /// name would each count the other's pods, or neither) and holds a
+    /// countable number of memory devices.
+    fn check_gpus(&self) -> Result<(), String> {
+        let mut seen = std::collections::HashSet::new();
+        for (i, g) in self.gpus.iter().enumerate() {
+            if g.uuid.trim().is_empty() {
+                return Err(format!("GPU {i} has an empty uuid"));
+            }
+            if !seen.insert(g.uuid.as_str()) {
+                return Err(format!("GPU uuid {:?} is listed twice", g.uuid));
+            }
+            if g.memory_mib < self.memory_unit_mib {
+                return Err(format!(
+                    "GPU {} has {} MiB, less than one memoryUnitMiB ({})",
+                    g.uuid, g.memory_mib, self.memory_unit_mib
+                ));
+            }
+            if u32::try_from(g.memory_mib / self.memory_unit_mib).is_err() {
+                return Err(format!(
+                    "GPU {} has {} MiB, more than 2^32 devices of {} MiB",
+                    g.uuid, g.memory_mib, self.memory_unit_mib
+                ));
+            }
+        }
+        Ok(())
     }
 
     pub(crate) fn to_json(&self) -> String {
@@ -108,16 +137,35 @@ impl Inventory {
     }
 
     /// What GPU `g` holds in real units, as far as the kubelet can see it:
-    /// its devices times what each is worth.
+    /// its devices times what each is worth. Never more than its memory
+    /// (MiB), 100 (percent) or 1 (GPU), so it cannot overflow.
     pub fn capacity(&self, g: usize) -> PerResource<u64> {
         let (units, memory_mib) = (self.units(), self.gpus[g].memory_mib);
-        PerResource::from_fn(|r| u64::from(units.per_gpu(r, memory_mib)) * units.amount(r))
+        PerResource::from_fn(|r| {
+            u64::from(units.per_gpu(r, memory_mib)).saturating_mul(units.amount(r))
+        })
     }
 
-    /// `devices` in real units.
+    /// `devices` in real units. An amount past `u64` saturates: nothing
+    /// holds that much, so it never fits and, held, fills its GPU. Asks
+    /// are checked with [`Inventory::overflow`] first, for the reason.
     pub(crate) fn amount(&self, devices: &PerResource<u64>) -> PerResource<u64> {
         let unit = self.unit();
-        devices.map(|r, &d| d * unit[r])
+        devices.map(|r, &d| d.saturating_mul(unit[r]))
+    }
+
+    /// Why `devices` cannot be counted in real units: the first resource
+    /// whose amount is past `u64`.
+    pub(crate) fn overflow(&self, devices: &PerResource<u64>) -> Option<String> {
+        let unit = self.unit();
+        Resource::ALL.into_iter().find_map(|r| {
+            devices[r].checked_mul(unit[r]).is_none().then(|| {
+                format!(
+                    "asks {} {r} devices of {} each, more than 2^64 in all",
+                    devices[r], unit[r]
+                )
+            })
+        })
     }
 
     pub(crate) fn index(&self, uuid: &str) -> Option<usize> {

@@ -13,6 +13,7 @@ mod asks;
 mod fit;
 mod inventory;
 mod node;
+pub(crate) mod quantity;
 
 pub(crate) use annotations::Assignment;
 pub use annotations::Keys;

@@ -68,7 +68,7 @@ pub(crate) fn pod_holdings(
         });
         let own: Vec<Holding> = match (served, rest) {
             (Some(mut s), Some(r)) if s.gpus == r.gpus => {
-                s.amount = PerResource::from_fn(|res| s.amount[res] + r.amount[res]);
+                s.amount = PerResource::from_fn(|res| s.amount[res].saturating_add(r.amount[res]));
                 vec![s]
             }
             (s, r) => s.into_iter().chain(r.filter(Holding::holds)).collect(),
@@ -136,9 +136,11 @@ impl NodeUsage {
         u
     }
 
-    /// Counts `h`; GPUs this node does not have are ignored.
+    /// Counts `h`; GPUs this node does not have are ignored. A total past
+    /// `u64` (only hostile ledgers add up so far) saturates: the GPU is
+    /// full, never wrapped to empty.
     pub(crate) fn add(&mut self, inv: &Inventory, h: &Holding) {
-        self.apply(inv, h, |total, n| *total += n);
+        self.apply(inv, h, |total, n| *total = total.saturating_add(n));
     }
 
     /// This usage without `h` (which it counted).

@@ -40,6 +40,7 @@ fn ask(name: &str, init: bool, mem: u64, core: u64, count: u64) -> ContainerAsk 
             core,
             count,
         },
+        invalid: None,
     }
 }
 
@@ -641,4 +642,156 @@ fn a_live_pods_ledger_counts_a_gpu_handed_from_init_to_app_once() {
     let u = NodeUsage::of(&inv, &held);
     assert_eq!(u.gpus[1].used.count, 1, "{held:?}");
     assert_eq!(u.gpus[0], GpuUsage::default());
+}
+
+/// Quantities, inventories and arithmetic that a hostile or merely
+/// unusual cluster brings.
+mod hostile {
+    use super::*;
+
+    fn container(name: &str, limits: &[(&str, &str)]) -> Container {
+        Container {
+            name: name.into(),
+            resources: Some(ResourceRequirements {
+                limits: Some(
+                    limits
+                        .iter()
+                        .map(|(k, v)| (format!("doslab.io/{k}"), Quantity(v.to_string())))
+                        .collect(),
+                ),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn asks_of(containers: Vec<Container>) -> PodAsks {
+        let p = Pod {
+            spec: Some(PodSpec {
+                containers,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        PodAsks::from_pod(&Keys::new("doslab.io"), &p)
+    }
+
+    #[test]
+    fn canonical_quantities_are_asks() {
+        let asks = asks_of(vec![container(
+            "app",
+            &[
+                ("gpu-memory", "8k"),
+                ("gpu-core", "5e1"),
+                ("gpu-count", "0"),
+            ],
+        )]);
+        assert_eq!(asks.invalid(), None);
+        assert_eq!(asks.containers[0].devices, PerResource::from([8000, 50, 0]));
+    }
+
+    #[test]
+    fn an_unreadable_limit_is_an_error_naming_container_resource_and_value() {
+        for bad in ["1.5", "-8", "500m", "8 k", "1e30", "x"] {
+            let asks = asks_of(vec![
+                container("ok", &[("gpu-memory", "4")]),
+                container("app", &[("gpu-core", "10"), ("gpu-memory", bad)]),
+            ]);
+            let e = asks.invalid().unwrap_or_else(|| panic!("{bad:?} read"));
+            let text = e.to_string();
+            assert!(
+                text.starts_with("container app: limit doslab.io/gpu-memory quantity"),
+                "{text}"
+            );
+            assert!(text.contains(&format!("{bad:?}")), "{text}");
+            // The rest of the container is still read.
+            assert_eq!(asks.containers[1].wants(Resource::GpuCore), 10);
+            assert_eq!(asks.containers[0].invalid, None);
+        }
+    }
+
+    #[test]
+    fn every_combination_of_resources_in_hundreds_of_containers_is_read() {
+        let values = ["0", "1", "8k", "1Ki"];
+        let mut containers = Vec::new();
+        let mut want = Vec::new();
+        for i in 0..300usize {
+            let pick = |shift: usize| values[(i >> shift) % values.len()];
+            let (m, c, n) = (pick(0), pick(2), pick(4));
+            containers.push(container(
+                &format!("c{i}"),
+                &[("gpu-memory", m), ("gpu-core", c), ("gpu-count", n)],
+            ));
+            let count = |v: &str| crate::usage::quantity::parse_count(v, u64::MAX).unwrap();
+            want.push(PerResource::from([count(m), count(c), count(n)]));
+        }
+        let asks = asks_of(containers);
+        assert_eq!(asks.invalid(), None);
+        let got: Vec<_> = asks.containers.iter().map(|c| c.devices).collect();
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn an_ask_whose_amount_overflows_never_fits() {
+        let mut inv = inventory(&[1024 * 80]);
+        inv.memory_unit_mib = 1024;
+        // 2^54 devices of 1024 MiB: 2^64 MiB, which wrapped to 0 and fit.
+        let huge = pod(vec![ask("big", false, 1 << 54, 0, 0)]);
+        let e = fit(&inv, &NodeUsage::empty(&inv), &huge).unwrap_err();
+        assert_eq!(e.container, "big");
+        assert!(e.reason.contains("more than 2^64"), "{e}");
+        assert!(e.unresolvable, "{e:?}");
+        // Held (a hostile assignment), it fills the GPU rather than wrap.
+        let holding = Holding {
+            gpus: vec!["GPU-0".into()],
+            amount: inv.amount(&huge.containers[0].devices),
+        };
+        let mut usage = NodeUsage::of(&inv, [&holding]);
+        usage.add(&inv, &holding);
+        assert_eq!(usage.free(&inv, 0, Resource::GpuMemory), 0);
+        let small = pod(vec![ask("small", false, 1, 0, 0)]);
+        assert!(fit(&inv, &usage, &small).is_err());
+        assert_eq!(
+            score(
+                &inv,
+                &usage,
+                &small,
+                &Assignment::default(),
+                Policy::Binpack
+            ),
+            10
+        );
+    }
+
+    #[test]
+    fn an_inventory_with_duplicate_empty_or_unsized_gpus_is_refused() {
+        let text = inventory(&[40960, 40960]).to_json();
+        let refused = |text: &str, why: &str| {
+            let e = Inventory::parse(text).unwrap_err();
+            assert!(matches!(e, InventoryError::Invalid(_)), "{e:?}");
+            assert!(e.to_string().contains(why), "{e} lacks {why}");
+        };
+        refused(
+            &text.replace(r#""uuid":"GPU-1""#, r#""uuid":"GPU-0""#),
+            r#"GPU uuid "GPU-0" is listed twice"#,
+        );
+        refused(
+            &text.replace(r#""uuid":"GPU-1""#, r#""uuid":" ""#),
+            "GPU 1 has an empty uuid",
+        );
+        refused(
+            &text.replacen(r#""memoryMiB":40960"#, r#""memoryMiB":0"#, 1),
+            "GPU GPU-0 has 0 MiB, less than one memoryUnitMiB (256)",
+        );
+        refused(
+            &text.replacen(
+                r#""memoryMiB":40960"#,
+                &format!(r#""memoryMiB":{}"#, u64::MAX),
+                1,
+            ),
+            "more than 2^32 devices",
+        );
+        let e = Inventory::parse(&text.replace(r#""memoryMiB":40960"#, "\"memoryMiB\":-1"));
+        assert!(matches!(e, Err(InventoryError::Json(_))), "{e:?}");
+    }
 }

@@ -18,6 +18,7 @@ use serde_json::Value;
 use super::{Grant, KubeletSim, SimState};
 use crate::device::Resource;
 use crate::sim::apiserver::{ApiServerSim, PodContainer, admission_order};
+use crate::usage::quantity::parse_count;
 
 /// One pod the kubelet admitted or refused.
 #[derive(Debug)]
@@ -47,7 +48,7 @@ pub fn pod_containers(pod: &Value) -> Vec<PodContainer> {
                         let limit = &c["resources"]["limits"][format!("doslab.io/{}", r.name())];
                         limit
                             .as_str()
-                            .and_then(|s| s.parse().ok())
+                            .and_then(|s| parse_count(s, u64::MAX).ok())
                             .or_else(|| limit.as_u64())
                             .unwrap_or(0)
                     }),
