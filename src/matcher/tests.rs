@@ -762,6 +762,10 @@ fn a_share_of_a_whole_container_needs_a_clear_gpu() {
     assert_eq!(
         err.to_string(),
         "default/whole wants 1 GPUs whole and only 0 are clear of other work"
+    );
+}
+
+#[test]
 fn limits_are_read_as_quantities_and_an_unreadable_one_is_named() {
     let keys = Keys::new("doslab.io");
     let with_app_limit = |q: &str| {
