@@ -23,6 +23,8 @@ pub struct ExtenderConfig {
     /// How long one bind may take (pod patch, Binding, and undo on failure);
     /// kube-scheduler's own wait is the extender's `httpTimeout`.
     pub(crate) bind_timeout_ms: u64,
+    /// The HTTP server's bounds (`crate::http::EXTENDER_LIMITS` by default).
+    pub(crate) http: crate::http::HttpConfig,
 }
 
 impl Default for ExtenderConfig {
@@ -33,6 +35,7 @@ impl Default for ExtenderConfig {
             policy: Policy::Binpack,
             kubeconfig: PathBuf::new(),
             bind_timeout_ms: 10_000,
+            http: crate::http::HttpConfig::default(),
         }
     }
 }
@@ -90,7 +93,8 @@ impl ExtenderConfig {
                 "must be between 100 and 120000 (milliseconds)",
             ));
         }
-        Ok(())
+        self.http
+            .validate("extender.http", &crate::http::EXTENDER_LIMITS)
     }
 }
 
@@ -122,5 +126,15 @@ mod tests {
         assert!(e.contains("`extender.resource_domain`"), "{e}");
         let e = err("[extender]\nbind_timeout_ms = 5\n");
         assert!(e.contains("`extender.bind_timeout_ms`"), "{e}");
+
+        let c = ExtenderConfig::from_toml("[extender.http]\nmax_connections = 8\n").unwrap();
+        let limits = c.http.limits(&crate::http::EXTENDER_LIMITS);
+        assert_eq!(limits.max_connections, 8);
+        // An absent key keeps the extender's own default, not the daemon's.
+        assert_eq!(limits.max_body_bytes, 4 << 20);
+        let e = err("[extender.http]\nmax_header_bytes = 100\n");
+        assert!(e.contains("`extender.http.max_header_bytes`"), "{e}");
+        let e = err("[extender.http]\nheader_timeout = 100\n");
+        assert!(e.contains("header_timeout"), "{e}");
     }
 }
