@@ -160,6 +160,9 @@ pub(crate) enum Hold {
     Waiting,
     /// Restarted again and again.
     Failing,
+    /// Cannot reach the API server (the pod matcher's watch fails), so an
+    /// Allocate cannot succeed now.
+    Unreachable,
 }
 
 /// Every enabled resource's metrics, by resource name.
@@ -297,6 +300,15 @@ impl Metrics {
             Some(why) => held.insert(key, why),
             None => held.remove(&key),
         };
+    }
+
+    /// Clears every mark of `part` (it stopped on purpose; a successor
+    /// marks its own).
+    pub(crate) fn release(&self, part: &str) {
+        self.held
+            .lock()
+            .expect("metrics lock")
+            .retain(|(p, _), _| p != part);
     }
 
     /// What is not ready yet, each with why; empty when all is.

@@ -97,8 +97,8 @@ impl SupervisorState {
     /// `child` goes on purpose: whatever it held back goes with it (a
     /// successor marks its own).
     fn release(&mut self, child: Child) {
-        self.metrics.hold(&child.to_string(), Hold::Waiting, None);
-        self.steady(child);
+        self.metrics.release(&child.to_string());
+        self.failures.remove(&child);
     }
 
     /// `child`'s arguments under the current config and plan.
