@@ -216,6 +216,7 @@ const RESERVED_ENVS: &[&str] = &[
     "NVIDIA_VISIBLE_DEVICES",
     "CUDA_DEVICE_MEMORY_LIMIT_0",
     "CUDA_DEVICE_SM_LIMIT",
+    "GPU_CORE_UTILIZATION_POLICY",
 ];
 
 impl Config {
@@ -544,6 +545,12 @@ mod tests {
         assert!(err_of("[matcher]\nwait_ms = 5").contains("matcher.wait_ms"));
         assert!(err_of("[matcher]\nwait = 5").contains("wait"));
         assert!(err_of("[http]\nmax_connections = 0").contains("`http.max_connections`"));
+        // The core policy comes from [enforcement]; an env could undo it.
+        let e = err_of("[allocate.envs]\nGPU_CORE_UTILIZATION_POLICY = \"default\"");
+        assert!(
+            e.contains("allocate.envs.GPU_CORE_UTILIZATION_POLICY"),
+            "{e}"
+        );
         assert!(err_of("[http]\nidle_timeout_ms = 10").contains("`http.idle_timeout_ms`"));
         assert!(err_of("[http]\nmax_body = 5").contains("max_body"));
         let c = parse("[http]\nheader_timeout_ms = 900").unwrap();
