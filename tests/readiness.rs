@@ -77,3 +77,22 @@ async fn readiness_follows_the_api_server_and_the_pod_count_follows_the_cache() 
     );
     wait_for_sample(&addr, "gpu_device_plugin_pod_cache_pods", 2.0).await;
 }
+
+/// Without pod matching every GPU's capacity and health are still on
+/// `/metrics`, from the start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_gpu_capacity_and_health_are_exported_without_pod_matching() {
+    let dir = tempfile::tempdir().unwrap();
+    let toml = mock_config(dir.path(), "", &[(GPU, 4096)]);
+    let daemon = Daemon::start(&toml);
+    let addr = http_addr(&daemon);
+    let series = |name: &str| format!("gpu_device_plugin_{name}{{gpu=\"{GPU}\"}}");
+    wait_for_sample(
+        &addr,
+        &series("gpu_memory_capacity_bytes"),
+        4096.0 * 1048576.0,
+    )
+    .await;
+    wait_for_sample(&addr, &series("gpu_core_capacity_percent"), 100.0).await;
+    wait_for_sample(&addr, &series("gpu_healthy"), 1.0).await;
+}

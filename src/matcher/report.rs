@@ -76,24 +76,18 @@ fn samples(inv: &Inventory, usage: &NodeUsage) -> Vec<GpuSample> {
     inv.gpus
         .iter()
         .zip(&usage.gpus)
-        .enumerate()
-        .map(|(g, (info, u))| {
-            let capacity = inv.capacity(g);
-            GpuSample {
-                uuid: info.uuid.clone(),
-                memory_capacity_mib: capacity.memory,
-                memory_granted_mib: u.used.memory,
-                core_capacity_percent: capacity.core,
-                core_granted_percent: u.used.core,
-                containers: u.used.count + u.sharers,
-                mode: if u.held_whole() {
-                    GpuMode::Whole
-                } else if u.carries_shared() {
-                    GpuMode::Shared
-                } else {
-                    GpuMode::Free
-                },
-            }
+        .map(|(info, u)| GpuSample {
+            uuid: info.uuid.clone(),
+            memory_granted_mib: u.used.memory,
+            core_granted_percent: u.used.core,
+            containers: u.used.count + u.sharers,
+            mode: if u.held_whole() {
+                GpuMode::Whole
+            } else if u.carries_shared() {
+                GpuMode::Shared
+            } else {
+                GpuMode::Free
+            },
         })
         .collect()
 }
