@@ -729,7 +729,7 @@ async fn latency_figures() {
     }
     let built = vm_rss_kib();
     let cached = cluster.index().read().unwrap().pod_count();
-    let addr = start(&config.listen, extender.clone()).await.unwrap();
+    let addr = start(&config, extender.clone()).await.unwrap();
     let mut http = Http::connect(addr).await;
     let names: Vec<&str> = nodes.iter().map(|(n, _)| n.as_str()).collect();
     let mut filter = Vec::new();

@@ -172,7 +172,7 @@ pub async fn run(
     };
     metrics.config_loaded(tried.clone());
     let mut serving = Serving {
-        http: Http::start(&config.http_listen, &metrics).await?,
+        http: Http::start(&config, &metrics).await?,
         source,
         tried,
         metrics: metrics.clone(),
@@ -229,7 +229,7 @@ impl Serving {
         }
         self.tried.clone_from(&sha256);
         let (config, plan) = load(&bytes).await?;
-        let moved = self.http.moved(&config.http_listen, &self.metrics).await?;
+        let moved = self.http.moved(&config, &self.metrics).await?;
         let _ = supervisor.send_message(SupervisorMsg::Reload(Box::new((config, plan))));
         // The new endpoint listens before the old one closes.
         if let Some(moved) = moved {
@@ -240,19 +240,23 @@ impl Serving {
     }
 }
 
-/// The HTTP endpoint as `http_listen` asks: on its address, or off.
+/// The HTTP endpoint as `http_listen` and `[http]` ask: on its address
+/// within those bounds, or off.
 struct Http {
     listen: String,
+    limits: crate::http::HttpLimits,
     /// Held: dropping it closes the listener.
-    _endpoint: Option<crate::http::Endpoint>,
+    endpoint: Option<crate::http::Endpoint>,
 }
 
 impl Http {
-    async fn start(listen: &str, metrics: &Arc<Metrics>) -> Result<Http, RunError> {
+    async fn start(config: &Config, metrics: &Arc<Metrics>) -> Result<Http, RunError> {
+        let listen = &config.http_listen;
+        let limits = config.http.limits(&crate::http::DAEMON_LIMITS);
         let endpoint = if listen.is_empty() {
             None
         } else {
-            let e = crate::http::serve(listen, metrics.clone())
+            let e = crate::http::serve(listen, limits, metrics.clone())
                 .await
                 .map_err(|e| RunError::Http(listen.to_owned(), e))?;
             tracing::info!(addr = %e.addr, "HTTP endpoint listening (/metrics, /healthz, /readyz)");
@@ -260,19 +264,32 @@ impl Http {
         };
         Ok(Http {
             listen: listen.to_owned(),
-            _endpoint: endpoint,
+            limits,
+            endpoint,
         })
     }
 
-    /// The endpoint for a reload to `listen`, newly bound; None when the
-    /// key did not change. The caller drops this one, which closes it, once
-    /// the reload is applied.
-    async fn moved(&self, listen: &str, metrics: &Arc<Metrics>) -> Result<Option<Http>, RunError> {
-        if listen == self.listen {
+    /// The endpoint for a reload to `config`, newly bound; None when
+    /// `http_listen` did not change. The caller drops this one, which
+    /// closes it, once the reload is applied. New bounds on the same
+    /// address apply at once, on the listener already bound.
+    async fn moved(
+        &mut self,
+        config: &Config,
+        metrics: &Arc<Metrics>,
+    ) -> Result<Option<Http>, RunError> {
+        if config.http_listen == self.listen {
+            let limits = config.http.limits(&crate::http::DAEMON_LIMITS);
+            if limits != self.limits {
+                if let Some(e) = &mut self.endpoint {
+                    e.rebound(limits, metrics.clone());
+                }
+                self.limits = limits;
+            }
             return Ok(None);
         }
-        let next = Http::start(listen, metrics).await?;
-        tracing::info!(from = %self.listen, to = %listen, "http_listen changed; the old endpoint closes");
+        let next = Http::start(config, metrics).await?;
+        tracing::info!(from = %self.listen, to = %config.http_listen, "http_listen changed; the old endpoint closes");
         Ok(Some(next))
     }
 }

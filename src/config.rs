@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use crate::device::{Gpu, GpuSource, Offer, Resource, Units, UnitsError};
+pub use crate::http::HttpConfig;
 
 /// The config a node runs when nothing else is said: the in-cluster default.
 pub const DEFAULT_TOML: &str = include_str!("../config/gpu-device-plugin.toml");
@@ -51,6 +52,8 @@ pub struct Config {
     pub log_format: LogFormat,
     /// `/metrics`, `/healthz`, `/readyz`; empty turns the endpoint off.
     pub http_listen: String,
+    /// The endpoint's bounds (`crate::http::DAEMON_LIMITS` by default).
+    pub http: HttpConfig,
     /// Reload when the config file's content changes (a ConfigMap edit
     /// reaching the node), as on SIGHUP.
     pub watch_config: bool,
@@ -73,6 +76,7 @@ impl Default for Config {
             node_name: String::new(),
             log_format: LogFormat::Text,
             http_listen: "0.0.0.0:9446".into(),
+            http: HttpConfig::default(),
             watch_config: true,
             devices: Devices::default(),
             health: Health::default(),
@@ -212,6 +216,7 @@ const RESERVED_ENVS: &[&str] = &[
     "NVIDIA_VISIBLE_DEVICES",
     "CUDA_DEVICE_MEMORY_LIMIT_0",
     "CUDA_DEVICE_SM_LIMIT",
+    "GPU_CORE_UTILIZATION_POLICY",
 ];
 
 impl Config {
@@ -288,6 +293,7 @@ impl Config {
                 ),
             ));
         }
+        self.http.validate("http", &crate::http::DAEMON_LIMITS)?;
         self.validate_devices()?;
         if self.health.poll_ms < 10 {
             return Err(invalid(
@@ -538,6 +544,22 @@ mod tests {
         assert!(err_of("[health]\npoll = 5").contains("poll"));
         assert!(err_of("[matcher]\nwait_ms = 5").contains("matcher.wait_ms"));
         assert!(err_of("[matcher]\nwait = 5").contains("wait"));
+        assert!(err_of("[http]\nmax_connections = 0").contains("`http.max_connections`"));
+        // The core policy comes from [enforcement]; an env could undo it.
+        let e = err_of("[allocate.envs]\nGPU_CORE_UTILIZATION_POLICY = \"default\"");
+        assert!(
+            e.contains("allocate.envs.GPU_CORE_UTILIZATION_POLICY"),
+            "{e}"
+        );
+        assert!(err_of("[http]\nidle_timeout_ms = 10").contains("`http.idle_timeout_ms`"));
+        assert!(err_of("[http]\nmax_body = 5").contains("max_body"));
+        let c = parse("[http]\nheader_timeout_ms = 900").unwrap();
+        let limits = c.http.limits(&crate::http::DAEMON_LIMITS);
+        assert_eq!(limits.header_timeout, std::time::Duration::from_millis(900));
+        assert_eq!(
+            limits.max_body_bytes,
+            crate::http::DAEMON_LIMITS.max_body_bytes
+        );
     }
 
     #[test]

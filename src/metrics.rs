@@ -5,7 +5,7 @@
 //! the pod matcher until its pod cache synced, and any actor that keeps
 //! failing.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -149,9 +149,23 @@ type Series = (
     fn(&ResourceMetrics) -> u64,
 );
 
-/// A per-GPU series: name, help, how to read it from the sample and
-/// whether the GPU is healthy.
-type GpuSeries = (&'static str, &'static str, fn(&GpuSample, bool) -> u64);
+/// A per-GPU gauge: name, help, how to read it from `T`.
+type GpuSeries<T> = (&'static str, &'static str, fn(&T) -> u64);
+
+/// Writes one per-GPU gauge over `gpus` (UUID, what it is read from).
+fn per_gpu<'a, T: 'a>(
+    out: &mut String,
+    (name, help, get): GpuSeries<T>,
+    gpus: impl Iterator<Item = (&'a str, &'a T)>,
+) {
+    let _ = writeln!(
+        out,
+        "# HELP gpu_device_plugin_{name} {help}\n# TYPE gpu_device_plugin_{name} gauge"
+    );
+    for (uuid, g) in gpus {
+        let _ = writeln!(out, "gpu_device_plugin_{name}{{gpu=\"{uuid}\"}} {}", get(g));
+    }
+}
 
 /// Why a part other than a resource holds readiness back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -160,6 +174,9 @@ pub(crate) enum Hold {
     Waiting,
     /// Restarted again and again.
     Failing,
+    /// Cannot reach the API server (the pod matcher's watch fails), so an
+    /// Allocate cannot succeed now.
+    Unreachable,
 }
 
 /// Every enabled resource's metrics, by resource name.
@@ -177,8 +194,8 @@ pub(crate) struct Metrics {
     config: Mutex<ConfigState>,
     /// Per GPU, from the pod matcher's usage model; empty without it.
     gpus: Mutex<Vec<GpuSample>>,
-    /// GPUs the health checks failed, by UUID.
-    unhealthy: Mutex<BTreeSet<String>>,
+    /// Every GPU's capacity and health, in every mode.
+    status: Mutex<Vec<GpuStatus>>,
 }
 
 /// The loaded config and when reloads last went either way.
@@ -211,16 +228,23 @@ impl GpuMode {
     }
 }
 
-/// One GPU's grants against its capacity, in real units.
+/// One GPU's grants, in real units (from the pod matcher's ledgers).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct GpuSample {
     pub(crate) uuid: String,
-    pub(crate) memory_capacity_mib: u64,
     pub(crate) memory_granted_mib: u64,
-    pub(crate) core_capacity_percent: u64,
     pub(crate) core_granted_percent: u64,
     pub(crate) containers: u64,
     pub(crate) mode: GpuMode,
+}
+
+/// One GPU's capacity, in real units, and its health.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct GpuStatus {
+    pub(crate) uuid: String,
+    pub(crate) memory_capacity_mib: u64,
+    pub(crate) core_capacity_percent: u64,
+    pub(crate) healthy: bool,
 }
 
 /// Seconds since the Unix epoch, as Prometheus timestamps go.
@@ -279,13 +303,9 @@ impl Metrics {
         *self.gpus.lock().expect("metrics lock") = gpus;
     }
 
-    /// Per GPU UUID, whether it passes its health checks.
-    pub(crate) fn set_gpu_health<'a>(&self, gpus: impl IntoIterator<Item = (&'a str, bool)>) {
-        *self.unhealthy.lock().expect("metrics lock") = gpus
-            .into_iter()
-            .filter(|(_, healthy)| !healthy)
-            .map(|(uuid, _)| uuid.to_owned())
-            .collect();
+    /// Every GPU's capacity and health, replacing the last.
+    pub(crate) fn set_gpu_status(&self, gpus: Vec<GpuStatus>) {
+        *self.status.lock().expect("metrics lock") = gpus;
     }
 
     /// Marks `part` unready for `hold` with the reason `why`, or clears
@@ -297,6 +317,15 @@ impl Metrics {
             Some(why) => held.insert(key, why),
             None => held.remove(&key),
         };
+    }
+
+    /// Clears every mark of `part` (it stopped on purpose; a successor
+    /// marks its own).
+    pub(crate) fn release(&self, part: &str) {
+        self.held
+            .lock()
+            .expect("metrics lock")
+            .retain(|(p, _), _| p != part);
     }
 
     /// What is not ready yet, each with why; empty when all is.
@@ -465,49 +494,47 @@ impl Metrics {
     }
 
     fn render_gpus(&self, out: &mut String) {
-        let gpus = self.gpus.lock().expect("metrics lock");
-        let unhealthy = self.unhealthy.lock().expect("metrics lock");
-        let series: [GpuSeries; 6] = [
+        let status = self.status.lock().expect("metrics lock");
+        let every: [GpuSeries<GpuStatus>; 3] = [
             (
                 "gpu_memory_capacity_bytes",
                 "GPU memory the gpu-memory devices cover.",
-                |g, _| g.memory_capacity_mib << 20,
-            ),
-            (
-                "gpu_memory_granted_bytes",
-                "GPU memory granted to shared containers, by the pods' ledgers.",
-                |g, _| g.memory_granted_mib << 20,
+                |g| g.memory_capacity_mib << 20,
             ),
             (
                 "gpu_core_capacity_percent",
                 "Compute the gpu-core devices cover, in percent of the GPU.",
-                |g, _| g.core_capacity_percent,
-            ),
-            (
-                "gpu_core_granted_percent",
-                "Compute granted to shared containers, in percent of the GPU.",
-                |g, _| g.core_granted_percent,
-            ),
-            (
-                "gpu_containers",
-                "Containers holding the GPU, whole or shared.",
-                |g, _| g.containers,
+                |g| g.core_capacity_percent,
             ),
             (
                 "gpu_healthy",
                 "1 when the GPU passes its health checks.",
-                |_, healthy| u64::from(healthy),
+                |g| u64::from(g.healthy),
             ),
         ];
-        for (name, help, get) in series {
-            let _ = writeln!(
-                out,
-                "# HELP gpu_device_plugin_{name} {help}\n# TYPE gpu_device_plugin_{name} gauge"
-            );
-            for g in gpus.iter() {
-                let v = get(g, !unhealthy.contains(&g.uuid));
-                let _ = writeln!(out, "gpu_device_plugin_{name}{{gpu=\"{}\"}} {v}", g.uuid);
-            }
+        for series in every {
+            per_gpu(out, series, status.iter().map(|g| (g.uuid.as_str(), g)));
+        }
+        let gpus = self.gpus.lock().expect("metrics lock");
+        let granted: [GpuSeries<GpuSample>; 3] = [
+            (
+                "gpu_memory_granted_bytes",
+                "GPU memory granted to shared containers, by the pods' ledgers.",
+                |g| g.memory_granted_mib << 20,
+            ),
+            (
+                "gpu_core_granted_percent",
+                "Compute granted to shared containers, in percent of the GPU.",
+                |g| g.core_granted_percent,
+            ),
+            (
+                "gpu_containers",
+                "Containers holding the GPU, whole or shared.",
+                |g| g.containers,
+            ),
+        ];
+        for series in granted {
+            per_gpu(out, series, gpus.iter().map(|g| (g.uuid.as_str(), g)));
         }
         let _ = writeln!(
             out,

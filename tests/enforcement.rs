@@ -218,6 +218,8 @@ async fn a_shared_grant_preloads_the_library_and_a_whole_gpu_does_not() {
         "/usr/local/vgpu/cache/vgpu.cache"
     );
     assert_eq!(r.envs["CUDA_DEVICE_MEMORY_LIMIT_0"], "4m");
+    // A gpu-core grant is a cap even alone on the GPU (the default policy).
+    assert_eq!(r.envs["GPU_CORE_UTILIZATION_POLICY"], "force");
     // Without pod matching the directory is the grant's, by its IDs.
     let dirs = node.cache_dirs();
     assert_eq!(dirs.len(), 1, "{dirs:?}");

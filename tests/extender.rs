@@ -55,7 +55,7 @@ async fn setup_with(policy: &str, keys: &str) -> Setup {
     let toml = format!("[extender]\nlisten = \"127.0.0.1:0\"\npolicy = \"{policy}\"\n{keys}");
     let config = ExtenderConfig::from_toml(&toml).unwrap();
     let x = Arc::new(Extender::new(&config, cluster.index(), cluster.clone()));
-    let addr = start(&config.listen, x).await.unwrap();
+    let addr = start(&config, x).await.unwrap();
     Setup { cluster, addr }
 }
 

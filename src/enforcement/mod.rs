@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
 pub(crate) use config::EnforcementConfig;
-pub use config::Mode;
+pub use config::{CorePolicy, Mode};
 pub use library::install_library;
 pub(crate) use library::{LibraryError, check_library};
 pub use plan::LIBRARY_FILE;

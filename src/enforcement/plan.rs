@@ -26,6 +26,8 @@ pub(crate) const PRELOAD_TARGET: &str = "/etc/ld.so.preload";
 pub(crate) const LOCK_TARGET: &str = "/tmp/vgpulock";
 /// The env HAMi-core reads for its usage region's file.
 pub(crate) const CACHE_ENV: &str = "CUDA_DEVICE_MEMORY_SHARED_CACHE";
+/// The env HAMi-core reads for how it applies `CUDA_DEVICE_SM_LIMIT`.
+pub(crate) const CORE_POLICY_ENV: &str = "GPU_CORE_UTILIZATION_POLICY";
 /// The usage region's file name in a container's cache directory.
 pub(crate) const CACHE_FILE: &str = "vgpu.cache";
 
@@ -152,14 +154,20 @@ pub(crate) fn plan(
         mount(&cache_dir, &config.container_cache_dir, false),
         mount(&layout.lock_dir, Path::new(LOCK_TARGET), false),
     ];
-    let envs = vec![(
-        CACHE_ENV.to_owned(),
-        config
-            .container_cache_dir
-            .join(CACHE_FILE)
-            .display()
-            .to_string(),
-    )];
+    let envs = vec![
+        (
+            CACHE_ENV.to_owned(),
+            config
+                .container_cache_dir
+                .join(CACHE_FILE)
+                .display()
+                .to_string(),
+        ),
+        (
+            CORE_POLICY_ENV.to_owned(),
+            config.core_policy.env_value().to_owned(),
+        ),
+    ];
     Some(Preload {
         cache_dir,
         mounts,
@@ -225,10 +233,22 @@ mod tests {
         );
         assert_eq!(
             p.envs,
-            [(
-                "CUDA_DEVICE_MEMORY_SHARED_CACHE".to_owned(),
-                "/usr/local/vgpu/cache/vgpu.cache".to_owned()
-            )]
+            [
+                (
+                    "CUDA_DEVICE_MEMORY_SHARED_CACHE".to_owned(),
+                    "/usr/local/vgpu/cache/vgpu.cache".to_owned()
+                ),
+                ("GPU_CORE_UTILIZATION_POLICY".to_owned(), "force".to_owned())
+            ]
+        );
+        let lax = EnforcementConfig {
+            core_policy: crate::enforcement::CorePolicy::Default,
+            ..config()
+        };
+        let p = plan(&lax, Grant::Shared, POD).unwrap();
+        assert!(
+            p.envs
+                .contains(&(CORE_POLICY_ENV.to_owned(), "default".to_owned()))
         );
         assert_eq!(Path::new(&p.mounts[2].host_path), p.cache_dir);
         assert_eq!(preload_text(&config()), "/usr/local/vgpu/libvgpu.so\n");

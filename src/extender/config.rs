@@ -32,6 +32,8 @@ pub struct ExtenderConfig {
     /// or whose Binding's fate is unknown, or a bind done that the watch
     /// has not shown yet (from the end of its `bind_timeout_ms`).
     pub(crate) reservation_ttl_ms: u64,
+    /// The HTTP server's bounds (`crate::http::EXTENDER_LIMITS` by default).
+    pub(crate) http: crate::http::HttpConfig,
 }
 
 impl Default for ExtenderConfig {
@@ -43,6 +45,7 @@ impl Default for ExtenderConfig {
             kubeconfig: PathBuf::new(),
             bind_timeout_ms: 10_000,
             reservation_ttl_ms: 10_000,
+            http: crate::http::HttpConfig::default(),
         }
     }
 }
@@ -106,7 +109,8 @@ impl ExtenderConfig {
                 "must be between 100 and 600000 (milliseconds)",
             ));
         }
-        Ok(())
+        self.http
+            .validate("extender.http", &crate::http::EXTENDER_LIMITS)
     }
 }
 
@@ -144,5 +148,15 @@ mod tests {
         assert!(e.contains("`extender.bind_timeout_ms`"), "{e}");
         let e = err("[extender]\nreservation_ttl_ms = 0\n");
         assert!(e.contains("`extender.reservation_ttl_ms`"), "{e}");
+
+        let c = ExtenderConfig::from_toml("[extender.http]\nmax_connections = 8\n").unwrap();
+        let limits = c.http.limits(&crate::http::EXTENDER_LIMITS);
+        assert_eq!(limits.max_connections, 8);
+        // An absent key keeps the extender's own default, not the daemon's.
+        assert_eq!(limits.max_body_bytes, 4 << 20);
+        let e = err("[extender.http]\nmax_header_bytes = 100\n");
+        assert!(e.contains("`extender.http.max_header_bytes`"), "{e}");
+        let e = err("[extender.http]\nheader_timeout = 100\n");
+        assert!(e.contains("header_timeout"), "{e}");
     }
 }

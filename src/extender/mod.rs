@@ -403,7 +403,7 @@ pub(crate) async fn launch(config: &ExtenderConfig) -> Result<Started, ExtenderE
         index.clone(),
         KubeBinder::new(client),
     ));
-    let addr = start(&config.listen, extender)
+    let addr = start(config, extender)
         .await
         .map_err(|source| ExtenderError::Listen {
             addr: config.listen.clone(),

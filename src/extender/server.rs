@@ -8,6 +8,9 @@
 //! on the pod's events. Prioritize has no `Error` field: a body it cannot
 //! use gets 400 with the reason as text (the scheduler ignores prioritize
 //! failures and scores with the rest).
+//!
+//! It runs within `[extender.http]`'s bounds (see `crate::http`): a body
+//! over `max_body_bytes` gets 413 before it is decoded.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -19,9 +22,9 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 
-use super::Extender;
 use super::cluster::Binder;
 use super::wire::{ExtenderBindingResult, ExtenderFilterResult};
+use super::{Extender, ExtenderConfig};
 
 fn decode<T: serde::de::DeserializeOwned>(verb: &str, body: &[u8]) -> Result<T, String> {
     serde_json::from_slice(body).map_err(|e| {
@@ -57,10 +60,13 @@ async fn bind<B: Binder>(State(x): State<Arc<Extender<B>>>, body: Bytes) -> Resp
     json(&ExtenderBindingResult { error })
 }
 
-/// Binds `addr` and serves until the runtime stops; returns the bound
-/// address (`:0` picks a free port).
-pub async fn start<B: Binder>(addr: &str, x: Arc<Extender<B>>) -> std::io::Result<SocketAddr> {
-    let listener = tokio::net::TcpListener::bind(addr).await?;
+/// Binds `config.listen` and serves within `config.http`'s bounds until
+/// the runtime stops; returns the bound address (`:0` picks a free port).
+pub async fn start<B: Binder>(
+    config: &ExtenderConfig,
+    x: Arc<Extender<B>>,
+) -> std::io::Result<SocketAddr> {
+    let listener = Arc::new(tokio::net::TcpListener::bind(&config.listen).await?);
     let bound = listener.local_addr()?;
     let app = Router::new()
         .route("/filter", post(filter::<B>))
@@ -68,10 +74,10 @@ pub async fn start<B: Binder>(addr: &str, x: Arc<Extender<B>>) -> std::io::Resul
         .route("/bind", post(bind::<B>))
         .route("/healthz", get(|| async { "ok\n" }))
         .with_state(x);
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            tracing::error!(error = %e, "extender HTTP server failed");
-        }
-    });
+    tokio::spawn(crate::http::serve_bounded(
+        listener,
+        app,
+        config.http.limits(&crate::http::EXTENDER_LIMITS),
+    ));
     Ok(bound)
 }

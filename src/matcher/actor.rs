@@ -93,7 +93,6 @@ enum WriteError {
 impl MatcherState {
     fn views(&mut self, skip: &HashSet<String>) -> Vec<PodView> {
         let pods = self.cache.pods();
-        self.args.metrics.set_pod_cache(pods.len());
         let mut views = Vec::with_capacity(pods.len());
         for pod in pods {
             let (mut view, warnings) = PodView::from_pod(&self.args.keys, &pod);
@@ -410,8 +409,7 @@ impl Actor for PodMatcher {
             tracing::info!("pod cache synced with the API server");
             metrics.hold(READY_NAME, Hold::Waiting, None);
         });
-        let (pods, changes) = cache.reader();
-        let report = super::report::spawn(pods, changes, &args);
+        let report = super::report::spawn(&cache, &client, &args);
         Ok(MatcherState {
             args,
             client,

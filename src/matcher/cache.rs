@@ -18,6 +18,8 @@ pub(crate) struct PodCache {
     store: Store<Pod>,
     /// Bumped on every event the store applied.
     changes: watch::Receiver<u64>,
+    /// Why the watch last failed, until an event comes through again.
+    failing: watch::Receiver<Option<String>>,
     task: JoinHandle<()>,
 }
 
@@ -27,19 +29,27 @@ impl PodCache {
         let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
         let (store, writer) = reflector::store();
         let (tx, changes) = watch::channel(0u64);
+        let (failed, failing) = watch::channel(None);
         let stream = reflector::reflector(writer, watcher(api, config)).default_backoff();
         let task = tokio::spawn(async move {
             futures::pin_mut!(stream);
             while let Some(event) = stream.next().await {
                 match event {
-                    Ok(_) => tx.send_modify(|n| *n += 1),
-                    Err(e) => tracing::warn!(error = %e, "pod watch failed; retrying"),
+                    Ok(_) => {
+                        tx.send_modify(|n| *n += 1);
+                        failed.send_if_modified(|f| f.take().is_some());
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "pod watch failed; retrying");
+                        failed.send_replace(Some(e.to_string()));
+                    }
                 }
             }
         });
         PodCache {
             store,
             changes,
+            failing,
             task,
         }
     }
@@ -68,6 +78,12 @@ impl PodCache {
     /// the matcher, which see the cache but never wait on it.
     pub(crate) fn reader(&self) -> (Store<Pod>, watch::Receiver<u64>) {
         (self.store.clone(), self.changes.clone())
+    }
+
+    /// Why the watch is failing now (the API server cannot be reached or
+    /// refuses it), None while it works: for readiness.
+    pub(crate) fn failing(&self) -> watch::Receiver<Option<String>> {
+        self.failing.clone()
     }
 
     /// Waits for the store to change, until `deadline`; false when it passed.

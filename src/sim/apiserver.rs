@@ -91,6 +91,8 @@ struct Faults {
     unavailable: u32,
     conflicts: u32,
     delay: Duration,
+    /// Every request answers 500, watches included, and open watches end.
+    outage: bool,
 }
 
 /// The kinds of object the stand-in stores.
@@ -387,6 +389,13 @@ async fn serve(shared: Shared, req: Request<Body>) -> Response<Body> {
     let delay = {
         let mut inner = shared.lock();
         *inner.requests.entry(verb).or_default() += 1;
+        if inner.faults.outage {
+            return status(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "InternalError",
+                "injected outage: etcdserver: request timed out",
+            );
+        }
         if verb != "watch" && inner.faults.unavailable > 0 {
             inner.faults.unavailable -= 1;
             return status(
@@ -575,6 +584,9 @@ async fn watch(
             loop {
                 let batch: Vec<Bytes> = {
                     let inner = shared.lock();
+                    if inner.faults.outage {
+                        return None;
+                    }
                     let start = inner.history.partition_point(|c| c.rv <= sent);
                     let inside = |o: &Value| in_collection(kind, ns.as_ref(), &q, kind, o);
                     let out = inner.history[start..]
@@ -884,6 +896,15 @@ impl ApiServerSim {
     pub fn faults_left(&self) -> (u32, u32) {
         let f = &self.shared.lock().faults;
         (f.unavailable, f.conflicts)
+    }
+
+    /// An outage (`true`) until it ends (`false`): every request answers
+    /// 500, as a real API server does while etcd is away (a 503 the client
+    /// would retry by itself), watches included, and the open watches end.
+    pub fn outage(&self, on: bool) {
+        self.shared.lock().faults.outage = on;
+        // Wakes the open watches, which then see the outage and end.
+        let _ = self.shared.changes.send(0);
     }
 
     /// Every request other than watches waits this long.

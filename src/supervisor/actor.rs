@@ -18,7 +18,7 @@ use crate::health::HealthReport;
 use crate::inventory::{InventoryMsg, Published};
 use crate::kubelet_watch::CheckPlugins;
 use crate::matcher::{self, MatcherHandle};
-use crate::metrics::{Hold, Metrics};
+use crate::metrics::{GpuStatus, Hold, Metrics};
 use crate::plugin::{LastShared, Placement, PluginMsg, SETTLE};
 
 /// A child that ran this long works again: its backoff starts afresh and
@@ -97,8 +97,8 @@ impl SupervisorState {
     /// `child` goes on purpose: whatever it held back goes with it (a
     /// successor marks its own).
     fn release(&mut self, child: Child) {
-        self.metrics.hold(&child.to_string(), Hold::Waiting, None);
-        self.steady(child);
+        self.metrics.release(&child.to_string());
+        self.failures.remove(&child);
     }
 
     /// `child`'s arguments under the current config and plan.
@@ -133,11 +133,23 @@ impl SupervisorState {
     }
 
     /// Hands the running inventory publisher what the Node should carry now
-    /// (it patches only when that differs), and the metrics each GPU's health.
+    /// (it patches only when that differs), and the metrics each GPU's
+    /// capacity and health.
     fn publish_inventory(&self) {
-        let uuids = self.plan.gpus().iter().map(|g| g.uuid.as_str());
-        self.metrics
-            .set_gpu_health(uuids.zip(self.healthy.iter().copied()));
+        let inventory = crate::usage::Inventory::new(self.plan.gpus(), &self.config.offer());
+        let gpus = self.plan.gpus().iter().zip(self.healthy.iter()).enumerate();
+        self.metrics.set_gpu_status(
+            gpus.map(|(g, (gpu, &healthy))| {
+                let capacity = inventory.capacity(g);
+                GpuStatus {
+                    uuid: gpu.uuid.clone(),
+                    memory_capacity_mib: capacity.memory,
+                    core_capacity_percent: capacity.core,
+                    healthy,
+                }
+            })
+            .collect(),
+        );
         for running in self.children.values() {
             if let Spawned::Inventory(actor) = &running.spawned {
                 let published = Published::of(&self.config, self.plan.gpus(), &self.healthy);
@@ -360,6 +372,9 @@ impl Actor for Supervisor {
             failures: BTreeMap::new(),
             settling: BTreeMap::new(),
         };
+        // Every GPU's capacity and health on /metrics from the start, in
+        // every mode (the health checks report only changes).
+        state.publish_inventory();
         for child in wanted(&state.config, &state.plan) {
             Self::start(&myself, &mut state, child).await;
         }
