@@ -7,6 +7,9 @@ use super::{Assignment, ContainerAsk, Holding, Inventory, NodeUsage, PodAsks, po
 use crate::device::{PerResource, Resource};
 use crate::matcher::ledger::Ledger;
 
+/// At most this many containers of one pod that ask GPUs.
+pub(crate) const MAX_GPU_CONTAINERS: usize = 256;
+
 /// Why a pod does not fit on a node.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("container {container}: {reason}")]
