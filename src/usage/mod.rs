@@ -18,7 +18,7 @@ pub(crate) use annotations::Assignment;
 pub use annotations::Keys;
 pub(crate) use asks::{ContainerAsk, PodAsks};
 pub use fit::Policy;
-pub(crate) use fit::{MAX_GPU_CONTAINERS, best_shared, fit, score};
+pub(crate) use fit::{best_shared, fit, score};
 pub use inventory::Inventory;
 pub(crate) use inventory::InventoryError;
 // Only the stand-ins' in-memory cluster writes an inventory by hand.
