@@ -76,6 +76,12 @@ fn holds(inv: &Inventory, usage: &NodeUsage, g: usize, need: &PerResource<u64>) 
         && SHARED.iter().all(|&r| usage.free(inv, g, r) >= need[r])
 }
 
+/// Whether GPU `g` is healthy and free of any work: what a whole ask takes.
+fn free_of_work(inv: &Inventory, usage: &NodeUsage, g: usize) -> bool {
+    let u = &usage.gpus[g];
+    inv.gpus[g].healthy && !u.held_whole() && !u.carries_shared()
+}
+
 /// GPUs for every container of the pod at once: each shared container on
 /// one GPU with room for its memory and its core, each whole ask on GPUs
 /// free of any work. Containers add up (init containers count while the
@@ -243,10 +249,7 @@ impl Layout {
             });
         }
         let free = (0..inv.gpus.len())
-            .filter(|&g| {
-                let u = &usage.gpus[g];
-                inv.gpus[g].healthy && !u.held_whole() && !u.carries_shared()
-            })
+            .filter(|&g| free_of_work(inv, usage, g))
             .count();
         let units = inv.units();
         let most = |r: Resource| {
@@ -303,12 +306,12 @@ impl Layout {
                 c.pass_on(&mut handed, &mine);
                 places.push(Place::Whole(mine));
             } else if c.shared() {
-                if let Some(r) = SHARED.into_iter().find(|&r| c.wants(r) > most[r]) {
-                    return Err(fail(format!(
-                        "asks {} {r} devices; no GPU here has more than {}",
-                        c.wants(r),
-                        most[r]
-                    )));
+                // More than any GPU has: refused before any arithmetic on
+                // an ask that may be absurd (hostile limits overflow).
+                if SHARED.into_iter().any(|r| c.wants(r) > most[r]) {
+                    let unit = inv.unit();
+                    let need = c.devices.map(|r, &d| d.saturating_mul(unit[r]));
+                    return Err(fail(shortfall(inv, usage, &need)));
                 }
                 for r in SHARED.into_iter().filter(|&r| c.wants(r) > 0) {
                     let (left, from) = &mut devices[r];
@@ -354,22 +357,18 @@ impl Layout {
             u128::from(g.need.memory) * u128::from(cap.core)
                 + u128::from(g.need.core) * u128::from(cap.memory)
         };
-        let mut order: Vec<usize> = (0..groups.len()).collect();
-        order.sort_by_key(|&g| std::cmp::Reverse(size(&groups[g])));
-        let mut new_index = vec![0; groups.len()];
-        for (new, &old) in order.iter().enumerate() {
-            new_index[old] = new;
+        let mut sorted: Vec<(usize, Group)> = groups.into_iter().enumerate().collect();
+        sorted.sort_by_key(|(_, g)| std::cmp::Reverse(size(g)));
+        let mut new_index = vec![0; sorted.len()];
+        for (new, (old, _)) in sorted.iter().enumerate() {
+            new_index[*old] = new;
         }
         for p in &mut places {
             if let Place::Shared(g) = p {
                 *g = new_index[*g];
             }
         }
-        let mut sorted: Vec<Option<Group>> = groups.into_iter().map(Some).collect();
-        let groups = order
-            .iter()
-            .map(|&g| sorted[g].take().expect("each once"))
-            .collect();
+        let groups = sorted.into_iter().map(|(_, g)| g).collect();
         let containers = asks.containers.iter().filter(asking).count();
         Ok(Layout {
             places,
@@ -398,8 +397,8 @@ enum Outcome {
 }
 
 /// A depth-first search: the pod's fresh whole GPUs first, then each group
-/// on a GPU, best first (the first placement it meets is the greedy one
-/// whenever the greedy works, in as many steps as groups). GPUs in the
+/// on a GPU, best first (the first placement it meets is best fit
+/// decreasing's, reached in as many steps as groups). GPUs in the
 /// same state are tried once per group: the rest of the search cannot tell
 /// them apart.
 struct Search<'a> {
@@ -423,15 +422,12 @@ struct Search<'a> {
 
 impl Search<'_> {
     /// The GPUs free of any work, in classes the search cannot tell apart
-    /// (same capacity and usage), smallest first: a whole ask takes the smallest,
-    /// leaving room for shared work.
+    /// (same capacity and usage), smallest first: a whole ask takes the
+    /// smallest, leaving room for shared work.
     fn classes(&self) -> Vec<Vec<usize>> {
         let (inv, usage) = (self.inv, &self.usage);
         let mut free: Vec<usize> = (0..inv.gpus.len())
-            .filter(|&g| {
-                let u = &usage.gpus[g];
-                inv.gpus[g].healthy && !u.held_whole() && !u.carries_shared()
-            })
+            .filter(|&g| free_of_work(inv, usage, g))
             .collect();
         // Free of work is no sharers and not held whole; the amounts used
         // go in the key too, should a count ever disagree with them.

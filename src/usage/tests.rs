@@ -750,10 +750,114 @@ mod search {
         let p = pod(vec![ask("c", false, u64::MAX / 2, 0, 0)]);
         let e = fit(&inv, &NodeUsage::empty(&inv), &p).unwrap_err();
         assert!(e.unresolvable, "{e}");
-        assert!(e.reason.contains("gpu-memory"), "{e}");
+        assert!(
+            e.reason
+                .starts_with("no GPU has 18446744073709551615 MiB free"),
+            "{e}"
+        );
         let p = pod(vec![ask("t", false, 0, 0, u64::MAX)]);
         let e = fit(&inv, &NodeUsage::empty(&inv), &p).unwrap_err();
         assert!(e.unresolvable, "{e}");
+    }
+
+    /// `cargo test --lib fit_figures -- --ignored --nocapture`: what one
+    /// fit costs per node, printed for the README (nothing asserted on
+    /// time).
+    #[test]
+    #[ignore = "prints figures"]
+    fn fit_figures() {
+        // 8 × 80 GB, a third full: the bench's big node.
+        let inv = inventory(&[81920; 8]);
+        let busy: Vec<Holding> = (0..8)
+            .map(|g| Holding {
+                gpus: vec![format!("GPU-{g}")],
+                amount: inv.amount(&ask("f", false, 40 + 10 * g, 30, 0).devices),
+            })
+            .collect();
+        let usage = NodeUsage::of(&inv, &busy);
+        let apps = |n: usize, mem: &dyn Fn(usize) -> u64| {
+            pod((0..n)
+                .map(|i| ask(&format!("c{i}"), false, mem(i), 1, 0))
+                .collect())
+        };
+        let cases = [
+            (
+                "ordinary pod: init 4 GiB, apps 8 + 2 GiB",
+                pod(vec![
+                    ask("init", true, 16, 10, 0),
+                    ask("app", false, 32, 30, 0),
+                    ask("side", false, 8, 0, 0),
+                ]),
+                2000,
+            ),
+            ("issue: 8/12/12 GiB", apps(3, &|i| [32, 48, 48][i]), 2000),
+            (
+                "256 containers of 256 MiB-2.5 GiB (fits)",
+                apps(256, &|i| 1 + i as u64 % 10),
+                20,
+            ),
+            (
+                "256 containers of 1.5-16 GiB (refused: too much in all)",
+                apps(256, &|i| 6 + i as u64 % 60),
+                20,
+            ),
+            (
+                "17 containers of 2.75 GiB on 8 × 8 GiB-left GPUs (gives up)",
+                apps(17, &|_| 11),
+                20,
+            ),
+            (
+                "6,000 containers (refused: over the cap)",
+                apps(6000, &|_| 1),
+                20,
+            ),
+        ];
+        let small = inventory(&[8192; 8]);
+        for (name, p, runs) in cases {
+            let (inv, usage) = match name.contains("gives up") {
+                true => (&small, NodeUsage::empty(&small)),
+                false => (&inv, usage.clone()),
+            };
+            let start = std::time::Instant::now();
+            let mut outcome = String::new();
+            for _ in 0..runs {
+                outcome = match fit(inv, &usage, &p) {
+                    Ok(_) => "placed".into(),
+                    Err(e) => format!("refused: {}", e.reason.chars().take(70).collect::<String>()),
+                };
+            }
+            let each = start.elapsed() / runs;
+            println!(
+                "{name}: {each:?} per node, {:?} over 1,000 nodes ({outcome})",
+                each * 1000
+            );
+        }
+    }
+
+    #[test]
+    fn pass_on_count_counts_what_pass_on_keeps() {
+        // Devices taken from the pool first, then fresh ones.
+        for c in [
+            ask("i", true, 1, 0, 0),
+            sidecar("s", 1, 0, 0),
+            ask("a", false, 1, 0, 0),
+        ] {
+            for pool in 0..6u64 {
+                for granted in 0..8u64 {
+                    let mut devices: Vec<u64> = (0..pool).collect();
+                    let mine: Vec<u64> = (0..granted)
+                        .map(|d| if d < pool { d } else { 100 + d })
+                        .collect();
+                    c.pass_on(&mut devices, &mine);
+                    assert_eq!(
+                        c.pass_on_count(pool, granted),
+                        devices.len() as u64,
+                        "{} with {pool} handed on, granted {granted}",
+                        c.name
+                    );
+                }
+            }
+        }
     }
 
     /// splitmix64: a fixed seed, the same cases every run.
