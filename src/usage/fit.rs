@@ -135,7 +135,7 @@ impl From<FitError> for Refused {
 /// take per container and GPU before it gives up, and at least: enough to
 /// search small pods exhaustively, a few milliseconds at most.
 const STEPS_PER_CELL: u64 = 16;
-const MIN_STEPS: u64 = 4096;
+const MIN_STEPS: u64 = 2048;
 
 fn place_all(inv: &Inventory, usage: &NodeUsage, asks: &PodAsks) -> Result<Assignment, Refused> {
     let layout = Layout::of(inv, usage, asks)?;
@@ -153,6 +153,18 @@ fn place_all(inv: &Inventory, usage: &NodeUsage, asks: &PodAsks) -> Result<Assig
         .max(MIN_STEPS),
         deepest: None,
         whole: Vec::new(),
+        rest: layout
+            .groups
+            .iter()
+            .rev()
+            .scan(PerResource::default(), |sum, g| {
+                SHARED.iter().for_each(|&r| sum[r] += g.need[r]);
+                Some(*sum)
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect(),
     };
     let classes = search.classes();
     let outcome = search.whole(&classes, layout.slots);
@@ -418,6 +430,8 @@ struct Search<'a> {
     deepest: Option<(usize, FitError)>,
     /// The fresh whole GPUs, slot by slot.
     whole: Vec<usize>,
+    /// What groups `i..` need in all, per `i`.
+    rest: Vec<PerResource<u64>>,
 }
 
 impl Search<'_> {
@@ -486,20 +500,19 @@ impl Search<'_> {
         let (inv, need) = (self.inv, group.need);
         // With one group left, the GPU-by-GPU check below says more.
         if self.groups.len() - i > 1
-            && let Some(e) = self.short_in_all(i)
+            && let Some(free) = self.short_in_all(i)
         {
-            self.fail(i, e);
+            self.fail(i, |s| s.short_in_all_error(i, &free));
             return Outcome::Exhausted;
         }
         let mut gpus: Vec<usize> = (0..inv.gpus.len())
             .filter(|&g| holds(inv, &self.usage, g, &need))
             .collect();
         if gpus.is_empty() {
-            let e = self.group_error(group);
-            self.fail(i, e);
+            self.fail(i, |s| s.group_error(group));
             return Outcome::Exhausted;
         }
-        gpus.sort_by_key(|&g| rank(inv, &self.usage, &need, g, self.in_pod[g] > 0));
+        gpus.sort_by_cached_key(|&g| rank(inv, &self.usage, &need, g, self.in_pod[g] > 0));
         let mut tried: Vec<(u64, u64)> = Vec::new();
         for g in gpus {
             let state = (
@@ -538,23 +551,18 @@ impl Search<'_> {
         }
     }
 
-    /// Keeps the refusal at the deepest point the search reached.
-    fn fail(&mut self, depth: usize, e: FitError) {
+    /// Keeps the refusal at the deepest point the search reached (built
+    /// only then: most dead ends need no words).
+    fn fail(&mut self, depth: usize, e: impl FnOnce(&Self) -> FitError) {
         if self.deepest.as_ref().is_none_or(|(d, _)| depth > *d) {
-            self.deepest = Some((depth, e));
+            self.deepest = Some((depth, e(self)));
         }
     }
 
-    /// Groups `i..` need more memory or core in all than the GPUs that
-    /// could take shared work have free.
-    fn short_in_all(&self, i: usize) -> Option<FitError> {
+    /// What the GPUs that could take shared work have free in all, when
+    /// groups `i..` need more memory or core than that.
+    fn short_in_all(&self, i: usize) -> Option<PerResource<u64>> {
         let (inv, usage) = (self.inv, &self.usage);
-        let mut need = PerResource::<u64>::default();
-        for g in &self.groups[i..] {
-            for r in SHARED {
-                need[r] += g.need[r];
-            }
-        }
         let mut free: PerResource<u64> = PerResource::default();
         for g in (0..inv.gpus.len()).filter(|&g| inv.gpus[g].healthy && !usage.gpus[g].held_whole())
         {
@@ -562,25 +570,27 @@ impl Search<'_> {
                 free[r] += usage.free(inv, g, r);
             }
         }
-        if SHARED.iter().all(|&r| need[r] <= free[r]) {
-            return None;
-        }
-        let first = self.groups[i..]
-            .iter()
-            .flat_map(|g| g.members.first())
-            .min()
-            .copied()
-            .expect("groups have members");
-        let left: usize = self.groups[i..].iter().map(|g| g.members.len()).sum();
-        Some(FitError {
+        let need = &self.rest[i];
+        SHARED.iter().any(|&r| need[r] > free[r]).then_some(free)
+    }
+
+    fn short_in_all_error(&self, i: usize, free: &PerResource<u64>) -> FitError {
+        let need = &self.rest[i];
+        let members = self.groups[i..].iter().flat_map(|g| &g.members);
+        let first = members.clone().min().copied().unwrap_or_default();
+        FitError {
             container: self.asks.containers[first].name.clone(),
             reason: format!(
-                "the pod's {left} containers still to place ask {} MiB and {} % of compute in \
+                "the pod's {} containers still to place ask {} MiB and {} % of compute in \
                  all; the GPUs that could take them have {} MiB and {} % free",
-                need.memory, need.core, free.memory, free.core
+                members.count(),
+                need.memory,
+                need.core,
+                free.memory,
+                free.core
             ),
             unresolvable: false,
-        })
+        }
     }
 
     /// Why no GPU holds `group`: the first of its containers that no GPU
