@@ -136,6 +136,8 @@ impl From<FitError> for Refused {
 /// search small pods exhaustively, a few milliseconds at most.
 const STEPS_PER_CELL: u64 = 16;
 const MIN_STEPS: u64 = 2048;
+/// Groups checked for a GPU that still holds them before each step.
+const LOOK_AHEAD: usize = 8;
 
 fn place_all(inv: &Inventory, usage: &NodeUsage, asks: &PodAsks) -> Result<Assignment, Refused> {
     let layout = Layout::of(inv, usage, asks)?;
@@ -505,13 +507,24 @@ impl Search<'_> {
             self.fail(i, |s| s.short_in_all_error(i, &free));
             return Outcome::Exhausted;
         }
+        // A group no GPU holds now never fits below: checking the next few
+        // (all of them at the start) refuses most pods that do not fit at
+        // once, on a full node, instead of after every order of the rest.
+        let ahead = if i == 0 {
+            self.groups.len()
+        } else {
+            i + LOOK_AHEAD
+        };
+        if let Some(stuck) = self.groups[i..ahead.min(self.groups.len())]
+            .iter()
+            .find(|g| !(0..inv.gpus.len()).any(|gpu| holds(inv, &self.usage, gpu, &g.need)))
+        {
+            self.fail(i, |s| s.group_error(stuck));
+            return Outcome::Exhausted;
+        }
         let mut gpus: Vec<usize> = (0..inv.gpus.len())
             .filter(|&g| holds(inv, &self.usage, g, &need))
             .collect();
-        if gpus.is_empty() {
-            self.fail(i, |s| s.group_error(group));
-            return Outcome::Exhausted;
-        }
         gpus.sort_by_cached_key(|&g| rank(inv, &self.usage, &need, g, self.in_pod[g] > 0));
         let mut tried: Vec<(u64, u64)> = Vec::new();
         for g in gpus {
