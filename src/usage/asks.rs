@@ -86,6 +86,19 @@ impl ContainerAsk {
         }
     }
 
+    /// [`ContainerAsk::pass_on`] by number, for devices all on one GPU
+    /// (a shared resource's, which the fit follows by count): what is left
+    /// of a pool of `pool` devices once this container was granted
+    /// `granted`, taken from the pool first.
+    pub(crate) fn pass_on_count(&self, pool: u64, granted: u64) -> u64 {
+        let reused = pool.min(granted);
+        if self.hands_on() {
+            pool + (granted - reused)
+        } else {
+            pool - reused
+        }
+    }
+
     /// Asks GPUs whole; any memory or core it also asks comes with them.
     pub(crate) fn whole(&self) -> bool {
         self.devices.count > 0

@@ -3,9 +3,12 @@
 
 use serde::Deserialize;
 
-use super::{Assignment, ContainerAsk, Holding, Inventory, NodeUsage, PodAsks, pod_holdings};
+use super::{Assignment, ContainerAsk, Inventory, NodeUsage, PodAsks, pod_holdings};
 use crate::device::{PerResource, Resource};
 use crate::matcher::ledger::Ledger;
+
+/// At most this many containers of one pod that ask GPUs.
+pub(crate) const MAX_GPU_CONTAINERS: usize = 256;
 
 /// Why a pod does not fit on a node.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -31,24 +34,36 @@ pub enum Policy {
 
 /// The healthy GPU with the least room left that still holds `need`
 /// (memory and core, real units), away from whole-GPU work; among equals,
-/// one of `preferred` first, then the lowest index.
+/// one of `preferred` first, then the lowest index. The fit tries GPUs in
+/// this order too, so a lone container goes where the node's matcher would
+/// put it.
 pub(crate) fn best_shared(
     inv: &Inventory,
     usage: &NodeUsage,
     need: &PerResource<u64>,
     preferred: &[usize],
 ) -> Option<usize> {
-    let left = |g: usize, r: Resource| usage.free(inv, g, r).saturating_sub(need[r]);
     (0..inv.gpus.len())
         .filter(|&g| holds(inv, usage, g, need))
-        .min_by_key(|&g| {
-            (
-                !preferred.contains(&g),
-                left(g, Resource::GpuMemory),
-                left(g, Resource::GpuCore),
-                g,
-            )
-        })
+        .min_by_key(|&g| rank(inv, usage, need, g, preferred.contains(&g)))
+}
+
+/// How good a place GPU `g` is for `need`, smaller first: the pod's own
+/// GPUs, then the least memory left, the least core left, the lowest index.
+fn rank(
+    inv: &Inventory,
+    usage: &NodeUsage,
+    need: &PerResource<u64>,
+    g: usize,
+    preferred: bool,
+) -> (bool, u64, u64, usize) {
+    let left = |r: Resource| usage.free(inv, g, r).saturating_sub(need[r]);
+    (
+        !preferred,
+        left(Resource::GpuMemory),
+        left(Resource::GpuCore),
+        g,
+    )
 }
 
 const SHARED: [Resource; 2] = [Resource::GpuMemory, Resource::GpuCore];
@@ -61,181 +76,576 @@ fn holds(inv: &Inventory, usage: &NodeUsage, g: usize, need: &PerResource<u64>) 
         && SHARED.iter().all(|&r| usage.free(inv, g, r) >= need[r])
 }
 
-/// The devices of a resource the kubelet keeps from a pod's init containers
-/// and hands to the containers after them before taking fresh ones (its
-/// `devicesToReuse`): how many are left, and the GPUs they are on. Sidecars
-/// (restartable init containers) take from it like app containers and add
-/// nothing.
-#[derive(Debug, Clone, Default)]
-struct HandedOn {
-    devices: u64,
-    gpus: Vec<usize>,
-}
-
-impl HandedOn {
-    /// Init containers run one after another, each reusing what the ones
-    /// before it left before taking fresh devices: what they hand on is
-    /// the union of their devices.
-    fn add(&mut self, devices: u64, gpus: &[usize]) {
-        if self.devices == 0 {
-            self.gpus.clear();
-        }
-        self.devices = self.devices.max(devices);
-        for g in gpus {
-            if !self.gpus.contains(g) {
-                self.gpus.push(*g);
-            }
-        }
-    }
+/// Whether GPU `g` is healthy and free of any work: what a whole ask takes.
+fn free_of_work(inv: &Inventory, usage: &NodeUsage, g: usize) -> bool {
+    let u = &usage.gpus[g];
+    inv.gpus[g].healthy && !u.held_whole() && !u.carries_shared()
 }
 
 /// GPUs for every container of the pod at once: each shared container on
 /// one GPU with room for its memory and its core, each whole ask on GPUs
-/// free of any work. Containers add up as they are placed (init containers
-/// count while the pod lives), and a container goes beside the pod's others
-/// when it fits there. The kubelet hands a container the devices of the
-/// pod's init containers (for every resource of which they left some)
-/// before fresh ones: a shared container handed some must go on their GPU,
-/// and a whole ask takes the init containers' GPUs first (the pod holds
-/// them once), fresh ones only for the rest. A sidecar (restartable init
-/// container) takes from them the same way but keeps its devices for the
-/// pod's life: it hands nothing on. At Allocate, IDs outside a container's
-/// assigned GPUs and the GPUs still handed on by the pod's init containers
-/// are refused.
+/// free of any work. Containers add up (init containers count while the
+/// pod lives). The kubelet hands a container the devices of the pod's init
+/// containers (for every resource of which they left some) before fresh
+/// ones: a shared container handed some must go on their GPU, and a whole
+/// ask takes the init containers' GPUs first (the pod holds them once),
+/// fresh ones only for the rest. A sidecar (restartable init container)
+/// takes from them the same way but keeps its devices for the pod's life:
+/// it hands nothing on. At Allocate, IDs outside a container's assigned
+/// GPUs and the GPUs still handed on by the pod's init containers are
+/// refused.
+///
+/// It searches: whenever the rules place the pod, it is placed (within a
+/// budget of steps that an ordinary pod never nears; past it the pod is
+/// refused saying so), and a pod of more than [`MAX_GPU_CONTAINERS`]
+/// containers asking GPUs is refused for good.
 pub(crate) fn fit(
     inv: &Inventory,
     usage: &NodeUsage,
     asks: &PodAsks,
 ) -> Result<Assignment, FitError> {
-    place_all(inv, usage.clone(), asks).map_err(|mut e| {
+    place_all(inv, usage, asks).map_err(|refused| {
         let mut ideal = inv.clone();
         ideal.gpus.iter_mut().for_each(|g| g.healthy = true);
-        e.unresolvable = place_all(&ideal, NodeUsage::empty(&ideal), asks).is_err();
+        let mut e = refused.error;
+        // Unresolvable only when proven on the empty node: a search that
+        // gave up there proves nothing.
+        e.unresolvable =
+            place_all(&ideal, &NodeUsage::empty(&ideal), asks).is_err_and(|again| !again.gave_up);
         e
     })
 }
 
-fn place_all(
-    inv: &Inventory,
-    mut usage: NodeUsage,
-    asks: &PodAsks,
-) -> Result<Assignment, FitError> {
-    let mut out = Assignment::default();
-    let mut pods_gpus: Vec<usize> = Vec::new();
-    let mut handed: PerResource<HandedOn> = PerResource::default();
-    for c in &asks.containers {
-        let fail = |reason: String| FitError {
-            container: c.name.clone(),
-            reason,
-            unresolvable: false,
-        };
-        if let Some(r) = Resource::ALL
+/// A refusal, and whether it is one because the search ran out of steps.
+struct Refused {
+    error: FitError,
+    gave_up: bool,
+}
+
+impl From<FitError> for Refused {
+    fn from(error: FitError) -> Refused {
+        Refused {
+            error,
+            gave_up: false,
+        }
+    }
+}
+
+/// Steps (a GPU tried for a group, a choice of whole GPUs) the search may
+/// take per container and GPU before it gives up, and at least: enough to
+/// search small pods exhaustively, a few milliseconds at most.
+const STEPS_PER_CELL: u64 = 16;
+const MIN_STEPS: u64 = 2048;
+/// Groups checked for a GPU that still holds them before each step.
+const LOOK_AHEAD: usize = 8;
+
+fn place_all(inv: &Inventory, usage: &NodeUsage, asks: &PodAsks) -> Result<Assignment, Refused> {
+    let layout = Layout::of(inv, usage, asks)?;
+    let mut search = Search {
+        inv,
+        asks,
+        groups: &layout.groups,
+        usage: usage.clone(),
+        on: vec![0; layout.groups.len()],
+        in_pod: vec![0; inv.gpus.len()],
+        steps: 0,
+        budget: (STEPS_PER_CELL
+            .saturating_mul(layout.containers as u64)
+            .saturating_mul(inv.gpus.len() as u64))
+        .max(MIN_STEPS),
+        deepest: None,
+        whole: Vec::new(),
+        rest: layout
+            .groups
+            .iter()
+            .rev()
+            .scan(PerResource::default(), |sum, g| {
+                SHARED.iter().for_each(|&r| sum[r] += g.need[r]);
+                Some(*sum)
+            })
+            .collect::<Vec<_>>()
             .into_iter()
-            .find(|&r| c.wants(r) > 0 && !inv.offers(r))
-        {
-            return Err(fail(format!("asks {r}, which this node does not offer")));
+            .rev()
+            .collect(),
+    };
+    let classes = search.classes();
+    let outcome = search.whole(&classes, layout.slots);
+    let deepest = search.deepest.take();
+    let fail = |gave_up: bool| {
+        let (_, mut error) = deepest.unwrap_or_else(|| {
+            (
+                0,
+                FitError {
+                    container: asks.containers[0].name.clone(),
+                    reason: "no placement found".into(),
+                    unresolvable: false,
+                },
+            )
+        });
+        if gave_up {
+            error.reason = format!(
+                "{}; the search for another placement of the pod's {} containers asking GPUs \
+                 gave up after {} steps",
+                error.reason, layout.containers, search.budget
+            );
         }
-        if let Some(why) = inv.overflow(&c.devices) {
-            return Err(fail(why));
-        }
-        let need = inv.amount(&c.devices);
-        // The GPUs this container adds to the usage.
-        let (gpus, counted) = if c.whole() {
-            let h = &mut handed[Resource::GpuCount];
-            let reused: Vec<usize> = h
-                .gpus
-                .iter()
-                .take(c.devices.count as usize)
-                .copied()
-                .collect();
-            let fresh = whole(inv, &usage, c, reused.len()).map_err(fail)?;
-            let gpus: Vec<usize> = reused.iter().chain(&fresh).copied().collect();
-            c.pass_on(&mut h.gpus, &gpus);
-            h.devices = h.gpus.len() as u64;
-            (gpus, fresh)
-        } else if c.shared() {
-            let reused: Vec<Resource> = SHARED
-                .into_iter()
-                .filter(|&r| c.wants(r) > 0 && handed[r].devices > 0)
-                .collect();
-            let from: Vec<&[usize]> = reused.iter().map(|&r| handed[r].gpus.as_slice()).collect();
-            let g = match from.first() {
-                None => best_shared(inv, &usage, &need, &pods_gpus)
-                    .ok_or_else(|| fail(shortfall(inv, &usage, &need)))?,
-                Some(&&[g]) if from.iter().all(|&f| f == [g]) => {
-                    if !holds(inv, &usage, g, &need) {
-                        return Err(fail(format!(
-                            "the kubelet hands it devices of its init containers on {}, \
-                             which has no room for it beside them",
-                            inv.gpus[g].uuid
-                        )));
-                    }
-                    g
-                }
-                _ => {
-                    return Err(fail(
-                        "the kubelet would hand it devices of its init containers on \
-                         several GPUs"
-                            .into(),
-                    ));
-                }
-            };
-            for r in SHARED.into_iter().filter(|&r| c.wants(r) > 0) {
-                let h = &mut handed[r];
-                // An app container or a sidecar keeps what it was handed.
-                if c.hands_on() {
-                    h.add(c.wants(r), &[g]);
-                } else {
-                    h.devices = h.devices.saturating_sub(c.wants(r));
-                }
-            }
-            (vec![g], vec![g])
-        } else {
-            continue;
+        Refused { error, gave_up }
+    };
+    match outcome {
+        Outcome::Found => {}
+        Outcome::Exhausted => return Err(fail(false)),
+        Outcome::GaveUp => return Err(fail(true)),
+    }
+    let uuid = |g: &usize| inv.gpus[*g].uuid.clone();
+    let mut out = Assignment::default();
+    for (c, place) in asks.containers.iter().zip(&layout.places) {
+        let gpus: Vec<usize> = match place {
+            Place::None => continue,
+            Place::Whole(slots) => slots.iter().map(|&s| search.whole[s]).collect(),
+            Place::Shared(group) => vec![search.on[*group]],
         };
-        let uuid = |g: &usize| inv.gpus[*g].uuid.clone();
-        usage.add(
-            inv,
-            &Holding {
-                gpus: counted.iter().map(uuid).collect(),
-                amount: need,
-            },
-        );
-        pods_gpus.extend(&gpus);
         out.0
             .insert(c.name.clone(), gpus.iter().map(uuid).collect());
     }
     Ok(out)
 }
 
-/// The first healthy GPUs free of any work, as many as `c` asks beyond the
-/// `reused` GPUs its init containers hand it (those are held already).
-fn whole(
-    inv: &Inventory,
-    usage: &NodeUsage,
-    c: &ContainerAsk,
-    reused: usize,
-) -> Result<Vec<usize>, String> {
-    let free: Vec<usize> = (0..inv.gpus.len())
-        .filter(|&g| {
-            let u = &usage.gpus[g];
-            inv.gpus[g].healthy && !u.held_whole() && !u.carries_shared()
-        })
-        .collect();
-    let k = c.devices.count;
-    let fresh = k as usize - reused;
-    if free.len() < fresh {
-        let handed = match reused {
-            0 => String::new(),
-            n => format!(", {n} of them handed on by its init containers"),
+/// Where one container goes, in the pod's layout.
+enum Place {
+    /// It asks no GPU.
+    None,
+    /// The whole GPUs it holds, as slots of the pod's whole GPUs (those
+    /// handed on first).
+    Whole(Vec<usize>),
+    /// Its group of shared containers.
+    Shared(usize),
+}
+
+/// Shared containers that must share one GPU (the kubelet hands one the
+/// devices of another), with what they need there together.
+struct Group {
+    /// Container indexes, in spec order.
+    members: Vec<usize>,
+    need: PerResource<u64>,
+}
+
+/// The pod as the search sees it, from the kubelet's hand-on rules alone:
+/// which GPUs, where, does not change which containers go together nor how
+/// many whole GPUs the pod takes fresh.
+struct Layout {
+    places: Vec<Place>,
+    /// Largest first (first-fit decreasing finds a placement without
+    /// backtracking far more often than spec order).
+    groups: Vec<Group>,
+    /// How many fresh whole GPUs the pod takes.
+    slots: usize,
+    /// Containers asking GPUs.
+    containers: usize,
+}
+
+impl Layout {
+    fn of(inv: &Inventory, usage: &NodeUsage, asks: &PodAsks) -> Result<Layout, FitError> {
+        let asking = |c: &&ContainerAsk| c.whole() || c.shared();
+        if let Some(c) = asks
+            .containers
+            .iter()
+            .filter(asking)
+            .nth(MAX_GPU_CONTAINERS)
+        {
+            let n = asks.containers.iter().filter(asking).count();
+            return Err(FitError {
+                container: c.name.clone(),
+                reason: format!(
+                    "the pod has {n} containers asking GPUs; the scheduler extender places \
+                     at most {MAX_GPU_CONTAINERS}"
+                ),
+                unresolvable: true,
+            });
+        }
+        let free = (0..inv.gpus.len())
+            .filter(|&g| free_of_work(inv, usage, g))
+            .count();
+        let units = inv.units();
+        let most = |r: Resource| {
+            inv.gpus
+                .iter()
+                .map(|g| u64::from(units.per_gpu(r, g.memory_mib)))
+                .max()
+                .unwrap_or(0)
         };
-        return Err(format!(
-            "wants {k} whole GPUs{handed}; {} of {} are healthy and free of other work",
-            free.len(),
-            inv.gpus.len()
-        ));
+        let most = PerResource::from_fn(most);
+        let mut places = Vec::with_capacity(asks.containers.len());
+        // Whole GPUs handed on, as slots; shared devices handed on, per
+        // resource: how many, and a container of the group they are from.
+        let mut handed: Vec<usize> = Vec::new();
+        let mut slots = 0;
+        let mut devices: PerResource<(u64, usize)> = PerResource::default();
+        // A union-find over the containers: each shared one's group.
+        let mut parent: Vec<usize> = (0..asks.containers.len()).collect();
+        for (i, c) in asks.containers.iter().enumerate() {
+            let fail = |reason: String| FitError {
+                container: c.name.clone(),
+                reason,
+                unresolvable: false,
+            };
+            if let Some(r) = Resource::ALL
+                .into_iter()
+                .find(|&r| c.wants(r) > 0 && !inv.offers(r))
+            {
+                return Err(fail(format!("asks {r}, which this node does not offer")));
+            }
+            if let Some(why) = inv.overflow(&c.devices) {
+                return Err(fail(why));
+            }
+            if c.whole() {
+                let k = c.devices.count;
+                let reused = handed.len().min(usize::try_from(k).unwrap_or(usize::MAX));
+                let fresh = k - reused as u64;
+                let left = free - slots;
+                if fresh > left as u64 {
+                    let handed = match reused {
+                        0 => String::new(),
+                        n => format!(", {n} of them handed on by its init containers"),
+                    };
+                    return Err(fail(format!(
+                        "wants {k} whole GPUs{handed}; {left} of {} are healthy and free of \
+                         other work",
+                        inv.gpus.len()
+                    )));
+                }
+                let fresh = fresh as usize;
+                let mine: Vec<usize> = handed[..reused]
+                    .iter()
+                    .copied()
+                    .chain(slots..slots + fresh)
+                    .collect();
+                slots += fresh;
+                c.pass_on(&mut handed, &mine);
+                places.push(Place::Whole(mine));
+            } else if c.shared() {
+                // More than any GPU has: refused before any arithmetic on
+                // an ask that may be absurd (hostile limits overflow).
+                if SHARED.into_iter().any(|r| c.wants(r) > most[r]) {
+                    let unit = inv.unit();
+                    let need = c.devices.map(|r, &d| d.saturating_mul(unit[r]));
+                    return Err(fail(shortfall(inv, usage, &need)));
+                }
+                for r in SHARED.into_iter().filter(|&r| c.wants(r) > 0) {
+                    let (left, from) = &mut devices[r];
+                    if *left > 0 {
+                        let (a, b) = (find(&mut parent, i), find(&mut parent, *from));
+                        parent[a] = b;
+                    } else {
+                        *from = i;
+                    }
+                    *left = c.pass_on_count(*left, c.wants(r));
+                }
+                places.push(Place::Shared(0));
+            } else {
+                places.push(Place::None);
+            }
+        }
+        let mut groups: Vec<Group> = Vec::new();
+        let mut group_of: Vec<Option<usize>> = vec![None; asks.containers.len()];
+        for (i, c) in asks.containers.iter().enumerate() {
+            let Place::Shared(group) = &mut places[i] else {
+                continue;
+            };
+            let root = find(&mut parent, i);
+            let g = *group_of[root].get_or_insert_with(|| {
+                groups.push(Group {
+                    members: Vec::new(),
+                    need: PerResource::default(),
+                });
+                groups.len() - 1
+            });
+            *group = g;
+            let need = inv.amount(&c.devices);
+            let gr = &mut groups[g];
+            gr.members.push(i);
+            for r in SHARED {
+                gr.need[r] += need[r];
+            }
+        }
+        // Largest first by the sum of its shares of the largest GPU; a
+        // stable sort keeps spec order among equals.
+        let cap = PerResource::from_fn(|r| most[r] * inv.unit()[r]);
+        let size = |g: &Group| {
+            u128::from(g.need.memory) * u128::from(cap.core)
+                + u128::from(g.need.core) * u128::from(cap.memory)
+        };
+        let mut sorted: Vec<(usize, Group)> = groups.into_iter().enumerate().collect();
+        sorted.sort_by_key(|(_, g)| std::cmp::Reverse(size(g)));
+        let mut new_index = vec![0; sorted.len()];
+        for (new, (old, _)) in sorted.iter().enumerate() {
+            new_index[*old] = new;
+        }
+        for p in &mut places {
+            if let Place::Shared(g) = p {
+                *g = new_index[*g];
+            }
+        }
+        let groups = sorted.into_iter().map(|(_, g)| g).collect();
+        let containers = asks.containers.iter().filter(asking).count();
+        Ok(Layout {
+            places,
+            groups,
+            slots,
+            containers,
+        })
     }
-    Ok(free[..fresh].to_vec())
+}
+
+/// The root of `i`'s set, halving the path on the way.
+fn find(parent: &mut [usize], mut i: usize) -> usize {
+    while parent[i] != i {
+        parent[i] = parent[parent[i]];
+        i = parent[i];
+    }
+    i
+}
+
+enum Outcome {
+    Found,
+    /// No placement below this point: proven.
+    Exhausted,
+    /// The budget ran out.
+    GaveUp,
+}
+
+/// A depth-first search: the pod's fresh whole GPUs first, then each group
+/// on a GPU, best first (the first placement it meets is best fit
+/// decreasing's, reached in as many steps as groups). GPUs in the
+/// same state are tried once per group: the rest of the search cannot tell
+/// them apart.
+struct Search<'a> {
+    inv: &'a Inventory,
+    asks: &'a PodAsks,
+    groups: &'a [Group],
+    /// The node's usage with what the search placed so far.
+    usage: NodeUsage,
+    /// Each group's GPU, once placed.
+    on: Vec<usize>,
+    /// How many of the pod's groups each GPU has.
+    in_pod: Vec<u32>,
+    steps: u64,
+    budget: u64,
+    /// The refusal at the most groups placed: the reason given when no
+    /// placement is found.
+    deepest: Option<(usize, FitError)>,
+    /// The fresh whole GPUs, slot by slot.
+    whole: Vec<usize>,
+    /// What groups `i..` need in all, per `i`.
+    rest: Vec<PerResource<u64>>,
+}
+
+impl Search<'_> {
+    /// The GPUs free of any work, in classes the search cannot tell apart
+    /// (same capacity and usage), smallest first: a whole ask takes the
+    /// smallest, leaving room for shared work.
+    fn classes(&self) -> Vec<Vec<usize>> {
+        let (inv, usage) = (self.inv, &self.usage);
+        let mut free: Vec<usize> = (0..inv.gpus.len())
+            .filter(|&g| free_of_work(inv, usage, g))
+            .collect();
+        // Free of work is no sharers and not held whole; the amounts used
+        // go in the key too, should a count ever disagree with them.
+        let key = |g: usize| {
+            let (cap, used) = (inv.capacity(g), usage.gpus[g].used);
+            (cap.memory, cap.core, used.memory, used.core)
+        };
+        free.sort_by_key(|&g| (key(g), g));
+        let mut classes: Vec<Vec<usize>> = Vec::new();
+        for g in free {
+            match classes.last_mut() {
+                Some(c) if key(c[0]) == key(g) => c.push(g),
+                _ => classes.push(vec![g]),
+            }
+        }
+        classes
+    }
+
+    /// Chooses `wanted` fresh whole GPUs from `classes` (how many of each
+    /// class, most of the smaller first), then places the groups.
+    fn whole(&mut self, classes: &[Vec<usize>], wanted: usize) -> Outcome {
+        let Some((class, rest)) = classes.split_first() else {
+            if wanted > 0 {
+                return Outcome::Exhausted;
+            }
+            self.steps += 1;
+            return self.shared(0);
+        };
+        let later: usize = rest.iter().map(Vec::len).sum();
+        let most = wanted.min(class.len());
+        for take in (wanted.saturating_sub(later)..=most).rev() {
+            for &g in &class[..take] {
+                self.usage.gpus[g].used.count += 1;
+                self.whole.push(g);
+            }
+            let outcome = self.whole(rest, wanted - take);
+            if !matches!(outcome, Outcome::Exhausted) {
+                return outcome;
+            }
+            for &g in &class[..take] {
+                self.usage.gpus[g].used.count -= 1;
+                self.whole.pop();
+            }
+        }
+        Outcome::Exhausted
+    }
+
+    /// Places groups `i..` on the GPUs.
+    fn shared(&mut self, i: usize) -> Outcome {
+        let Some(group) = self.groups.get(i) else {
+            return Outcome::Found;
+        };
+        if self.steps > self.budget {
+            return Outcome::GaveUp;
+        }
+        let (inv, need) = (self.inv, group.need);
+        // With one group left, the GPU-by-GPU check below says more.
+        if self.groups.len() - i > 1
+            && let Some(free) = self.short_in_all(i)
+        {
+            self.fail(i, |s| s.short_in_all_error(i, &free));
+            return Outcome::Exhausted;
+        }
+        // A group no GPU holds now never fits below: checking the next few
+        // (all of them at the start) refuses most pods that do not fit at
+        // once, on a full node, instead of after every order of the rest.
+        let ahead = if i == 0 {
+            self.groups.len()
+        } else {
+            i + LOOK_AHEAD
+        };
+        if let Some(stuck) = self.groups[i..ahead.min(self.groups.len())]
+            .iter()
+            .find(|g| !(0..inv.gpus.len()).any(|gpu| holds(inv, &self.usage, gpu, &g.need)))
+        {
+            self.fail(i, |s| s.group_error(stuck));
+            return Outcome::Exhausted;
+        }
+        let mut gpus: Vec<usize> = (0..inv.gpus.len())
+            .filter(|&g| holds(inv, &self.usage, g, &need))
+            .collect();
+        gpus.sort_by_cached_key(|&g| rank(inv, &self.usage, &need, g, self.in_pod[g] > 0));
+        let mut tried: Vec<(u64, u64)> = Vec::new();
+        for g in gpus {
+            let state = (
+                self.usage.free(inv, g, Resource::GpuMemory),
+                self.usage.free(inv, g, Resource::GpuCore),
+            );
+            if tried.contains(&state) {
+                continue;
+            }
+            tried.push(state);
+            self.steps += 1;
+            self.put(g, &need, true);
+            self.on[i] = g;
+            let outcome = self.shared(i + 1);
+            if !matches!(outcome, Outcome::Exhausted) {
+                return outcome;
+            }
+            self.put(g, &need, false);
+        }
+        Outcome::Exhausted
+    }
+
+    /// Adds (or takes back) a group's `need` on GPU `g`.
+    fn put(&mut self, g: usize, need: &PerResource<u64>, add: bool) {
+        let u = &mut self.usage.gpus[g];
+        if add {
+            u.used.memory += need.memory;
+            u.used.core += need.core;
+            u.sharers += 1;
+            self.in_pod[g] += 1;
+        } else {
+            u.used.memory -= need.memory;
+            u.used.core -= need.core;
+            u.sharers -= 1;
+            self.in_pod[g] -= 1;
+        }
+    }
+
+    /// Keeps the refusal at the deepest point the search reached (built
+    /// only then: most dead ends need no words).
+    fn fail(&mut self, depth: usize, e: impl FnOnce(&Self) -> FitError) {
+        if self.deepest.as_ref().is_none_or(|(d, _)| depth > *d) {
+            self.deepest = Some((depth, e(self)));
+        }
+    }
+
+    /// What the GPUs that could take shared work have free in all, when
+    /// groups `i..` need more memory or core than that.
+    fn short_in_all(&self, i: usize) -> Option<PerResource<u64>> {
+        let (inv, usage) = (self.inv, &self.usage);
+        let mut free: PerResource<u64> = PerResource::default();
+        for g in (0..inv.gpus.len()).filter(|&g| inv.gpus[g].healthy && !usage.gpus[g].held_whole())
+        {
+            for r in SHARED {
+                free[r] += usage.free(inv, g, r);
+            }
+        }
+        let need = &self.rest[i];
+        SHARED.iter().any(|&r| need[r] > free[r]).then_some(free)
+    }
+
+    fn short_in_all_error(&self, i: usize, free: &PerResource<u64>) -> FitError {
+        let need = &self.rest[i];
+        let members = self.groups[i..].iter().flat_map(|g| &g.members);
+        let first = members.clone().min().copied().unwrap_or_default();
+        FitError {
+            container: self.asks.containers[first].name.clone(),
+            reason: format!(
+                "the pod's {} containers still to place ask {} MiB and {} % of compute in \
+                 all; the GPUs that could take them have {} MiB and {} % free",
+                members.count(),
+                need.memory,
+                need.core,
+                free.memory,
+                free.core
+            ),
+            unresolvable: false,
+        }
+    }
+
+    /// Why no GPU holds `group`: the first of its containers that no GPU
+    /// holds together with those before it.
+    fn group_error(&self, group: &Group) -> FitError {
+        let (inv, usage) = (self.inv, &self.usage);
+        let mut need = PerResource::<u64>::default();
+        let mut at = group.members.len() - 1;
+        for (k, &m) in group.members.iter().enumerate() {
+            let own = inv.amount(&self.asks.containers[m].devices);
+            for r in SHARED {
+                need[r] += own[r];
+            }
+            if !(0..inv.gpus.len()).any(|g| holds(inv, usage, g, &need)) {
+                at = k;
+                break;
+            }
+        }
+        let short = shortfall(inv, usage, &need);
+        let reason = match at {
+            0 => short,
+            _ => {
+                let before: Vec<&str> = group.members[..at]
+                    .iter()
+                    .map(|&b| self.asks.containers[b].name.as_str())
+                    .collect();
+                format!(
+                    "the kubelet hands it devices of the pod's init containers, so it must \
+                     share one GPU with {}: {short}",
+                    before.join(", ")
+                )
+            }
+        };
+        FitError {
+            container: self.asks.containers[group.members[at]].name.clone(),
+            reason,
+            unresolvable: false,
+        }
+    }
 }
 
 /// Says what is missing for a shared ask no GPU holds.

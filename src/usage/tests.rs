@@ -302,15 +302,15 @@ fn a_container_handed_its_init_containers_devices_goes_on_their_gpu() {
     let inv = inventory(&[8192, 8192]);
     let usage = NodeUsage::empty(&inv);
     // The kubelet hands the app 16 of the init container's 20 memory
-    // devices, on GPU-0: beside the init container (counted while the pod
-    // lives) it has no room, and GPU-1 would contradict those IDs.
+    // devices: beside the init container (counted while the pod lives) it
+    // has no room on either GPU, and another GPU would contradict those IDs.
     let p = pod(vec![
         ask("init", true, 20, 10, 0),
         ask("app", false, 16, 10, 0),
     ]);
     let e = fit(&inv, &usage, &p).unwrap_err();
     assert_eq!(e.container, "app");
-    assert!(e.reason.contains("init containers on GPU-0"), "{e}");
+    assert!(e.reason.contains("must share one GPU with init:"), "{e}");
     assert!(e.unresolvable, "{e}");
     // Core only from the init container, memory fresh: still GPU-0.
     let p = pod(vec![
@@ -344,8 +344,8 @@ fn a_sidecar_keeps_its_memory_and_hands_none_on() {
     assert_eq!(a.0["proxy"], ["GPU-0"]);
     assert_eq!(a.0["app"], ["GPU-1"]);
     // A sidecar takes from what the init containers hand on first: 8 of
-    // the 20 on GPU-0, which leaves 12 for the app, also on GPU-0, where
-    // there is no room for it.
+    // the 20, which leaves 12 for the app, on the same GPU, where there is
+    // no room for it.
     let p = pod(vec![
         ask("init", true, 20, 0, 0),
         sidecar("proxy", 8, 0, 0),
@@ -353,7 +353,10 @@ fn a_sidecar_keeps_its_memory_and_hands_none_on() {
     ]);
     let e = fit(&inv, &usage, &p).unwrap_err();
     assert_eq!(e.container, "app");
-    assert!(e.reason.contains("init containers on GPU-0"), "{e}");
+    assert!(
+        e.reason.contains("must share one GPU with init, proxy:"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -793,5 +796,506 @@ mod hostile {
         );
         let e = Inventory::parse(&text.replace(r#""memoryMiB":40960"#, "\"memoryMiB\":-1"));
         assert!(matches!(e, Err(InventoryError::Json(_))), "{e:?}");
+    }
+}
+
+/// The fit searches for a placement: it finds one whenever the rules allow
+/// one, checked against an exhaustive search written here from the rules.
+mod search {
+    use super::*;
+    use crate::usage::fit::MAX_GPU_CONTAINERS;
+
+    /// The fit's assignment as GPU indexes, per container name.
+    fn gpus_of(inv: &Inventory, a: &Assignment, name: &str) -> Vec<usize> {
+        a.0[name].iter().map(|u| inv.index(u).unwrap()).collect()
+    }
+
+    #[test]
+    fn an_init_container_goes_where_the_app_it_hands_on_to_fits() {
+        // 32 devices per GPU; GPU-0 has 12 left. The init container alone
+        // fits best on GPU-0, but the app it hands its 8 devices to needs 8
+        // more beside them: only the empty GPU-1 holds both.
+        let inv = inventory(&[8192, 8192]);
+        let filler = Holding {
+            gpus: vec!["GPU-0".into()],
+            amount: inv.amount(&ask("f", false, 20, 10, 0).devices),
+        };
+        let usage = NodeUsage::of(&inv, [&filler]);
+        let p = pod(vec![
+            ask("init", true, 8, 0, 0),
+            ask("app", false, 16, 0, 0),
+        ]);
+        let a = fit(&inv, &usage, &p).unwrap();
+        assert_eq!(a, assignment(&[("init", &["GPU-1"]), ("app", &["GPU-1"])]));
+        check(&inv, &usage, &p, &a).unwrap();
+    }
+
+    #[test]
+    fn three_containers_of_8_12_and_12_gib_fit_on_20_and_12_gib() {
+        let inv = inventory(&[20480, 12288]);
+        let usage = NodeUsage::empty(&inv);
+        let p = pod(vec![
+            ask("a", false, 32, 0, 0),
+            ask("b", false, 48, 0, 0),
+            ask("c", false, 48, 0, 0),
+        ]);
+        let a = fit(&inv, &usage, &p).unwrap();
+        check(&inv, &usage, &p, &a).unwrap();
+        assert_eq!(a.0["a"], ["GPU-0"], "{a:?}");
+        assert_ne!(a.0["b"], a.0["c"], "{a:?}");
+    }
+
+    #[test]
+    fn a_pod_that_cannot_fit_in_all_is_refused_with_the_totals() {
+        // 8 + 12 + 13 GiB on 20 and 12 GiB: more than the node has.
+        let inv = inventory(&[20480, 12288]);
+        let p = pod(vec![
+            ask("a", false, 32, 0, 0),
+            ask("b", false, 48, 0, 0),
+            ask("c", false, 52, 0, 0),
+        ]);
+        let e = fit(&inv, &NodeUsage::empty(&inv), &p).unwrap_err();
+        assert!(e.unresolvable, "{e}");
+        assert!(e.reason.contains("33792 MiB"), "{e}");
+    }
+
+    #[test]
+    fn a_pod_of_too_many_gpu_containers_is_refused_for_good() {
+        let inv = inventory(&[81920; 8]);
+        let usage = NodeUsage::empty(&inv);
+        let many = |n: usize| {
+            pod((0..n)
+                .map(|i| ask(&format!("c{i}"), false, 1, 0, 0))
+                .chain([ask("idle", false, 0, 0, 0)])
+                .collect())
+        };
+        // At the cap it is placed (256 MiB each, all on one GPU).
+        let a = fit(&inv, &usage, &many(MAX_GPU_CONTAINERS)).unwrap();
+        assert_eq!(a.single_gpu(), Some("GPU-0"));
+        for n in [MAX_GPU_CONTAINERS + 1, 6000] {
+            let e = fit(&inv, &usage, &many(n)).unwrap_err();
+            assert!(e.unresolvable, "{e}");
+            assert_eq!(e.container, format!("c{MAX_GPU_CONTAINERS}"));
+            assert!(
+                e.reason.contains(&format!("{n} containers asking GPUs")),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_search_that_runs_out_of_steps_says_it_gave_up() {
+        // 17 containers of 11 devices on 8 GPUs of 32: two per GPU, so one
+        // is left over, though the node has room for all of them in total;
+        // proving it takes more than the search may spend.
+        let inv = inventory(&[8192; 8]);
+        let p = pod((0..17)
+            .map(|i| ask(&format!("c{i}"), false, 11, 0, 0))
+            .collect());
+        let e = fit(&inv, &NodeUsage::empty(&inv), &p).unwrap_err();
+        assert!(e.reason.contains("gave up"), "{e}");
+        assert!(!e.unresolvable, "not proven: {e}");
+    }
+
+    #[test]
+    fn an_ask_larger_than_any_gpu_is_refused_without_overflow() {
+        let inv = inventory(&[8192]);
+        let p = pod(vec![ask("c", false, u64::MAX / 2, 0, 0)]);
+        let e = fit(&inv, &NodeUsage::empty(&inv), &p).unwrap_err();
+        assert!(e.unresolvable, "{e}");
+        assert!(
+            e.reason
+                .starts_with("no GPU has 18446744073709551615 MiB free"),
+            "{e}"
+        );
+        let p = pod(vec![ask("t", false, 0, 0, u64::MAX)]);
+        let e = fit(&inv, &NodeUsage::empty(&inv), &p).unwrap_err();
+        assert!(e.unresolvable, "{e}");
+    }
+
+    /// `cargo test --lib fit_figures -- --ignored --nocapture`: what one
+    /// fit costs per node, printed for the README (nothing asserted on
+    /// time).
+    #[test]
+    #[ignore = "prints figures"]
+    fn fit_figures() {
+        // 8 × 80 GB, a third full: the bench's big node.
+        let inv = inventory(&[81920; 8]);
+        let busy: Vec<Holding> = (0..8)
+            .map(|g| Holding {
+                gpus: vec![format!("GPU-{g}")],
+                amount: inv.amount(&ask("f", false, 40 + 10 * g, 30, 0).devices),
+            })
+            .collect();
+        let usage = NodeUsage::of(&inv, &busy);
+        let apps = |n: usize, mem: &dyn Fn(usize) -> u64| {
+            pod((0..n)
+                .map(|i| ask(&format!("c{i}"), false, mem(i), 1, 0))
+                .collect())
+        };
+        let cases = [
+            (
+                "ordinary pod: init 4 GiB, apps 8 + 2 GiB",
+                pod(vec![
+                    ask("init", true, 16, 10, 0),
+                    ask("app", false, 32, 30, 0),
+                    ask("side", false, 8, 0, 0),
+                ]),
+                2000,
+            ),
+            ("issue: 8/12/12 GiB", apps(3, &|i| [32, 48, 48][i]), 2000),
+            (
+                "256 containers of 256 MiB-2.5 GiB (fits)",
+                apps(256, &|i| 1 + i as u64 % 10),
+                20,
+            ),
+            (
+                "256 containers of 1.5-16 GiB (refused: too much in all)",
+                apps(256, &|i| 6 + i as u64 % 60),
+                20,
+            ),
+            (
+                "17 containers of 2.75 GiB on 8 × 8 GiB-left GPUs (gives up)",
+                apps(17, &|_| 11),
+                20,
+            ),
+            (
+                "6,000 containers (refused: over the cap)",
+                apps(6000, &|_| 1),
+                20,
+            ),
+        ];
+        let small = inventory(&[8192; 8]);
+        for (name, p, runs) in cases {
+            let (inv, usage) = match name.contains("gives up") {
+                true => (&small, NodeUsage::empty(&small)),
+                false => (&inv, usage.clone()),
+            };
+            let start = std::time::Instant::now();
+            let mut outcome = String::new();
+            for _ in 0..runs {
+                outcome = match fit(inv, &usage, &p) {
+                    Ok(_) => "placed".into(),
+                    Err(e) => format!("refused: {}", e.reason.chars().take(70).collect::<String>()),
+                };
+            }
+            let each = start.elapsed() / runs;
+            println!(
+                "{name}: {each:?} per node, {:?} over 1,000 nodes ({outcome})",
+                each * 1000
+            );
+        }
+    }
+
+    #[test]
+    fn pass_on_count_counts_what_pass_on_keeps() {
+        // Devices taken from the pool first, then fresh ones.
+        for c in [
+            ask("i", true, 1, 0, 0),
+            sidecar("s", 1, 0, 0),
+            ask("a", false, 1, 0, 0),
+        ] {
+            for pool in 0..6u64 {
+                for granted in 0..8u64 {
+                    let mut devices: Vec<u64> = (0..pool).collect();
+                    let mine: Vec<u64> = (0..granted)
+                        .map(|d| if d < pool { d } else { 100 + d })
+                        .collect();
+                    c.pass_on(&mut devices, &mine);
+                    assert_eq!(
+                        c.pass_on_count(pool, granted),
+                        devices.len() as u64,
+                        "{} with {pool} handed on, granted {granted}",
+                        c.name
+                    );
+                }
+            }
+        }
+    }
+
+    /// splitmix64: a fixed seed, the same cases every run.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        }
+
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+
+        fn chance(&mut self, percent: u64) -> bool {
+            self.below(100) < percent
+        }
+    }
+
+    /// The rules, container by container in spec order, as the kubelet
+    /// meets them; written apart from the fit, which must agree.
+    #[derive(Clone)]
+    struct Replay<'a> {
+        inv: &'a Inventory,
+        mem: Vec<u64>,
+        core: Vec<u64>,
+        whole: Vec<u64>,
+        sharers: Vec<u64>,
+        /// Whole GPUs the init containers hand on.
+        handed: Vec<usize>,
+        /// Shared devices they hand on, per resource: how many, on which
+        /// GPUs.
+        devices: [(u64, Vec<usize>); 2],
+    }
+
+    impl<'a> Replay<'a> {
+        fn new(inv: &'a Inventory, usage: &NodeUsage) -> Replay<'a> {
+            let per = |f: &dyn Fn(&GpuUsage) -> u64| usage.gpus.iter().map(f).collect();
+            Replay {
+                inv,
+                mem: per(&|u| u.used.memory),
+                core: per(&|u| u.used.core),
+                whole: per(&|u| u.used.count),
+                sharers: per(&|u| u.sharers),
+                handed: Vec::new(),
+                devices: Default::default(),
+            }
+        }
+
+        /// `c` on `gpus`: why not, if the rules forbid it.
+        fn step(&mut self, c: &ContainerAsk, gpus: &[usize]) -> Result<(), String> {
+            let inv = self.inv;
+            if let Some(r) = Resource::ALL
+                .into_iter()
+                .find(|&r| c.wants(r) > 0 && !inv.offers(r))
+            {
+                return Err(format!("{r} not offered"));
+            }
+            let hands_on = c.init && !c.restartable;
+            if c.devices.count > 0 {
+                let k = c.devices.count as usize;
+                let mut sorted = gpus.to_vec();
+                sorted.sort();
+                sorted.dedup();
+                if sorted.len() != k || gpus.len() != k {
+                    return Err(format!("{k} whole GPUs wanted, {gpus:?} given"));
+                }
+                let reused = gpus.iter().filter(|g| self.handed.contains(g)).count();
+                if reused != k.min(self.handed.len()) {
+                    return Err(format!("takes {reused} handed on of {:?}", self.handed));
+                }
+                for &g in gpus.iter().filter(|g| !self.handed.contains(g)) {
+                    if !inv.gpus[g].healthy || self.whole[g] > 0 || self.sharers[g] > 0 {
+                        return Err(format!("GPU {g} is not free"));
+                    }
+                    self.whole[g] += 1;
+                }
+                if hands_on {
+                    for &g in gpus {
+                        if !self.handed.contains(&g) {
+                            self.handed.push(g);
+                        }
+                    }
+                } else {
+                    self.handed.retain(|g| !gpus.contains(g));
+                }
+                return Ok(());
+            }
+            let wants = [c.devices.memory, c.devices.core];
+            if wants == [0, 0] {
+                return Ok(());
+            }
+            let &[g] = gpus else {
+                return Err(format!("a shared container on {gpus:?}"));
+            };
+            let cap = inv.capacity(g);
+            let need = inv.amount(&c.devices);
+            if !inv.gpus[g].healthy
+                || self.whole[g] > 0
+                || self.mem[g] + need.memory > cap.memory
+                || self.core[g] + need.core > cap.core
+            {
+                return Err(format!("no room on GPU {g}"));
+            }
+            for (i, &w) in wants.iter().enumerate() {
+                let (n, on) = &self.devices[i];
+                if w > 0 && *n > 0 && on != &[g] {
+                    return Err(format!("handed devices on {on:?}, placed on {g}"));
+                }
+            }
+            self.mem[g] += need.memory;
+            self.core[g] += need.core;
+            self.sharers[g] += 1;
+            for (i, &w) in wants.iter().enumerate().filter(|(_, w)| **w > 0) {
+                let (n, on) = &mut self.devices[i];
+                if hands_on {
+                    if *n == 0 {
+                        on.clear();
+                    }
+                    *n = (*n).max(w);
+                    if !on.contains(&g) {
+                        on.push(g);
+                    }
+                } else {
+                    *n = n.saturating_sub(w);
+                }
+            }
+            Ok(())
+        }
+    }
+
+    /// Whether `a` places every container of `p` by the rules.
+    fn check(
+        inv: &Inventory,
+        usage: &NodeUsage,
+        p: &PodAsks,
+        a: &Assignment,
+    ) -> Result<(), String> {
+        let mut replay = Replay::new(inv, usage);
+        for c in &p.containers {
+            let asks = Resource::ALL.iter().any(|&r| c.wants(r) > 0);
+            let gpus: Vec<usize> = match a.0.get(&c.name) {
+                Some(uuids) => uuids.iter().map(|u| inv.index(u).unwrap()).collect(),
+                None if asks => return Err(format!("{} has no GPUs", c.name)),
+                None => continue,
+            };
+            replay
+                .step(c, &gpus)
+                .map_err(|e| format!("{}: {e}", c.name))?;
+        }
+        Ok(())
+    }
+
+    /// Every choice of GPUs for every container, in spec order: whether
+    /// any places the pod.
+    fn exists(replay: &Replay, containers: &[ContainerAsk]) -> bool {
+        let Some((c, rest)) = containers.split_first() else {
+            return true;
+        };
+        let n = replay.inv.gpus.len();
+        let choices: Vec<Vec<usize>> = match c.devices.count {
+            0 => (0..n).map(|g| vec![g]).collect(),
+            k => (0u32..1 << n)
+                .filter(|m| m.count_ones() as u64 == k)
+                .map(|m| (0..n).filter(|g| m & 1 << g != 0).collect())
+                .collect(),
+        };
+        choices.iter().any(|gpus| {
+            let mut next = replay.clone();
+            next.step(c, gpus).is_ok() && exists(&next, rest)
+        })
+    }
+
+    fn random_case(rng: &mut Rng) -> (Inventory, NodeUsage, PodAsks) {
+        let n = 1 + rng.below(4) as usize;
+        let sizes: Vec<u64> = (0..n)
+            .map(|_| [2048, 4096, 8192][rng.below(3) as usize])
+            .collect();
+        let mut inv = inventory(&sizes);
+        for g in &mut inv.gpus {
+            g.healthy = !rng.chance(10);
+        }
+        if rng.chance(10) {
+            inv.resources.remove(rng.below(3) as usize);
+        }
+        let mut prior = Vec::new();
+        for g in 0..n {
+            let uuid = vec![inv.gpus[g].uuid.clone()];
+            let devices = inv.capacity(g).memory / 256;
+            if rng.chance(20) {
+                prior.push(Holding {
+                    gpus: uuid,
+                    amount: inv.amount(&ask("w", false, 0, 0, 1).devices),
+                });
+            } else if rng.chance(50) {
+                let (mem, core) = (rng.below(devices + 1), rng.below(11) * 10);
+                prior.push(Holding {
+                    gpus: uuid,
+                    amount: inv.amount(&ask("s", false, mem, core, 0).devices),
+                });
+            }
+        }
+        let usage = NodeUsage::of(&inv, &prior);
+        let count = 1 + rng.below(4);
+        let inits = rng.below(count + 1);
+        let containers = (0..count)
+            .map(|i| {
+                let mem = if rng.chance(60) { 1 + rng.below(24) } else { 0 };
+                let core = if rng.chance(40) {
+                    10 * (1 + rng.below(10))
+                } else {
+                    0
+                };
+                let whole = if rng.chance(25) { 1 + rng.below(2) } else { 0 };
+                let c = ask(&format!("c{i}"), i < inits, mem, core, whole);
+                ContainerAsk {
+                    restartable: c.init && rng.chance(35),
+                    ..c
+                }
+            })
+            .collect();
+        (inv, usage, pod(containers))
+    }
+
+    #[test]
+    fn the_fit_places_every_small_pod_the_rules_place() {
+        let mut rng = Rng(0x05ee_df17);
+        let (mut placed, mut refused) = (0, 0);
+        for case in 0..4000 {
+            let (inv, usage, p) = random_case(&mut rng);
+            let possible = exists(&Replay::new(&inv, &usage), &p.containers);
+            let ctx = || format!("case {case}: {inv:?}\n{usage:?}\n{p:?}");
+            match fit(&inv, &usage, &p) {
+                Ok(a) => {
+                    if let Err(e) = check(&inv, &usage, &p, &a) {
+                        panic!("{e}: {a:?}\n{}", ctx());
+                    }
+                    placed += 1;
+                }
+                Err(e) => {
+                    assert!(
+                        !possible,
+                        "refused ({e}) though a placement exists\n{}",
+                        ctx()
+                    );
+                    assert!(!e.reason.contains("gave up"), "{e}\n{}", ctx());
+                    let mut ideal = inv.clone();
+                    ideal.gpus.iter_mut().for_each(|g| g.healthy = true);
+                    let empty = NodeUsage::empty(&ideal);
+                    let ever = exists(&Replay::new(&ideal, &empty), &p.containers);
+                    assert_eq!(e.unresolvable, !ever, "{e}\n{}", ctx());
+                    refused += 1;
+                }
+            }
+        }
+        // Both outcomes are well represented.
+        assert!(
+            placed > 1000 && refused > 1000,
+            "{placed} placed, {refused} refused"
+        );
+    }
+
+    #[test]
+    fn a_single_shared_container_goes_where_best_shared_says() {
+        let mut rng = Rng(0xbe57);
+        for _ in 0..500 {
+            let (inv, usage, mut p) = random_case(&mut rng);
+            p.containers.truncate(1);
+            p.containers[0].devices.count = 0;
+            let need = inv.amount(&p.containers[0].devices);
+            let Ok(a) = fit(&inv, &usage, &p) else {
+                continue;
+            };
+            if a.0.is_empty() {
+                continue;
+            }
+            assert_eq!(
+                gpus_of(&inv, &a, &p.containers[0].name),
+                Vec::from_iter(best_shared(&inv, &usage, &need, &[])),
+                "{a:?}"
+            );
+        }
     }
 }
