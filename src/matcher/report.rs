@@ -1,6 +1,11 @@
 //! Each GPU's usage for `/metrics`, recomputed from the pod cache whenever
 //! it changes: the same usage model matching decides on, and no API call,
-//! however often Prometheus scrapes.
+//! however often Prometheus scrapes. From the same usage, the devices the
+//! kubelet could not admit work to anyway ([`withdrawn`]), which the
+//! plugins list as unhealthy so node allocatable tells the truth about
+//! whole GPUs.
+
+use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::reflector::Store;
@@ -10,16 +15,23 @@ use tokio::task::JoinHandle;
 use super::actor::MatcherArgs;
 use super::matching::usage;
 use super::pods::PodView;
+use crate::device::{PerResource, Resource};
 use crate::metrics::{GpuMode, GpuSample};
 use crate::usage::{Inventory, NodeUsage};
 
-/// Publishes the usage after every change of `pods` until the cache stops.
+/// Per resource, per GPU of the node: whether its devices are withdrawn
+/// from the kubelet's lists. Empty lists: nothing withdrawn.
+pub(crate) type Withdrawn = PerResource<Arc<[bool]>>;
+
+/// Publishes the usage after every change of `pods` until the cache stops,
+/// and the withdrawn devices to `args.withdrawals` when that is set.
 pub(super) fn spawn(
     pods: Store<Pod>,
     mut changes: watch::Receiver<u64>,
     args: &MatcherArgs,
 ) -> JoinHandle<()> {
     let (node, keys, metrics) = (args.node.clone(), args.keys.clone(), args.metrics.clone());
+    let withdrawals = args.withdrawals.clone();
     tokio::spawn(async move {
         while changes.changed().await.is_ok() {
             let views: Vec<PodView> = pods
@@ -27,8 +39,69 @@ pub(super) fn spawn(
                 .iter()
                 .map(|p| PodView::from_pod(&keys, p).0)
                 .collect();
-            metrics.set_gpus(samples(&node, &usage(&node, &views)));
+            let usage = usage(&node, &views);
+            metrics.set_gpus(samples(&node, &usage));
+            if let Some(tx) = &withdrawals {
+                publish(tx, withdrawn(&node, &views, &usage));
+            }
         }
+    })
+}
+
+/// Sends `w` only when it differs: each change is a new device list for
+/// the kubelet.
+pub(super) fn publish(tx: &watch::Sender<Withdrawn>, w: Withdrawn) {
+    tx.send_if_modified(|old| {
+        let changed = *old != w;
+        if changed {
+            *old = w;
+        }
+        changed
+    });
+}
+
+/// The devices the kubelet could not admit work to under `usage`: the
+/// gpu-count device of a GPU carrying shared work, and the gpu-memory and
+/// gpu-core devices of a GPU held whole (whole and shared work never mix,
+/// so listing them only overstates node allocatable). Never the devices a
+/// whole container on that GPU still waits for: a container asking whole
+/// GPUs and a share of them (`ContainerAsk::rides_whole`) gets its share's
+/// devices on its own GPUs, and the kubelet may serve its resources in any
+/// order, so they stay listed until every such container is fully served.
+pub(super) fn withdrawn(inv: &Inventory, views: &[PodView], usage: &NodeUsage) -> Withdrawn {
+    let mut waits = PerResource::from_fn(|_| vec![false; inv.gpus.len()]);
+    for p in views.iter().filter(|p| p.admitting) {
+        for c in p.containers.iter().filter(|c| c.whole()) {
+            let grant = p.ledger.0.get(&c.name);
+            // Its GPUs once one resource is served, else the extender's;
+            // unknown yet, it holds no GPU whose devices could be withdrawn.
+            let gpus = grant
+                .map(|g| &g.gpus)
+                .filter(|g| !g.is_empty())
+                .or_else(|| p.assignment.0.get(&c.name));
+            for r in Resource::ALL {
+                if c.wants(r) == 0 || grant.and_then(|g| g.amount(r)).is_some() {
+                    continue;
+                }
+                for g in gpus.into_iter().flatten().filter_map(|u| inv.index(u)) {
+                    waits[r][g] = true;
+                }
+            }
+        }
+    }
+    PerResource::from_fn(|r| {
+        usage
+            .gpus
+            .iter()
+            .zip(&waits[r])
+            .map(|(u, &waits)| {
+                let exclusive = match r {
+                    Resource::GpuCount => u.carries_shared(),
+                    Resource::GpuMemory | Resource::GpuCore => u.held_whole(),
+                };
+                exclusive && !waits
+            })
+            .collect()
     })
 }
 

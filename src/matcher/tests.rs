@@ -763,3 +763,51 @@ fn a_share_of_a_whole_container_needs_a_clear_gpu() {
         "default/whole wants 1 GPUs whole and only 0 are clear of other work"
     );
 }
+
+const NOTHING: [Vec<usize>; 3] = [Vec::new(), Vec::new(), Vec::new()];
+
+/// Per resource in `Resource::ALL`'s order, the GPUs whose devices are
+/// withdrawn from the kubelet's lists.
+fn withdrawn_gpus(pods: &[PodView]) -> [Vec<usize>; 3] {
+    let inv = node();
+    let w = super::report::withdrawn(&inv, pods, &super::matching::usage(&inv, pods));
+    Resource::ALL.map(|r| (0..2).filter(|&g| w[r][g]).collect())
+}
+
+#[test]
+fn exclusive_devices_are_withdrawn_once_no_whole_container_waits_for_them() {
+    let mut pods = vec![pod("whole", 1, vec![container("c", 100, 10, 1)])];
+    // Count first: its GPU is held whole, but its memory and core Allocates
+    // still come, on that GPU: nothing withdrawn yet.
+    serve(&mut pods, &ask(GpuCount, 1, &[1], &["w0"])).unwrap();
+    assert_eq!(withdrawn_gpus(&pods), NOTHING);
+    serve(&mut pods, &ask(GpuMemory, 100, &[0], &["w1"])).unwrap();
+    assert_eq!(withdrawn_gpus(&pods), [vec![1], vec![], vec![]]);
+    serve(&mut pods, &ask(GpuCore, 10, &[1], &["w2"])).unwrap();
+    assert_eq!(withdrawn_gpus(&pods), [vec![1], vec![1], vec![]]);
+    // A sharer on the other GPU withdraws that GPU's count device.
+    pods.push(pod("sharer", 2, vec![container("c", 10, 0, 0)]));
+    serve(&mut pods, &ask(GpuMemory, 10, &[0], &["s"])).unwrap();
+    assert_eq!(withdrawn_gpus(&pods), [vec![1], vec![1], vec![0]]);
+    // Both done: everything goes back.
+    for p in &mut pods {
+        p.live = false;
+        p.admitting = false;
+    }
+    assert_eq!(withdrawn_gpus(&pods), NOTHING);
+}
+
+#[test]
+fn a_whole_container_served_share_first_keeps_its_count_device_listed() {
+    let mut pods = vec![pod("whole", 1, vec![container("c", 100, 0, 1)])];
+    serve(&mut pods, &ask(GpuMemory, 100, &[1], &["w0"])).unwrap();
+    assert_eq!(withdrawn_gpus(&pods)[2], Vec::<usize>::new());
+    serve(&mut pods, &ask(GpuCount, 1, &[1], &["w1"])).unwrap();
+    assert_eq!(withdrawn_gpus(&pods), [vec![1], vec![1], vec![]]);
+    // Bound to a GPU by the extender and not admitted yet: its own devices
+    // there stay listed, those it does not ask are withdrawn at once.
+    let mut bound = pod("bound", 2, vec![container("c", 0, 10, 1)]);
+    assign(&mut bound, &[("c", &["GPU-a"])]);
+    pods.push(bound);
+    assert_eq!(withdrawn_gpus(&pods), [vec![0, 1], vec![1], vec![]]);
+}
