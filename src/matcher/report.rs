@@ -21,7 +21,7 @@ use crate::usage::{Inventory, NodeUsage};
 
 /// Per resource, per GPU of the node: whether its devices are withdrawn
 /// from the kubelet's lists. Empty lists: nothing withdrawn.
-pub(crate) type Withdrawn = PerResource<Arc<[bool]>>;
+pub type Withdrawn = PerResource<Arc<[bool]>>;
 
 /// Publishes the usage after every change of `pods` until the cache stops,
 /// and the withdrawn devices to `args.withdrawals` when that is set.
@@ -68,7 +68,7 @@ pub(super) fn publish(tx: &watch::Sender<Withdrawn>, w: Withdrawn) {
 /// GPUs and a share of them (`ContainerAsk::rides_whole`) gets its share's
 /// devices on its own GPUs, and the kubelet may serve its resources in any
 /// order, so they stay listed until every such container is fully served.
-pub(super) fn withdrawn(inv: &Inventory, views: &[PodView], usage: &NodeUsage) -> Withdrawn {
+pub fn withdrawn(inv: &Inventory, views: &[PodView], usage: &NodeUsage) -> Withdrawn {
     let mut waits = PerResource::from_fn(|_| vec![false; inv.gpus.len()]);
     for p in views.iter().filter(|p| p.admitting) {
         for c in p.containers.iter().filter(|c| c.whole()) {
