@@ -92,12 +92,18 @@ impl Cluster {
     async fn crash_and_restart(&mut self) {
         self.daemon.signal(libc::SIGKILL);
         self.daemon.wait_exit(WAIT).unwrap();
-        let regs = self.kubelet.snapshot()[RES[0]].registrations;
+        let before = self.kubelet.snapshot();
         self.daemon = start_daemon(&self.toml, &self.files);
+        // A list on each new stream: devices the pods' exclusive work
+        // withdraws are listed unhealthy, so not all need be healthy.
         self.wait(|s| {
             RES.iter().all(|n| {
                 s.get(*n).is_some_and(|v| {
-                    v.stream_open && v.registrations > regs && v.healthy == v.devices
+                    let was = &before[*n];
+                    v.stream_open
+                        && v.registrations > was.registrations
+                        && v.messages > was.messages
+                        && v.devices == was.devices
                 })
             })
         })
