@@ -811,3 +811,38 @@ fn a_whole_container_served_share_first_keeps_its_count_device_listed() {
     pods.push(bound);
     assert_eq!(withdrawn_gpus(&pods), [vec![0, 1], vec![1], vec![]]);
 }
+
+#[test]
+fn withdrawals_are_published_only_when_they_change() {
+    let inv = node();
+    let tx = tokio::sync::watch::Sender::new(super::report::Withdrawn::default());
+    let mut rx = tx.subscribe();
+    let mut pods = vec![pod("whole", 1, vec![container("c", 0, 0, 1)])];
+    let publish = |pods: &[PodView]| {
+        let w = super::report::withdrawn(&inv, pods, &super::matching::usage(&inv, pods));
+        super::report::publish(&tx, w);
+    };
+    publish(&pods);
+    assert!(
+        rx.has_changed().unwrap(),
+        "nothing held: the masks got their length"
+    );
+    rx.mark_unchanged();
+    publish(&pods);
+    assert!(!rx.has_changed().unwrap(), "the same usage: no new list");
+    serve(&mut pods, &ask(GpuCount, 1, &[0], &["w"])).unwrap();
+    publish(&pods);
+    assert!(rx.has_changed().unwrap());
+    assert_eq!(&*rx.borrow_and_update().memory, &[true, false]);
+    // A second GPU held whole, then given back.
+    pods.push(pod("other", 2, vec![container("c", 0, 0, 1)]));
+    serve(&mut pods, &ask(GpuCount, 1, &[1], &["o"])).unwrap();
+    publish(&pods);
+    assert!(rx.has_changed().unwrap(), "GPU-b held whole now");
+    rx.mark_unchanged();
+    pods[1].live = false;
+    pods[1].admitting = false;
+    publish(&pods);
+    assert!(rx.has_changed().unwrap());
+    assert_eq!(&*rx.borrow_and_update().memory, &[true, false]);
+}
