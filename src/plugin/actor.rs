@@ -619,8 +619,12 @@ impl Actor for PluginActor {
                 state.set_health(healthy);
                 Ok(())
             }
+            // One the last follower sent before placement left the matcher
+            // is stale: without it nothing is withdrawn.
             PluginMsg::SetWithdrawn(withdrawn) => {
-                state.set_withdrawn(withdrawn);
+                if state.args.placement.uses_matcher() {
+                    state.set_withdrawn(withdrawn);
+                }
                 Ok(())
             }
         }
