@@ -9,6 +9,10 @@
 //! stand-in that admits each container resource by resource through the
 //! node's real matcher (`matcher::matching::decide`), so an admission
 //! failure here is what the node would refuse.
+//!
+//! Node totals are taken as the kubelet reports them: every device, or,
+//! with the node's exclusive devices withdrawn (`matcher.withdraw_exclusive`,
+//! issue 17 item 9), less those the node's usage keeps from new work.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -22,6 +26,7 @@ use gpu_device_plugin::extender::{Extender, ExtenderConfig, Index, PodName, star
 use gpu_device_plugin::matcher::ledger::Ledger;
 use gpu_device_plugin::matcher::matching::{Ask, decide, record, usage};
 use gpu_device_plugin::matcher::pods::PodView;
+use gpu_device_plugin::matcher::report::withdrawn;
 use gpu_device_plugin::sim::apiserver::PodContainer;
 use gpu_device_plugin::usage::{Inventory, Keys};
 use k8s_openapi::api::core::v1::Pod;
@@ -277,6 +282,9 @@ trait Scheduler {
     fn admitted(&mut self, pod: &Pod, ledger: &Ledger);
     /// The pod ended (deleted, or failed admission): it holds nothing.
     fn gone(&mut self, name: &str);
+    /// What the node's pods hold changed: the devices its plugins list
+    /// healthy may have.
+    fn node_changed(&mut self, _node: &str, _side: &NodeSide) {}
 }
 
 /// The extender, called in process as kube-scheduler would over HTTP:
@@ -374,29 +382,40 @@ struct NodeTotalScheduler {
     pods: HashMap<String, (usize, [u64; 3])>,
     /// Score by gpu-memory requested (MostAllocated) instead of by pods.
     most_allocated: bool,
+    /// Allocatable is what the plugins list healthy with exclusive devices
+    /// withdrawn, not every device.
+    withdraw: bool,
     rng: Rng,
 }
 
+/// The devices of `side` listed healthy, per resource: all of them, less
+/// with `withdraw` those its usage withdraws.
+fn allocatable(side: &NodeSide, withdraw: bool) -> [u64; 3] {
+    let inv = &side.inventory;
+    let unit = inv.unit();
+    let gone = withdraw.then(|| withdrawn(inv, &side.pods, &usage(inv, &side.pods)));
+    (0..inv.gpus.len()).fold([0; 3], |mut a, g| {
+        let cap = inv.capacity(g);
+        for (i, r) in Resource::ALL.into_iter().enumerate() {
+            if !gone.as_ref().is_some_and(|w| w[r][g]) {
+                a[i] += cap[r] / unit[r];
+            }
+        }
+        a
+    })
+}
+
 impl NodeTotalScheduler {
-    fn new(nodes: &[NodeSide], names: &[String], most_allocated: bool) -> Self {
-        let allocatable = |inv: &Inventory| {
-            let unit = inv.unit();
-            (0..inv.gpus.len()).fold([0; 3], |mut a, g| {
-                let cap = inv.capacity(g);
-                for (i, r) in Resource::ALL.into_iter().enumerate() {
-                    a[i] += cap[r] / unit[r];
-                }
-                a
-            })
-        };
+    fn new(nodes: &[NodeSide], names: &[String], most_allocated: bool, withdraw: bool) -> Self {
         NodeTotalScheduler {
             nodes: nodes
                 .iter()
                 .zip(names)
-                .map(|(n, name)| (name.clone(), allocatable(&n.inventory), [0; 3], 0))
+                .map(|(n, name)| (name.clone(), allocatable(n, withdraw), [0; 3], 0))
                 .collect(),
             pods: HashMap::new(),
             most_allocated,
+            withdraw,
             rng: Rng(SEED),
         }
     }
@@ -446,6 +465,12 @@ impl Scheduler for NodeTotalScheduler {
             node.3 -= 1;
         }
     }
+
+    fn node_changed(&mut self, node: &str, side: &NodeSide) {
+        if let Some(n) = self.nodes.iter_mut().find(|n| n.0 == node) {
+            n.1 = allocatable(side, self.withdraw);
+        }
+    }
 }
 
 #[derive(Default)]
@@ -453,6 +478,8 @@ struct Outcome {
     offered: usize,
     placed: usize,
     failures: usize,
+    /// Of the failures, pods asking whole GPUs.
+    whole_failures: usize,
     refused: usize,
     /// Pods running and the share of GPU memory they hold at the first pod
     /// not served (refused, or failed on its node)...
@@ -495,6 +522,7 @@ async fn run(
         {
             sides.get_mut(&node).unwrap().remove(&ended);
             s.gone(&ended);
+            s.node_changed(&node, &sides[&node]);
         }
         out.offered += 1;
         let served = match s.place(gpu_pod(NAMESPACE, &name(i), containers)).await {
@@ -506,7 +534,9 @@ async fn run(
             }
             Some(bound) => {
                 let node = bound_node(&bound);
-                match sides.get_mut(&node).unwrap().admit(&bound) {
+                let admitted = sides.get_mut(&node).unwrap().admit(&bound);
+                s.node_changed(&node, &sides[&node]);
+                match admitted {
                     Ok(ledger) => {
                         s.admitted(&bound, &ledger);
                         running.insert(name(i), node);
@@ -516,6 +546,9 @@ async fn run(
                     Err(_) => {
                         s.gone(&name(i));
                         out.failures += 1;
+                        if containers.iter().any(|c| c.wants[2] > 0) {
+                            out.whole_failures += 1;
+                        }
                         false
                     }
                 }
@@ -556,6 +589,8 @@ async fn placement_figures() {
         "extender, spread",
         "node totals, default scoring (spread by pods)",
         "node totals, MostAllocated gpu-memory",
+        "node totals, default scoring, exclusive devices withdrawn",
+        "node totals, MostAllocated gpu-memory, exclusive devices withdrawn",
     ];
     for (which, label) in labels.iter().enumerate() {
         for lifetime in [None, Some(LIFETIME)] {
@@ -578,45 +613,35 @@ async fn placement_figures() {
                     )
                     .await
                 }
-                2 => {
-                    run(
-                        NodeTotalScheduler::new(&sides, &names, false),
-                        &objects,
-                        &pods,
-                        lifetime,
-                    )
-                    .await
-                }
-                _ => {
-                    run(
-                        NodeTotalScheduler::new(&sides, &names, true),
-                        &objects,
-                        &pods,
-                        lifetime,
-                    )
-                    .await
+                n => {
+                    // 2, 3: every device listed; 4, 5: exclusive ones
+                    // withdrawn. Odd: MostAllocated.
+                    let s = NodeTotalScheduler::new(&sides, &names, n % 2 == 1, n >= 4);
+                    run(s, &objects, &pods, lifetime).await
                 }
             };
             let per_1000 = |n: usize| n as f64 * 1000.0 / out.offered as f64;
             match lifetime {
                 None => println!(
                     "placement: {label}: filling, nothing ends: first refusal {}; \
-                     first pod not served {}; {} admission failures in {} pods offered \
-                     ({:.1} per 1,000)",
+                     first pod not served {}; {} admission failures ({} of whole-GPU pods) \
+                     in {} pods offered ({:.1} per 1,000)",
                     percent(out.first_refusal),
                     percent(out.first_unserved),
                     out.failures,
+                    out.whole_failures,
                     out.offered,
                     per_1000(out.failures),
                 ),
                 Some(l) => println!(
                     "placement: {label}: each pod lives {l} arrivals: of {} pods {} placed, \
-                     {} refused by the scheduler, {} failed admission ({:.1} per 1,000); \
-                     {:.1} % of GPU memory held on average",
+                     {} refused by the scheduler, {} failed admission ({} of them whole-GPU \
+                     pods; {:.1} per 1,000); {:.1} % of GPU memory held on average",
                     out.offered,
                     out.placed,
                     out.refused,
                     out.failures,
+                    out.whole_failures,
                     per_1000(out.failures),
                     out.mean_utilisation * 100.0,
                 ),

@@ -120,6 +120,11 @@ pub struct Matcher {
     /// A kubeconfig file for the API server; empty: `$KUBECONFIG`, else the
     /// in-cluster service account.
     pub(crate) kubeconfig: PathBuf,
+    /// Withdraw (list as unhealthy) the devices the kubelet could not use
+    /// anyway while a GPU's exclusivity holds: gpu-memory and gpu-core of a
+    /// GPU held whole, gpu-count of a GPU carrying shared work. Node
+    /// allocatable then says what can really be admitted.
+    pub(crate) withdraw_exclusive: bool,
 }
 
 impl Default for Matcher {
@@ -127,6 +132,7 @@ impl Default for Matcher {
         Matcher {
             wait_ms: 10_000,
             kubeconfig: PathBuf::new(),
+            withdraw_exclusive: true,
         }
     }
 }

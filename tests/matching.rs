@@ -92,12 +92,18 @@ impl Cluster {
     async fn crash_and_restart(&mut self) {
         self.daemon.signal(libc::SIGKILL);
         self.daemon.wait_exit(WAIT).unwrap();
-        let regs = self.kubelet.snapshot()[RES[0]].registrations;
+        let before = self.kubelet.snapshot();
         self.daemon = start_daemon(&self.toml, &self.files);
+        // A list on each new stream: devices the pods' exclusive work
+        // withdraws are listed unhealthy, so not all need be healthy.
         self.wait(|s| {
             RES.iter().all(|n| {
                 s.get(*n).is_some_and(|v| {
-                    v.stream_open && v.registrations > regs && v.healthy == v.devices
+                    let was = &before[*n];
+                    v.stream_open
+                        && v.registrations > was.registrations
+                        && v.messages > was.messages
+                        && v.devices == was.devices
                 })
             })
         })
@@ -910,4 +916,79 @@ async fn without_pod_matching_no_container_gets_two_gpus_in_any_resource_order()
     }
     println!("without pod matching: {admitted} pods admitted, {refused} refused");
     assert!(admitted > 0);
+}
+
+/// The kubelet's healthy devices per resource (memory, core, count) reach
+/// `want`.
+fn healthy(want: [usize; 3]) -> impl Fn(&BTreeMap<String, ResourceView>) -> bool {
+    move |s| {
+        RES.iter()
+            .zip(want)
+            .all(|(name, h)| s.get(*name).is_some_and(|v| v.healthy == h))
+    }
+}
+
+/// Issue 17 item 9: while a GPU is held whole its gpu-memory and gpu-core
+/// devices leave the kubelet's counts, while it carries shared work its
+/// gpu-count device does, and they come back when the work ends; a
+/// container asking a whole GPU and a share of it is still admitted
+/// whichever resource the kubelet serves first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exclusive_devices_leave_the_kubelets_counts_while_the_work_lasts() {
+    use gpu_device_plugin::sim::kubelet::ResourceOrder;
+    let c = Cluster::start("").await;
+    let all = [2048, 800, 8];
+    let one_whole = [2048 - 256, 700, 8];
+    let cases = [
+        ("whole", [0, 0, 1], vec![RES[2]], one_whole),
+        ("shared", [8, 10, 0], vec![RES[0], RES[1]], [2048, 800, 7]),
+        (
+            "count-first",
+            [16, 10, 1],
+            vec![RES[2], RES[0], RES[1]],
+            one_whole,
+        ),
+        (
+            "share-first",
+            [16, 10, 1],
+            vec![RES[0], RES[1], RES[2]],
+            one_whole,
+        ),
+    ];
+    for (name, wants, order, during) in cases {
+        c.api.add_pod(
+            "default",
+            name,
+            NODE,
+            &[container("app", false, wants)],
+            &[],
+        );
+        let order = order.iter().map(|r| r.to_string()).collect();
+        c.kubelet.set_order(ResourceOrder::Given(order));
+        let admitted = c.kubelet.admit_bound(&c.api, NODE).await;
+        if let Err(e) = &admitted[0].result {
+            panic!("{name}: {e}\n{}", c.daemon.log_text());
+        }
+        c.wait(healthy(during)).await;
+        c.api.delete_pod("default", name);
+        c.kubelet.admit_bound(&c.api, NODE).await;
+        c.wait(healthy(all)).await;
+    }
+}
+
+/// With `matcher.withdraw_exclusive = false` every device stays listed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_withdrawal_a_whole_gpu_keeps_its_shares_listed() {
+    let c = Cluster::start("[matcher]\nwithdraw_exclusive = false\n").await;
+    c.api.add_pod(
+        "default",
+        "whole",
+        NODE,
+        &[container("app", false, [0, 0, 1])],
+        &[],
+    );
+    let admitted = c.kubelet.admit_bound(&c.api, NODE).await;
+    assert!(admitted[0].result.is_ok(), "{:?}", admitted[0].result);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(healthy([2048, 800, 8])(&c.kubelet.snapshot()));
 }

@@ -12,14 +12,17 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
+use tokio::sync::watch;
 
 use super::api::{
-    Allocated, LiveContainer, MatcherError, MatcherMsg, Prepare, Refusal, Steer, UNSEEN_POD_WAIT,
+    Allocated, LiveContainer, MatcherError, MatcherHandle, MatcherMsg, Prepare, Refusal, Steer,
+    UNSEEN_POD_WAIT,
 };
 use super::cache::PodCache;
 use super::ledger::Ledger;
 use super::matching::{Ask, Decision, MatchError, decide, decide_with, deleting, record, usage};
 use super::pods::{PodKey, PodView};
+use super::report::Withdrawn;
 use crate::metrics::{Hold, Metrics};
 use crate::usage::{Inventory, Keys};
 
@@ -39,6 +42,9 @@ pub(crate) struct MatcherArgs {
     pub(crate) wait: Duration,
     pub(crate) kubeconfig: PathBuf,
     pub(crate) metrics: Arc<Metrics>,
+    /// Where to publish the devices withdrawn from the kubelet's lists;
+    /// None with `matcher.withdraw_exclusive = false`.
+    pub(crate) withdrawals: Option<watch::Sender<Withdrawn>>,
 }
 
 impl MatcherArgs {
@@ -46,6 +52,7 @@ impl MatcherArgs {
         config: &crate::config::Config,
         gpus: &[crate::device::Gpu],
         metrics: Arc<Metrics>,
+        handle: &MatcherHandle,
     ) -> Self {
         MatcherArgs {
             node_name: config.node_name.clone(),
@@ -54,6 +61,10 @@ impl MatcherArgs {
             wait: Duration::from_millis(config.matcher.wait_ms),
             kubeconfig: config.matcher.kubeconfig.clone(),
             metrics,
+            withdrawals: config
+                .matcher
+                .withdraw_exclusive
+                .then(|| handle.withdrawals().clone()),
         }
     }
 }
@@ -471,6 +482,11 @@ impl Actor for PodMatcher {
         // Without a matcher there is no usage to show, rather than a stale one.
         state.report.abort();
         state.args.metrics.set_gpus(Vec::new());
+        // Nor withdrawals nobody keeps current: every device the GPUs'
+        // health allows goes back on the kubelet's lists.
+        if let Some(tx) = &state.args.withdrawals {
+            super::report::publish(tx, Withdrawn::default());
+        }
         Ok(())
     }
 }

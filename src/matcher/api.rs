@@ -8,10 +8,12 @@ use std::time::{Duration, Instant};
 use futures::future::BoxFuture;
 
 use ractor::{ActorRef, RactorErr, RpcReplyPort, call_t};
+use tokio::sync::watch;
 
 use super::ledger::ids_digest;
 use super::matching::{Ask, Decision, MatchError};
 use super::pods::PodKey;
+use super::report::Withdrawn;
 use crate::device::{DeviceRef, Resource};
 use crate::enforcement::{EnforcementError, Preload};
 
@@ -145,16 +147,41 @@ fn no_answer<T>(e: RactorErr<T>) -> MatcherError {
     }
 }
 
-#[derive(Debug, Clone, Default)]
-pub(crate) struct MatcherHandle(Arc<RwLock<Option<ActorRef<MatcherMsg>>>>);
+/// The matcher as the plugins see it, across its restarts: the running
+/// actor, and the devices it withdraws from the kubelet's lists.
+#[derive(Debug, Clone)]
+pub(crate) struct MatcherHandle {
+    actor: Arc<RwLock<Option<ActorRef<MatcherMsg>>>>,
+    /// Outlives every matcher, so a plugin follows one channel for good.
+    withdrawals: watch::Sender<Withdrawn>,
+}
+
+impl Default for MatcherHandle {
+    fn default() -> Self {
+        MatcherHandle {
+            actor: Arc::default(),
+            withdrawals: watch::Sender::new(Withdrawn::default()),
+        }
+    }
+}
 
 impl MatcherHandle {
     pub(crate) fn set(&self, actor: Option<ActorRef<MatcherMsg>>) {
-        *self.0.write().expect("matcher handle poisoned") = actor;
+        *self.actor.write().expect("matcher handle poisoned") = actor;
     }
 
     fn actor(&self) -> Option<ActorRef<MatcherMsg>> {
-        self.0.read().expect("matcher handle poisoned").clone()
+        self.actor.read().expect("matcher handle poisoned").clone()
+    }
+
+    /// Where a matcher publishes what it withdraws.
+    pub(crate) fn withdrawals(&self) -> &watch::Sender<Withdrawn> {
+        &self.withdrawals
+    }
+
+    /// What the matcher withdraws now and after every change.
+    pub(crate) fn follow_withdrawals(&self) -> watch::Receiver<Withdrawn> {
+        self.withdrawals.subscribe()
     }
 
     /// The container granted `devices` of `resource`, named by `ids` (the

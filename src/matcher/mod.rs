@@ -10,7 +10,7 @@ pub(crate) mod cache;
 pub mod ledger;
 pub mod matching;
 pub mod pods;
-mod report;
+pub mod report;
 
 pub(crate) use actor::{MatcherArgs, PodMatcher, READY_NAME};
 pub(crate) use api::{LiveContainer, MatcherError, MatcherHandle, MatcherMsg, Prepare, Steer};

@@ -2,19 +2,25 @@
 //! it changes: the same usage model matching decides on, and no API call,
 //! however often Prometheus scrapes. Also the cache's size, and readiness
 //! while the cache's watch cannot reach the API server (an Allocate then
-//! cannot write its pod's ledger, so it cannot succeed).
+//! cannot write its pod's ledger, so it cannot succeed). From the same
+//! usage, the devices the kubelet could not admit work to anyway
+//! ([`withdrawn`]), which the plugins list as unhealthy so node allocatable
+//! tells the truth about whole GPUs.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::ListParams;
 use kube::{Api, Client};
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::actor::{MatcherArgs, READY_NAME};
 use super::cache::PodCache;
 use super::matching::usage;
 use super::pods::PodView;
+use crate::device::{PerResource, Resource};
 use crate::metrics::{GpuMode, GpuSample, Hold};
 use crate::usage::{Inventory, NodeUsage};
 
@@ -23,13 +29,19 @@ use crate::usage::{Inventory, NodeUsage};
 /// changes, so its silence cannot tell that it recovered.
 const PROBE: Duration = Duration::from_secs(2);
 
-/// Publishes the usage and the pod count after every change of `cache`,
+/// Per resource, per GPU of the node: whether its devices are withdrawn
+/// from the kubelet's lists. Empty lists: nothing withdrawn.
+pub type Withdrawn = PerResource<Arc<[bool]>>;
+
+/// Publishes the usage, the pod count and (when `args.withdrawals` is set)
+/// the withdrawn devices after every change of `cache`,
 /// and holds readiness back while its watch fails (until the watch or a
 /// probe through `client` gets an answer), until the cache stops.
 pub(super) fn spawn(cache: &PodCache, client: &Client, args: &MatcherArgs) -> JoinHandle<()> {
     let (pods, mut changes) = cache.reader();
     let mut failing = cache.failing();
     let (node, keys, metrics) = (args.node.clone(), args.keys.clone(), args.metrics.clone());
+    let withdrawals = args.withdrawals.clone();
     let probe = ListParams::default()
         .fields(&format!("spec.nodeName={}", args.node_name))
         .limit(1);
@@ -48,7 +60,11 @@ pub(super) fn spawn(cache: &PodCache, client: &Client, args: &MatcherArgs) -> Jo
                         .map(|p| PodView::from_pod(&keys, p).0)
                         .collect();
                     metrics.set_pod_cache(views.len());
-                    metrics.set_gpus(samples(&node, &usage(&node, &views)));
+                    let usage = usage(&node, &views);
+                    metrics.set_gpus(samples(&node, &usage));
+                    if let Some(tx) = &withdrawals {
+                        publish(tx, withdrawn(&node, &views, &usage));
+                    }
                 }
                 changed = failing.changed() => {
                     if changed.is_err() {
@@ -69,6 +85,63 @@ pub(super) fn spawn(cache: &PodCache, client: &Client, args: &MatcherArgs) -> Jo
                 }
             }
         }
+    })
+}
+
+/// Sends `w` only when it differs: each change is a new device list for
+/// the kubelet.
+pub(super) fn publish(tx: &watch::Sender<Withdrawn>, w: Withdrawn) {
+    tx.send_if_modified(|old| {
+        let changed = *old != w;
+        if changed {
+            *old = w;
+        }
+        changed
+    });
+}
+
+/// The devices the kubelet could not admit work to under `usage`: the
+/// gpu-count device of a GPU carrying shared work, and the gpu-memory and
+/// gpu-core devices of a GPU held whole (whole and shared work never mix,
+/// so listing them only overstates node allocatable). Never the devices a
+/// whole container on that GPU still waits for: a container asking whole
+/// GPUs and a share of them (`ContainerAsk::rides_whole`) gets its share's
+/// devices on its own GPUs, and the kubelet may serve its resources in any
+/// order, so they stay listed until every such container is fully served.
+pub fn withdrawn(inv: &Inventory, views: &[PodView], usage: &NodeUsage) -> Withdrawn {
+    let mut waits = PerResource::from_fn(|_| vec![false; inv.gpus.len()]);
+    for p in views.iter().filter(|p| p.admitting) {
+        for c in p.containers.iter().filter(|c| c.whole()) {
+            let grant = p.ledger.0.get(&c.name);
+            // Its GPUs once one resource is served, else the extender's;
+            // unknown yet, it holds no GPU whose devices could be withdrawn.
+            let gpus = grant
+                .map(|g| &g.gpus)
+                .filter(|g| !g.is_empty())
+                .or_else(|| p.assignment.0.get(&c.name));
+            for r in Resource::ALL {
+                if c.wants(r) == 0 || grant.and_then(|g| g.amount(r)).is_some() {
+                    continue;
+                }
+                for g in gpus.into_iter().flatten().filter_map(|u| inv.index(u)) {
+                    waits[r][g] = true;
+                }
+            }
+        }
+    }
+    PerResource::from_fn(|r| {
+        usage
+            .gpus
+            .iter()
+            .zip(&waits[r])
+            .map(|(u, &waits)| {
+                let exclusive = match r {
+                    Resource::GpuCount => u.carries_shared(),
+                    Resource::GpuMemory | Resource::GpuCore => u.held_whole(),
+                };
+                exclusive && !waits
+            })
+            .collect()
     })
 }
 

@@ -796,3 +796,86 @@ fn limits_are_read_as_quantities_and_an_unreadable_one_is_named() {
         "{why}"
     );
 }
+
+const NOTHING: [Vec<usize>; 3] = [Vec::new(), Vec::new(), Vec::new()];
+
+/// Per resource in `Resource::ALL`'s order, the GPUs whose devices are
+/// withdrawn from the kubelet's lists.
+fn withdrawn_gpus(pods: &[PodView]) -> [Vec<usize>; 3] {
+    let inv = node();
+    let w = super::report::withdrawn(&inv, pods, &super::matching::usage(&inv, pods));
+    Resource::ALL.map(|r| (0..2).filter(|&g| w[r][g]).collect())
+}
+
+#[test]
+fn exclusive_devices_are_withdrawn_once_no_whole_container_waits_for_them() {
+    let mut pods = vec![pod("whole", 1, vec![container("c", 100, 10, 1)])];
+    // Count first: its GPU is held whole, but its memory and core Allocates
+    // still come, on that GPU: nothing withdrawn yet.
+    serve(&mut pods, &ask(GpuCount, 1, &[1], &["w0"])).unwrap();
+    assert_eq!(withdrawn_gpus(&pods), NOTHING);
+    serve(&mut pods, &ask(GpuMemory, 100, &[0], &["w1"])).unwrap();
+    assert_eq!(withdrawn_gpus(&pods), [vec![1], vec![], vec![]]);
+    serve(&mut pods, &ask(GpuCore, 10, &[1], &["w2"])).unwrap();
+    assert_eq!(withdrawn_gpus(&pods), [vec![1], vec![1], vec![]]);
+    // A sharer on the other GPU withdraws that GPU's count device.
+    pods.push(pod("sharer", 2, vec![container("c", 10, 0, 0)]));
+    serve(&mut pods, &ask(GpuMemory, 10, &[0], &["s"])).unwrap();
+    assert_eq!(withdrawn_gpus(&pods), [vec![1], vec![1], vec![0]]);
+    // Both done: everything goes back.
+    for p in &mut pods {
+        p.live = false;
+        p.admitting = false;
+    }
+    assert_eq!(withdrawn_gpus(&pods), NOTHING);
+}
+
+#[test]
+fn a_whole_container_served_share_first_keeps_its_count_device_listed() {
+    let mut pods = vec![pod("whole", 1, vec![container("c", 100, 0, 1)])];
+    serve(&mut pods, &ask(GpuMemory, 100, &[1], &["w0"])).unwrap();
+    assert_eq!(withdrawn_gpus(&pods)[2], Vec::<usize>::new());
+    serve(&mut pods, &ask(GpuCount, 1, &[1], &["w1"])).unwrap();
+    assert_eq!(withdrawn_gpus(&pods), [vec![1], vec![1], vec![]]);
+    // Bound to a GPU by the extender and not admitted yet: its own devices
+    // there stay listed, those it does not ask are withdrawn at once.
+    let mut bound = pod("bound", 2, vec![container("c", 0, 10, 1)]);
+    assign(&mut bound, &[("c", &["GPU-a"])]);
+    pods.push(bound);
+    assert_eq!(withdrawn_gpus(&pods), [vec![0, 1], vec![1], vec![]]);
+}
+
+#[test]
+fn withdrawals_are_published_only_when_they_change() {
+    let inv = node();
+    let tx = tokio::sync::watch::Sender::new(super::report::Withdrawn::default());
+    let mut rx = tx.subscribe();
+    let mut pods = vec![pod("whole", 1, vec![container("c", 0, 0, 1)])];
+    let publish = |pods: &[PodView]| {
+        let w = super::report::withdrawn(&inv, pods, &super::matching::usage(&inv, pods));
+        super::report::publish(&tx, w);
+    };
+    publish(&pods);
+    assert!(
+        rx.has_changed().unwrap(),
+        "nothing held: the masks got their length"
+    );
+    rx.mark_unchanged();
+    publish(&pods);
+    assert!(!rx.has_changed().unwrap(), "the same usage: no new list");
+    serve(&mut pods, &ask(GpuCount, 1, &[0], &["w"])).unwrap();
+    publish(&pods);
+    assert!(rx.has_changed().unwrap());
+    assert_eq!(&*rx.borrow_and_update().memory, &[true, false]);
+    // A second GPU held whole, then given back.
+    pods.push(pod("other", 2, vec![container("c", 0, 0, 1)]));
+    serve(&mut pods, &ask(GpuCount, 1, &[1], &["o"])).unwrap();
+    publish(&pods);
+    assert!(rx.has_changed().unwrap(), "GPU-b held whole now");
+    rx.mark_unchanged();
+    pods[1].live = false;
+    pods[1].admitting = false;
+    publish(&pods);
+    assert!(rx.has_changed().unwrap());
+    assert_eq!(&*rx.borrow_and_update().memory, &[true, false]);
+}

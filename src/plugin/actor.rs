@@ -125,6 +125,9 @@ pub(crate) enum PluginMsg {
     SetPlacement(Placement, RpcReplyPort<()>),
     /// The GPUs' health changed.
     SetHealth(Arc<[bool]>),
+    /// Per GPU: whether the matcher withdraws this resource's devices
+    /// (empty: none).
+    SetWithdrawn(Arc<[bool]>),
 }
 
 struct Server {
@@ -149,6 +152,11 @@ pub(crate) struct PluginState {
     /// registered at once.
     settle: Option<(Instant, Option<FileId>)>,
     retry: Retry,
+    /// Per GPU: devices the matcher withdraws while the GPU's exclusivity
+    /// holds (empty: none); listed unhealthy, whatever the GPU's health.
+    withdrawn: Arc<[bool]>,
+    /// Forwards the matcher's withdrawals while placement uses it.
+    follower: Option<JoinHandle<()>>,
 }
 
 impl PluginState {
@@ -156,9 +164,14 @@ impl PluginState {
         self.args.model.resource()
     }
 
-    /// The current list, with the device gauges brought up to date.
+    /// The current list, with the device gauges brought up to date: a
+    /// GPU's devices are listed healthy when it is and they are not
+    /// withdrawn.
     fn list(&self) -> DeviceListMessage {
-        let list = DeviceListMessage::new(self.args.model.clone(), self.args.healthy.clone());
+        let healthy = (self.args.healthy.iter().enumerate())
+            .map(|(g, &h)| h && !self.withdrawn.get(g).copied().unwrap_or(false))
+            .collect();
+        let list = DeviceListMessage::new(self.args.model.clone(), healthy);
         let m = &self.args.metrics;
         m.devices.store(list.device_count(), Ordering::Relaxed);
         m.healthy.store(list.healthy_count(), Ordering::Relaxed);
@@ -174,10 +187,35 @@ impl PluginState {
     }
 
     /// Pod matching was switched on or off, or its wait changed.
-    fn set_placement(&mut self, placement: Placement) {
+    fn set_placement(&mut self, myself: &ActorRef<PluginMsg>, placement: Placement) {
         tracing::info!(resource = %self.resource(), ?placement, "placement changed");
         self.args.placement = placement.clone();
         self.placement.send_replace(placement);
+        self.follow(myself);
+    }
+
+    /// Follows the withdrawals of the matcher the placement uses, or, with
+    /// none, withdraws nothing.
+    fn follow(&mut self, myself: &ActorRef<PluginMsg>) {
+        if let Some(old) = self.follower.take() {
+            old.abort();
+        }
+        let Placement::Matcher { handle, .. } = &self.args.placement else {
+            self.set_withdrawn(Arc::new([]));
+            return;
+        };
+        let (mut rx, myself, r) = (handle.follow_withdrawals(), myself.clone(), self.resource());
+        self.follower = Some(tokio::spawn(async move {
+            loop {
+                let mask = rx.borrow_and_update()[r].clone();
+                if myself.send_message(PluginMsg::SetWithdrawn(mask)).is_err() {
+                    return;
+                }
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            }
+        }));
     }
 
     /// Streams the new list when the GPUs' health changed.
@@ -186,12 +224,26 @@ impl PluginState {
             return;
         }
         self.args.healthy = healthy;
+        self.stream("device health changed");
+    }
+
+    /// Streams the new list when the matcher's withdrawals changed.
+    fn set_withdrawn(&mut self, withdrawn: Arc<[bool]>) {
+        if withdrawn == self.withdrawn {
+            return;
+        }
+        self.withdrawn = withdrawn;
+        self.stream("devices withdrawn or given back");
+    }
+
+    /// Sends the current list down the open stream, saying `why`.
+    fn stream(&self, why: &str) {
         let list = self.list();
         tracing::info!(
             resource = %self.resource(),
             healthy = list.healthy_count(),
             devices = list.device_count(),
-            "device health changed"
+            "{why}"
         );
         if let Some(server) = &self.server {
             server.lists.send_replace(StreamItem { list, last: false });
@@ -534,7 +586,10 @@ impl Actor for PluginActor {
             registered: None,
             settle: None,
             retry: Retry::default(),
+            withdrawn: Arc::new([]),
+            follower: None,
         };
+        state.follow(&myself);
         state.server = Some(Self::start_server(&state)?);
         Self::first_registration(&myself, &mut state, settle_until, held_by)?;
         Ok(state)
@@ -556,12 +611,20 @@ impl Actor for PluginActor {
             }
             PluginMsg::Check => Self::on_check(&myself, state).await,
             PluginMsg::SetPlacement(placement, reply) => {
-                state.set_placement(placement);
+                state.set_placement(&myself, placement);
                 let _ = reply.send(());
                 Ok(())
             }
             PluginMsg::SetHealth(healthy) => {
                 state.set_health(healthy);
+                Ok(())
+            }
+            // One the last follower sent before placement left the matcher
+            // is stale: without it nothing is withdrawn.
+            PluginMsg::SetWithdrawn(withdrawn) => {
+                if state.args.placement.uses_matcher() {
+                    state.set_withdrawn(withdrawn);
+                }
                 Ok(())
             }
         }
@@ -572,6 +635,9 @@ impl Actor for PluginActor {
         _: ActorRef<PluginMsg>,
         state: &mut PluginState,
     ) -> Result<(), ActorProcessingErr> {
+        if let Some(follower) = state.follower.take() {
+            follower.abort();
+        }
         // The kubelet drops devices it is told about before the stream ends.
         Self::stop_server(state, DeviceListMessage::empty()).await;
         state.set_registered(None);

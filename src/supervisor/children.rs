@@ -118,6 +118,11 @@ impl Args {
                 config,
                 plan.gpus(),
                 shared.metrics.clone(),
+                match &shared.placement {
+                    Placement::Matcher { handle, .. } => handle,
+                    // Wanted only with pod matching, whose placement it is.
+                    Placement::Ids(_) => return None,
+                },
             )),
             Child::Plugin(r) => Args::Plugin(PluginArgs::new(
                 config,

@@ -65,7 +65,12 @@ macro_rules! compared {
 }
 
 // The metrics registry is the supervisor's, the same across reloads.
-compared!(matcher: MatcherArgs { node_name, node, keys, wait, kubeconfig; metrics });
+// The withdrawals channel is the supervisor's matcher handle's; whether
+// it is used is the config's.
+compared!(matcher: MatcherArgs {
+    node_name, node, keys, wait, kubeconfig, withdrawals.is_some();
+    metrics
+});
 
 // Health and placement are pushed to a running plugin; its metrics are
 // looked up by resource name; the settle instant is set at its start.

@@ -41,7 +41,8 @@ pub struct ResourceView {
     pub stream_open: bool,
     pub devices: usize,
     pub healthy: usize,
-    pub(crate) messages: u64,
+    /// ListAndWatch messages received, over every stream.
+    pub messages: u64,
     pub last_message_bytes: usize,
     pub stream_error: Option<String>,
 }
