@@ -9,7 +9,9 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 
 use crate::matcher::ledger::Ledger;
 use crate::usage::pod_holdings;
-use crate::usage::{Assignment, ContainerAsk, Inventory, InventoryError, Keys, NodeUsage, PodAsks};
+use crate::usage::{
+    Assignment, ContainerAsk, Inventory, InventoryError, Keys, NodeUsage, PodAsks, Records,
+};
 
 /// `namespace/name`, the key kube-scheduler's bind call names a pod by.
 pub type PodName = (String, String);
@@ -29,7 +31,8 @@ pub(crate) enum Gpus {
 
 /// What a pod holds, read once from its spec and annotations: its node, its
 /// containers' asks, its ledger and its assignment. A malformed annotation
-/// counts as absent, as on the node.
+/// is logged and counted failing closed, as on the node
+/// ([`crate::usage::pod_holdings`]): it never frees room.
 #[derive(Debug)]
 struct Held {
     node: Option<String>,
@@ -40,15 +43,16 @@ struct Held {
 
 impl Held {
     fn of(keys: &Keys, pod: &Pod) -> Held {
-        let annotation = |key: &str| {
-            let annotations = pod.metadata.annotations.as_ref()?;
-            annotations.get(key).map(String::as_str)
-        };
+        let records = Records::read(keys, pod);
+        for g in records.garbled() {
+            let (namespace, name) = pod_name(pod);
+            tracing::warn!(pod = %format!("{namespace}/{name}"), error = %g, "garbled GPU record");
+        }
         Held {
             node: node_of(pod).map(str::to_owned),
             containers: PodAsks::from_pod(keys, pod).containers,
-            ledger: Ledger::parse(annotation(&keys.ledger)).unwrap_or_default(),
-            assignment: Assignment::parse(annotation(&keys.assignment)).unwrap_or_default(),
+            ledger: records.ledger,
+            assignment: records.assignment,
         }
     }
 }
@@ -401,12 +405,15 @@ mod tests {
         ix.apply_pod(on_gpu("a", "GPU-a", true));
         assert_eq!(used(&ix, "n"), [1000, 1000]);
 
-        // A new inventory is counted against; GPUs it lacks hold nothing.
+        // A new inventory is counted against. A pod on a GPU it lacks
+        // cannot be told from one naming a GPU falsely, so it fails closed:
+        // its ask counts on every GPU of the node.
         ix.apply_node(gpu_node("n", &[("GPU-c", 4000), ("GPU-a", 4000)]));
-        assert_eq!(used(&ix, "n"), [0, 1000]);
+        assert_eq!(used(&ix, "n"), [1000, 2000]);
 
         // Deleted pods free their share; a relist counts from scratch.
         ix.delete_pod(&key("a"));
+        ix.delete_pod(&key("b"));
         assert_eq!(used(&ix, "n"), [0, 0]);
         ix.replace_pods(vec![
             on_gpu("c", "GPU-c", true),

@@ -5,7 +5,7 @@ use k8s_openapi::api::core::v1::Pod;
 
 use super::ledger::Ledger;
 use crate::device::Resource;
-use crate::usage::{Assignment, ContainerAsk, Keys, PodAsks};
+use crate::usage::{Assignment, ContainerAsk, Keys, PodAsks, Records};
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct PodKey {
@@ -47,9 +47,17 @@ pub struct PodView {
 pub enum PodWarning {
     #[error("annotation {0} is not a decimal number: {1:?}")]
     AssumeTime(String, String),
-    #[error("annotation {0} is not a valid ledger ({1}); ignoring it")]
+    /// The pod's asks count as held wherever they may be
+    /// ([`crate::usage::pod_holdings`] fails closed), never as nothing.
+    #[error(
+        "annotation {0} is not a valid ledger ({1}); counting the pod's GPU asks as held \
+         wherever they may be"
+    )]
     Ledger(String, String),
-    #[error("annotation {0} is not a valid GPU assignment ({1}); ignoring it")]
+    #[error(
+        "annotation {0} is not a valid GPU assignment ({1}); counting the pod's unserved GPU \
+         asks as held wherever they may be"
+    )]
     Assignment(String, String),
 }
 
@@ -65,19 +73,13 @@ impl PodView {
             }
             parsed
         });
-        let ledger = Ledger::parse(annotations.get(&keys.ledger).map(String::as_str))
-            .unwrap_or_else(|e| {
-                warnings.push(PodWarning::Ledger(keys.ledger.clone(), e.to_string()));
-                Ledger::default()
-            });
-        let assignment = Assignment::parse(annotations.get(&keys.assignment).map(String::as_str))
-            .unwrap_or_else(|e| {
-                warnings.push(PodWarning::Assignment(
-                    keys.assignment.clone(),
-                    e.to_string(),
-                ));
-                Assignment::default()
-            });
+        let records = Records::read(keys, pod);
+        if let Some(g) = records.garbled_ledger {
+            warnings.push(PodWarning::Ledger(g.key, g.error));
+        }
+        if let Some(g) = records.garbled_assignment {
+            warnings.push(PodWarning::Assignment(g.key, g.error));
+        }
         let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
         let deleting = meta.deletion_timestamp.is_some();
         let view = PodView {
@@ -97,9 +99,9 @@ impl PodView {
                 .get(&keys.gpu_uuid)
                 .map(|v| v.trim().to_owned())
                 .filter(|v| !v.is_empty()),
-            assignment,
+            assignment: records.assignment,
             containers: PodAsks::from_pod(keys, pod).containers,
-            ledger,
+            ledger: records.ledger,
             resource_version: meta.resource_version.clone().unwrap_or_default(),
         };
         (view, warnings)

@@ -14,8 +14,8 @@ mod fit;
 mod inventory;
 mod node;
 
-pub(crate) use annotations::Assignment;
 pub use annotations::Keys;
+pub(crate) use annotations::{Assignment, Records};
 pub(crate) use asks::{ContainerAsk, PodAsks};
 pub use fit::Policy;
 pub(crate) use fit::{best_shared, fit, score};
