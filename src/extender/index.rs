@@ -426,4 +426,60 @@ mod tests {
         ix.delete_node("n");
         assert!(ix.gpus("n").is_none());
     }
+
+    /// A tenant writes what it likes on its own pods: a forged ledger on a
+    /// pod asking no GPU holds nothing, and a GPU pod that garbles its
+    /// records keeps holding its room.
+    #[cfg(feature = "sim")]
+    #[test]
+    fn forged_or_garbled_records_free_no_room_and_block_nothing() {
+        use crate::extender::memory::{gpu_node, gpu_pod};
+        use crate::sim::apiserver::PodContainer;
+        let app = |wants| PodContainer {
+            name: "app".into(),
+            init: false,
+            restartable: false,
+            wants,
+        };
+        let annotated = |name: &str, wants, records: &[(&str, &str)]| {
+            let mut p = gpu_pod("ns", name, &[app(wants)]);
+            p.spec.get_or_insert_default().node_name = Some("n".into());
+            let on_pod = p.metadata.annotations.get_or_insert_default();
+            for (k, v) in records {
+                on_pod.insert(format!("doslab.io/{k}"), v.to_string());
+            }
+            p
+        };
+        let mut ix = Index::new("doslab.io");
+        ix.apply_node(gpu_node("n", &[("GPU-a", 40960), ("GPU-b", 40960)]));
+        let forged =
+            r#"{"app":{"gpus":["GPU-a","GPU-b"],"gpu-memory":1000000000000000000,"gpu-count":2}}"#;
+        ix.apply_pod(annotated("cpu", [0, 0, 0], &[("gpu-ledger", forged)]));
+        assert_eq!(used(&ix, "n"), [0, 0]);
+        let Some(Gpus::Published { usage, .. }) = ix.gpus("n") else {
+            panic!("no usage")
+        };
+        assert!(usage.gpus.iter().all(|g| !g.held_whole()));
+
+        // A running 40 GiB pod on GPU-a sets its records to garbage: its
+        // room stays held, and with no readable record of where, it is
+        // held on every GPU it could be on.
+        let sound = [
+            ("gpu-assignment", r#"{"app":["GPU-a"]}"#),
+            (
+                "gpu-ledger",
+                r#"{"app":{"gpus":["GPU-a"],"gpu-memory":40960}}"#,
+            ),
+        ];
+        ix.apply_pod(annotated("big", [40960, 0, 0], &sound));
+        assert_eq!(used(&ix, "n"), [40960, 0]);
+        let garbage = [("gpu-assignment", "[1]"), ("gpu-ledger", "{")];
+        ix.apply_pod(annotated("big", [40960, 0, 0], &garbage));
+        assert_eq!(used(&ix, "n"), [40960, 40960]);
+        ix.apply_pod(annotated("big", [40960, 0, 0], &[sound[0], garbage[1]]));
+        assert_eq!(used(&ix, "n"), [40960, 0]);
+        // Deleted, it frees what it held.
+        ix.delete_pod(&("ns".into(), "big".into()));
+        assert_eq!(used(&ix, "n"), [0, 0]);
+    }
 }
