@@ -8,6 +8,7 @@ use std::collections::{HashMap, HashSet};
 use k8s_openapi::api::core::v1::{Node, Pod};
 
 use crate::matcher::ledger::Ledger;
+use crate::matcher::pods::finished;
 use crate::usage::pod_holdings;
 use crate::usage::{
     Assignment, ContainerAsk, Inventory, InventoryError, Keys, NodeUsage, PodAsks, Records,
@@ -81,12 +82,6 @@ pub(crate) fn pod_name(pod: &Pod) -> PodName {
 
 fn node_of(pod: &Pod) -> Option<&str> {
     pod.spec.as_ref()?.node_name.as_deref()
-}
-
-/// Succeeded and Failed pods hold nothing: their GPUs are free at once.
-fn terminal(pod: &Pod) -> bool {
-    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
-    matches!(phase, Some("Succeeded" | "Failed"))
 }
 
 impl Index {
@@ -212,7 +207,8 @@ impl Index {
     /// Keeps `pod` (uncounted: the caller counts its nodes again).
     fn store(&mut self, key: PodName, pod: &Pod) {
         self.unindex(&key);
-        if terminal(pod) {
+        // Succeeded and Failed pods hold nothing: their GPUs are free at once.
+        if finished(pod) {
             self.reserved.remove(&key);
             return;
         }

@@ -61,6 +61,13 @@ pub enum PodWarning {
     Assignment(String, String),
 }
 
+/// Succeeded or Failed: the kubelet released its devices, so it holds
+/// nothing and is no candidate.
+pub(crate) fn finished(pod: &Pod) -> bool {
+    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    matches!(phase, Some("Succeeded" | "Failed"))
+}
+
 impl PodView {
     pub fn from_pod(keys: &Keys, pod: &Pod) -> (PodView, Vec<PodWarning>) {
         let meta = &pod.metadata;
@@ -89,7 +96,7 @@ impl PodView {
             },
             uid: meta.uid.clone().unwrap_or_default(),
             admitting: matches!(phase, None | Some("Pending")) && !deleting,
-            live: !matches!(phase, Some("Succeeded" | "Failed")),
+            live: !finished(pod),
             assume_time,
             created: meta
                 .creation_timestamp

@@ -1,6 +1,11 @@
 //! Each GPU's usage for `/metrics`, recomputed from the pod cache whenever
 //! it changes: the same usage model matching decides on, and no API call,
-//! however often Prometheus scrapes.
+//! however often Prometheus scrapes. The same pass keeps the cache-size
+//! gauge current and logs, once per pod while it lasts, each annotation
+//! that cannot be read (a garbled ledger or assignment is counted failing
+//! closed, and an operator needs to hear of it).
+
+use std::collections::HashSet;
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::reflector::Store;
@@ -21,12 +26,27 @@ pub(super) fn spawn(
 ) -> JoinHandle<()> {
     let (node, keys, metrics) = (args.node.clone(), args.keys.clone(), args.metrics.clone());
     tokio::spawn(async move {
+        // (pod UID, warning) already logged.
+        let mut named: HashSet<(String, String)> = HashSet::new();
         while changes.changed().await.is_ok() {
-            let views: Vec<PodView> = pods
-                .state()
+            let state = pods.state();
+            metrics.set_pod_cache(state.len());
+            let mut seen = HashSet::new();
+            let views: Vec<PodView> = state
                 .iter()
-                .map(|p| PodView::from_pod(&keys, p).0)
+                .map(|p| {
+                    let (view, warnings) = PodView::from_pod(&keys, p);
+                    for w in warnings {
+                        let key = (view.uid.clone(), w.to_string());
+                        if !named.contains(&key) {
+                            tracing::warn!(pod = %view.key, warning = %w, "pod annotation");
+                        }
+                        seen.insert(key);
+                    }
+                    view
+                })
                 .collect();
+            named = seen;
             metrics.set_gpus(samples(&node, &usage(&node, &views)));
         }
     })
