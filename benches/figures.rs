@@ -495,7 +495,11 @@ async fn finished_pods_figures() {
         for i in 0..finished {
             let name = format!("job-{i}");
             api.add_pod("jobs", &name, "bench-node", &[app([1, 1, 0])], &[]);
-            api.set_phase("jobs", &name, if i % 10 == 0 { "Failed" } else { "Succeeded" });
+            api.set_phase(
+                "jobs",
+                &name,
+                if i % 10 == 0 { "Failed" } else { "Succeeded" },
+            );
         }
         let toml = mock_toml(dir.path(), 4).replace(
             "pod_matching = false\n",

@@ -272,22 +272,22 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let kubeconfig = dir.path().join("kubeconfig");
         api.write_kubeconfig(&kubeconfig).unwrap();
-        let app = PodContainer {
+        let app = [PodContainer {
             name: "app".into(),
             init: false,
             restartable: false,
             wants: [1, 0, 0],
-        };
+        }];
         const DONE: usize = 3000;
         for i in 0..DONE {
-            api.add_pod("jobs", &format!("done-{i}"), "n", &[app.clone()], &[]);
+            api.add_pod("jobs", &format!("done-{i}"), "n", &app, &[]);
             let phase = if i % 3 == 0 { "Failed" } else { "Succeeded" };
             api.set_phase("jobs", &format!("done-{i}"), phase);
         }
         for i in 0..5 {
-            api.add_pod("ns", &format!("live-{i}"), "n", &[app.clone()], &[]);
+            api.add_pod("ns", &format!("live-{i}"), "n", &app, &[]);
         }
-        api.add_pod("ns", "elsewhere", "m", &[app.clone()], &[]);
+        api.add_pod("ns", "elsewhere", "m", &app, &[]);
         let client = crate::kube_client::from_kubeconfig(&kubeconfig, "kubeconfig")
             .await
             .unwrap();

@@ -91,9 +91,9 @@ fn container_holdings(
     assignment: &Assignment,
 ) -> Vec<Holding> {
     let ask = inv.amount(&c.devices);
-    let anywhere = || inv.gpus.iter().map(|g| g.uuid.clone()).collect::<Vec<_>>();
+    let anywhere = || every_gpu(inv);
     let unread = ledger.1;
-    // Where the assignment puts the container, when it says so readably.
+    // Where the assignment puts the container.
     let assigned: Option<Vec<String>> = if unread.assignment {
         Some(anywhere())
     } else {
@@ -102,13 +102,7 @@ fn container_holdings(
         } else {
             1
         };
-        assignment.0.get(&c.name).map(|gpus| {
-            if vouched(inv, gpus, n) {
-                gpus.clone()
-            } else {
-                anywhere()
-            }
-        })
+        assignment.0.get(&c.name).map(|gpus| vouched(inv, gpus, n))
     };
     let asked = |r: Resource| c.wants(r) > 0;
     let holding = |gpus: Vec<String>, counts: &dyn Fn(Resource) -> bool| Holding {
@@ -132,11 +126,7 @@ fn container_holdings(
             } else {
                 1
             };
-            if vouched(inv, &g.gpus, n) {
-                g.gpus.clone()
-            } else {
-                anywhere()
-            }
+            vouched(inv, &g.gpus, n)
         });
     let rest = assigned
         .map(|gpus| holding(gpus, &|r| asked(r) && !served(r)))
@@ -150,10 +140,20 @@ fn container_holdings(
     }
 }
 
-/// `gpus` names exactly `n` distinct GPUs of this node.
-fn vouched(inv: &Inventory, gpus: &[String], n: u64) -> bool {
+/// `gpus`, when they are exactly `n` distinct GPUs of this node; else
+/// (a record the spec does not vouch for) every GPU of the node.
+fn vouched(inv: &Inventory, gpus: &[String], n: u64) -> Vec<String> {
     let distinct = gpus.iter().enumerate().all(|(i, g)| !gpus[..i].contains(g));
-    gpus.len() as u64 == n && distinct && gpus.iter().all(|g| inv.index(g).is_some())
+    let known = gpus.iter().all(|g| inv.index(g).is_some());
+    if gpus.len() as u64 == n && distinct && known {
+        gpus.to_vec()
+    } else {
+        every_gpu(inv)
+    }
+}
+
+fn every_gpu(inv: &Inventory) -> Vec<String> {
+    inv.gpus.iter().map(|g| g.uuid.clone()).collect()
 }
 
 /// One GPU's usage.
