@@ -474,6 +474,75 @@ async fn pod_matching_figures() {
     api.stop();
 }
 
+/// Allocate latency and resident memory of the daemon with pod matching
+/// on a node that ran 0, 1,000 and 5,000 pods now finished (completed Job
+/// pods): the cache drops finished pods, so both stay flat.
+async fn finished_pods_figures() {
+    use gpu_device_plugin::sim::apiserver::{ApiServerSim, PodContainer};
+
+    const GPU_PODS: usize = 50;
+    let app = |wants| PodContainer {
+        name: "app".into(),
+        init: false,
+        restartable: false,
+        wants,
+    };
+    for finished in [0, 1000, 5000] {
+        let dir = tempfile::tempdir().unwrap();
+        let api = ApiServerSim::start().await.unwrap();
+        let kubeconfig = dir.path().join("kubeconfig");
+        api.write_kubeconfig(&kubeconfig).unwrap();
+        for i in 0..finished {
+            let name = format!("job-{i}");
+            api.add_pod("jobs", &name, "bench-node", &[app([1, 1, 0])], &[]);
+            api.set_phase(
+                "jobs",
+                &name,
+                if i % 10 == 0 { "Failed" } else { "Succeeded" },
+            );
+        }
+        let toml = mock_toml(dir.path(), 4).replace(
+            "pod_matching = false\n",
+            "pod_matching = true\nnode_name = \"bench-node\"\nmemory_unit_mib = 256\n",
+        ) + &format!(
+            "[matcher]\nkubeconfig = {:?}\n",
+            kubeconfig.display().to_string()
+        );
+        let child = spawn(dir.path(), &toml);
+        let kubelet = KubeletSim::start(dir.path()).unwrap();
+        assert!(
+            kubelet
+                .wait_until(Duration::from_secs(60), listed(&names()))
+                .await
+        );
+        for i in 0..GPU_PODS {
+            let name = format!("gpu-{i}");
+            api.add_pod("default", &name, "bench-node", &[app([1, 1, 0])], &[]);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let mut took = Vec::new();
+        for i in 0..GPU_PODS {
+            let asks = [("doslab.io/gpu-memory", 1), ("doslab.io/gpu-core", 1)];
+            let grants = kubelet.admit(&asks).await.unwrap();
+            took.extend(grants.iter().map(|g| g.allocate_took));
+            api.set_phase("default", &format!("gpu-{i}"), "Running");
+        }
+        report(
+            &format!("Allocate with pod matching, {finished} finished pods on the node"),
+            took,
+        );
+        let (rss, anon) = rss_kib(child.id());
+        println!(
+            "daemon resident memory, {finished} finished pods on the node: {:.1} MiB (anonymous {:.1})",
+            rss as f64 / 1024.0,
+            anon as f64 / 1024.0
+        );
+        stop(child);
+        kubelet.stop().await;
+        api.stop();
+    }
+}
+
 fn main() {
     // `cargo bench --bench figures -- NAME` runs the sections whose name
     // contains NAME; `cargo bench` passes --bench, `cargo test --benches`
@@ -499,6 +568,9 @@ fn main() {
         }
         if run("matching") {
             pod_matching_figures().await;
+        }
+        if run("finished") {
+            finished_pods_figures().await;
         }
     });
 }

@@ -992,3 +992,60 @@ async fn without_withdrawal_a_whole_gpu_keeps_its_shares_listed() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(healthy([2048, 800, 8])(&c.kubelet.snapshot()));
 }
+
+/// SPEC §7 Trust, end to end: a CPU-only pod's forged ledger (every GPU
+/// whole, 10^18 MiB) blocks nothing, and a running pod whose ledger is
+/// garbage keeps its GPU from whole grants (a restarted daemon knows it only
+/// by its annotations, as here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_ledger_blocks_nothing_and_a_garbled_one_frees_nothing() {
+    let c = Cluster::start("").await;
+    let mut rng = Lcg(18);
+    let every: Vec<String> = (0..GPUS).map(uuid).collect();
+    let forged = serde_json::json!({
+        "app": {"gpus": every, "gpu-memory": 1_000_000_000_000_000_000u64, "gpu-count": GPUS},
+    })
+    .to_string();
+    let cpu = [container("app", false, [0, 0, 0])];
+    let forger = [("doslab.io/gpu-ledger", forged.as_str())];
+    c.api.add_pod("default", "forger", NODE, &cpu, &forger);
+    c.api.set_phase("default", "forger", "Running");
+    let on_5 = format!(r#"{{"app":["{}"]}}"#, uuid(5));
+    let garbled = [
+        ("doslab.io/gpu-ledger", "{garbage"),
+        ("doslab.io/gpu-assignment", on_5.as_str()),
+    ];
+    let small = [container("app", false, [8, 5, 0])];
+    c.api.add_pod("default", "garbled", NODE, &small, &garbled);
+    c.api.set_phase("default", "garbled", "Running");
+
+    // Nearly a whole GPU's memory: no room beside the garbled pod on GPU 5.
+    let big = [container("app", false, [250, 0, 0])];
+    c.api.add_pod("default", "big", NODE, &big, &[]);
+    let granted = c.admit("big", &big, &mut rng).await.unwrap();
+    let gpu_of = |grants: &BTreeMap<String, Vec<Grant>>| {
+        grants["app"][0].response.envs["NVIDIA_VISIBLE_DEVICES"].clone()
+    };
+    let big_gpu = gpu_of(&granted);
+    assert_ne!(big_gpu, uuid(5));
+
+    // Whole GPUs: every GPU but the two carrying shared work.
+    let whole = [container("app", false, [0, 0, 1])];
+    let mut taken = BTreeSet::new();
+    for i in 0..GPUS {
+        let name = format!("whole-{i}");
+        c.api.add_pod("default", &name, NODE, &whole, &[]);
+        match c.admit(&name, &whole, &mut rng).await {
+            Ok(g) => assert!(taken.insert(gpu_of(&g))),
+            Err(e) => {
+                assert!(e.contains("carries shared work"), "{e}");
+                break;
+            }
+        }
+    }
+    let expected: BTreeSet<String> = (0..GPUS)
+        .map(uuid)
+        .filter(|u| *u != uuid(5) && *u != big_gpu)
+        .collect();
+    assert_eq!(taken, expected, "{}", c.daemon.log_text());
+}

@@ -9,8 +9,11 @@ use std::time::Instant;
 use k8s_openapi::api::core::v1::{Node, Pod};
 
 use crate::matcher::ledger::Ledger;
+use crate::matcher::pods::finished;
 use crate::usage::pod_holdings;
-use crate::usage::{Assignment, ContainerAsk, Inventory, InventoryError, Keys, NodeUsage, PodAsks};
+use crate::usage::{
+    Assignment, ContainerAsk, Inventory, InventoryError, Keys, NodeUsage, PodAsks, Records,
+};
 
 /// `namespace/name`, the key kube-scheduler's bind call names a pod by.
 pub type PodName = (String, String);
@@ -30,7 +33,8 @@ pub(crate) enum Gpus {
 
 /// What a pod holds, read once from its spec and annotations: its node, its
 /// containers' asks, its ledger and its assignment. A malformed annotation
-/// counts as absent, as on the node.
+/// is logged and counted failing closed, as on the node
+/// ([`crate::usage::pod_holdings`]): it never frees room.
 #[derive(Debug)]
 struct Held {
     node: Option<String>,
@@ -41,15 +45,16 @@ struct Held {
 
 impl Held {
     fn of(keys: &Keys, pod: &Pod) -> Held {
-        let annotation = |key: &str| {
-            let annotations = pod.metadata.annotations.as_ref()?;
-            annotations.get(key).map(String::as_str)
-        };
+        let records = Records::read(keys, pod);
+        for g in records.garbled() {
+            let (namespace, name) = pod_name(pod);
+            tracing::warn!(pod = %format!("{namespace}/{name}"), error = %g, "garbled GPU record");
+        }
         Held {
             node: node_of(pod).map(str::to_owned),
             containers: PodAsks::from_pod(keys, pod).containers,
-            ledger: Ledger::parse(annotation(&keys.ledger)).unwrap_or_default(),
-            assignment: Assignment::parse(annotation(&keys.assignment)).unwrap_or_default(),
+            ledger: records.ledger,
+            assignment: records.assignment,
         }
     }
 }
@@ -98,12 +103,6 @@ pub(crate) fn pod_name(pod: &Pod) -> PodName {
 
 fn node_of(pod: &Pod) -> Option<&str> {
     pod.spec.as_ref()?.node_name.as_deref()
-}
-
-/// Succeeded and Failed pods hold nothing: their GPUs are free at once.
-fn terminal(pod: &Pod) -> bool {
-    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
-    matches!(phase, Some("Succeeded" | "Failed"))
 }
 
 impl Index {
@@ -230,7 +229,8 @@ impl Index {
     /// Keeps `pod` (uncounted: the caller counts its nodes again).
     fn store(&mut self, key: PodName, pod: &Pod) {
         self.unindex(&key);
-        if terminal(pod) {
+        // Succeeded and Failed pods hold nothing: their GPUs are free at once.
+        if finished(pod) {
             self.reserved.remove(&key);
             return;
         }
@@ -495,12 +495,15 @@ mod tests {
         ix.apply_pod(on_gpu("a", "GPU-a", true));
         assert_eq!(used(&ix, "n"), [1000, 1000]);
 
-        // A new inventory is counted against; GPUs it lacks hold nothing.
+        // A new inventory is counted against. A pod on a GPU it lacks
+        // cannot be told from one naming a GPU falsely, so it fails closed:
+        // its ask counts on every GPU of the node.
         ix.apply_node(gpu_node("n", &[("GPU-c", 4000), ("GPU-a", 4000)]));
-        assert_eq!(used(&ix, "n"), [0, 1000]);
+        assert_eq!(used(&ix, "n"), [1000, 2000]);
 
         // Deleted pods free their share; a relist counts from scratch.
         ix.delete_pod(&key("a"));
+        ix.delete_pod(&key("b"));
         assert_eq!(used(&ix, "n"), [0, 0]);
         ix.replace_pods(vec![
             on_gpu("c", "GPU-c", true),
@@ -512,5 +515,61 @@ mod tests {
         assert!(matches!(ix.gpus("n"), Some(Gpus::Unpublished)));
         ix.delete_node("n");
         assert!(ix.gpus("n").is_none());
+    }
+
+    /// A tenant writes what it likes on its own pods: a forged ledger on a
+    /// pod asking no GPU holds nothing, and a GPU pod that garbles its
+    /// records keeps holding its room.
+    #[cfg(feature = "sim")]
+    #[test]
+    fn forged_or_garbled_records_free_no_room_and_block_nothing() {
+        use crate::extender::memory::{gpu_node, gpu_pod};
+        use crate::sim::apiserver::PodContainer;
+        let app = |wants| PodContainer {
+            name: "app".into(),
+            init: false,
+            restartable: false,
+            wants,
+        };
+        let annotated = |name: &str, wants, records: &[(&str, &str)]| {
+            let mut p = gpu_pod("ns", name, &[app(wants)]);
+            p.spec.get_or_insert_default().node_name = Some("n".into());
+            let on_pod = p.metadata.annotations.get_or_insert_default();
+            for (k, v) in records {
+                on_pod.insert(format!("doslab.io/{k}"), v.to_string());
+            }
+            p
+        };
+        let mut ix = Index::new("doslab.io");
+        ix.apply_node(gpu_node("n", &[("GPU-a", 40960), ("GPU-b", 40960)]));
+        let forged =
+            r#"{"app":{"gpus":["GPU-a","GPU-b"],"gpu-memory":1000000000000000000,"gpu-count":2}}"#;
+        ix.apply_pod(annotated("cpu", [0, 0, 0], &[("gpu-ledger", forged)]));
+        assert_eq!(used(&ix, "n"), [0, 0]);
+        let Some(Gpus::Published { usage, .. }) = ix.gpus("n") else {
+            panic!("no usage")
+        };
+        assert!(usage.gpus.iter().all(|g| !g.held_whole()));
+
+        // A running 40 GiB pod on GPU-a sets its records to garbage: its
+        // room stays held, and with no readable record of where, it is
+        // held on every GPU it could be on.
+        let sound = [
+            ("gpu-assignment", r#"{"app":["GPU-a"]}"#),
+            (
+                "gpu-ledger",
+                r#"{"app":{"gpus":["GPU-a"],"gpu-memory":40960}}"#,
+            ),
+        ];
+        ix.apply_pod(annotated("big", [40960, 0, 0], &sound));
+        assert_eq!(used(&ix, "n"), [40960, 0]);
+        let garbage = [("gpu-assignment", "[1]"), ("gpu-ledger", "{")];
+        ix.apply_pod(annotated("big", [40960, 0, 0], &garbage));
+        assert_eq!(used(&ix, "n"), [40960, 40960]);
+        ix.apply_pod(annotated("big", [40960, 0, 0], &[sound[0], garbage[1]]));
+        assert_eq!(used(&ix, "n"), [40960, 0]);
+        // Deleted, it frees what it held.
+        ix.delete_pod(&("ns".into(), "big".into()));
+        assert_eq!(used(&ix, "n"), [0, 0]);
     }
 }

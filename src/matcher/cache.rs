@@ -2,17 +2,27 @@
 //! node, reflected into a store, so an Allocate costs no LIST. The watcher
 //! re-lists and re-watches by itself (with backoff) when the API server
 //! goes away.
+//!
+//! It keeps only what placement needs, so its memory and every lookup over
+//! it stay flat in the number of finished pods (a node that ran thousands
+//! of Job pods): a Succeeded or Failed pod leaves it (the kubelet released
+//! its devices, so it holds nothing and is no candidate), and a live one is
+//! stored [`lean`], without managed fields, status beyond its phase, or
+//! container fields besides name, limits and restart policy.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, PodStatus, ResourceRequirements};
+use kube::api::ObjectMeta;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+
+use super::pods::finished;
 
 pub(crate) struct PodCache {
     store: Store<Pod>,
@@ -30,7 +40,8 @@ impl PodCache {
         let (store, writer) = reflector::store();
         let (tx, changes) = watch::channel(0u64);
         let (failed, failing) = watch::channel(None);
-        let stream = reflector::reflector(writer, watcher(api, config)).default_backoff();
+        let events = watcher(api, config).filter_map(|e| std::future::ready(kept(e)));
+        let stream = reflector::reflector(writer, events).default_backoff();
         let task = tokio::spawn(async move {
             futures::pin_mut!(stream);
             while let Some(event) = stream.next().await {
@@ -94,8 +105,233 @@ impl PodCache {
     }
 }
 
+/// `event` as the store should apply it: a pod that finished is deleted
+/// from it (and never added by a relist); every pod is stored [`lean`].
+fn kept(
+    event: Result<watcher::Event<Pod>, watcher::Error>,
+) -> Option<Result<watcher::Event<Pod>, watcher::Error>> {
+    use watcher::Event::{Apply, Delete, InitApply};
+    let kept = match event {
+        Err(e) => return Some(Err(e)),
+        Ok(Apply(p)) if finished(&p) => Delete(lean(p)),
+        Ok(Apply(p)) => Apply(lean(p)),
+        Ok(InitApply(p)) if finished(&p) => return None,
+        Ok(InitApply(p)) => InitApply(lean(p)),
+        Ok(Delete(p)) => Delete(lean(p)),
+        Ok(other) => other,
+    };
+    Some(Ok(kept))
+}
+
+/// `pod` with only what the matcher reads ([`super::pods::PodView`], the
+/// live containers): identity, annotations but `kubectl`'s copy of the
+/// whole object, times, resourceVersion; the node and the containers' names,
+/// limits and restart policies; the phase.
+pub(crate) fn lean(pod: Pod) -> Pod {
+    let Pod {
+        metadata,
+        spec,
+        status,
+        ..
+    } = pod;
+    let mut annotations = metadata.annotations;
+    if let Some(a) = &mut annotations {
+        a.remove("kubectl.kubernetes.io/last-applied-configuration");
+    }
+    let container = |c: Container| Container {
+        name: c.name,
+        restart_policy: c.restart_policy,
+        resources: c.resources.map(|r| ResourceRequirements {
+            limits: r.limits,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    Pod {
+        metadata: ObjectMeta {
+            name: metadata.name,
+            namespace: metadata.namespace,
+            uid: metadata.uid,
+            resource_version: metadata.resource_version,
+            creation_timestamp: metadata.creation_timestamp,
+            deletion_timestamp: metadata.deletion_timestamp,
+            annotations,
+            ..Default::default()
+        },
+        spec: spec.map(|s| PodSpec {
+            node_name: s.node_name,
+            init_containers: s
+                .init_containers
+                .map(|cs| cs.into_iter().map(container).collect()),
+            containers: s.containers.into_iter().map(container).collect(),
+            ..Default::default()
+        }),
+        status: status.map(|s| PodStatus {
+            phase: s.phase,
+            ..Default::default()
+        }),
+    }
+}
+
 impl Drop for PodCache {
     fn drop(&mut self) {
         self.task.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use k8s_openapi::api::core::v1::{ContainerStatus, EnvVar};
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
+
+    use super::*;
+
+    #[test]
+    fn a_pod_is_stored_with_only_what_matching_reads() {
+        let limits: BTreeMap<String, Quantity> =
+            [("doslab.io/gpu-memory".to_owned(), Quantity("4".into()))].into();
+        let bulky = Container {
+            name: "app".into(),
+            image: Some("registry/some/image:tag".into()),
+            env: Some(vec![EnvVar {
+                name: "X".into(),
+                value: Some("y".repeat(4096)),
+                ..Default::default()
+            }]),
+            resources: Some(ResourceRequirements {
+                limits: Some(limits.clone()),
+                requests: Some(limits.clone()),
+                ..Default::default()
+            }),
+            restart_policy: Some("Always".into()),
+            ..Default::default()
+        };
+        let pod = Pod {
+            metadata: ObjectMeta {
+                name: Some("p".into()),
+                namespace: Some("ns".into()),
+                uid: Some("u".into()),
+                resource_version: Some("7".into()),
+                labels: Some([("app".to_owned(), "x".to_owned())].into()),
+                annotations: Some(
+                    [
+                        ("doslab.io/gpu-ledger".to_owned(), "{}".to_owned()),
+                        (
+                            "kubectl.kubernetes.io/last-applied-configuration".to_owned(),
+                            "z".repeat(8192),
+                        ),
+                    ]
+                    .into(),
+                ),
+                managed_fields: Some(vec![ManagedFieldsEntry::default(); 8]),
+                ..Default::default()
+            },
+            spec: Some(PodSpec {
+                node_name: Some("n".into()),
+                init_containers: Some(vec![bulky.clone()]),
+                containers: vec![bulky],
+                ..Default::default()
+            }),
+            status: Some(PodStatus {
+                phase: Some("Running".into()),
+                container_statuses: Some(vec![ContainerStatus::default(); 2]),
+                ..Default::default()
+            }),
+        };
+        let kept = lean(pod.clone());
+        let size = |p: &Pod| serde_json::to_string(p).unwrap().len();
+        assert!(
+            size(&kept) < 600,
+            "{}",
+            serde_json::to_string(&kept).unwrap()
+        );
+        assert!(size(&pod) > 12_000);
+        let meta = &kept.metadata;
+        assert!(meta.managed_fields.is_none() && meta.labels.is_none());
+        assert_eq!(
+            meta.annotations
+                .as_ref()
+                .unwrap()
+                .keys()
+                .collect::<Vec<_>>(),
+            ["doslab.io/gpu-ledger"]
+        );
+        assert_eq!(meta.resource_version.as_deref(), Some("7"));
+        let spec = kept.spec.as_ref().unwrap();
+        for c in spec
+            .init_containers
+            .iter()
+            .flatten()
+            .chain(&spec.containers)
+        {
+            assert_eq!(c.resources.as_ref().unwrap().limits, Some(limits.clone()));
+            assert_eq!(c.restart_policy.as_deref(), Some("Always"));
+            assert!(c.image.is_none() && c.env.is_none());
+        }
+        // What the matcher reads of it is what it read of the whole pod.
+        let keys = crate::usage::Keys::new("doslab.io");
+        let view = |p: &Pod| super::super::pods::PodView::from_pod(&keys, p);
+        assert_eq!(view(&kept), view(&pod));
+        assert_eq!(kept.status.unwrap().phase.as_deref(), Some("Running"));
+    }
+
+    /// Thousands of finished Job pods on the node: the cache holds the
+    /// live ones only, whether they finished before it listed or after.
+    #[cfg(feature = "sim")]
+    #[tokio::test]
+    async fn finished_pods_leave_the_cache() {
+        use crate::sim::apiserver::{ApiServerSim, PodContainer};
+        let api = ApiServerSim::start().await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let kubeconfig = dir.path().join("kubeconfig");
+        api.write_kubeconfig(&kubeconfig).unwrap();
+        let app = [PodContainer {
+            name: "app".into(),
+            init: false,
+            restartable: false,
+            wants: [1, 0, 0],
+        }];
+        const DONE: usize = 3000;
+        for i in 0..DONE {
+            api.add_pod("jobs", &format!("done-{i}"), "n", &app, &[]);
+            let phase = if i % 3 == 0 { "Failed" } else { "Succeeded" };
+            api.set_phase("jobs", &format!("done-{i}"), phase);
+        }
+        for i in 0..5 {
+            api.add_pod("ns", &format!("live-{i}"), "n", &app, &[]);
+        }
+        api.add_pod("ns", "elsewhere", "m", &app, &[]);
+        let client = crate::kube_client::from_kubeconfig(&kubeconfig, "kubeconfig")
+            .await
+            .unwrap();
+        let mut cache = PodCache::start(client, "n");
+        let deadline = Instant::now() + std::time::Duration::from_secs(30);
+        assert!(cache.ready(deadline).await);
+        let names = |cache: &PodCache| {
+            let mut v: Vec<String> = cache
+                .pods()
+                .iter()
+                .map(|p| p.metadata.name.clone().unwrap_or_default())
+                .collect();
+            v.sort();
+            v
+        };
+        assert_eq!(
+            names(&cache),
+            ["live-0", "live-1", "live-2", "live-3", "live-4"]
+        );
+
+        // Live pods that finish leave it as the watch tells of them.
+        api.set_phase("ns", "live-0", "Succeeded");
+        api.set_phase("ns", "live-1", "Failed");
+        api.set_phase("ns", "live-2", "Running");
+        while names(&cache).len() > 3 {
+            assert!(cache.changed(deadline).await, "{:?}", names(&cache));
+        }
+        assert_eq!(names(&cache), ["live-2", "live-3", "live-4"]);
+        api.stop();
     }
 }

@@ -54,14 +54,30 @@ impl Grant {
     }
 }
 
-/// Container name → grant.
+/// Container name → grant; and, never written, which of the pod's
+/// accounting annotations were there but unreadable ([`Unread`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(transparent)]
-pub struct Ledger(pub(crate) BTreeMap<String, Grant>);
+pub struct Ledger(
+    pub(crate) BTreeMap<String, Grant>,
+    #[serde(skip)] pub(crate) Unread,
+);
+
+/// Which of a pod's accounting annotations (its ledger, its assignment)
+/// were present but could not be read. What such a pod holds is then not
+/// known from them, so [`crate::usage::pod_holdings`] counts its asks
+/// failing closed. It travels with the ledger so that every reader of a
+/// pod's usage (the matcher, its metrics, the extender) sees it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Unread {
+    pub(crate) ledger: bool,
+    pub(crate) assignment: bool,
+}
 
 impl Ledger {
-    /// A missing annotation is an empty ledger; a malformed one is an error
-    /// (the caller logs it and treats the pod as unserved by us).
+    /// A missing annotation is an empty ledger; a malformed one is an error,
+    /// which the caller must not read as "nothing held"
+    /// ([`crate::usage::Records`] does it for every reader).
     pub(crate) fn parse(text: Option<&str>) -> Result<Ledger, serde_json::Error> {
         text.map_or(Ok(Ledger::default()), serde_json::from_str)
     }

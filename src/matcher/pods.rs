@@ -5,7 +5,7 @@ use k8s_openapi::api::core::v1::Pod;
 
 use super::ledger::Ledger;
 use crate::device::Resource;
-use crate::usage::{Assignment, ContainerAsk, Keys, PodAsks};
+use crate::usage::{Assignment, ContainerAsk, Keys, PodAsks, Records};
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct PodKey {
@@ -47,13 +47,28 @@ pub struct PodView {
 pub enum PodWarning {
     #[error("annotation {0} is not a decimal number: {1:?}")]
     AssumeTime(String, String),
-    #[error("annotation {0} is not a valid ledger ({1}); ignoring it")]
+    /// The pod's asks count as held wherever they may be
+    /// ([`crate::usage::pod_holdings`] fails closed), never as nothing.
+    #[error(
+        "annotation {0} is not a valid ledger ({1}); counting the pod's GPU asks as held \
+         wherever they may be"
+    )]
     Ledger(String, String),
-    #[error("annotation {0} is not a valid GPU assignment ({1}); ignoring it")]
+    #[error(
+        "annotation {0} is not a valid GPU assignment ({1}); counting the pod's unserved GPU \
+         asks as held wherever they may be"
+    )]
     Assignment(String, String),
     /// The container's other resources still match; this one never does.
     #[error("{0}; no device of it is matched to the pod")]
     Ask(String),
+}
+
+/// Succeeded or Failed: the kubelet released its devices, so it holds
+/// nothing and is no candidate.
+pub(crate) fn finished(pod: &Pod) -> bool {
+    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    matches!(phase, Some("Succeeded" | "Failed"))
 }
 
 impl PodView {
@@ -68,19 +83,13 @@ impl PodView {
             }
             parsed
         });
-        let ledger = Ledger::parse(annotations.get(&keys.ledger).map(String::as_str))
-            .unwrap_or_else(|e| {
-                warnings.push(PodWarning::Ledger(keys.ledger.clone(), e.to_string()));
-                Ledger::default()
-            });
-        let assignment = Assignment::parse(annotations.get(&keys.assignment).map(String::as_str))
-            .unwrap_or_else(|e| {
-                warnings.push(PodWarning::Assignment(
-                    keys.assignment.clone(),
-                    e.to_string(),
-                ));
-                Assignment::default()
-            });
+        let records = Records::read(keys, pod);
+        if let Some(g) = records.garbled_ledger {
+            warnings.push(PodWarning::Ledger(g.key, g.error));
+        }
+        if let Some(g) = records.garbled_assignment {
+            warnings.push(PodWarning::Assignment(g.key, g.error));
+        }
         let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
         let deleting = meta.deletion_timestamp.is_some();
         let view = PodView {
@@ -90,7 +99,7 @@ impl PodView {
             },
             uid: meta.uid.clone().unwrap_or_default(),
             admitting: matches!(phase, None | Some("Pending")) && !deleting,
-            live: !matches!(phase, Some("Succeeded" | "Failed")),
+            live: !finished(pod),
             assume_time,
             created: meta
                 .creation_timestamp
@@ -100,14 +109,14 @@ impl PodView {
                 .get(&keys.gpu_uuid)
                 .map(|v| v.trim().to_owned())
                 .filter(|v| !v.is_empty()),
-            assignment,
+            assignment: records.assignment,
             containers: {
                 let asks = PodAsks::from_pod(keys, pod);
                 let invalid = asks.containers.iter().filter_map(|c| c.invalid.as_ref());
                 warnings.extend(invalid.map(|e| PodWarning::Ask(e.to_string())));
                 asks.containers
             },
-            ledger,
+            ledger: records.ledger,
             resource_version: meta.resource_version.clone().unwrap_or_default(),
         };
         (view, warnings)

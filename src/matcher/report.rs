@@ -5,8 +5,12 @@
 //! cannot write its pod's ledger, so it cannot succeed). From the same
 //! usage, the devices the kubelet could not admit work to anyway
 //! ([`withdrawn`]), which the plugins list as unhealthy so node allocatable
-//! tells the truth about whole GPUs.
+//! tells the truth about whole GPUs. The same pass logs, once per pod while
+//! it lasts, each annotation that cannot be read (a garbled ledger or
+//! assignment is counted failing closed, and an operator needs to hear of
+//! it).
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -48,18 +52,32 @@ pub(super) fn spawn(cache: &PodCache, client: &Client, args: &MatcherArgs) -> Jo
     let api: Api<Pod> = Api::all(client.clone());
     tokio::spawn(async move {
         let mut unreachable = false;
+        // (pod UID, warning) already logged.
+        let mut named: HashSet<(String, String)> = HashSet::new();
         loop {
             tokio::select! {
                 changed = changes.changed() => {
                     if changed.is_err() {
                         return;
                     }
-                    let views: Vec<PodView> = pods
-                        .state()
+                    let state = pods.state();
+                    metrics.set_pod_cache(state.len());
+                    let mut seen = HashSet::new();
+                    let views: Vec<PodView> = state
                         .iter()
-                        .map(|p| PodView::from_pod(&keys, p).0)
+                        .map(|p| {
+                            let (view, warnings) = PodView::from_pod(&keys, p);
+                            for w in warnings {
+                                let key = (view.uid.clone(), w.to_string());
+                                if !named.contains(&key) {
+                                    tracing::warn!(pod = %view.key, warning = %w, "pod annotation");
+                                }
+                                seen.insert(key);
+                            }
+                            view
+                        })
                         .collect();
-                    metrics.set_pod_cache(views.len());
+                    named = seen;
                     let usage = usage(&node, &views);
                     metrics.set_gpus(samples(&node, &usage));
                     if let Some(tx) = &withdrawals {

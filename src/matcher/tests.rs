@@ -879,3 +879,82 @@ fn withdrawals_are_published_only_when_they_change() {
     assert!(rx.has_changed().unwrap());
     assert_eq!(&*rx.borrow_and_update().memory, &[true, false]);
 }
+
+/// Forged and garbled ledgers change no placement and free no room.
+mod trust {
+    use super::*;
+    use crate::matcher::matching::usage;
+
+    #[test]
+    fn a_pod_asking_no_gpu_blocks_none_whatever_its_ledger_claims() {
+        let mut forger = pod("forger", 1, vec![container("app", 0, 0, 0)]);
+        forger.admitting = false;
+        forger.ledger = Ledger::parse(Some(
+            r#"{"app":{"gpus":["GPU-a"],"gpu-memory":1000000000000000000},
+                "ghost":{"gpus":["GPU-b"],"gpu-count":1}}"#,
+        ))
+        .unwrap();
+        let pods = vec![
+            forger,
+            pod("shared", 2, vec![container("app", 900, 0, 0)]),
+            pod("whole", 3, vec![container("app", 0, 0, 1)]),
+        ];
+        let d = decide(&node(), &pods, &ask(GpuMemory, 900, &[0], &["m1"])).unwrap();
+        assert_eq!((d.pod.name.as_str(), d.gpus), ("shared", vec![0]));
+        let d = decide(&node(), &pods, &ask(GpuCount, 1, &[1], &["c1"])).unwrap();
+        assert_eq!((d.pod.name.as_str(), d.gpus), ("whole", vec![1]));
+        assert_eq!(usage(&node(), &pods).gpus, usage(&node(), &pods[1..]).gpus);
+    }
+
+    #[test]
+    fn a_ledger_claiming_more_than_the_ask_counts_the_ask() {
+        let mut greedy = pod("greedy", 1, vec![container("app", 100, 0, 0)]);
+        greedy.admitting = false;
+        greedy.ledger = Ledger::parse(Some(
+            r#"{"app":{"gpus":["GPU-a"],"gpu-memory":1000,"gpu-core":100}}"#,
+        ))
+        .unwrap();
+        let pods = vec![greedy, pod("next", 2, vec![container("app", 900, 50, 0)])];
+        let u = usage(&node(), &pods);
+        assert_eq!((u.gpus[0].used.memory, u.gpus[0].used.core), (100, 0));
+        let d = decide(&node(), &pods, &ask(GpuMemory, 900, &[0], &["m1"])).unwrap();
+        assert_eq!((d.pod.name.as_str(), d.gpus), ("next", vec![0]));
+    }
+
+    /// After a restart the matcher knows a running pod only by its
+    /// annotations: a garbled ledger must not let a whole-GPU grant onto
+    /// the GPU its work is on.
+    #[test]
+    fn a_garbled_ledger_keeps_the_pods_gpus_from_whole_grants() {
+        let keys = Keys::new("doslab.io");
+        let garbled = ("doslab.io/gpu-ledger", r#"{"app":"GPU-a"}"#);
+        let (running, warnings) = PodView::from_pod(&keys, &api_pod(&[garbled], "Running", false));
+        assert!(
+            matches!(&warnings[..], [PodWarning::Ledger(k, _)] if k == "doslab.io/gpu-ledger"),
+            "{warnings:?}"
+        );
+        assert!(
+            warnings[0].to_string().contains("held wherever"),
+            "{}",
+            warnings[0]
+        );
+        let whole = pod("whole", 2, vec![container("app", 0, 0, 1)]);
+        let pods = vec![running, whole.clone()];
+        for g in [0, 1] {
+            let e = decide(&node(), &pods, &ask(GpuCount, 1, &[g], &["c"])).unwrap_err();
+            assert!(matches!(e, MatchError::CarriesShared { .. }), "{e}");
+        }
+        // With a readable assignment, only its GPU stays held.
+        let assigned = (
+            "doslab.io/gpu-assignment",
+            r#"{"init":["GPU-b"],"app":["GPU-b"]}"#,
+        );
+        let (running, _) =
+            PodView::from_pod(&keys, &api_pod(&[garbled, assigned], "Running", false));
+        let pods = vec![running, whole];
+        let d = decide(&node(), &pods, &ask(GpuCount, 1, &[0], &["c"])).unwrap();
+        assert_eq!((d.pod.name.as_str(), d.gpus), ("whole", vec![0]));
+        let e = decide(&node(), &pods, &ask(GpuCount, 1, &[1], &["c"])).unwrap_err();
+        assert!(matches!(e, MatchError::CarriesShared { .. }), "{e}");
+    }
+}

@@ -1,11 +1,19 @@
 //! The annotations the node daemon and the scheduler extender read and
 //! write, and the per-container GPU assignment the extender leaves on a pod.
+//!
+//! A pod's accounting annotations (its ledger and its assignment) are
+//! read once, by [`Records::read`], for every component: any tenant can
+//! write them on their own pods, so an unreadable one is a named condition
+//! ([`Garbled`]) that the usage model counts failing closed, never an
+//! empty record that would free the pod's room.
 
 use std::collections::BTreeMap;
 
+use k8s_openapi::api::core::v1::Pod;
 use serde::{Deserialize, Serialize};
 
 use crate::device::{PerResource, Resource};
+use crate::matcher::ledger::Ledger;
 
 /// The annotation keys of a resource domain.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,5 +66,58 @@ impl Assignment {
         let mut gpus = self.0.values().flatten();
         let first = gpus.next()?;
         gpus.all(|g| g == first).then_some(first.as_str())
+    }
+}
+
+/// An accounting annotation of a pod that is there but cannot be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "annotation {key} is not valid ({error}); the pod's GPU asks count as held wherever \
+     they may be until it is fixed or the pod ends"
+)]
+pub(crate) struct Garbled {
+    pub(crate) key: String,
+    pub(crate) error: String,
+}
+
+/// A pod's ledger and assignment as read: a missing annotation is empty; an
+/// unreadable one is empty too but marked in the ledger's
+/// [`crate::matcher::ledger::Unread`] (so the usage model fails closed on
+/// it) and named here (so the caller logs it).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Records {
+    pub(crate) ledger: Ledger,
+    pub(crate) assignment: Assignment,
+    pub(crate) garbled_ledger: Option<Garbled>,
+    pub(crate) garbled_assignment: Option<Garbled>,
+}
+
+impl Records {
+    pub(crate) fn read(keys: &Keys, pod: &Pod) -> Records {
+        let annotation = |key: &str| {
+            let annotations = pod.metadata.annotations.as_ref()?;
+            annotations.get(key).map(String::as_str)
+        };
+        let garbled = |key: &String, e: serde_json::Error| Garbled {
+            key: key.clone(),
+            error: e.to_string(),
+        };
+        let mut r = Records::default();
+        match Ledger::parse(annotation(&keys.ledger)) {
+            Ok(ledger) => r.ledger = ledger,
+            Err(e) => r.garbled_ledger = Some(garbled(&keys.ledger, e)),
+        }
+        match Assignment::parse(annotation(&keys.assignment)) {
+            Ok(assignment) => r.assignment = assignment,
+            Err(e) => r.garbled_assignment = Some(garbled(&keys.assignment, e)),
+        }
+        r.ledger.1.ledger = r.garbled_ledger.is_some();
+        r.ledger.1.assignment = r.garbled_assignment.is_some();
+        r
+    }
+
+    /// Every annotation that could not be read.
+    pub(crate) fn garbled(&self) -> impl Iterator<Item = &Garbled> {
+        self.garbled_ledger.iter().chain(&self.garbled_assignment)
     }
 }

@@ -15,8 +15,8 @@ mod inventory;
 mod node;
 pub(crate) mod quantity;
 
-pub(crate) use annotations::Assignment;
 pub use annotations::Keys;
+pub(crate) use annotations::{Assignment, Records};
 pub(crate) use asks::{ContainerAsk, PodAsks};
 pub use fit::Policy;
 pub(crate) use fit::{best_shared, fit, score};

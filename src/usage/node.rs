@@ -2,7 +2,7 @@
 
 use super::{Assignment, ContainerAsk, Inventory};
 use crate::device::{PerResource, Resource};
-use crate::matcher::ledger::{Grant, Ledger};
+use crate::matcher::ledger::Ledger;
 
 /// What one container holds: its GPUs and the amounts, in real units
 /// (MiB, percent, GPUs). A holding with GPUs counted holds them whole.
@@ -13,13 +13,6 @@ pub(crate) struct Holding {
 }
 
 impl Holding {
-    pub(crate) fn from_grant(g: &Grant) -> Holding {
-        Holding {
-            gpus: g.gpus.clone(),
-            amount: PerResource::from_fn(|r| g.amount(r).unwrap_or(0)),
-        }
-    }
-
     fn whole(&self) -> bool {
         self.amount.count > 0
     }
@@ -29,17 +22,34 @@ impl Holding {
     }
 }
 
-/// What a live pod holds: each resource of each container by its ledger
-/// entry when the kubelet served it, else, when the container has an
-/// assignment, by its ask on the assigned GPUs (bound, not yet admitted, or
-/// in the middle of admission: the kubelet serves a container's resources
-/// one at a time, and a half-served container still holds the rest). Never
-/// both for one resource, so nothing counts twice; and a GPU the kubelet
-/// handed whole from an init container to the containers after it counts
-/// once, with the first container that holds it. Only a GPU still handed
-/// on counts once: a sidecar (restartable init container) or an app
-/// container that holds a GPU keeps it, so a later container naming it too
-/// holds it again.
+/// What a live pod holds, counted only as far as its spec vouches for its
+/// annotations (which any tenant can write on their own pods): a grant or
+/// an assignment counts only for a container the spec has, only for a
+/// resource that container asks, and always as exactly its ask (its limit
+/// in devices), never the amount the annotation claims; entries for other
+/// containers or resources count nothing.
+///
+/// Each resource of each container counts by its ledger entry when the
+/// kubelet served it, else, when the container has an assignment, by its
+/// ask on the assigned GPUs (bound, not yet admitted, or in the middle of
+/// admission: the kubelet serves a container's resources one at a time, and
+/// a half-served container still holds the rest). Never both for one
+/// resource, so nothing counts twice; and a GPU the kubelet handed whole
+/// from an init container to the containers after it counts once, with the
+/// first container that holds it. Only a GPU still handed on counts once: a
+/// sidecar (restartable init container) or an app container that holds a
+/// GPU keeps it, so a later container naming it too holds it again.
+///
+/// Failing closed: where the record cannot say where an ask is held, it is
+/// counted as held on every GPU of the node it could be on (shared asks as
+/// a share of each, whole asks as each GPU whole). That is the case for an
+/// unreadable ledger ([`crate::matcher::ledger::Unread`]: every asked
+/// resource, on the container's assigned GPUs when those are readable and
+/// known, else anywhere), an unreadable assignment (the resources not in the
+/// ledger), and an entry naming GPUs this node lacks, repeating one, or
+/// naming too few or too many for the ask. So a garbled record never frees
+/// room, and costs at most the pod's own asks on each GPU: nothing for a
+/// pod that asks no GPU resource.
 pub(crate) fn pod_holdings(
     inv: &Inventory,
     containers: &[ContainerAsk],
@@ -47,33 +57,11 @@ pub(crate) fn pod_holdings(
     assignment: &Assignment,
 ) -> Vec<Holding> {
     let mut holdings: Vec<Holding> = Vec::new();
-    for (name, grant) in &ledger.0 {
-        if !containers.iter().any(|c| c.name == *name) {
-            holdings.push(Holding::from_grant(grant));
-        }
-    }
     // The GPUs the kubelet holds whole for the pod's init containers to
     // hand on: counted already.
     let mut handed: Vec<String> = Vec::new();
     for c in containers {
-        let grant = ledger.0.get(&c.name);
-        let served = grant.map(Holding::from_grant);
-        let ask = inv.amount(&c.devices);
-        let rest = assignment.0.get(&c.name).map(|gpus| Holding {
-            gpus: gpus.clone(),
-            amount: PerResource::from_fn(|r| match grant.and_then(|g| g.amount(r)) {
-                Some(_) => 0,
-                None => ask[r],
-            }),
-        });
-        let own: Vec<Holding> = match (served, rest) {
-            (Some(mut s), Some(r)) if s.gpus == r.gpus => {
-                s.amount = PerResource::from_fn(|res| s.amount[res].saturating_add(r.amount[res]));
-                vec![s]
-            }
-            (s, r) => s.into_iter().chain(r.filter(Holding::holds)).collect(),
-        };
-        for mut h in own {
+        for mut h in container_holdings(inv, c, ledger, assignment) {
             if !h.whole() {
                 holdings.push(h);
                 continue;
@@ -91,6 +79,82 @@ pub(crate) fn pod_holdings(
         }
     }
     holdings
+}
+
+/// What container `c` holds: its served resources on its ledger's GPUs,
+/// the rest of its ask on its assigned ones, each where the record vouches
+/// for it, else anywhere (see [`pod_holdings`]).
+fn container_holdings(
+    inv: &Inventory,
+    c: &ContainerAsk,
+    ledger: &Ledger,
+    assignment: &Assignment,
+) -> Vec<Holding> {
+    let ask = inv.amount(&c.devices);
+    let anywhere = || every_gpu(inv);
+    let unread = ledger.1;
+    // Where the assignment puts the container.
+    // How many GPUs a record of it names: its whole GPUs, else one.
+    let n = if c.whole() {
+        c.wants(Resource::GpuCount)
+    } else {
+        1
+    };
+    let assigned: Option<Vec<String>> = if unread.assignment {
+        Some(anywhere())
+    } else {
+        assignment.0.get(&c.name).map(|gpus| vouched(inv, gpus, n))
+    };
+    // The share of a container asking whole GPUs rides inside them
+    // (`ContainerAsk::rides_whole`): it holds its GPUs whole and nothing
+    // beside, so only its count is held.
+    let asked = |r: Resource| c.wants(r) > 0 && (r == Resource::GpuCount || !c.whole());
+    let holding = |gpus: Vec<String>, counts: &dyn Fn(Resource) -> bool| Holding {
+        gpus,
+        amount: PerResource::from_fn(|r| if counts(r) { ask[r] } else { 0 }),
+    };
+    if unread.ledger {
+        // Served or not, every asked resource may be held: where the
+        // assignment says, else (served by the daemon alone, or assigned
+        // unreadably) anywhere.
+        let h = holding(assigned.unwrap_or_else(anywhere), &asked);
+        return vec![h].into_iter().filter(Holding::holds).collect();
+    }
+    let grant = ledger.0.get(&c.name);
+    let recorded = |r: Resource| c.wants(r) > 0 && grant.is_some_and(|g| g.amount(r).is_some());
+    let any_recorded = Resource::ALL.iter().any(|&r| recorded(r));
+    // Whole GPUs are held from the first of the container's resources the
+    // kubelet served, whichever came first.
+    let served = |r: Resource| asked(r) && (recorded(r) || (c.whole() && any_recorded));
+    let served_on = grant
+        .filter(|_| any_recorded)
+        .map(|g| vouched(inv, &g.gpus, n));
+    let rest = assigned
+        .map(|gpus| holding(gpus, &|r| asked(r) && !served(r)))
+        .filter(Holding::holds);
+    match (served_on.map(|gpus| holding(gpus, &served)), rest) {
+        (Some(mut s), Some(r)) if s.gpus == r.gpus => {
+            s.amount = PerResource::from_fn(|res| s.amount[res].saturating_add(r.amount[res]));
+            vec![s]
+        }
+        (s, r) => s.into_iter().chain(r).collect(),
+    }
+}
+
+/// `gpus`, when they are exactly `n` distinct GPUs of this node; else
+/// (a record the spec does not vouch for) every GPU of the node.
+fn vouched(inv: &Inventory, gpus: &[String], n: u64) -> Vec<String> {
+    let distinct = gpus.iter().enumerate().all(|(i, g)| !gpus[..i].contains(g));
+    let known = gpus.iter().all(|g| inv.index(g).is_some());
+    if gpus.len() as u64 == n && distinct && known {
+        gpus.to_vec()
+    } else {
+        every_gpu(inv)
+    }
+}
+
+fn every_gpu(inv: &Inventory) -> Vec<String> {
+    inv.gpus.iter().map(|g| g.uuid.clone()).collect()
 }
 
 /// One GPU's usage.

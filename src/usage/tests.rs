@@ -1299,3 +1299,203 @@ mod search {
         }
     }
 }
+
+/// Accounting read from annotations counts only as far as the pod's spec
+/// supports it (SPEC §7 Trust): forged, inflated or garbled records.
+mod trust {
+    use super::*;
+
+    /// Memory, core and whole-GPU use per GPU.
+    fn used(inv: &Inventory, h: &[Holding]) -> Vec<(u64, u64, u64)> {
+        let u = NodeUsage::of(inv, h);
+        u.gpus
+            .iter()
+            .map(|g| (g.used.memory, g.used.core, g.used.count))
+            .collect()
+    }
+
+    /// A pod with `annotations` and one container `app` asking `limits`.
+    fn api_pod(annotations: &[(&str, &str)], limits: &[(&str, &str)]) -> Pod {
+        let mut p = Pod::default();
+        p.metadata.annotations = Some(
+            annotations
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        );
+        p.spec = Some(PodSpec {
+            containers: vec![Container {
+                name: "app".into(),
+                resources: Some(ResourceRequirements {
+                    limits: Some(
+                        limits
+                            .iter()
+                            .map(|(k, v)| (k.to_string(), Quantity(v.to_string())))
+                            .collect(),
+                    ),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }],
+            ..Default::default()
+        });
+        p
+    }
+
+    fn holdings_of(inv: &Inventory, p: &Pod) -> Vec<Holding> {
+        let keys = Keys::new("doslab.io");
+        let r = Records::read(&keys, p);
+        pod_holdings(
+            inv,
+            &PodAsks::from_pod(&keys, p).containers,
+            &r.ledger,
+            &r.assignment,
+        )
+    }
+
+    #[test]
+    fn a_pod_asking_no_gpu_holds_nothing_whatever_its_ledger_claims() {
+        let inv = inventory(&[16384, 16384]);
+        let forged = r#"{"app":{"gpus":["GPU-0","GPU-1"],"gpu-memory":1000000000000000000,"gpu-count":2},
+                        "ghost":{"gpus":["GPU-1"],"gpu-memory":16384,"gpu-core":100}}"#;
+        let assigned = r#"{"app":["GPU-0"],"ghost":["GPU-1"]}"#;
+        let p = api_pod(
+            &[
+                ("doslab.io/gpu-ledger", forged),
+                ("doslab.io/gpu-assignment", assigned),
+            ],
+            &[("cpu", "1")],
+        );
+        assert_eq!(holdings_of(&inv, &p), []);
+        // Garbled too: nothing asked, nothing held.
+        let p = api_pod(&[("doslab.io/gpu-ledger", "{oops")], &[("cpu", "1")]);
+        assert_eq!(holdings_of(&inv, &p), []);
+    }
+
+    #[test]
+    fn a_grant_counts_as_the_containers_ask_for_what_it_asks_only() {
+        let inv = inventory(&[16384, 16384]);
+        // Asks 4 memory devices (1024 MiB) and no core or whole GPU; the
+        // ledger claims far more, a whole GPU, and a container the spec
+        // lacks.
+        let containers = vec![ask("app", false, 4, 0, 0)];
+        let mut ledger = Ledger::default();
+        ledger.0.insert(
+            "app".into(),
+            grant("GPU-0", Some(1 << 40), Some(100), Some(2)),
+        );
+        ledger
+            .0
+            .insert("ghost".into(), grant("GPU-1", Some(16384), None, Some(1)));
+        let h = pod_holdings(&inv, &containers, &ledger, &Assignment::default());
+        assert_eq!(used(&inv, &h), [(1024, 0, 0), (0, 0, 0)]);
+        // Claiming less than the ask frees nothing either.
+        ledger.0.clear();
+        ledger
+            .0
+            .insert("app".into(), grant("GPU-1", Some(1), None, None));
+        let h = pod_holdings(&inv, &containers, &ledger, &Assignment::default());
+        assert_eq!(used(&inv, &h), [(0, 0, 0), (1024, 0, 0)]);
+    }
+
+    #[test]
+    fn a_record_naming_gpus_the_node_lacks_or_too_few_holds_the_ask_everywhere() {
+        let inv = inventory(&[16384, 16384]);
+        let shared = vec![ask("app", false, 4, 10, 0)];
+        let mut ledger = Ledger::default();
+        ledger
+            .0
+            .insert("app".into(), grant("GPU-x", Some(1024), Some(10), None));
+        let h = pod_holdings(&inv, &shared, &ledger, &Assignment::default());
+        assert_eq!(used(&inv, &h), [(1024, 10, 0), (1024, 10, 0)]);
+        // A whole ask of 2 whose ledger names one GPU (twice).
+        let whole = vec![ask("train", false, 0, 0, 2)];
+        let mut ledger = Ledger::default();
+        let mut g = grant("GPU-0", None, None, Some(2));
+        g.gpus.push("GPU-0".into());
+        ledger.0.insert("train".into(), g);
+        let h = pod_holdings(&inv, &whole, &ledger, &Assignment::default());
+        assert_eq!(used(&inv, &h), [(0, 0, 1), (0, 0, 1)]);
+        // An assignment naming a GPU the node lacks: the same.
+        let a = assignment(&[("app", &["GPU-9"])]);
+        let h = pod_holdings(&inv, &shared, &Ledger::default(), &a);
+        assert_eq!(used(&inv, &h), [(1024, 10, 0), (1024, 10, 0)]);
+        // A sound record counts on its GPU only.
+        let a = assignment(&[("train", &["GPU-1", "GPU-0"])]);
+        let h = pod_holdings(&inv, &whole, &Ledger::default(), &a);
+        assert_eq!(used(&inv, &h), [(0, 0, 1), (0, 0, 1)]);
+        let a = assignment(&[("app", &["GPU-1"])]);
+        let h = pod_holdings(&inv, &shared, &Ledger::default(), &a);
+        assert_eq!(used(&inv, &h), [(0, 0, 0), (1024, 10, 0)]);
+    }
+
+    #[test]
+    fn a_garbled_ledger_never_frees_room_and_is_named() {
+        let inv = inventory(&[16384, 16384, 16384]);
+        let limits = [("doslab.io/gpu-memory", "4"), ("doslab.io/gpu-core", "10")];
+        let assigned = ("doslab.io/gpu-assignment", r#"{"app":["GPU-1"]}"#);
+        for garbage in [
+            "{not json",
+            r#"{"app":5}"#,
+            r#"{"app":{"gpus":"GPU-1"}}"#,
+            "[]",
+        ] {
+            let bad = ("doslab.io/gpu-ledger", garbage);
+            // Assigned readably: held on its assigned GPU.
+            let p = api_pod(&[bad, assigned], &limits);
+            let r = Records::read(&Keys::new("doslab.io"), &p);
+            let g = r.garbled_ledger.as_ref().expect(garbage);
+            assert_eq!(g.key, "doslab.io/gpu-ledger");
+            assert!(g.to_string().contains("doslab.io/gpu-ledger"), "{g}");
+            assert!(r.ledger.1.ledger && !r.ledger.1.assignment);
+            assert_eq!(
+                used(&inv, &holdings_of(&inv, &p)),
+                [(0, 0, 0), (1024, 10, 0), (0, 0, 0)],
+                "{garbage}"
+            );
+            // Not assigned (served by the daemon alone): held anywhere.
+            let p = api_pod(&[bad], &limits);
+            assert_eq!(
+                used(&inv, &holdings_of(&inv, &p)),
+                [(1024, 10, 0); 3],
+                "{garbage}"
+            );
+        }
+        // A whole-GPU pod with a garbled ledger holds every GPU whole.
+        let p = api_pod(
+            &[("doslab.io/gpu-ledger", "null")],
+            &[("doslab.io/gpu-count", "1")],
+        );
+        assert_eq!(used(&inv, &holdings_of(&inv, &p)), [(0, 0, 1); 3]);
+    }
+
+    #[test]
+    fn a_garbled_assignment_holds_what_the_ledger_has_not_served_anywhere() {
+        let inv = inventory(&[16384, 16384]);
+        let limits = [("doslab.io/gpu-memory", "4"), ("doslab.io/gpu-core", "10")];
+        let bad = ("doslab.io/gpu-assignment", r#"{"app":"GPU-0"}"#);
+        // Memory served on GPU-1, core not yet: the core may be anywhere.
+        let ledger = (
+            "doslab.io/gpu-ledger",
+            r#"{"app":{"gpus":["GPU-1"],"gpu-memory":1024}}"#,
+        );
+        let p = api_pod(&[bad, ledger], &limits);
+        let r = Records::read(&Keys::new("doslab.io"), &p);
+        assert_eq!(r.garbled().count(), 1);
+        assert!(r.garbled_assignment.is_some() && r.ledger.1.assignment);
+        assert_eq!(
+            used(&inv, &holdings_of(&inv, &p)),
+            [(0, 10, 0), (1024, 10, 0)]
+        );
+        // Fully served: the ledger says it all.
+        let ledger = (
+            "doslab.io/gpu-ledger",
+            r#"{"app":{"gpus":["GPU-1"],"gpu-memory":1024,"gpu-core":10}}"#,
+        );
+        let p = api_pod(&[bad, ledger], &limits);
+        assert_eq!(
+            used(&inv, &holdings_of(&inv, &p)),
+            [(0, 0, 0), (1024, 10, 0)]
+        );
+    }
+}
