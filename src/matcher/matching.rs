@@ -466,6 +466,8 @@ fn without_own(inv: &Inventory, usage: &NodeUsage, pod: &PodView, c: &ContainerA
             .filter(|(n, _)| **n == c.name)
             .map(|(n, g)| (n.clone(), g.clone()))
             .collect(),
+        // Counted failing closed, it comes off the same way.
+        pod.ledger.1,
     );
     let assignment = Assignment(
         pod.assignment
