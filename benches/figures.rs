@@ -476,7 +476,10 @@ async fn pod_matching_figures() {
 
 /// Allocate latency and resident memory of the daemon with pod matching
 /// on a node that ran 0, 1,000 and 5,000 pods now finished (completed Job
-/// pods): the cache drops finished pods, so both stay flat.
+/// pods): the cache drops finished pods, so both stay flat. Each count is
+/// run twice: finished before the daemon starts (its first LIST carries
+/// them all, a peak the allocator keeps), and finishing while it runs (the
+/// steady state of a node running Jobs).
 async fn finished_pods_figures() {
     use gpu_device_plugin::sim::apiserver::{ApiServerSim, PodContainer};
 
@@ -487,7 +490,26 @@ async fn finished_pods_figures() {
         restartable: false,
         wants,
     };
-    for finished in [0, 1000, 5000] {
+    let finish = |api: &ApiServerSim, i: usize| {
+        let phase = if i.is_multiple_of(10) {
+            "Failed"
+        } else {
+            "Succeeded"
+        };
+        api.set_phase("jobs", &format!("job-{i}"), phase);
+    };
+    for (finished, before) in [
+        (0, true),
+        (1000, true),
+        (5000, true),
+        (1000, false),
+        (5000, false),
+    ] {
+        let when = if before {
+            "before start"
+        } else {
+            "while running"
+        };
         let dir = tempfile::tempdir().unwrap();
         let api = ApiServerSim::start().await.unwrap();
         let kubeconfig = dir.path().join("kubeconfig");
@@ -495,11 +517,9 @@ async fn finished_pods_figures() {
         for i in 0..finished {
             let name = format!("job-{i}");
             api.add_pod("jobs", &name, "bench-node", &[app([1, 1, 0])], &[]);
-            api.set_phase(
-                "jobs",
-                &name,
-                if i % 10 == 0 { "Failed" } else { "Succeeded" },
-            );
+            if before {
+                finish(&api, i);
+            }
         }
         let toml = mock_toml(dir.path(), 4).replace(
             "pod_matching = false\n",
@@ -515,6 +535,11 @@ async fn finished_pods_figures() {
                 .wait_until(Duration::from_secs(60), listed(&names()))
                 .await
         );
+        if !before {
+            for i in 0..finished {
+                finish(&api, i);
+            }
+        }
         for i in 0..GPU_PODS {
             let name = format!("gpu-{i}");
             api.add_pod("default", &name, "bench-node", &[app([1, 1, 0])], &[]);
@@ -528,12 +553,12 @@ async fn finished_pods_figures() {
             api.set_phase("default", &format!("gpu-{i}"), "Running");
         }
         report(
-            &format!("Allocate with pod matching, {finished} finished pods on the node"),
+            &format!("Allocate with pod matching, {finished} pods finished {when}"),
             took,
         );
         let (rss, anon) = rss_kib(child.id());
         println!(
-            "daemon resident memory, {finished} finished pods on the node: {:.1} MiB (anonymous {:.1})",
+            "daemon resident memory, {finished} pods finished {when}: {:.1} MiB (anonymous {:.1})",
             rss as f64 / 1024.0,
             anon as f64 / 1024.0
         );

@@ -903,11 +903,8 @@ mod search {
         let p = pod(vec![ask("c", false, u64::MAX / 2, 0, 0)]);
         let e = fit(&inv, &NodeUsage::empty(&inv), &p).unwrap_err();
         assert!(e.unresolvable, "{e}");
-        assert!(
-            e.reason
-                .starts_with("no GPU has 18446744073709551615 MiB free"),
-            "{e}"
-        );
+        // Refused before any arithmetic, saying why.
+        assert!(e.reason.contains("more than 2^64 in all"), "{e}");
         let p = pod(vec![ask("t", false, 0, 0, u64::MAX)]);
         let e = fit(&inv, &NodeUsage::empty(&inv), &p).unwrap_err();
         assert!(e.unresolvable, "{e}");
