@@ -141,6 +141,32 @@ fn spawn(dir: &Path, toml: &str) -> Child {
         .unwrap()
 }
 
+/// Pod matching on 4 mock GPUs of node `bench-node`, through the
+/// kubeconfig in `dir`.
+fn matching_toml(dir: &Path) -> String {
+    mock_toml(dir, 4).replace(
+        "pod_matching = false\n",
+        "pod_matching = true\nnode_name = \"bench-node\"\nmemory_unit_mib = 256\n",
+    ) + &format!(
+        "[matcher]\nkubeconfig = {:?}\n",
+        dir.join("kubeconfig").display().to_string()
+    )
+}
+
+/// The daemon with pod matching on 4 mock GPUs of node `bench-node`
+/// against `api`, and a kubelet stand-in it has registered with.
+async fn matching_daemon(
+    dir: &Path,
+    api: &gpu_device_plugin::sim::apiserver::ApiServerSim,
+    wait: Duration,
+) -> (Child, KubeletSim) {
+    api.write_kubeconfig(&dir.join("kubeconfig")).unwrap();
+    let child = spawn(dir, &matching_toml(dir));
+    let kubelet = KubeletSim::start(dir).unwrap();
+    assert!(kubelet.wait_until(wait, listed(&names())).await);
+    (child, kubelet)
+}
+
 fn stop(mut child: Child) {
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let _ = child.wait();
@@ -350,22 +376,7 @@ async fn pod_matching_figures() {
     const IDLE: usize = 100;
     let dir = tempfile::tempdir().unwrap();
     let api = ApiServerSim::start().await.unwrap();
-    let kubeconfig = dir.path().join("kubeconfig");
-    api.write_kubeconfig(&kubeconfig).unwrap();
-    let toml = mock_toml(dir.path(), 4).replace(
-        "pod_matching = false\n",
-        "pod_matching = true\nnode_name = \"bench-node\"\nmemory_unit_mib = 256\n",
-    ) + &format!(
-        "[matcher]\nkubeconfig = {:?}\n",
-        kubeconfig.display().to_string()
-    );
-    let child = spawn(dir.path(), &toml);
-    let kubelet = KubeletSim::start(dir.path()).unwrap();
-    assert!(
-        kubelet
-            .wait_until(Duration::from_secs(20), listed(&names()))
-            .await
-    );
+    let (child, kubelet) = matching_daemon(dir.path(), &api, Duration::from_secs(20)).await;
     // A busy node: pods without GPUs that the cache holds too.
     for i in 0..IDLE {
         api.add_pod("default", &format!("web-{i}"), "bench-node", &[], &[]);
@@ -420,7 +431,7 @@ async fn pod_matching_figures() {
     // The seed's way, in this process against the same API server: LIST
     // the node's pending pods, match, PATCH, on every Allocate.
     let client = {
-        let file = kube::config::Kubeconfig::read_from(&kubeconfig).unwrap();
+        let file = kube::config::Kubeconfig::read_from(dir.path().join("kubeconfig")).unwrap();
         let options = kube::config::KubeConfigOptions::default();
         let config = kube::Config::from_custom_kubeconfig(file, &options)
             .await
@@ -438,7 +449,7 @@ async fn pod_matching_figures() {
         };
         api.add_pod("default", &format!("seed-{i}"), "bench-node", &[c], &[]);
     }
-    let config = Config::from_toml(&toml, None).unwrap();
+    let config = Config::from_toml(&matching_toml(dir.path()), None).unwrap();
     let node = Inventory::new(&gpus(4), &config.offer());
     let keys = Keys::new("doslab.io");
     let selector = ListParams::default().fields("spec.nodeName=bench-node,status.phase=Pending");
@@ -512,32 +523,23 @@ async fn finished_pods_figures() {
         };
         let dir = tempfile::tempdir().unwrap();
         let api = ApiServerSim::start().await.unwrap();
-        let kubeconfig = dir.path().join("kubeconfig");
-        api.write_kubeconfig(&kubeconfig).unwrap();
-        for i in 0..finished {
+        let job = |i: usize| {
             let name = format!("job-{i}");
-            api.add_pod("jobs", &name, "bench-node", &[app([1, 1, 0])], &[]);
-            if before {
+            api.add_pod("jobs", &name, "bench-node", &[app([0, 0, 0])], &[]);
+        };
+        if before {
+            for i in 0..finished {
+                job(i);
                 finish(&api, i);
             }
         }
-        let toml = mock_toml(dir.path(), 4).replace(
-            "pod_matching = false\n",
-            "pod_matching = true\nnode_name = \"bench-node\"\nmemory_unit_mib = 256\n",
-        ) + &format!(
-            "[matcher]\nkubeconfig = {:?}\n",
-            kubeconfig.display().to_string()
-        );
-        let child = spawn(dir.path(), &toml);
-        let kubelet = KubeletSim::start(dir.path()).unwrap();
-        assert!(
-            kubelet
-                .wait_until(Duration::from_secs(60), listed(&names()))
-                .await
-        );
+        let (child, kubelet) = matching_daemon(dir.path(), &api, Duration::from_secs(60)).await;
         if !before {
-            for i in 0..finished {
-                finish(&api, i);
+            // Jobs come and go, 100 at a time, as on a node running them.
+            for batch in (0..finished).collect::<Vec<_>>().chunks(100) {
+                batch.iter().for_each(|&i| job(i));
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                batch.iter().for_each(|&i| finish(&api, i));
             }
         }
         for i in 0..GPU_PODS {

@@ -105,6 +105,25 @@ struct Node {
 }
 
 impl Node {
+    /// With the library and pod matching against a fresh API-server
+    /// stand-in (the kubeconfig lives in the returned directory).
+    async fn start_matching() -> (
+        gpu_device_plugin::sim::apiserver::ApiServerSim,
+        tempfile::TempDir,
+        Node,
+    ) {
+        let api = gpu_device_plugin::sim::apiserver::ApiServerSim::start()
+            .await
+            .unwrap();
+        let files = tempfile::tempdir().unwrap();
+        let kubeconfig = files.path().join("kubeconfig");
+        api.write_kubeconfig(&kubeconfig).unwrap();
+        let extra = format!("pod_matching = true\nnode_name = \"{NODE}\"");
+        let env = [("KUBECONFIG", kubeconfig.as_os_str())];
+        let node = Node::start(true, &extra, &env).await;
+        (api, files, node)
+    }
+
     /// `library`: whether `libvgpu.so` is installed before the start.
     async fn start(library: bool, extra: &str, env: &[(&str, &std::ffi::OsStr)]) -> Node {
         let dir = tempfile::tempdir().unwrap();
@@ -299,14 +318,8 @@ async fn without_the_library_shared_grants_are_refused_and_readiness_is_false() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_pod_matching_directories_follow_pods_and_refusals_reach_the_pod() {
-    use gpu_device_plugin::sim::apiserver::{ApiServerSim, PodContainer};
-    let api = ApiServerSim::start().await.unwrap();
-    let files = tempfile::tempdir().unwrap();
-    let kubeconfig = files.path().join("kubeconfig");
-    api.write_kubeconfig(&kubeconfig).unwrap();
-    let extra = format!("pod_matching = true\nnode_name = \"{NODE}\"");
-    let env = [("KUBECONFIG", kubeconfig.as_os_str())];
-    let node = Node::start(true, &extra, &env).await;
+    use gpu_device_plugin::sim::apiserver::PodContainer;
+    let (api, _files, node) = Node::start_matching().await;
     let app = |name: &str| PodContainer {
         name: name.into(),
         init: false,
@@ -370,14 +383,8 @@ async fn with_pod_matching_directories_follow_pods_and_refusals_reach_the_pod() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grant_whose_cache_directory_cannot_be_made_records_nothing() {
-    use gpu_device_plugin::sim::apiserver::{ApiServerSim, PodContainer};
-    let api = ApiServerSim::start().await.unwrap();
-    let files = tempfile::tempdir().unwrap();
-    let kubeconfig = files.path().join("kubeconfig");
-    api.write_kubeconfig(&kubeconfig).unwrap();
-    let extra = format!("pod_matching = true\nnode_name = \"{NODE}\"");
-    let env = [("KUBECONFIG", kubeconfig.as_os_str())];
-    let node = Node::start(true, &extra, &env).await;
+    use gpu_device_plugin::sim::apiserver::PodContainer;
+    let (api, _files, node) = Node::start_matching().await;
     let app = PodContainer {
         name: "app".into(),
         init: false,
