@@ -383,7 +383,7 @@ async fn with_pod_matching_directories_follow_pods_and_refusals_reach_the_pod() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grant_whose_cache_directory_cannot_be_made_records_nothing() {
-    use gpu_device_plugin::sim::apiserver::PodContainer;
+    use gpu_device_plugin::sim::apiserver::{ApiServerSim, PodContainer};
     let (api, _files, node) = Node::start_matching().await;
     let app = PodContainer {
         name: "app".into(),
