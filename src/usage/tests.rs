@@ -1010,27 +1010,6 @@ mod search {
         }
     }
 
-    /// splitmix64: a fixed seed, the same cases every run.
-    struct Rng(u64);
-
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^ (z >> 31)
-        }
-
-        fn below(&mut self, n: u64) -> u64 {
-            self.next() % n
-        }
-
-        fn chance(&mut self, percent: u64) -> bool {
-            self.below(100) < percent
-        }
-    }
-
     /// The rules, container by container in spec order, as the kubelet
     /// meets them; written apart from the fit, which must agree.
     #[derive(Clone)]
@@ -1185,29 +1164,29 @@ mod search {
         })
     }
 
-    fn random_case(rng: &mut Rng) -> (Inventory, NodeUsage, PodAsks) {
-        let n = 1 + rng.below(4) as usize;
+    fn random_case(rng: &mut fastrand::Rng) -> (Inventory, NodeUsage, PodAsks) {
+        let n = 1 + rng.u64(..4) as usize;
         let sizes: Vec<u64> = (0..n)
-            .map(|_| [2048, 4096, 8192][rng.below(3) as usize])
+            .map(|_| [2048, 4096, 8192][rng.u64(..3) as usize])
             .collect();
         let mut inv = inventory(&sizes);
         for g in &mut inv.gpus {
-            g.healthy = !rng.chance(10);
+            g.healthy = !(rng.u64(..100) < 10);
         }
-        if rng.chance(10) {
-            inv.resources.remove(rng.below(3) as usize);
+        if (rng.u64(..100) < 10) {
+            inv.resources.remove(rng.u64(..3) as usize);
         }
         let mut prior = Vec::new();
         for g in 0..n {
             let uuid = vec![inv.gpus[g].uuid.clone()];
             let devices = inv.capacity(g).memory / 256;
-            if rng.chance(20) {
+            if (rng.u64(..100) < 20) {
                 prior.push(Holding {
                     gpus: uuid,
                     amount: inv.amount(&ask("w", false, 0, 0, 1).devices),
                 });
-            } else if rng.chance(50) {
-                let (mem, core) = (rng.below(devices + 1), rng.below(11) * 10);
+            } else if (rng.u64(..100) < 50) {
+                let (mem, core) = (rng.u64(..devices + 1), rng.u64(..11) * 10);
                 prior.push(Holding {
                     gpus: uuid,
                     amount: inv.amount(&ask("s", false, mem, core, 0).devices),
@@ -1215,20 +1194,28 @@ mod search {
             }
         }
         let usage = NodeUsage::of(&inv, &prior);
-        let count = 1 + rng.below(4);
-        let inits = rng.below(count + 1);
+        let count = 1 + rng.u64(..4);
+        let inits = rng.u64(..count + 1);
         let containers = (0..count)
             .map(|i| {
-                let mem = if rng.chance(60) { 1 + rng.below(24) } else { 0 };
-                let core = if rng.chance(40) {
-                    10 * (1 + rng.below(10))
+                let mem = if (rng.u64(..100) < 60) {
+                    1 + rng.u64(..24)
                 } else {
                     0
                 };
-                let whole = if rng.chance(25) { 1 + rng.below(2) } else { 0 };
+                let core = if (rng.u64(..100) < 40) {
+                    10 * (1 + rng.u64(..10))
+                } else {
+                    0
+                };
+                let whole = if (rng.u64(..100) < 25) {
+                    1 + rng.u64(..2)
+                } else {
+                    0
+                };
                 let c = ask(&format!("c{i}"), i < inits, mem, core, whole);
                 ContainerAsk {
-                    restartable: c.init && rng.chance(35),
+                    restartable: c.init && (rng.u64(..100) < 35),
                     ..c
                 }
             })
@@ -1238,7 +1225,7 @@ mod search {
 
     #[test]
     fn the_fit_places_every_small_pod_the_rules_place() {
-        let mut rng = Rng(0x05ee_df17);
+        let mut rng = fastrand::Rng::with_seed(0x05ee_df17);
         let (mut placed, mut refused) = (0, 0);
         for case in 0..4000 {
             let (inv, usage, p) = random_case(&mut rng);
@@ -1276,7 +1263,7 @@ mod search {
 
     #[test]
     fn a_single_shared_container_goes_where_best_shared_says() {
-        let mut rng = Rng(0xbe57);
+        let mut rng = fastrand::Rng::with_seed(0xbe57);
         for _ in 0..500 {
             let (inv, usage, mut p) = random_case(&mut rng);
             p.containers.truncate(1);
