@@ -1171,21 +1171,21 @@ mod search {
             .collect();
         let mut inv = inventory(&sizes);
         for g in &mut inv.gpus {
-            g.healthy = !(rng.u64(..100) < 10);
+            g.healthy = rng.u64(..100) >= 10;
         }
-        if (rng.u64(..100) < 10) {
+        if rng.u64(..100) < 10 {
             inv.resources.remove(rng.u64(..3) as usize);
         }
         let mut prior = Vec::new();
         for g in 0..n {
             let uuid = vec![inv.gpus[g].uuid.clone()];
             let devices = inv.capacity(g).memory / 256;
-            if (rng.u64(..100) < 20) {
+            if rng.u64(..100) < 20 {
                 prior.push(Holding {
                     gpus: uuid,
                     amount: inv.amount(&ask("w", false, 0, 0, 1).devices),
                 });
-            } else if (rng.u64(..100) < 50) {
+            } else if rng.u64(..100) < 50 {
                 let (mem, core) = (rng.u64(..devices + 1), rng.u64(..11) * 10);
                 prior.push(Holding {
                     gpus: uuid,
@@ -1198,24 +1198,24 @@ mod search {
         let inits = rng.u64(..count + 1);
         let containers = (0..count)
             .map(|i| {
-                let mem = if (rng.u64(..100) < 60) {
+                let mem = if rng.u64(..100) < 60 {
                     1 + rng.u64(..24)
                 } else {
                     0
                 };
-                let core = if (rng.u64(..100) < 40) {
+                let core = if rng.u64(..100) < 40 {
                     10 * (1 + rng.u64(..10))
                 } else {
                     0
                 };
-                let whole = if (rng.u64(..100) < 25) {
+                let whole = if rng.u64(..100) < 25 {
                     1 + rng.u64(..2)
                 } else {
                     0
                 };
                 let c = ask(&format!("c{i}"), i < inits, mem, core, whole);
                 ContainerAsk {
-                    restartable: c.init && (rng.u64(..100) < 35),
+                    restartable: c.init && rng.u64(..100) < 35,
                     ..c
                 }
             })
