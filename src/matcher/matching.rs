@@ -5,9 +5,7 @@
 use super::ledger::Ledger;
 use super::pods::{PodKey, PodView};
 use crate::device::Resource;
-use crate::usage::{
-    Assignment, ContainerAsk, Holding, Inventory, NodeUsage, best_shared, pod_holdings,
-};
+use crate::usage::{ContainerAsk, Holding, Inventory, NodeUsage, best_shared, pod_holdings};
 
 /// What is being asked for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -459,25 +457,9 @@ fn place(
 /// share before its count, or its own assigned ask). A whole GPU an init
 /// container hands on to `c` leaves the count too: it is the pod's own.
 fn without_own(inv: &Inventory, usage: &NodeUsage, pod: &PodView, c: &ContainerAsk) -> NodeUsage {
-    let ledger = Ledger(
-        pod.ledger
-            .0
-            .iter()
-            .filter(|(n, _)| **n == c.name)
-            .map(|(n, g)| (n.clone(), g.clone()))
-            .collect(),
-        // Counted failing closed, it comes off the same way.
-        pod.ledger.1,
-    );
-    let assignment = Assignment(
-        pod.assignment
-            .0
-            .iter()
-            .filter(|(n, _)| **n == c.name)
-            .map(|(n, g)| (n.clone(), g.clone()))
-            .collect(),
-    );
-    pod_holdings(inv, std::slice::from_ref(c), &ledger, &assignment)
+    // `pod_holdings` reads the records of the containers it is given only,
+    // and fails closed for an unreadable one exactly as the pod's usage did.
+    pod_holdings(inv, std::slice::from_ref(c), &pod.ledger, &pod.assignment)
         .iter()
         .fold(usage.clone(), |u, h| u.without(inv, h))
 }
