@@ -12,7 +12,7 @@ use gpu_device_plugin::api::{
 use gpu_device_plugin::config::Config;
 use gpu_device_plugin::device::{Gpu, KUBELET_MAX_MESSAGE_BYTES, Plan, Resource, packing};
 use gpu_device_plugin::plugin::codec::PreferredRequest;
-use gpu_device_plugin::sim::kubelet::{KubeletSim, ResourceView};
+use gpu_sim::kubelet::{KubeletSim, ResourceView};
 use prost::Message;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpu-device-plugin");
@@ -157,7 +157,7 @@ fn matching_toml(dir: &Path) -> String {
 /// against `api`, and a kubelet stand-in it has registered with.
 async fn matching_daemon(
     dir: &Path,
-    api: &gpu_device_plugin::sim::apiserver::ApiServerSim,
+    api: &gpu_sim::apiserver::ApiServerSim,
     wait: Duration,
 ) -> (Child, KubeletSim) {
     api.write_kubeconfig(&dir.join("kubeconfig")).unwrap();
@@ -367,8 +367,8 @@ async fn pod_matching_figures() {
     use gpu_device_plugin::matcher::ledger::Ledger;
     use gpu_device_plugin::matcher::matching::{Ask, decide, record};
     use gpu_device_plugin::matcher::pods::PodView;
-    use gpu_device_plugin::sim::apiserver::{ApiServerSim, PodContainer};
     use gpu_device_plugin::usage::{Inventory, Keys};
+    use gpu_sim::apiserver::{ApiServerSim, PodContainer};
     use k8s_openapi::api::core::v1::Pod;
     use kube::api::{ListParams, Patch, PatchParams};
 
@@ -492,7 +492,7 @@ async fn pod_matching_figures() {
 /// them all, a peak the allocator keeps), and finishing while it runs (the
 /// steady state of a node running Jobs).
 async fn finished_pods_figures() {
-    use gpu_device_plugin::sim::apiserver::{ApiServerSim, PodContainer};
+    use gpu_sim::apiserver::{ApiServerSim, PodContainer};
 
     const GPU_PODS: usize = 50;
     let app = |wants| PodContainer {

@@ -20,15 +20,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpu_device_plugin::device::Resource;
-use gpu_device_plugin::extender::memory::{MemoryCluster, gpu_node, gpu_pod};
 use gpu_device_plugin::extender::wire::{ExtenderArgs, ExtenderBindingArgs};
 use gpu_device_plugin::extender::{Extender, ExtenderConfig, Index, PodName, start};
 use gpu_device_plugin::matcher::ledger::Ledger;
 use gpu_device_plugin::matcher::matching::{Ask, decide, record, usage};
 use gpu_device_plugin::matcher::pods::PodView;
 use gpu_device_plugin::matcher::report::withdrawn;
-use gpu_device_plugin::sim::apiserver::PodContainer;
 use gpu_device_plugin::usage::{Inventory, Keys};
+use gpu_sim::apiserver::PodContainer;
+use gpu_sim::memory::{MemoryCluster, gpu_node, gpu_pod};
 use k8s_openapi::api::core::v1::Pod;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
@@ -839,8 +839,8 @@ fn burst_ask(rng: &mut Rng) -> u64 {
 /// (reflectors and HTTP) under `policy`, and the scheduler stand-in under
 /// `config` pointed at it.
 struct BurstWorld {
-    api: gpu_device_plugin::sim::apiserver::ApiServerSim,
-    sim: Option<gpu_device_plugin::sim::scheduler::SchedulerSim>,
+    api: gpu_sim::apiserver::ApiServerSim,
+    sim: Option<gpu_sim::scheduler::SchedulerSim>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     _files: tempfile::TempDir,
 }
@@ -848,11 +848,11 @@ struct BurstWorld {
 impl BurstWorld {
     async fn start(
         policy: &str,
-        config: impl FnOnce(&str) -> gpu_device_plugin::sim::scheduler::SchedulerConfig,
+        config: impl FnOnce(&str) -> gpu_sim::scheduler::SchedulerConfig,
         seed: u64,
     ) -> BurstWorld {
-        use gpu_device_plugin::sim::apiserver::ApiServerSim;
-        use gpu_device_plugin::sim::scheduler::SchedulerSim;
+        use gpu_sim::apiserver::ApiServerSim;
+        use gpu_sim::scheduler::SchedulerSim;
         let files = tempfile::tempdir().unwrap();
         let kubeconfig = files.path().join("kubeconfig");
         let api = ApiServerSim::start().await.unwrap();
@@ -929,7 +929,7 @@ impl BurstWorld {
         }
     }
 
-    fn outcomes(&self) -> BTreeMap<String, gpu_device_plugin::sim::scheduler::Outcome> {
+    fn outcomes(&self) -> BTreeMap<String, gpu_sim::scheduler::Outcome> {
         self.sim.as_ref().map(|s| s.outcomes()).unwrap_or_default()
     }
 
@@ -966,7 +966,7 @@ fn container(memory: u64) -> PodContainer {
 /// 40 pods created at once: bind refusals and create→bound p50/p99.
 async fn one_burst(
     policy: &str,
-    config: impl FnOnce(&str) -> gpu_device_plugin::sim::scheduler::SchedulerConfig,
+    config: impl FnOnce(&str) -> gpu_sim::scheduler::SchedulerConfig,
 ) -> String {
     const PODS: usize = 40;
     let w = BurstWorld::start(policy, config, SEED).await;
@@ -1018,7 +1018,7 @@ async fn one_burst(
 /// holds: the share of GPU memory bound then.
 async fn fill(
     policy: &str,
-    config: impl FnOnce(&str) -> gpu_device_plugin::sim::scheduler::SchedulerConfig,
+    config: impl FnOnce(&str) -> gpu_sim::scheduler::SchedulerConfig,
     seed: u64,
 ) -> f64 {
     let total: u64 = BURST_NODES.iter().flat_map(|(_, g)| g.iter()).sum();
@@ -1058,7 +1058,7 @@ async fn fill(
 /// kube-scheduler's defaults (weight 1, the spreading score plugins on)
 /// and under the shipped config.
 async fn burst_figures() {
-    use gpu_device_plugin::sim::scheduler::{ExtenderConfig as Ext, SchedulerConfig};
+    use gpu_sim::scheduler::{ExtenderConfig as Ext, SchedulerConfig};
     let defaults = |url: &str| {
         let mut e = Ext::doslab(url);
         e.weight = 1;

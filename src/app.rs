@@ -47,7 +47,7 @@ pub enum RunError {
 /// Checks that the plugins can bind their sockets, finds the node's GPUs
 /// and plans every enabled resource's devices: what start-up and every
 /// reload must pass before anything is served.
-pub(crate) async fn plan(config: &Config) -> Result<Plan, RunError> {
+pub async fn plan(config: &Config) -> Result<Plan, RunError> {
     socket_dir(config)?;
     Ok(Plan::new(config, gpus(config).await?)?)
 }

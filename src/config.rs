@@ -116,10 +116,10 @@ impl Default for Health {
 pub struct Matcher {
     /// How long an Allocate waits for its pod to reach the pod cache (and
     /// for the cache's first sync, and for an API server that fails).
-    pub(crate) wait_ms: u64,
+    pub wait_ms: u64,
     /// A kubeconfig file for the API server; empty: `$KUBECONFIG`, else the
     /// in-cluster service account.
-    pub(crate) kubeconfig: PathBuf,
+    pub kubeconfig: PathBuf,
     /// Withdraw (list as unhealthy) the devices the kubelet could not use
     /// anyway while a GPU's exclusivity holds: gpu-memory and gpu-core of a
     /// GPU held whole, gpu-count of a GPU carrying shared work. Node
@@ -438,7 +438,7 @@ impl Config {
     }
 
     /// The size of one device of each resource.
-    pub(crate) fn units(&self) -> Units {
+    pub fn units(&self) -> Units {
         Units {
             memory_unit_mib: self.memory_unit_mib,
             cores_per_gpu: self.cores_per_gpu,

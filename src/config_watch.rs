@@ -96,28 +96,13 @@ async fn next(mut s: State) -> Option<(Control, State)> {
     }
 }
 
-/// Does to `dir` what the kubelet does to a ConfigMap volume, with
-/// `config.toml` in version `version` (a number new to `dir`): the stand-in
-/// the tests edit the config through.
-#[cfg(any(test, feature = "sim"))]
-pub fn kubelet_swap(dir: &Path, version: u32, text: &str) -> std::io::Result<()> {
-    use std::os::unix::fs::symlink;
-    let data = dir.join(format!("..2026_11_23_{version}"));
-    std::fs::create_dir(&data)?;
-    std::fs::write(data.join("config.toml"), text)?;
-    let tmp = dir.join("..data_tmp");
-    symlink(data.file_name().expect("a named directory"), &tmp)?;
-    std::fs::rename(&tmp, dir.join("..data"))?;
-    if !dir.join("config.toml").exists() {
-        symlink("..data/config.toml", dir.join("config.toml"))?;
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use futures::StreamExt;
+    // The stand-in's swap takes and changes only a directory, so no type of
+    // this crate crosses to the copy of it that gpu-sim links.
+    use gpu_sim::kubelet::swap_configmap;
 
     #[test]
     fn the_digest_is_sha256_in_hex() {
@@ -130,16 +115,16 @@ mod tests {
     #[tokio::test]
     async fn a_kubelet_style_swap_tells_once_and_the_same_bytes_not_at_all() {
         let dir = tempfile::tempdir().unwrap();
-        kubelet_swap(dir.path(), 1, "memory_unit_mib = 1\n").unwrap();
+        swap_configmap(dir.path(), 1, "memory_unit_mib = 1\n").unwrap();
         let mut reloads = watch(&dir.path().join("config.toml")).unwrap();
         // Nothing changed yet.
         let early = tokio::time::timeout(Duration::from_millis(400), reloads.next()).await;
         assert!(early.is_err(), "{early:?}");
-        kubelet_swap(dir.path(), 2, "memory_unit_mib = 2\n").unwrap();
+        swap_configmap(dir.path(), 2, "memory_unit_mib = 2\n").unwrap();
         let got = tokio::time::timeout(Duration::from_secs(3), reloads.next()).await;
         assert!(matches!(got, Ok(Some(Control::Edited))), "{got:?}");
         // The same bytes again (a resync): no reload.
-        kubelet_swap(dir.path(), 3, "memory_unit_mib = 2\n").unwrap();
+        swap_configmap(dir.path(), 3, "memory_unit_mib = 2\n").unwrap();
         let again = tokio::time::timeout(Duration::from_millis(600), reloads.next()).await;
         assert!(again.is_err(), "{again:?}");
     }

@@ -20,8 +20,6 @@ pub(crate) mod kubelet_watch;
 pub mod matcher;
 pub(crate) mod metrics;
 pub mod plugin;
-#[cfg(feature = "sim")]
-pub mod sim;
 pub(crate) mod supervisor;
 pub mod uds;
 pub mod usage;
@@ -35,7 +33,7 @@ pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("GIT_REV
 pub mod api {
     /// The API version a plugin registers with and a kubelet accepts; it
     /// belongs to the proto, like the generated package name.
-    pub(crate) const VERSION: &str = "v1beta1";
+    pub const VERSION: &str = "v1beta1";
 
     include!(concat!(env!("OUT_DIR"), "/wire/v1beta1.rs"));
 

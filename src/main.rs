@@ -1,4 +1,5 @@
-//! The command line: run the daemon, the demo, or check a config.
+//! The command line: run the daemon or the extender, check a config,
+//! install the enforcement library, or inspect the plugin sockets.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -32,9 +33,6 @@ struct Cli {
 enum Command {
     /// Run the daemon (the default).
     Run,
-    /// Run the daemon on mock GPUs against a built-in kubelet simulator.
-    #[cfg(feature = "sim")]
-    Demo,
     /// Validate a config and print the device plan.
     CheckConfig,
     /// Run the kube-scheduler extender (filter, prioritize, bind) on the
@@ -220,11 +218,6 @@ async fn main() -> anyhow::Result<()> {
             let watched = cli.config.as_deref().filter(|_| config.watch_config);
             let controls = controls(watched)?;
             app::run(config, cli.config, controls).await?;
-        }
-        #[cfg(feature = "sim")]
-        Command::Demo => {
-            init_logging(LogFormat::Text, "warn");
-            print!("{}", gpu_device_plugin::sim::demo::run().await?);
         }
         Command::SchedulerExtender => {
             let config = match &cli.config {

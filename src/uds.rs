@@ -43,7 +43,7 @@ pub(crate) fn check_bindable(dir: &Path) -> std::io::Result<()> {
 
 /// Binds `path`, removing a stale socket file first (a crashed predecessor
 /// or a restarted kubelet leaves one behind).
-pub(crate) fn bind(path: &Path) -> std::io::Result<UnixListenerStream> {
+pub fn bind(path: &Path) -> std::io::Result<UnixListenerStream> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
@@ -57,7 +57,7 @@ pub(crate) fn bind(path: &Path) -> std::io::Result<UnixListenerStream> {
 const RECEIVE_WINDOW: u32 = 16 * 1024 * 1024;
 
 /// Serves `router` on `incoming` until `shutdown` resolves.
-pub(crate) async fn serve(
+pub async fn serve(
     router: tonic::service::Routes,
     incoming: UnixListenerStream,
     shutdown: impl Future<Output = ()>,
@@ -89,7 +89,7 @@ pub fn plugin_sockets(dir: &Path) -> Vec<String> {
     names
 }
 
-pub(crate) fn is_socket(entry: &std::fs::DirEntry) -> bool {
+pub fn is_socket(entry: &std::fs::DirEntry) -> bool {
     use std::os::unix::fs::FileTypeExt;
     entry.file_type().is_ok_and(|t| t.is_socket())
 }

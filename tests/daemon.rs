@@ -4,8 +4,6 @@
 //! one container's gpu-memory and gpu-core on two GPUs or shared work on a
 //! GPU held whole, and requests far larger than any kubelet sends.
 
-#![cfg(feature = "sim")]
-
 mod support;
 
 use std::collections::BTreeSet;
@@ -16,7 +14,7 @@ use gpu_device_plugin::api::{
     PreferredAllocationRequest, RegisterRequest,
 };
 use gpu_device_plugin::plugin::codec::MAX_CONTAINERS;
-use gpu_device_plugin::sim::kubelet::{Grant, merged_envs};
+use gpu_sim::kubelet::{Grant, merged_envs};
 use support::*;
 use tonic::Code;
 

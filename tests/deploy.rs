@@ -8,8 +8,6 @@
 //! unpacks them into target/deploy-tools the first time a test needs them;
 //! a tool that cannot be had fails these tests, it does not skip them.
 
-#![cfg(feature = "sim")]
-
 mod support;
 
 use std::collections::BTreeMap;

@@ -2,8 +2,6 @@
 //! container's job) on temporary host directories, and the config's
 //! `[enforcement]` checks as `check-config` reports them.
 
-#![cfg(feature = "sim")]
-
 mod support;
 
 use std::path::Path;
@@ -107,14 +105,8 @@ struct Node {
 impl Node {
     /// With the library and pod matching against a fresh API-server
     /// stand-in (the kubeconfig lives in the returned directory).
-    async fn start_matching() -> (
-        gpu_device_plugin::sim::apiserver::ApiServerSim,
-        tempfile::TempDir,
-        Node,
-    ) {
-        let api = gpu_device_plugin::sim::apiserver::ApiServerSim::start()
-            .await
-            .unwrap();
+    async fn start_matching() -> (gpu_sim::apiserver::ApiServerSim, tempfile::TempDir, Node) {
+        let api = gpu_sim::apiserver::ApiServerSim::start().await.unwrap();
         let files = tempfile::tempdir().unwrap();
         let kubeconfig = files.path().join("kubeconfig");
         api.write_kubeconfig(&kubeconfig).unwrap();
@@ -318,7 +310,7 @@ async fn without_the_library_shared_grants_are_refused_and_readiness_is_false() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_pod_matching_directories_follow_pods_and_refusals_reach_the_pod() {
-    use gpu_device_plugin::sim::apiserver::PodContainer;
+    use gpu_sim::apiserver::PodContainer;
     let (api, _files, node) = Node::start_matching().await;
     let app = |name: &str| PodContainer {
         name: name.into(),
@@ -383,7 +375,7 @@ async fn with_pod_matching_directories_follow_pods_and_refusals_reach_the_pod() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grant_whose_cache_directory_cannot_be_made_records_nothing() {
-    use gpu_device_plugin::sim::apiserver::{ApiServerSim, PodContainer};
+    use gpu_sim::apiserver::{ApiServerSim, PodContainer};
     let (api, _files, node) = Node::start_matching().await;
     let app = PodContainer {
         name: "app".into(),

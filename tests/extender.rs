@@ -4,16 +4,14 @@
 //! scheduler sends `"Nodes": null` with `NodeNames`. The cluster behind it
 //! is the in-memory one, with injected faults.
 
-#![cfg(feature = "sim")]
-
 mod support;
 
 use std::sync::Arc;
 
-use gpu_device_plugin::extender::memory::{MemoryCluster, gpu_node, gpu_pod, node_with};
 use gpu_device_plugin::extender::{BindError, Binder, Extender, ExtenderConfig, KubeBinder, start};
 use gpu_device_plugin::kube_client::from_kubeconfig;
-use gpu_device_plugin::sim::apiserver::PodContainer;
+use gpu_sim::apiserver::PodContainer;
+use gpu_sim::memory::{MemoryCluster, gpu_node, gpu_pod, node_with};
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -549,7 +547,7 @@ async fn bad_requests_get_a_clear_error() {
 /// resourceVersion is a conflict, never a lost update; removal works.
 #[tokio::test]
 async fn the_kube_binder_patches_with_a_precondition() {
-    use gpu_device_plugin::sim::apiserver::ApiServerSim;
+    use gpu_sim::apiserver::ApiServerSim;
     let sim = ApiServerSim::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");

@@ -5,15 +5,13 @@
 //! cap. `HTTP_BOUNDS_CONNECTIONS` sets how many (2,000 by default; the
 //! README's figure is 10,000); the figures are printed (`--nocapture`).
 
-#![cfg(feature = "sim")]
-
 mod support;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use gpu_device_plugin::sim::apiserver::ApiServerSim;
+use gpu_sim::apiserver::ApiServerSim;
 use support::*;
 
 /// Resident memory of `pid`, in KiB.

@@ -3,13 +3,11 @@
 //! once the Node is there, rewrites it when a GPU turns unhealthy or a
 //! reload changes the units, and patches nothing when nothing changed.
 
-#![cfg(feature = "sim")]
-
 mod support;
 
 use std::time::{Duration, Instant};
 
-use gpu_device_plugin::sim::apiserver::ApiServerSim;
+use gpu_sim::apiserver::ApiServerSim;
 use serde_json::{Value, json};
 use support::*;
 

@@ -2,8 +2,6 @@
 //! reloads good and bad, GPUs failing and recovering, a plugin that cannot
 //! start, with the real binary and signals sent for real.
 
-#![cfg(feature = "sim")]
-
 mod support;
 
 use std::time::Duration;

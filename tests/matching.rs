@@ -4,16 +4,14 @@
 //! their own sockets at once, in random order), and the ledgers, the
 //! kubelet's grants and the GPUs' capacities must all agree at the end.
 
-#![cfg(feature = "sim")]
-
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use gpu_device_plugin::sim::apiserver::{ApiServerSim, PodContainer, admission_order};
-use gpu_device_plugin::sim::kubelet::Grant;
-use gpu_device_plugin::sim::scheduler::Outcome;
+use gpu_sim::apiserver::{ApiServerSim, PodContainer, admission_order};
+use gpu_sim::kubelet::Grant;
+use gpu_sim::scheduler::Outcome;
 use serde_json::Value;
 use support::*;
 
@@ -203,7 +201,7 @@ fn check_invariants(api: &ApiServerSim, admitted: &BTreeMap<String, BTreeMap<Str
                 .map(|g| g.as_str().unwrap())
                 .collect();
             let index = |u: &str| (0..GPUS).find(|&i| uuid(i) == u).unwrap();
-            let envs = gpu_device_plugin::sim::kubelet::merged_envs(&grants[container]);
+            let envs = gpu_sim::kubelet::merged_envs(&grants[container]);
             assert_eq!(
                 envs["NVIDIA_VISIBLE_DEVICES"],
                 gpus.join(","),
@@ -746,7 +744,7 @@ async fn two_whole_gpus_with_memory_and_core_are_admitted_in_either_order() {
 /// every response naming the same whole GPUs (none of them GPU 0), nothing
 /// capped, and the ledger recording the share on those GPUs.
 async fn whole_with_shares(count: u64) {
-    use gpu_device_plugin::sim::kubelet::ResourceOrder;
+    use gpu_sim::kubelet::ResourceOrder;
     let c = Cluster::start("").await;
     let sharer = [container("app", false, [8, 10, 0])];
     c.api.add_pod(
@@ -805,7 +803,7 @@ async fn whole_with_shares(count: u64) {
                         "{case}"
                     );
                 }
-                let envs = gpu_device_plugin::sim::kubelet::merged_envs(grants);
+                let envs = gpu_sim::kubelet::merged_envs(grants);
                 assert!(
                     !envs.contains_key("CUDA_DEVICE_MEMORY_LIMIT_0"),
                     "{case}: {envs:?}"
@@ -867,7 +865,7 @@ async fn whole_with_shares(count: u64) {
 #[ignore = "issue 17 item 8 is open: the pairing book still lets seed 1's pod s1-32 take \
             gpu-core and gpu-memory on two GPUs (README: what IDs-only mode costs)"]
 async fn without_pod_matching_no_container_gets_two_gpus_in_any_resource_order() {
-    use gpu_device_plugin::sim::kubelet::ResourceOrder;
+    use gpu_sim::kubelet::ResourceOrder;
     let c = Cluster::start_matching(false, "").await;
     let (mut admitted, mut refused) = (0, 0);
     for seed in 1..=4u64 {
@@ -935,7 +933,7 @@ fn healthy(want: [usize; 3]) -> impl Fn(&BTreeMap<String, ResourceView>) -> bool
 /// whichever resource the kubelet serves first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exclusive_devices_leave_the_kubelets_counts_while_the_work_lasts() {
-    use gpu_device_plugin::sim::kubelet::ResourceOrder;
+    use gpu_sim::kubelet::ResourceOrder;
     let c = Cluster::start("").await;
     let all = [2048, 800, 8];
     let one_whole = [2048 - 256, 700, 8];

@@ -2,8 +2,6 @@
 //! Kubernetes API types), the HTTP endpoint of the running binary, and
 //! `inspect` against it.
 
-#![cfg(feature = "sim")]
-
 mod support;
 
 use std::path::Path;
@@ -546,9 +544,7 @@ async fn readyz_waits_for_the_pod_matcher_to_sync() {
     let files = tempfile::tempdir().unwrap();
     let kubeconfig = files.path().join("kubeconfig");
     // An API server that was there once: the address answers no more.
-    let api = gpu_device_plugin::sim::apiserver::ApiServerSim::start()
-        .await
-        .unwrap();
+    let api = gpu_sim::apiserver::ApiServerSim::start().await.unwrap();
     api.write_kubeconfig(&kubeconfig).unwrap();
     api.stop();
     let (daemon, _kubelet, addr) = matching_daemon(dir.path(), &kubeconfig).await;
@@ -559,9 +555,7 @@ async fn readyz_waits_for_the_pod_matcher_to_sync() {
     assert!(!body.contains(MEM), "the resources are registered: {body}");
 
     let dir = tempfile::tempdir().unwrap();
-    let api = gpu_device_plugin::sim::apiserver::ApiServerSim::start()
-        .await
-        .unwrap();
+    let api = gpu_sim::apiserver::ApiServerSim::start().await.unwrap();
     api.write_kubeconfig(&kubeconfig).unwrap();
     let (daemon, _kubelet, addr) = matching_daemon(dir.path(), &kubeconfig).await;
     let deadline = std::time::Instant::now() + WAIT;

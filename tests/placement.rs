@@ -6,17 +6,15 @@
 //! No pod may be bound and then refused, no GPU may go over capacity, whole
 //! GPUs stay alone, and every ledger says what the extender assigned.
 
-#![cfg(feature = "sim")]
-
 mod support;
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use gpu_device_plugin::sim::apiserver::{ApiServerSim, PodContainer};
-use gpu_device_plugin::sim::gpu_node::GpuNode;
-use gpu_device_plugin::sim::kubelet::{Grant, merged_envs, pod_containers};
-use gpu_device_plugin::sim::scheduler::{Outcome, SchedulerSim};
+use gpu_sim::apiserver::{ApiServerSim, PodContainer};
+use gpu_sim::gpu_node::GpuNode;
+use gpu_sim::kubelet::{Grant, merged_envs, pod_containers};
+use gpu_sim::scheduler::{Outcome, SchedulerSim};
 use serde_json::Value;
 use support::*;
 

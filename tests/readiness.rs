@@ -3,13 +3,11 @@
 //! with pod matching on), the pod cache's size follows the cache, and the
 //! per-GPU series are there without pod matching too.
 
-#![cfg(feature = "sim")]
-
 mod support;
 
 use std::time::{Duration, Instant};
 
-use gpu_device_plugin::sim::apiserver::ApiServerSim;
+use gpu_sim::apiserver::ApiServerSim;
 use support::*;
 
 const NODE: &str = "node-1";

@@ -3,14 +3,13 @@
 //! mounts a ConfigMap, edited the way the kubelet edits it, beside the
 //! kubelet and API-server stand-ins.
 
-#![cfg(feature = "sim")]
-
 mod support;
 
 use std::time::{Duration, Instant};
 
-use gpu_device_plugin::config_watch::{digest, kubelet_swap};
-use gpu_device_plugin::sim::apiserver::{ApiServerSim, PodContainer};
+use gpu_device_plugin::config_watch::digest;
+use gpu_sim::apiserver::{ApiServerSim, PodContainer};
+use gpu_sim::kubelet::swap_configmap;
 use support::*;
 
 const MEM: &str = "doslab.io/gpu-memory";
@@ -19,7 +18,7 @@ const COUNT: &str = "doslab.io/gpu-count";
 
 /// Edits the daemon's ConfigMap to `text` as version `version` (2 on).
 fn edit(daemon: &Daemon, version: u32, text: &str) {
-    kubelet_swap(daemon.config.parent().unwrap(), version, text).unwrap();
+    swap_configmap(daemon.config.parent().unwrap(), version, text).unwrap();
 }
 
 /// How many log lines contain `needle`.

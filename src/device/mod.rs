@@ -35,7 +35,7 @@ pub enum Resource {
 impl Resource {
     pub const ALL: [Resource; 3] = [Resource::GpuMemory, Resource::GpuCore, Resource::GpuCount];
 
-    pub(crate) fn name(self) -> &'static str {
+    pub fn name(self) -> &'static str {
         match self {
             Resource::GpuMemory => "gpu-memory",
             Resource::GpuCore => "gpu-core",

@@ -7,7 +7,7 @@ use super::{PerResource, Resource};
 /// The size of one device: gpu-memory devices are `memory_unit_mib` MiB,
 /// a GPU has `cores_per_gpu` gpu-core devices, gpu-count devices are GPUs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) struct Units {
+pub struct Units {
     pub(crate) memory_unit_mib: u64,
     pub(crate) cores_per_gpu: u32,
 }
@@ -36,7 +36,7 @@ impl Units {
     }
 
     /// What one device of `r` is worth: MiB, percent of a GPU, GPUs.
-    pub(crate) fn amount(self, r: Resource) -> u64 {
+    pub fn amount(self, r: Resource) -> u64 {
         match r {
             Resource::GpuMemory => self.memory_unit_mib,
             Resource::GpuCore => u64::from(100 / self.cores_per_gpu),

@@ -22,7 +22,7 @@ pub struct ExtenderConfig {
     pub policy: Policy,
     /// A kubeconfig file for the API server; empty: `$KUBECONFIG`, else the
     /// in-cluster service account.
-    pub(crate) kubeconfig: PathBuf,
+    pub kubeconfig: PathBuf,
     /// How long one bind may take (pod patch, Binding, and undo on failure);
     /// kube-scheduler's own wait is the extender's `httpTimeout`.
     pub(crate) bind_timeout_ms: u64,

@@ -94,7 +94,7 @@ pub struct Index {
     synced: (bool, bool),
 }
 
-pub(crate) fn pod_name(pod: &Pod) -> PodName {
+pub fn pod_name(pod: &Pod) -> PodName {
     (
         pod.metadata.namespace.clone().unwrap_or_default(),
         pod.metadata.name.clone().unwrap_or_default(),
@@ -213,7 +213,7 @@ impl Index {
         self.synced == (true, true)
     }
 
-    pub(crate) fn replace_nodes(&mut self, nodes: Vec<Node>) {
+    pub fn replace_nodes(&mut self, nodes: Vec<Node>) {
         self.synced.0 = true;
         self.nodes.clear();
         for n in nodes {
@@ -245,7 +245,7 @@ impl Index {
         self.pods.insert(key, Held::of(&self.keys, pod));
     }
 
-    pub(crate) fn delete_pod(&mut self, key: &PodName) {
+    pub fn delete_pod(&mut self, key: &PodName) {
         self.changing(key, |ix| {
             ix.unindex(key);
             ix.reserved.remove(key);
@@ -253,7 +253,7 @@ impl Index {
     }
 
     /// A relist: pods the watch missed the deletion of are gone.
-    pub(crate) fn replace_pods(&mut self, pods: Vec<Pod>) {
+    pub fn replace_pods(&mut self, pods: Vec<Pod>) {
         self.synced.1 = true;
         let live: HashSet<PodName> = pods.iter().map(pod_name).collect();
         self.pods.clear();
@@ -343,6 +343,7 @@ impl Index {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::extender::test_pods::{app, gpu_node, gpu_pod, node_with};
     use k8s_openapi::api::core::v1::{PodSpec, PodStatus};
     use kube::api::ObjectMeta;
 
@@ -441,7 +442,6 @@ mod tests {
     }
 
     /// GPU memory used per GPU of `node`, as the filter reads it.
-    #[cfg(feature = "sim")]
     fn used(ix: &Index, node: &str) -> Vec<u64> {
         match ix.gpus(node) {
             Some(Gpus::Published { usage, .. }) => {
@@ -451,19 +451,10 @@ mod tests {
         }
     }
 
-    #[cfg(feature = "sim")]
     #[test]
     fn usage_is_counted_again_whenever_a_pod_a_bind_or_a_node_changes() {
-        use crate::extender::memory::{gpu_node, gpu_pod, node_with};
-        use crate::sim::apiserver::PodContainer;
         let on_gpu = |name: &str, gpu: &str, served: bool| {
-            let app = PodContainer {
-                name: "app".into(),
-                init: false,
-                restartable: false,
-                wants: [1000, 0, 0],
-            };
-            let mut p = gpu_pod("ns", name, &[app]);
+            let mut p = gpu_pod("ns", name, &[app("app", [1000, 0, 0])]);
             p.spec.get_or_insert_default().node_name = Some("n".into());
             let on_pod = p.metadata.annotations.get_or_insert_default();
             let assignment = format!(r#"{{"app":["{gpu}"]}}"#);
@@ -520,19 +511,10 @@ mod tests {
     /// A tenant writes what it likes on its own pods: a forged ledger on a
     /// pod asking no GPU holds nothing, and a GPU pod that garbles its
     /// records keeps holding its room.
-    #[cfg(feature = "sim")]
     #[test]
     fn forged_or_garbled_records_free_no_room_and_block_nothing() {
-        use crate::extender::memory::{gpu_node, gpu_pod};
-        use crate::sim::apiserver::PodContainer;
-        let app = |wants| PodContainer {
-            name: "app".into(),
-            init: false,
-            restartable: false,
-            wants,
-        };
         let annotated = |name: &str, wants, records: &[(&str, &str)]| {
-            let mut p = gpu_pod("ns", name, &[app(wants)]);
+            let mut p = gpu_pod("ns", name, &[app("app", wants)]);
             p.spec.get_or_insert_default().node_name = Some("n".into());
             let on_pod = p.metadata.annotations.get_or_insert_default();
             for (k, v) in records {

@@ -12,10 +12,10 @@
 mod cluster;
 pub(crate) mod config;
 mod index;
-#[cfg(feature = "sim")]
-pub mod memory;
 mod plan;
 mod server;
+#[cfg(test)]
+mod test_pods;
 pub mod wire;
 
 use std::collections::HashSet;
@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 pub use cluster::{BindError, Binder, KubeBinder, Reflectors};
 pub use config::ExtenderConfig;
 use index::Stage;
-pub use index::{Index, PodName};
+pub use index::{Index, PodName, pod_name};
 pub use plan::Planner;
 pub use server::start;
 
@@ -384,16 +384,23 @@ pub enum ExtenderError {
 
 /// A started extender: where it listens and the index its reflectors keep.
 /// The reflectors stop when it is dropped.
-pub(crate) struct Started {
-    pub(crate) addr: std::net::SocketAddr,
-    /// The demo waits on it to sync before it schedules.
-    #[cfg(feature = "sim")]
-    pub(crate) index: Arc<RwLock<Index>>,
+pub struct Started {
+    pub addr: std::net::SocketAddr,
+    index: Arc<RwLock<Index>>,
     _reflectors: Reflectors,
 }
 
+impl Started {
+    /// Whether the reflectors have listed nodes and pods once: until then
+    /// the filter refuses GPU pods with "not yet synced", so a caller that
+    /// schedules at once (the demo) waits for this first.
+    pub fn synced(&self) -> bool {
+        self.index.read().is_ok_and(|ix| ix.synced())
+    }
+}
+
 /// Starts the reflectors and the HTTP server.
-pub(crate) async fn launch(config: &ExtenderConfig) -> Result<Started, ExtenderError> {
+pub async fn launch(config: &ExtenderConfig) -> Result<Started, ExtenderError> {
     let client =
         crate::kube_client::from_kubeconfig(&config.kubeconfig, "extender.kubeconfig").await?;
     let index = Arc::new(RwLock::new(Index::new(&config.resource_domain)));
@@ -411,7 +418,6 @@ pub(crate) async fn launch(config: &ExtenderConfig) -> Result<Started, ExtenderE
         })?;
     Ok(Started {
         addr,
-        #[cfg(feature = "sim")]
         index,
         _reflectors: reflectors,
     })

@@ -145,18 +145,16 @@ impl Planner {
     }
 }
 
-#[cfg(all(test, feature = "sim"))]
+#[cfg(test)]
 mod tests {
     use super::*;
-    use crate::extender::memory::{gpu_node, gpu_pod, node_with};
-    use crate::sim::apiserver::PodContainer;
+    use crate::extender::test_pods::{Wants, gpu_node, gpu_pod, node_with};
 
-    fn c(name: &str, init: bool, memory: u64, core: u64, count: u64) -> PodContainer {
-        PodContainer {
-            name: name.into(),
+    fn c(name: &str, init: bool, memory: u64, core: u64, count: u64) -> Wants<'_> {
+        Wants {
+            name,
             init,
-            restartable: false,
-            wants: [memory, core, count],
+            devices: [memory, core, count],
         }
     }
 

@@ -11,7 +11,7 @@
 mod actor;
 mod children;
 mod reload;
-#[cfg(all(test, feature = "sim"))]
+#[cfg(test)]
 mod tests;
 
 pub(crate) use actor::{Supervisor, SupervisorArgs, SupervisorMsg};

@@ -15,7 +15,9 @@ use super::{Supervisor, SupervisorArgs, SupervisorMsg};
 use crate::config::Config;
 use crate::device::Resource;
 use crate::metrics::Metrics;
-use crate::sim::kubelet::{KubeletSim, ResourceView};
+// The kubelet stand-in is reached through its socket directory, so no type
+// of this crate crosses to the copy of it that gpu-sim links.
+use gpu_sim::kubelet::{KubeletSim, ResourceView};
 
 const WAIT: Duration = Duration::from_secs(20);
 const MEMORY: Child = Child::Plugin(Resource::GpuMemory);

@@ -13,7 +13,7 @@ mod asks;
 mod fit;
 mod inventory;
 mod node;
-pub(crate) mod quantity;
+pub mod quantity;
 
 pub use annotations::Keys;
 pub(crate) use annotations::{Assignment, Records};
@@ -22,9 +22,6 @@ pub use fit::Policy;
 pub(crate) use fit::{best_shared, fit, score};
 pub use inventory::Inventory;
 pub(crate) use inventory::InventoryError;
-// Only the stand-ins' in-memory cluster writes an inventory by hand.
-#[cfg(feature = "sim")]
-pub(crate) use inventory::{GpuInfo, INVENTORY_VERSION};
 pub(crate) use node::{Holding, NodeUsage, pod_holdings};
 
 #[cfg(test)]

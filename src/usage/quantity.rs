@@ -58,14 +58,14 @@ pub(crate) enum Why {
 /// A quantity that cannot be read, or not as what was asked.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("quantity {value:?} {why}")]
-pub(crate) struct QuantityError {
+pub struct QuantityError {
     pub(crate) value: String,
     pub(crate) why: Why,
 }
 
 /// An exact quantity: `mantissa × 10^exponent`, rounded up to a nano.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Quantity {
+pub struct Quantity {
     negative: bool,
     /// No trailing zeros, except for 0.
     mantissa: u128,
@@ -82,7 +82,7 @@ const MAX_INT64: u128 = i64::MAX as u128;
 impl Quantity {
     /// Reads `text` as the API server does (surrounding whitespace
     /// ignored, as its JSON decoding does).
-    pub(crate) fn parse(text: &str) -> Result<Quantity, QuantityError> {
+    pub fn parse(text: &str) -> Result<Quantity, QuantityError> {
         let fail = |why| QuantityError {
             value: text.to_owned(),
             why,
@@ -129,8 +129,7 @@ impl Quantity {
     }
 
     /// The canonical string the API server stores for this quantity.
-    #[cfg(any(test, feature = "sim"))]
-    pub(crate) fn canonical(&self) -> String {
+    pub fn canonical(&self) -> String {
         if self.mantissa == 0 {
             return "0".into();
         }
@@ -180,8 +179,7 @@ impl Quantity {
     /// Thousandths of the quantity, rounded up (apimachinery's
     /// `MilliValue`); `None` past `i128`. Only the scheduler stand-in
     /// weighs CPU and memory requests.
-    #[cfg(any(test, feature = "sim"))]
-    pub(crate) fn milli(&self) -> Option<i128> {
+    pub fn milli(&self) -> Option<i128> {
         let e = self.exponent.checked_add(3)?;
         let m = i128::try_from(self.mantissa).ok()?;
         let v = if e >= 0 {
@@ -229,7 +227,7 @@ impl Quantity {
 
 /// Reads `text` as a whole count of at most `max` (devices): the one
 /// function every reader of a resource amount uses.
-pub(crate) fn parse_count(text: &str, max: u64) -> Result<u64, QuantityError> {
+pub fn parse_count(text: &str, max: u64) -> Result<u64, QuantityError> {
     Quantity::parse(text)?
         .count(max)
         .map_err(|why| QuantityError {
@@ -240,8 +238,7 @@ pub(crate) fn parse_count(text: &str, max: u64) -> Result<u64, QuantityError> {
 
 /// The canonical form of `text`, as the API server stores it: for the
 /// API-server stand-in.
-#[cfg(any(test, feature = "sim"))]
-pub(crate) fn canonical(text: &str) -> Result<String, QuantityError> {
+pub fn canonical(text: &str) -> Result<String, QuantityError> {
     Quantity::parse(text).map(|q| q.canonical())
 }
 

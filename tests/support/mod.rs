@@ -1,5 +1,5 @@
 //! Test support: the real binary as a child process in a temporary
-//! device-plugin directory, beside the library's kubelet simulator.
+//! device-plugin directory, beside gpu-sim's kubelet stand-in.
 
 #![allow(dead_code, unused_imports)] // each test file uses its own part of this module
 
@@ -7,9 +7,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-pub use gpu_device_plugin::sim::apiserver::PodContainer;
-pub use gpu_device_plugin::sim::kubelet::{KubeletSim, ResourceView, plugin_sockets};
-use gpu_device_plugin::sim::scheduler::{ExtenderConfig, SchedulerConfig, SchedulerSim};
+pub use gpu_sim::apiserver::PodContainer;
+pub use gpu_sim::kubelet::{KubeletSim, ResourceView, plugin_sockets};
+use gpu_sim::scheduler::{ExtenderConfig, SchedulerConfig, SchedulerSim};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_gpu-device-plugin");
 pub const WAIT: Duration = Duration::from_secs(20);
@@ -69,13 +69,13 @@ impl Daemon {
 
     /// Starts the binary on `toml` mounted as the kubelet mounts a
     /// ConfigMap: `config` is the `config.toml` symlink in the volume;
-    /// [`gpu_device_plugin::config_watch::kubelet_swap`] on its directory
+    /// [`gpu_sim::kubelet::swap_configmap`] on its directory
     /// edits it (version 1 is taken).
     pub fn start_configmap(toml: &str, env: &[(&str, &std::ffi::OsStr)]) -> Daemon {
         let files = tempfile::tempdir().unwrap();
         let volume = files.path().join("volume");
         std::fs::create_dir(&volume).unwrap();
-        gpu_device_plugin::config_watch::kubelet_swap(&volume, 1, toml).unwrap();
+        gpu_sim::kubelet::swap_configmap(&volume, 1, toml).unwrap();
         Daemon::spawn(&[], files, volume.join("config.toml"), env)
     }
 

@@ -16,9 +16,9 @@ use std::time::Duration;
 use serde_json::Value;
 
 use super::{Grant, KubeletSim, SimState};
-use crate::device::Resource;
-use crate::sim::apiserver::{ApiServerSim, PodContainer, admission_order};
-use crate::usage::quantity::parse_count;
+use crate::apiserver::{ApiServerSim, PodContainer, admission_order};
+use gpu_device_plugin::device::Resource;
+use gpu_device_plugin::usage::quantity::parse_count;
 
 /// One pod the kubelet admitted or refused.
 #[derive(Debug)]

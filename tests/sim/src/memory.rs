@@ -10,9 +10,12 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 
-use super::cluster::{BindError, Binder};
-use super::index::{Index, PodName, pod_name};
-use crate::sim::apiserver::PodContainer;
+use gpu_device_plugin::config::Config;
+use gpu_device_plugin::device::Gpu;
+use gpu_device_plugin::extender::{BindError, Binder, ExtenderConfig, Index, PodName, pod_name};
+use gpu_device_plugin::usage::Inventory;
+
+use crate::apiserver::PodContainer;
 
 #[derive(Default)]
 struct State {
@@ -45,7 +48,7 @@ impl MemoryCluster {
     /// An empty cluster whose index counts as synced and reads the default
     /// domain's annotations, the ones [`gpu_node`] writes.
     pub fn new() -> MemoryCluster {
-        let mut index = Index::new(&super::ExtenderConfig::default().resource_domain);
+        let mut index = Index::new(&ExtenderConfig::default().resource_domain);
         index.replace_nodes(Vec::new());
         index.replace_pods(Vec::new());
         MemoryCluster {
@@ -218,22 +221,19 @@ impl Binder for MemoryCluster {
 /// A Node publishing `gpus` (UUID, MiB) in its `doslab.io/gpu-inventory`,
 /// 1 MiB per memory device and 1 % per core device, every resource on.
 pub fn gpu_node(name: &str, gpus: &[(&str, u64)]) -> Node {
-    let inventory = crate::usage::Inventory {
-        version: crate::usage::INVENTORY_VERSION,
-        memory_unit_mib: 1,
-        cores_per_gpu: 100,
-        resources: crate::device::Resource::ALL.to_vec(),
-        gpus: gpus
-            .iter()
-            .map(|&(uuid, memory_mib)| crate::usage::GpuInfo {
-                uuid: uuid.into(),
-                memory_mib,
-                healthy: true,
-                numa_node: None,
-            })
-            .collect(),
-    };
-    node_with(name, Some(&inventory.to_json()))
+    let gpus: Vec<Gpu> = (0..)
+        .zip(gpus)
+        .map(|(index, &(uuid, memory_mib))| Gpu {
+            uuid: uuid.into(),
+            memory_mib,
+            index,
+            numa_node: None,
+        })
+        .collect();
+    // What the node daemon publishes on the default config.
+    let inventory = Inventory::new(&gpus, &Config::default().offer());
+    let text = serde_json::to_string(&inventory).expect("an inventory serialises");
+    node_with(name, Some(&text))
 }
 
 /// A Node with `inventory` as its `doslab.io/gpu-inventory` text, or none.

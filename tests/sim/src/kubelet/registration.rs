@@ -9,9 +9,9 @@ use prost::Message;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::{Endpoint, MAX_MESSAGE_BYTES, Shared};
-use crate::api::device_plugin_client::DevicePluginClient;
-use crate::api::registration_server::Registration;
-use crate::api::{Empty, ListAndWatchResponse, RegisterRequest};
+use gpu_device_plugin::api::device_plugin_client::DevicePluginClient;
+use gpu_device_plugin::api::registration_server::Registration;
+use gpu_device_plugin::api::{Empty, ListAndWatchResponse, RegisterRequest};
 
 pub(crate) struct RegistrationService {
     pub(crate) dir: PathBuf,
@@ -45,11 +45,11 @@ pub(crate) fn validate_resource_name(name: &str) -> Result<(), String> {
 impl Registration for RegistrationService {
     async fn register(&self, request: Request<RegisterRequest>) -> Result<Response<Empty>, Status> {
         let r = request.into_inner();
-        if r.version != crate::api::VERSION {
+        if r.version != gpu_device_plugin::api::VERSION {
             return Err(Status::unknown(format!(
                 "invalid version {:?}, expected {}",
                 r.version,
-                crate::api::VERSION
+                gpu_device_plugin::api::VERSION
             )));
         }
         validate_resource_name(&r.resource_name).map_err(Status::unknown)?;
@@ -60,7 +60,7 @@ impl Registration for RegistrationService {
                 path.display()
             ))
         };
-        let channel = crate::uds::connect(&path, Duration::from_secs(10))
+        let channel = gpu_device_plugin::uds::connect(&path, Duration::from_secs(10))
             .await
             .map_err(|e| dial(&e))?;
         let mut client =

@@ -24,9 +24,9 @@ use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
-use crate::api::device_plugin_client::DevicePluginClient;
-use crate::api::registration_server::RegistrationServer;
-use crate::api::{
+use gpu_device_plugin::api::device_plugin_client::DevicePluginClient;
+use gpu_device_plugin::api::registration_server::RegistrationServer;
+use gpu_device_plugin::api::{
     AllocateRequest, ContainerAllocateRequest, ContainerAllocateResponse,
     ContainerPreferredAllocationRequest, DevicePluginOptions, PreferredAllocationRequest,
 };
@@ -95,7 +95,7 @@ impl Shared {
     }
 }
 
-pub use crate::uds::plugin_sockets;
+pub use gpu_device_plugin::uds::plugin_sockets;
 
 /// The device manager's checkpoint: the one file a restart keeps.
 pub(crate) const CHECKPOINT: &str = "kubelet_internal_checkpoint";
@@ -157,7 +157,7 @@ impl KubeletSim {
     }
 
     fn serve(&mut self) -> std::io::Result<()> {
-        let incoming = crate::uds::bind(&self.dir.join("kubelet.sock"))?;
+        let incoming = gpu_device_plugin::uds::bind(&self.dir.join("kubelet.sock"))?;
         let service = registration::RegistrationService {
             dir: self.dir.clone(),
             shared: self.shared.clone(),
@@ -168,7 +168,7 @@ impl KubeletSim {
             let stopped = async {
                 let _ = stop_rx.await;
             };
-            if let Err(e) = crate::uds::serve(routes, incoming, stopped).await {
+            if let Err(e) = gpu_device_plugin::uds::serve(routes, incoming, stopped).await {
                 tracing::error!(error = %e, "kubelet simulator server failed");
             }
         });
@@ -204,7 +204,7 @@ impl KubeletSim {
         for entry in std::fs::read_dir(&self.dir)? {
             let entry = entry?;
             if entry.file_name() != CHECKPOINT && entry.file_type()?.is_file()
-                || crate::uds::is_socket(&entry)
+                || gpu_device_plugin::uds::is_socket(&entry)
             {
                 std::fs::remove_file(entry.path())?;
             }
@@ -436,4 +436,22 @@ pub fn merged_envs(grants: &[Grant]) -> BTreeMap<String, String> {
         }
     }
     envs
+}
+
+/// Does to `dir` what the kubelet does to a ConfigMap volume, with
+/// `config.toml` in version `version` (a number new to `dir`): the data in
+/// a new directory, `..data` renamed onto it, `config.toml` a link through
+/// `..data`. The tests edit a daemon's config through it.
+pub fn swap_configmap(dir: &Path, version: u32, text: &str) -> std::io::Result<()> {
+    use std::os::unix::fs::symlink;
+    let data = dir.join(format!("..2026_11_23_{version}"));
+    std::fs::create_dir(&data)?;
+    std::fs::write(data.join("config.toml"), text)?;
+    let tmp = dir.join("..data_tmp");
+    symlink(data.file_name().expect("a named directory"), &tmp)?;
+    std::fs::rename(&tmp, dir.join("..data"))?;
+    if !dir.join("config.toml").exists() {
+        symlink("..data/config.toml", dir.join("config.toml"))?;
+    }
+    Ok(())
 }

@@ -6,14 +6,14 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
-use super::apiserver::{ApiServerSim, PodContainer, admission_order};
-use super::kubelet::{KubeletSim, ResourceView, merged_envs, plugin_sockets};
-use crate::api::{AllocateRequest, ContainerAllocateRequest};
-use crate::config::{Config, ConfigError};
-use crate::device::{KUBELET_MAX_MESSAGE_BYTES, PerResource, Resource};
+use crate::apiserver::{ApiServerSim, PodContainer, admission_order};
+use crate::kubelet::{KubeletSim, ResourceView, merged_envs, plugin_sockets};
+use gpu_device_plugin::api::{AllocateRequest, ContainerAllocateRequest};
+use gpu_device_plugin::config::{Config, ConfigError};
+use gpu_device_plugin::device::{KUBELET_MAX_MESSAGE_BYTES, PerResource, Resource};
 
 /// The demo's config: mock GPUs, pod matching on.
-const DEMO_TOML: &str = include_str!("../../config/demo.toml");
+const DEMO_TOML: &str = include_str!("../../../config/demo.toml");
 
 #[derive(Debug, thiserror::Error)]
 pub enum DemoError {
@@ -22,9 +22,9 @@ pub enum DemoError {
     #[error("temporary directory: {0}")]
     Io(#[from] std::io::Error),
     #[error(transparent)]
-    Run(#[from] crate::app::RunError),
+    Run(#[from] gpu_device_plugin::app::RunError),
     #[error(transparent)]
-    Extender(#[from] crate::extender::ExtenderError),
+    Extender(#[from] gpu_device_plugin::extender::ExtenderError),
     #[error("{0}")]
     Step(String),
 }
@@ -92,7 +92,7 @@ fn table(config: &Config, kubelet: &BTreeMap<String, ResourceView>, out: &mut St
 /// The real daemon on `config`, in this process, until stopped.
 pub(super) struct InProcess {
     stop: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<Result<(), crate::app::RunError>>,
+    task: tokio::task::JoinHandle<Result<(), gpu_device_plugin::app::RunError>>,
 }
 
 impl InProcess {
@@ -100,9 +100,9 @@ impl InProcess {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let controls = Box::pin(futures::stream::once(async {
             let _ = stopped.await;
-            crate::app::Control::Stop
+            gpu_device_plugin::app::Control::Stop
         }));
-        let task = tokio::spawn(crate::app::run(config, None, controls));
+        let task = tokio::spawn(gpu_device_plugin::app::run(config, None, controls));
         InProcess { stop, task }
     }
 
@@ -120,7 +120,7 @@ impl InProcess {
 /// its report.
 pub async fn run() -> Result<String, DemoError> {
     let mut out = one_node().await?;
-    super::placement_demo::run(&mut out).await?;
+    crate::placement_demo::run(&mut out).await?;
     Ok(out)
 }
 
@@ -142,7 +142,7 @@ async fn one_node() -> Result<String, DemoError> {
     );
     let _ = writeln!(out, "device-plugin dir: {}\n", dir.path().display());
 
-    let plan = crate::app::plan(&config).await?;
+    let plan = gpu_device_plugin::app::plan(&config).await?;
     let _ = writeln!(out, "GPUs (mock backend):");
     for g in plan.gpus() {
         let _ = writeln!(

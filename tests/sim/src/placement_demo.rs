@@ -11,17 +11,16 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
-use super::apiserver::{ApiServerSim, PodContainer};
-use super::demo::{DemoError, InProcess};
-use super::gpu_node::GpuNode;
-use super::kubelet::{Grant, KubeletSim};
-use super::scheduler::{ExtenderConfig, Outcome, SchedulerConfig, SchedulerSim};
-use crate::config::Config;
-use crate::matcher::ledger::Ledger;
-use crate::usage::Assignment;
+use crate::apiserver::{ApiServerSim, PodContainer};
+use crate::demo::{DemoError, InProcess};
+use crate::gpu_node::GpuNode;
+use crate::kubelet::{Grant, KubeletSim};
+use crate::scheduler::{ExtenderConfig, Outcome, SchedulerConfig, SchedulerSim};
+use gpu_device_plugin::config::Config;
+use serde::Deserialize;
 
 /// The daemons' and the extender's config: see the file.
-const PLACEMENT_TOML: &str = include_str!("../../config/demo-placement.toml");
+const PLACEMENT_TOML: &str = include_str!("../../../config/demo-placement.toml");
 
 /// The nodes: name and GPU sizes in GiB. In name order, which is the order
 /// in which a scheduler without scores tries them.
@@ -44,6 +43,27 @@ const PODS: &[(&str, u64, u64)] = &[
 
 /// The one pod no GPU can hold.
 const TOO_BIG: &str = "too-big";
+
+/// A container's entry in a pod's `gpu-ledger` annotation, read as an
+/// operator would, from the format SPEC.md gives (the product's own types
+/// stay private to it).
+#[derive(Deserialize)]
+struct Served {
+    gpus: Vec<String>,
+    #[serde(rename = "gpu-memory", default)]
+    memory: Option<u64>,
+    #[serde(rename = "gpu-core", default)]
+    core: Option<u64>,
+}
+
+/// The per-container map in `pod`'s annotation `key`; none when it is absent.
+fn per_container<T: serde::de::DeserializeOwned>(
+    pod: &serde_json::Value,
+    key: &str,
+) -> serde_json::Result<BTreeMap<String, T>> {
+    let text = pod["metadata"]["annotations"][key].as_str();
+    text.map_or(Ok(BTreeMap::new()), serde_json::from_str)
+}
 
 /// How long one step (start-up, a placement run) may take.
 const STEP: Duration = Duration::from_secs(10);
@@ -95,7 +115,7 @@ impl Cluster {
         let kubeconfig = files.path().join("kubeconfig");
         api.write_kubeconfig(&kubeconfig)?;
         let mut template: toml::Table = toml::from_str(PLACEMENT_TOML)
-            .map_err(|e| crate::config::ConfigError::Parse(e.to_string()))?;
+            .map_err(|e| gpu_device_plugin::config::ConfigError::Parse(e.to_string()))?;
         template.remove("extender");
         let mut nodes = Vec::new();
         let mut unit_mib = 1;
@@ -297,13 +317,10 @@ pub(crate) async fn run(out: &mut String) -> Result<(), DemoError> {
         cluster.api.delete_pod("scheduler-alone", name);
     }
 
-    let mut config = crate::extender::ExtenderConfig::from_toml(PLACEMENT_TOML)?;
+    let mut config = gpu_device_plugin::extender::ExtenderConfig::from_toml(PLACEMENT_TOML)?;
     config.kubeconfig = cluster.kubeconfig();
-    let extender = crate::extender::launch(&config).await?;
-    wait_for("the extender did not sync", || {
-        extender.index.read().is_ok_and(|ix| ix.synced())
-    })
-    .await?;
+    let extender = gpu_device_plugin::extender::launch(&config).await?;
+    wait_for("the extender did not sync", || extender.synced()).await?;
     let url = format!("http://{}", extender.addr);
     let with = cluster
         .place("with-extender", Some(ExtenderConfig::doslab(&url)))
@@ -363,24 +380,23 @@ fn with_extender(
             }
         };
         let pod = cluster.api.pod("with-extender", name).unwrap_or_default();
-        let annotation = |key: &str| pod["metadata"]["annotations"][key].as_str();
-        let assignment = Assignment::parse(annotation("doslab.io/gpu-assignment"));
-        let ledger = Ledger::parse(annotation("doslab.io/gpu-ledger"));
+        let assignment = per_container::<Vec<String>>(&pod, "doslab.io/gpu-assignment");
+        let ledger = per_container::<Served>(&pod, "doslab.io/gpu-ledger");
         let (Ok(assignment), Ok(ledger)) = (assignment, ledger) else {
             return fail(format!("{name}: unreadable annotations: {pod}"));
         };
         // Every admitted container is in the ledger, and nothing else is:
         // an empty or partial ledger would check nothing below.
-        if !ledger.0.keys().eq(grants.keys()) {
+        if !ledger.keys().eq(grants.keys()) {
             return fail(format!(
                 "{name}: ledger {:?} against admitted containers {:?}",
-                ledger.0.keys().collect::<Vec<_>>(),
+                ledger.keys().collect::<Vec<_>>(),
                 grants.keys().collect::<Vec<_>>()
             ));
         }
-        for (container, grant) in &ledger.0 {
-            let assigned = assignment.0.get(container).cloned().unwrap_or_default();
-            let visible = super::kubelet::merged_envs(&grants[container])
+        for (container, grant) in &ledger {
+            let assigned = assignment.get(container).cloned().unwrap_or_default();
+            let visible = crate::kubelet::merged_envs(&grants[container])
                 .remove("NVIDIA_VISIBLE_DEVICES")
                 .unwrap_or_default();
             if grant.gpus != assigned || visible != assigned.join(",") {

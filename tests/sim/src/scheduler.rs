@@ -223,7 +223,7 @@ pub struct SchedulerSim {
 impl SchedulerSim {
     /// Starts placing pods through the API server `kubeconfig` reaches.
     pub async fn start(kubeconfig: &Path, config: SchedulerConfig) -> Result<SchedulerSim, String> {
-        let client = crate::kube_client::from_kubeconfig(kubeconfig, "kubeconfig")
+        let client = gpu_device_plugin::kube_client::from_kubeconfig(kubeconfig, "kubeconfig")
             .await
             .map_err(|e| e.to_string())?;
         let shared: Arc<Mutex<Shared>> = Arc::default();
@@ -308,7 +308,9 @@ fn key(pod: &Pod) -> String {
 /// A quantity in thousandths, rounded up (`100m` CPU is 100, `1` is
 /// 1000, `1Ki` is 1 024 000); `None` when it does not parse.
 fn milli(q: &Quantity) -> Option<i128> {
-    crate::usage::quantity::Quantity::parse(&q.0).ok()?.milli()
+    gpu_device_plugin::usage::quantity::Quantity::parse(&q.0)
+        .ok()?
+        .milli()
 }
 
 /// A container's requests; an extended resource with only a limit requests
@@ -820,7 +822,7 @@ fn args(e: &ExtenderConfig, pod: &Pod, nodes: &[String]) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sim::apiserver::{ApiServerSim, PodContainer};
+    use crate::apiserver::{ApiServerSim, PodContainer};
 
     /// A recorded extender call: path, content type, body.
     type Call = (String, String, Value);
@@ -913,7 +915,7 @@ mod tests {
         }
 
         async fn client(&self) -> Client {
-            crate::kube_client::from_kubeconfig(self.kubeconfig.path(), "kubeconfig")
+            gpu_device_plugin::kube_client::from_kubeconfig(self.kubeconfig.path(), "kubeconfig")
                 .await
                 .unwrap()
         }
@@ -1128,7 +1130,7 @@ mod tests {
     #[test]
     fn shipped_config_is_the_deployed_one() {
         let map: Value =
-            serde_yaml::from_str(include_str!("../../deploy/scheduler/configmap.yaml")).unwrap();
+            serde_yaml::from_str(include_str!("../../../deploy/scheduler/configmap.yaml")).unwrap();
         let config: Value =
             serde_yaml::from_str(map["data"]["scheduler.yaml"].as_str().unwrap()).unwrap();
         let ext = &config["extenders"][0];

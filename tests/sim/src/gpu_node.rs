@@ -4,9 +4,9 @@
 
 use std::collections::BTreeMap;
 
-use super::apiserver::ApiServerSim;
-use super::kubelet::ResourceView;
-use crate::device::Resource;
+use crate::apiserver::ApiServerSim;
+use crate::kubelet::ResourceView;
+use gpu_device_plugin::device::Resource;
 
 /// Pods a kubelet admits by default (the Node's `pods` allocatable).
 const MAX_PODS: u64 = 110;
