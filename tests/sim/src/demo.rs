@@ -1,6 +1,7 @@
-//! `gpu-device-plugin demo`: the real daemon on the embedded mock config,
-//! in a temporary directory, beside the kubelet simulator. Prints what the
-//! kubelet sees and what sample containers would get.
+//! The demo (`cargo run -p gpu-sim --bin demo`): the real daemon on the
+//! embedded mock config, in a temporary directory, beside the kubelet
+//! simulator. Prints what the kubelet sees and what sample containers
+//! would get.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;

@@ -1,6 +1,6 @@
-//! The placement part of `gpu-device-plugin demo`: a few nodes with mock
-//! GPUs of mixed sizes, each running the real daemon beside its own kubelet
-//! stand-in, one API-server stand-in, and the kube-scheduler stand-in. The
+//! The placement part of the demo: a few nodes with mock GPUs of mixed
+//! sizes, each running the real daemon beside its own kubelet stand-in,
+//! one API-server stand-in, and the kube-scheduler stand-in. The
 //! same pods are placed twice: by node totals alone, as kube-scheduler does
 //! without help, where some land on a node none of whose GPUs can hold them
 //! and its kubelet refuses them; then through the real extender, where
