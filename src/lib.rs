@@ -1,8 +1,9 @@
 //! gpu-device-plugin: a Kubernetes device plugin that shares NVIDIA GPUs by
 //! memory and compute. See the README for the design; `main.rs` is the CLI.
 
-// What main.rs, the tests and the benches use is `pub`; the rest is
-// `pub(crate)`, so the dead-code lint sees what nobody uses.
+// What main.rs, the stand-ins (gpu-sim, tests/sim), the tests and the
+// benches use is `pub`; the rest is `pub(crate)`, so the dead-code lint
+// sees what nobody uses.
 #![warn(unreachable_pub)]
 
 pub mod app;
