@@ -12,7 +12,7 @@
 //! - `registration`: the Register call to the kubelet.
 
 mod actor;
-pub(crate) mod allocate;
+mod allocate;
 pub mod codec;
 mod pairing;
 mod placement;
