@@ -5,16 +5,19 @@
 //! - `service`: the gRPC adapter (decode, delegate, encode, record).
 //! - `placement`: which devices and GPU a container gets, by the pod
 //!   matcher or by the IDs with `pairing`'s hints.
-//! - `allocate`: the Allocate response built from a grant.
+//! - `allocate`: what a container is granted (from the IDs alone without
+//!   pod matching).
+//! - `response`: the one composer of a container's Allocate response.
 //! - `codec`: the hand-written prost types for the large messages.
 //! - `registration`: the Register call to the kubelet.
 
 mod actor;
-pub(crate) mod allocate;
+mod allocate;
 pub mod codec;
 mod pairing;
 mod placement;
 mod registration;
+mod response;
 pub(crate) mod service;
 
 pub(crate) use actor::{PluginActor, PluginArgs, PluginMsg, SETTLE};
