@@ -17,8 +17,7 @@ use super::gpu_node::GpuNode;
 use super::kubelet::{Grant, KubeletSim};
 use super::scheduler::{ExtenderConfig, Outcome, SchedulerConfig, SchedulerSim};
 use crate::config::Config;
-use crate::matcher::ledger::Ledger;
-use crate::usage::Assignment;
+use crate::usage::{Assignment, Ledger};
 
 /// The daemons' and the extender's config: see the file.
 const PLACEMENT_TOML: &str = include_str!("../../config/demo-placement.toml");
