@@ -7,7 +7,7 @@
 //!
 //! It sits at the bottom of the crate: it imports only the device
 //! vocabulary (`crate::device`), never the matcher, the extender or the
-//! plugin that use it.
+//! plugin that use it (`layering.rs` checks).
 //!
 //! Usage of a GPU is the ledgers of live pods, plus the assignments of pods
 //! bound but not yet admitted, plus whatever the caller adds (the
@@ -29,5 +29,7 @@ pub use fit::Policy;
 pub(crate) use fit::{best_shared, fit, score};
 pub(crate) use node::{Holding, NodeUsage, finished, pod_holdings};
 
+#[cfg(test)]
+mod layering;
 #[cfg(test)]
 mod tests;
