@@ -57,8 +57,8 @@ impl LedgerEntry {
     }
 }
 
-/// Container name → what it was granted; and, never written, which of the pod's
-/// accounting annotations were there but unreadable ([`Unread`]).
+/// Container name → what it was granted; and, never written, which of the
+/// pod's accounting annotations were there but unreadable ([`Unread`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct Ledger(

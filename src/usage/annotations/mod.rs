@@ -80,9 +80,9 @@ pub(crate) struct Garbled {
 }
 
 /// A pod's ledger and assignment as read: a missing annotation is empty; an
-/// unreadable one is empty too but marked in the ledger's
-/// [`ledger::Unread`] (so the usage model fails closed on
-/// it) and named here (so the caller logs it).
+/// unreadable one is empty too but marked in the ledger's [`ledger::Unread`]
+/// (so the usage model fails closed on it) and named here (so the caller
+/// logs it).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Records {
     pub(crate) ledger: Ledger,
