@@ -364,10 +364,9 @@ async fn lifecycle_latency() {
 /// real socket with a warm pod cache, beside the seed's approach (a LIST of
 /// the node's pending pods on every Allocate) against the same API server.
 async fn pod_matching_figures() {
-    use gpu_device_plugin::matcher::ledger::Ledger;
     use gpu_device_plugin::matcher::matching::{Ask, decide, record};
     use gpu_device_plugin::matcher::pods::PodView;
-    use gpu_device_plugin::usage::{Inventory, Keys};
+    use gpu_device_plugin::usage::{Inventory, Keys, Ledger};
     use gpu_sim::apiserver::{ApiServerSim, PodContainer};
     use k8s_openapi::api::core::v1::Pod;
     use kube::api::{ListParams, Patch, PatchParams};

@@ -8,11 +8,9 @@ use std::time::Instant;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 
-use crate::matcher::ledger::Ledger;
-use crate::matcher::pods::finished;
-use crate::usage::pod_holdings;
 use crate::usage::{
-    Assignment, ContainerAsk, Inventory, InventoryError, Keys, NodeUsage, PodAsks, Records,
+    Assignment, ContainerAsk, Inventory, InventoryError, Keys, Ledger, NodeUsage, PodAsks, Records,
+    finished, pod_holdings,
 };
 
 /// `namespace/name`, the key kube-scheduler's bind call names a pod by.

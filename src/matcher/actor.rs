@@ -19,12 +19,11 @@ use super::api::{
     UNSEEN_POD_WAIT,
 };
 use super::cache::PodCache;
-use super::ledger::Ledger;
 use super::matching::{Ask, Decision, MatchError, decide, decide_with, deleting, record, usage};
 use super::pods::{PodKey, PodView};
 use super::report::Withdrawn;
 use crate::metrics::{Hold, Metrics};
-use crate::usage::{Inventory, Keys};
+use crate::usage::{Inventory, Keys, Ledger};
 
 /// Pause between attempts at an API server that failed.
 const RETRY: Duration = Duration::from_millis(200);

@@ -10,12 +10,12 @@ use futures::future::BoxFuture;
 use ractor::{ActorRef, RactorErr, RpcReplyPort, call_t};
 use tokio::sync::watch;
 
-use super::ledger::ids_digest;
 use super::matching::{Ask, Decision, MatchError};
 use super::pods::PodKey;
 use super::report::Withdrawn;
 use crate::device::{DeviceRef, Resource};
 use crate::enforcement::{EnforcementError, Preload};
+use crate::usage::ids_digest;
 
 /// Beyond the matcher's own wait (`matcher.wait_ms`), what an Allocate
 /// allows for its queue: it answers one lookup at a time.

@@ -22,7 +22,7 @@ use kube::{Api, Client};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::pods::finished;
+use crate::usage::finished;
 
 pub(crate) struct PodCache {
     store: Store<Pod>,

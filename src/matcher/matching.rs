@@ -2,10 +2,11 @@
 //! and which GPU it gets. Pure: the actor gathers the pods, this
 //! decides, the actor records.
 
-use super::ledger::Ledger;
 use super::pods::{PodKey, PodView};
 use crate::device::Resource;
-use crate::usage::{ContainerAsk, Holding, Inventory, NodeUsage, best_shared, pod_holdings};
+use crate::usage::{
+    ContainerAsk, Holding, Inventory, Ledger, NodeUsage, best_shared, pod_holdings,
+};
 
 /// What is being asked for.
 #[derive(Debug, Clone, PartialEq, Eq)]

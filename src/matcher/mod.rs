@@ -1,13 +1,13 @@
 //! Pod matching: which pod and container an Allocate is for, the
-//! GPU it gets, and the ledger on the pod that records it.
+//! GPU it gets, and the ledger on the pod that records it (the ledger's
+//! format is the usage model's, [`crate::usage::Ledger`]).
 //!
-//! `matching`, `pods` and `ledger` are pure; `actor` does the I/O (pod
-//! cache, ledger patches, events) behind the handle in `api`.
+//! `matching` and `pods` are pure; `actor` does the I/O (pod cache, ledger
+//! patches, events) behind the handle in `api`.
 
 mod actor;
 mod api;
 pub(crate) mod cache;
-pub mod ledger;
 pub mod matching;
 pub mod pods;
 pub mod report;

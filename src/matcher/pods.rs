@@ -3,9 +3,8 @@
 
 use k8s_openapi::api::core::v1::Pod;
 
-use super::ledger::Ledger;
 use crate::device::Resource;
-use crate::usage::{Assignment, ContainerAsk, Keys, PodAsks, Records};
+use crate::usage::{Assignment, ContainerAsk, Keys, Ledger, PodAsks, Records, finished};
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct PodKey {
@@ -62,13 +61,6 @@ pub enum PodWarning {
     /// The container's other resources still match; this one never does.
     #[error("{0}; no device of it is matched to the pod")]
     Ask(String),
-}
-
-/// Succeeded or Failed: the kubelet released its devices, so it holds
-/// nothing and is no candidate.
-pub(crate) fn finished(pod: &Pod) -> bool {
-    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
-    matches!(phase, Some("Succeeded" | "Failed"))
 }
 
 impl PodView {

@@ -5,12 +5,11 @@ use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, PodStatus, ResourceReq
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::api::ObjectMeta;
 
-use super::ledger::{Ledger, ids_digest};
 use super::matching::{Ask, Decision, MatchError, decide, record};
 use super::pods::{PodKey, PodView, PodWarning};
 use crate::device::Resource::{self, GpuCore, GpuCount, GpuMemory};
 use crate::device::{Gpu, Offer, PerResource, Units};
-use crate::usage::{Assignment, ContainerAsk, Inventory, Keys};
+use crate::usage::{Assignment, ContainerAsk, Inventory, Keys, Ledger, ids_digest};
 
 /// Two GPUs of 1000 MiB, 1 MiB and 1 % per device.
 fn node() -> Inventory {

@@ -15,8 +15,8 @@ use super::allocate::{AllocateError, ContainerGrant, ids_grant};
 use super::pairing::{LastShared, SplitError};
 use crate::device::{DeviceModel, DeviceRef, Resource, packing};
 use crate::enforcement::{AllocateEnforcement, CacheOwner, EnforcementError, Preload};
-use crate::matcher::ledger::ids_digest;
 use crate::matcher::{Decision, MatcherError, MatcherHandle, Prepare};
+use crate::usage::ids_digest;
 
 #[derive(Debug, Clone)]
 pub(crate) enum Placement {

@@ -3,9 +3,8 @@
 
 use serde::Deserialize;
 
-use super::{Assignment, ContainerAsk, Inventory, NodeUsage, PodAsks, pod_holdings};
+use super::{Assignment, ContainerAsk, Inventory, Ledger, NodeUsage, PodAsks, pod_holdings};
 use crate::device::{PerResource, Resource};
-use crate::matcher::ledger::Ledger;
 
 /// At most this many containers of one pod that ask GPUs.
 pub(crate) const MAX_GPU_CONTAINERS: usize = 256;

@@ -1,8 +1,13 @@
 //! The one model of GPU usage that the node's pod matcher and the scheduler
-//! extender share, so both agree on what is free: a node's GPUs
-//! ([`Inventory`]), what pods ask ([`PodAsks`]) and hold ([`Holding`]), the
-//! usage that adds up to ([`NodeUsage`]), where a pod fits ([`fit`]) and how
-//! well ([`score`]).
+//! extender share, so both agree on what is free: the annotations they
+//! exchange ([`annotations`]: a node's GPUs, [`Inventory`]; a pod's
+//! [`Ledger`] and [`Assignment`]), what pods ask ([`PodAsks`]) and hold
+//! ([`Holding`]), the usage that adds up to ([`NodeUsage`]), where a pod
+//! fits ([`fit`]) and how well ([`score`]).
+//!
+//! It sits at the bottom of the crate: it imports only the device
+//! vocabulary (`crate::device`), never the matcher, the extender or the
+//! plugin that use it (`layering.rs` checks).
 //!
 //! Usage of a GPU is the ledgers of live pods, plus the assignments of pods
 //! bound but not yet admitted, plus whatever the caller adds (the
@@ -11,18 +16,17 @@
 mod annotations;
 mod asks;
 mod fit;
-mod inventory;
 mod node;
 pub mod quantity;
 
-pub use annotations::Keys;
-pub(crate) use annotations::{Assignment, Records};
+pub(crate) use annotations::{Assignment, InventoryError, Records, ids_digest};
+pub use annotations::{Inventory, Keys, Ledger};
 pub(crate) use asks::{ContainerAsk, PodAsks};
 pub use fit::Policy;
 pub(crate) use fit::{best_shared, fit, score};
-pub use inventory::Inventory;
-pub(crate) use inventory::InventoryError;
-pub(crate) use node::{Holding, NodeUsage, pod_holdings};
+pub(crate) use node::{Holding, NodeUsage, finished, pod_holdings};
 
+#[cfg(test)]
+mod layering;
 #[cfg(test)]
 mod tests;

@@ -1,8 +1,9 @@
 //! What the pods hold on a node's GPUs, added up per GPU.
 
-use super::{Assignment, ContainerAsk, Inventory};
+use k8s_openapi::api::core::v1::Pod;
+
+use super::{Assignment, ContainerAsk, Inventory, Ledger};
 use crate::device::{PerResource, Resource};
-use crate::matcher::ledger::Ledger;
 
 /// What one container holds: its GPUs and the amounts, in real units
 /// (MiB, percent, GPUs). A holding with GPUs counted holds them whole.
@@ -20,6 +21,13 @@ impl Holding {
     fn holds(&self) -> bool {
         Resource::ALL.iter().any(|&r| self.amount[r] > 0)
     }
+}
+
+/// Succeeded or Failed: the kubelet released its devices, so the pod holds
+/// nothing, whatever its ledger says, and is no candidate for matching.
+pub(crate) fn finished(pod: &Pod) -> bool {
+    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    matches!(phase, Some("Succeeded" | "Failed"))
 }
 
 /// What a live pod holds, counted only as far as its spec vouches for its
@@ -43,7 +51,7 @@ impl Holding {
 /// Failing closed: where the record cannot say where an ask is held, it is
 /// counted as held on every GPU of the node it could be on (shared asks as
 /// a share of each, whole asks as each GPU whole). That is the case for an
-/// unreadable ledger ([`crate::matcher::ledger::Unread`]: every asked
+/// unreadable ledger ([`super::annotations::ledger::Unread`]: every asked
 /// resource, on the container's assigned GPUs when those are readable and
 /// known, else anywhere), an unreadable assignment (the resources not in the
 /// ledger), and an entry naming GPUs this node lacks, repeating one, or

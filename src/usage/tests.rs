@@ -3,10 +3,10 @@
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
+use super::annotations::ledger::LedgerEntry;
 use super::node::GpuUsage;
 use super::*;
 use crate::device::{Gpu, Offer, PerResource, Resource, Units};
-use crate::matcher::ledger::{Grant, Ledger};
 
 /// GPUs of the given MiB, 256 MiB per memory device, 1 % per core device.
 fn inventory(mib: &[u64]) -> Inventory {
@@ -65,8 +65,8 @@ fn assignment(pairs: &[(&str, &[&str])]) -> Assignment {
     )
 }
 
-fn grant(gpu: &str, memory: Option<u64>, core: Option<u64>, count: Option<u64>) -> Grant {
-    Grant {
+fn grant(gpu: &str, memory: Option<u64>, core: Option<u64>, count: Option<u64>) -> LedgerEntry {
+    LedgerEntry {
         gpus: vec![gpu.into()],
         memory,
         core,

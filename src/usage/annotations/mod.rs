@@ -1,5 +1,20 @@
-//! The annotations the node daemon and the scheduler extender read and
-//! write, and the per-container GPU assignment the extender leaves on a pod.
+//! Every annotation the node daemon and the scheduler extender read and
+//! write, in one place: their keys ([`Keys`], `<domain>/…`, `doslab.io` by
+//! default), their formats, and how a pod's records are read.
+//!
+//! - `gpu-ledger`, on a Pod, written by the node's matcher as the kubelet
+//!   serves each container: what it was granted ([`Ledger`], ledger.rs),
+//!   `{"<container>": {"gpus": ["GPU-…"], "gpu-memory": 1024, "ids": {…}}}`.
+//! - `gpu-assignment`, on a Pod, written by the extender at bind: the GPUs
+//!   each container is to get ([`Assignment`], assignment.rs),
+//!   `{"<container>": ["GPU-…"]}`.
+//! - `gpu-inventory`, on the Node, published by the node daemon: its GPUs
+//!   and units ([`Inventory`], inventory.rs), `{"version": 1,
+//!   "memoryUnitMiB": 256, "coresPerGpu": 100, "resources": […], "gpus":
+//!   [{"uuid": "GPU-…", "memoryMiB": 81920, "healthy": true}]}`.
+//! - `gpu-uuid`, `gpu-assume-time` (decimal nanoseconds), `gpu-assigned`
+//!   (`"false"`, then `"true"` once served), on a Pod: the plain strings a
+//!   scheduler extender and the node exchange, as older readers know them.
 //!
 //! A pod's accounting annotations (its ledger and its assignment) are
 //! read once, by [`Records::read`], for every component: any tenant can
@@ -7,13 +22,19 @@
 //! ([`Garbled`]) that the usage model counts failing closed, never an
 //! empty record that would free the pod's room.
 
-use std::collections::BTreeMap;
+pub(crate) mod assignment;
+pub(crate) mod inventory;
+pub(crate) mod ledger;
 
 use k8s_openapi::api::core::v1::Pod;
-use serde::{Deserialize, Serialize};
 
 use crate::device::{PerResource, Resource};
-use crate::matcher::ledger::Ledger;
+
+pub(crate) use assignment::Assignment;
+pub use inventory::Inventory;
+pub(crate) use inventory::InventoryError;
+pub use ledger::Ledger;
+pub(crate) use ledger::ids_digest;
 
 /// The annotation keys of a resource domain.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -24,7 +45,7 @@ pub struct Keys {
     pub ledger: String,
     /// The extender's per-container GPUs ([`Assignment`]).
     pub(crate) assignment: String,
-    /// The node's GPUs ([`super::Inventory`]), on the Node.
+    /// The node's GPUs ([`Inventory`]), on the Node.
     pub inventory: String,
     /// `<domain>/<resource>`: the names containers ask by.
     pub(crate) resources: PerResource<String>,
@@ -44,31 +65,6 @@ impl Keys {
     }
 }
 
-/// Container name → the UUIDs of its GPUs: one for a shared ask, K for a
-/// whole ask of K.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(transparent)]
-pub(crate) struct Assignment(pub(crate) BTreeMap<String, Vec<String>>);
-
-impl Assignment {
-    /// A missing annotation is no assignment; a malformed one is an error.
-    pub(crate) fn parse(text: Option<&str>) -> Result<Assignment, serde_json::Error> {
-        text.map_or(Ok(Assignment::default()), serde_json::from_str)
-    }
-
-    pub(crate) fn to_json(&self) -> String {
-        serde_json::to_string(self).expect("an assignment always serialises")
-    }
-
-    /// The GPU, when every assigned container uses the same single one
-    /// (what `<domain>/gpu-uuid` carries for older readers).
-    pub(crate) fn single_gpu(&self) -> Option<&str> {
-        let mut gpus = self.0.values().flatten();
-        let first = gpus.next()?;
-        gpus.all(|g| g == first).then_some(first.as_str())
-    }
-}
-
 /// An accounting annotation of a pod that is there but cannot be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
@@ -81,9 +77,9 @@ pub(crate) struct Garbled {
 }
 
 /// A pod's ledger and assignment as read: a missing annotation is empty; an
-/// unreadable one is empty too but marked in the ledger's
-/// [`crate::matcher::ledger::Unread`] (so the usage model fails closed on
-/// it) and named here (so the caller logs it).
+/// unreadable one is empty too but marked in the ledger's [`ledger::Unread`]
+/// (so the usage model fails closed on it) and named here (so the caller
+/// logs it).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Records {
     pub(crate) ledger: Ledger,

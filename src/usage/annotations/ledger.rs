@@ -13,8 +13,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::device::Resource;
 
+/// What one container was granted, as recorded: its GPUs, the amount of
+/// each resource the kubelet served, and the digest of the device IDs it
+/// was served with.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct Grant {
+pub(crate) struct LedgerEntry {
     pub(crate) gpus: Vec<String>,
     #[serde(
         rename = "gpu-memory",
@@ -30,7 +33,7 @@ pub(crate) struct Grant {
     pub(crate) ids: BTreeMap<Resource, String>,
 }
 
-impl Grant {
+impl LedgerEntry {
     pub(crate) fn amount(&self, r: Resource) -> Option<u64> {
         match r {
             Resource::GpuMemory => self.memory,
@@ -54,12 +57,12 @@ impl Grant {
     }
 }
 
-/// Container name → grant; and, never written, which of the pod's
-/// accounting annotations were there but unreadable ([`Unread`]).
+/// Container name → what it was granted; and, never written, which of the
+/// pod's accounting annotations were there but unreadable ([`Unread`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct Ledger(
-    pub(crate) BTreeMap<String, Grant>,
+    pub(crate) BTreeMap<String, LedgerEntry>,
     #[serde(skip)] pub(crate) Unread,
 );
 
@@ -77,7 +80,7 @@ pub(crate) struct Unread {
 impl Ledger {
     /// A missing annotation is an empty ledger; a malformed one is an error,
     /// which the caller must not read as "nothing held"
-    /// ([`crate::usage::Records`] does it for every reader).
+    /// ([`super::Records`] does it for every reader).
     pub(crate) fn parse(text: Option<&str>) -> Result<Ledger, serde_json::Error> {
         text.map_or(Ok(Ledger::default()), serde_json::from_str)
     }
