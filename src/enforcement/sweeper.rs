@@ -29,6 +29,22 @@ pub(crate) struct SweeperArgs {
     pub(crate) metrics: Arc<Metrics>,
 }
 
+impl SweeperArgs {
+    /// What restarts a running sweeper when a reload changes it. Left out:
+    /// the metrics registry, the supervisor's; and which matcher handle it
+    /// asks, the supervisor's, the same across reloads (only whether it
+    /// asks one is the config's).
+    pub(crate) fn restart_key(&self) -> impl PartialEq + '_ {
+        let SweeperArgs {
+            enforcer,
+            matcher,
+            tick,
+            metrics: _,
+        } = self;
+        (enforcer, matcher.is_some(), tick)
+    }
+}
+
 pub(crate) enum SweeperMsg {
     Tick,
 }

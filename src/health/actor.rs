@@ -26,6 +26,21 @@ pub(crate) struct HealthArgs {
     pub(crate) report: HealthReport,
 }
 
+impl HealthArgs {
+    /// What restarts a running monitor when a reload changes it. Left out:
+    /// where it reports, the supervisor's, the same across reloads.
+    pub(crate) fn restart_key(&self) -> impl PartialEq + '_ {
+        let HealthArgs {
+            spec,
+            uuids,
+            poll,
+            recovery,
+            report: _,
+        } = self;
+        (spec, uuids, poll, recovery)
+    }
+}
+
 pub(crate) enum HealthMsg {
     Round(Round),
 }

@@ -40,6 +40,18 @@ impl InventoryArgs {
             published,
         }
     }
+
+    /// What restarts a running publisher when a reload changes it: where
+    /// it publishes. Left out: the inventory itself, sent to the running
+    /// publisher.
+    pub(crate) fn restart_key(&self) -> impl PartialEq + '_ {
+        let InventoryArgs {
+            node_name,
+            kubeconfig,
+            published: _,
+        } = self;
+        (node_name, kubeconfig)
+    }
 }
 
 pub(crate) enum InventoryMsg {

@@ -67,6 +67,31 @@ impl MatcherArgs {
                 .then(|| handle.withdrawals().clone()),
         }
     }
+
+    /// What restarts a running matcher when a reload changes it. Left out:
+    /// the metrics registry, the supervisor's, the same across reloads;
+    /// and the withdrawals channel, the supervisor's matcher handle's
+    /// (only whether it is used is the config's). Taken apart field by
+    /// field, so a field added here does not compile until it is sorted.
+    pub(crate) fn restart_key(&self) -> impl PartialEq + '_ {
+        let MatcherArgs {
+            node_name,
+            node,
+            keys,
+            wait,
+            kubeconfig,
+            withdrawals,
+            metrics: _,
+        } = self;
+        (
+            node_name,
+            node,
+            keys,
+            wait,
+            kubeconfig,
+            withdrawals.is_some(),
+        )
+    }
 }
 
 /// What `/readyz` calls the matcher.

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent, call_t};
 
-use super::children::{Args, Child, Shared, Spawned, wanted};
+use super::children::{Args, Child, ChildContext, Spawned, wanted};
 use super::reload;
 use crate::config::Config;
 use crate::device::{Plan, Resource};
@@ -103,14 +103,14 @@ impl SupervisorState {
 
     /// `child`'s arguments under the current config and plan.
     fn args(&self, child: Child) -> Option<Args> {
-        let shared = Shared {
+        let context = ChildContext {
             metrics: &self.metrics,
             healthy: &self.healthy,
             placement: self.placement(),
             report_health: &self.report_health,
             check_plugins: &self.check_plugins,
         };
-        Args::new(child, &self.config, &self.plan, &shared)
+        Args::new(child, &self.config, &self.plan, &context)
     }
 
     /// How plugins place containers under the current config.
