@@ -45,7 +45,10 @@ impl SweeperArgs {
     }
 }
 
+/// What the sweeper tells itself; nothing waits for a reply.
 pub(crate) enum SweeperMsg {
+    /// Run one pass (check the library, sweep the cache directories, read
+    /// the usage regions) and schedule the next after the tick.
     Tick,
 }
 

@@ -37,8 +37,11 @@ impl WatcherArgs {
     }
 }
 
+/// What the watcher is told, by its filesystem watch and its ticker;
+/// nothing waits for a reply.
 pub(crate) enum WatcherMsg {
-    /// Something happened to a socket in the directory, or the tick fired.
+    /// Something happened to a socket in the directory, or the tick fired:
+    /// ask for every plugin to be checked.
     Changed,
 }
 

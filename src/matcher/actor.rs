@@ -466,11 +466,16 @@ impl Actor for PodMatcher {
             // A caller that has gone (timed out, or its RPC was cancelled)
             // reads no answer: serving it would record a grant no container
             // gets.
-            MatcherMsg::Allocate(ask, _, _, reply) if reply.is_closed() => {
+            MatcherMsg::Allocate { ask, reply, .. } if reply.is_closed() => {
                 tracing::info!(resource = %ask.resource, "skipping an Allocate whose caller has gone");
             }
-            MatcherMsg::Prefer(_, _, reply) if reply.is_closed() => {}
-            MatcherMsg::Allocate(ask, deadline, prepare, reply) => {
+            MatcherMsg::Prefer { reply, .. } if reply.is_closed() => {}
+            MatcherMsg::Allocate {
+                ask,
+                deadline,
+                prepare,
+                reply,
+            } => {
                 let result = state.allocate(&ask, deadline, prepare.as_ref()).await;
                 match &result {
                     Ok((d, _)) => tracing::info!(
@@ -487,10 +492,14 @@ impl Actor for PodMatcher {
                 // The plugin may have timed out; nothing to do then.
                 let _ = reply.send(result);
             }
-            MatcherMsg::Prefer(ask, deadline, reply) => {
+            MatcherMsg::Prefer {
+                ask,
+                deadline,
+                reply,
+            } => {
                 let _ = reply.send(state.prefer(&ask, deadline).await);
             }
-            MatcherMsg::Live(reply) => {
+            MatcherMsg::Live { reply } => {
                 let _ = reply.send(state.live().await);
             }
         }
