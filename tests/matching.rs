@@ -379,9 +379,9 @@ async fn no_matching_pod_fails_naming_node_resource_and_amount_with_an_event() {
         err.contains(NODE) && err.contains("512 gpu-memory") && err.contains("4 devices"),
         "{err}"
     );
-    let events = c.api.events();
+    let events = c.api.wait_for_events(1, WAIT).await;
     assert_eq!(events.len(), 1, "{events:?}");
-    assert_eq!(events[0]["involvedObject"]["name"], "asks-more");
+    assert_eq!(events[0]["regarding"]["name"], "asks-more");
     assert_eq!(events[0]["reason"], "GpuAllocateFailed");
     // The kubelet's devices came back: the failed Allocate held nothing.
     assert_eq!(c.kubelet.free_devices(RES[0]).len(), 2048);
@@ -555,10 +555,10 @@ async fn an_extender_assignment_steers_the_kubelet_and_contradicting_ids_are_ref
         message.contains(&uuid(3)) && message.contains(&uuid(0)) && message.contains(NODE),
         "{message}"
     );
-    let events = c.api.events();
+    let events = c.api.wait_for_events(1, WAIT).await;
     assert_eq!(events.len(), 1, "{events:?}");
-    assert_eq!(events[0]["involvedObject"]["name"], "stray");
-    assert_eq!(events[0]["message"], message);
+    assert_eq!(events[0]["regarding"]["name"], "stray");
+    assert_eq!(events[0]["note"], message);
     let pod = c.api.pod("default", "stray").unwrap();
     assert_eq!(annotation(&pod, "doslab.io/gpu-ledger"), None);
 }

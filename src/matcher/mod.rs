@@ -2,11 +2,13 @@
 //! GPU it gets, and the ledger on the pod that records it.
 //!
 //! `matching`, `pods` and `ledger` are pure; `actor` does the I/O (pod
-//! cache, ledger patches, events) behind the handle in `api`.
+//! cache, ledger patches) behind the handle in `api`, and hands its Events
+//! to `events`, whose task posts them.
 
 mod actor;
 mod api;
 pub(crate) mod cache;
+mod events;
 pub mod ledger;
 pub mod matching;
 pub mod pods;
