@@ -388,6 +388,30 @@ async fn no_matching_pod_fails_naming_node_resource_and_amount_with_an_event() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_does_not_wait_for_its_event_to_be_posted() {
+    let c = Cluster::start("[matcher]\nwait_ms = 500").await;
+    c.api.add_pod(
+        "default",
+        "asks-more",
+        NODE,
+        &[container("app", false, [16, 10, 0])],
+        &[],
+    );
+    // Let the watch deliver the pod; from then on every call but the
+    // watch's takes 1.5 s, and the refusal needs none but the Event's.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    c.api.delay(Duration::from_millis(1500));
+    let err = c.kubelet.admit(&[(RES[0], 4)]).await.unwrap_err();
+    assert!(err.contains("4 devices"), "{err}");
+    // Answered while the Event is still on its way...
+    assert_eq!(c.api.events(), Vec::<Value>::new());
+    // ...where it lands all the same.
+    let events = c.api.wait_for_events(1, WAIT).await;
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0]["regarding"]["name"], "asks-more");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_api_server_that_stays_down_fails_the_allocate_in_bounded_time() {
     let c = Cluster::start("[matcher]\nwait_ms = 1000").await;
     add_small_pod(&c.api, "p");

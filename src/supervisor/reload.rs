@@ -213,6 +213,10 @@ mod tests {
         let moved = restarts(&on, &format!("{on}\nstate_dir = \"/elsewhere\""));
         assert_eq!(moved[&Child::Enforcement], "changed by reload");
         assert!(!moved.contains_key(&Child::Health), "{moved:?}");
+        // Its metrics are the supervisor's; a new unit is nothing to it.
+        let unit = restarts(&on, &format!("memory_unit_mib = 2\n{on}"));
+        assert!(!unit.contains_key(&Child::Enforcement), "{unit:?}");
+        assert_eq!(unit[&MEMORY], "changed by reload");
         // With pod matching it asks the matcher which containers live.
         assert_eq!(
             restarts(&on, ENFORCED)[&Child::Enforcement],
