@@ -230,7 +230,8 @@ impl Serving {
         self.tried.clone_from(&sha256);
         let (config, plan) = load(&bytes).await?;
         let moved = self.http.moved(&config, &self.metrics).await?;
-        let _ = supervisor.send_message(SupervisorMsg::Reload(Box::new((config, plan))));
+        let config = Box::new(config);
+        let _ = supervisor.send_message(SupervisorMsg::Reload { config, plan });
         // The new endpoint listens before the old one closes.
         if let Some(moved) = moved {
             self.http = moved;

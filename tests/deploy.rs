@@ -475,7 +475,7 @@ fn the_chart_renders_what_its_values_say() {
         .map(|r| (r.resources.unwrap().join(","), r.verbs))
         .collect();
     assert_eq!(verbs["pods"], ["get", "list", "watch", "patch"]);
-    assert_eq!(verbs["events"], ["create"]);
+    assert_eq!(verbs["events"], ["create", "patch"]);
     assert_eq!(verbs["nodes"], ["get", "patch"]);
     let svc: Service = typed(&objs, "Service");
     let svc = svc.spec.unwrap();
@@ -715,7 +715,7 @@ fn in_match_constraints(policy: &Value, request: &Value) -> bool {
         .unwrap()
         .iter()
         .any(|rule| {
-            rule["apiGroups"] == json!([""])
+            (rule["apiGroups"].as_array().unwrap()).contains(&request["resource"]["group"])
                 && rule["resources"]
                     .as_array()
                     .unwrap()
@@ -1004,25 +1004,39 @@ fn the_admission_policy_lets_the_daemon_patch_only_its_own_nodes_gpu_inventory()
 
 #[test]
 fn the_admission_policy_lets_the_daemon_post_only_warnings_about_pods_from_its_node() {
-    let request = |node| admission_request(DAEMON, node, "CREATE", "events");
-    let event = |host: &str, kind: &str, type_: &str| {
+    let request = |operation, node| {
+        let mut r = admission_request(DAEMON, node, operation, "events");
+        r["resource"]["group"] = json!("events.k8s.io");
+        r
+    };
+    let event = |instance: &str, kind: &str, type_: &str| {
         json!({
-            "metadata": {"generateName": "p.", "namespace": "team-a"},
-            "involvedObject": {"apiVersion": "v1", "kind": kind, "name": "p", "namespace": "team-a"},
+            "metadata": {"name": "p.1", "namespace": "team-a"},
+            "eventTime": "2026-01-01T00:00:00.000000Z",
+            "regarding": {"apiVersion": "v1", "kind": kind, "name": "p", "namespace": "team-a"},
+            "action": "Allocate",
             "reason": "GpuAllocateFailed",
-            "message": "node gpu-node-1: cannot allocate ...",
+            "note": "node gpu-node-1: cannot allocate ...",
             "type": type_,
-            "source": {"component": "gpu-device-plugin", "host": host}
+            "reportingController": "gpu-device-plugin",
+            "reportingInstance": instance
         })
     };
-    let ours = request(Some("gpu-node-1"));
+    let ours = request("CREATE", Some("gpu-node-1"));
     let mut other_component = event("gpu-node-1", "Pod", "Warning");
-    other_component["source"]["component"] = json!("kubelet");
-    let mut no_source = event("gpu-node-1", "Pod", "Warning");
-    no_source.as_object_mut().unwrap().remove("source");
+    other_component["reportingController"] = json!("kubelet");
+    let mut no_reporter = event("gpu-node-1", "Pod", "Warning");
+    no_reporter
+        .as_object_mut()
+        .unwrap()
+        .remove("reportingInstance");
+    let first = event("gpu-node-1", "Pod", "Warning");
+    let mut repeated = first.clone();
+    repeated["series"] = json!({"count": 2, "lastObservedTime": "2026-01-01T00:01:00.000000Z"});
     let posts =
         |what, req: &Value, ev: Value, failures| (what, req.clone(), Value::Null, ev, failures);
-    let cases: [Case; 7] = [
+    let core = admission_request(DAEMON, Some("gpu-node-1"), "CREATE", "events");
+    let cases: [Case; 10] = [
         posts(
             "the matcher's event",
             &ours,
@@ -1037,7 +1051,7 @@ fn the_admission_policy_lets_the_daemon_post_only_warnings_about_pods_from_its_n
         ),
         posts(
             "a token without a node",
-            &request(None),
+            &request("CREATE", None),
             event("gpu-node-1", "Pod", "Warning"),
             Some(1),
         ),
@@ -1054,7 +1068,23 @@ fn the_admission_policy_lets_the_daemon_post_only_warnings_about_pods_from_its_n
             Some(1),
         ),
         posts("as the kubelet", &ours, other_component, Some(1)),
-        posts("with no source", &ours, no_source, Some(1)),
+        posts("with no reporter", &ours, no_reporter, Some(1)),
+        (
+            "a repeat's series",
+            request("UPDATE", Some("gpu-node-1")),
+            first,
+            repeated.clone(),
+            Some(0),
+        ),
+        (
+            "another node's repeat",
+            request("UPDATE", Some("gpu-node-2")),
+            event("gpu-node-1", "Pod", "Warning"),
+            event("gpu-node-1", "Pod", "Warning"),
+            Some(1),
+        ),
+        // RBAC grants no core/v1 Events; the policy does not speak of them.
+        posts("a core/v1 Event", &core, repeated, None),
     ];
     assert_cases(
         &[kustomize(&["deploy"]), chart(&[])],
@@ -1942,7 +1972,7 @@ type Right = (
 /// Every API call the daemon makes, with the code that makes it. The
 /// daemon's ClusterRole must grant exactly these: a verb without a caller
 /// fails the test as a call without a grant does.
-const DAEMON_CALLS: [(Right, &str); 7] = [
+const DAEMON_CALLS: [(Right, &str); 8] = [
     (
         ("", "pods", "list", None),
         "src/matcher/cache.rs: the pod cache's reflector, fieldSelector spec.nodeName=<node>",
@@ -1960,8 +1990,12 @@ const DAEMON_CALLS: [(Right, &str); 7] = [
         "src/matcher/actor.rs: the re-read after a conflicting ledger write",
     ),
     (
-        ("", "events", "create", None),
-        "src/matcher/actor.rs: GpuAllocateFailed on a pod it cannot place",
+        ("events.k8s.io", "events", "create", None),
+        "src/matcher/events.rs: GpuAllocateFailed on a pod it cannot place",
+    ),
+    (
+        ("events.k8s.io", "events", "patch", None),
+        "src/matcher/events.rs: the recorder's series of a repeated GpuAllocateFailed",
     ),
     (
         ("", "nodes", "get", None),

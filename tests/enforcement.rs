@@ -350,10 +350,7 @@ async fn with_pod_matching_directories_follow_pods_and_refusals_reach_the_pod() 
     let deadline = std::time::Instant::now() + support::WAIT;
     let event = loop {
         let events = api.events();
-        if let Some(e) = events
-            .into_iter()
-            .find(|e| e["involvedObject"]["name"] == "r")
-        {
+        if let Some(e) = events.into_iter().find(|e| e["regarding"]["name"] == "r") {
             break e;
         }
         assert!(std::time::Instant::now() < deadline, "no event");
@@ -361,7 +358,7 @@ async fn with_pod_matching_directories_follow_pods_and_refusals_reach_the_pod() 
     };
     assert_eq!(event["type"], "Warning");
     assert!(
-        event["message"].as_str().unwrap().contains("libvgpu.so"),
+        event["note"].as_str().unwrap().contains("libvgpu.so"),
         "{event}"
     );
     let r = api.pod("default", "r").unwrap();

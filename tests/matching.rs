@@ -377,12 +377,36 @@ async fn no_matching_pod_fails_naming_node_resource_and_amount_with_an_event() {
         err.contains(NODE) && err.contains("512 gpu-memory") && err.contains("4 devices"),
         "{err}"
     );
-    let events = c.api.events();
+    let events = c.api.wait_for_events(1, WAIT).await;
     assert_eq!(events.len(), 1, "{events:?}");
-    assert_eq!(events[0]["involvedObject"]["name"], "asks-more");
+    assert_eq!(events[0]["regarding"]["name"], "asks-more");
     assert_eq!(events[0]["reason"], "GpuAllocateFailed");
     // The kubelet's devices came back: the failed Allocate held nothing.
     assert_eq!(c.kubelet.free_devices(RES[0]).len(), 2048);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_does_not_wait_for_its_event_to_be_posted() {
+    let c = Cluster::start("[matcher]\nwait_ms = 500").await;
+    c.api.add_pod(
+        "default",
+        "asks-more",
+        NODE,
+        &[container("app", false, [16, 10, 0])],
+        &[],
+    );
+    // Let the watch deliver the pod; from then on every call but the
+    // watch's takes 1.5 s, and the refusal needs none but the Event's.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    c.api.delay(Duration::from_millis(1500));
+    let err = c.kubelet.admit(&[(RES[0], 4)]).await.unwrap_err();
+    assert!(err.contains("4 devices"), "{err}");
+    // Answered while the Event is still on its way...
+    assert_eq!(c.api.events(), Vec::<Value>::new());
+    // ...where it lands all the same.
+    let events = c.api.wait_for_events(1, WAIT).await;
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0]["regarding"]["name"], "asks-more");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -553,10 +577,10 @@ async fn an_extender_assignment_steers_the_kubelet_and_contradicting_ids_are_ref
         message.contains(&uuid(3)) && message.contains(&uuid(0)) && message.contains(NODE),
         "{message}"
     );
-    let events = c.api.events();
+    let events = c.api.wait_for_events(1, WAIT).await;
     assert_eq!(events.len(), 1, "{events:?}");
-    assert_eq!(events[0]["involvedObject"]["name"], "stray");
-    assert_eq!(events[0]["message"], message);
+    assert_eq!(events[0]["regarding"]["name"], "stray");
+    assert_eq!(events[0]["note"], message);
     let pod = c.api.pod("default", "stray").unwrap();
     assert_eq!(annotation(&pod, "doslab.io/gpu-ledger"), None);
 }

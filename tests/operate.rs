@@ -45,7 +45,7 @@ fn manifests_are_valid_and_say_what_matters() {
     assert_eq!(
         rules,
         vec![
-            ("events".into(), vec!["create".into()]),
+            ("events".into(), vec!["create".into(), "patch".into()]),
             ("nodes".into(), vec!["get".into(), "patch".into()]),
             (
                 "pods".into(),

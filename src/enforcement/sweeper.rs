@@ -29,7 +29,26 @@ pub(crate) struct SweeperArgs {
     pub(crate) metrics: Arc<Metrics>,
 }
 
+impl SweeperArgs {
+    /// What restarts a running sweeper when a reload changes it. Left out:
+    /// the metrics registry, the supervisor's; and which matcher handle it
+    /// asks, the supervisor's, the same across reloads (only whether it
+    /// asks one is the config's).
+    pub(crate) fn restart_key(&self) -> impl PartialEq + '_ {
+        let SweeperArgs {
+            enforcer,
+            matcher,
+            tick,
+            metrics: _,
+        } = self;
+        (enforcer, matcher.is_some(), tick)
+    }
+}
+
+/// What the sweeper tells itself; nothing waits for a reply.
 pub(crate) enum SweeperMsg {
+    /// Run one pass (check the library, sweep the cache directories, read
+    /// the usage regions) and schedule the next after the tick.
     Tick,
 }
 

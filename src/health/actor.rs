@@ -26,8 +26,26 @@ pub(crate) struct HealthArgs {
     pub(crate) report: HealthReport,
 }
 
+impl HealthArgs {
+    /// What restarts a running monitor when a reload changes it. Left out:
+    /// where it reports, the supervisor's, the same across reloads.
+    pub(crate) fn restart_key(&self) -> impl PartialEq + '_ {
+        let HealthArgs {
+            spec,
+            uuids,
+            poll,
+            recovery,
+            report: _,
+        } = self;
+        (spec, uuids, poll, recovery)
+    }
+}
+
+/// What the monitor is told; nothing waits for a reply.
 pub(crate) enum HealthMsg {
-    Round(Round),
+    /// One probe round from the probe thread (per GPU, why it failed, if
+    /// it did): fed to the tracker, and a change of health is reported.
+    Round { round: Round },
 }
 
 pub(crate) struct HealthState {
@@ -55,7 +73,7 @@ impl Actor for HealthMonitor {
             .spawn(move || {
                 probe::run(spec, uuids, poll, |round| {
                     !flag.load(Ordering::SeqCst)
-                        && myself.send_message(HealthMsg::Round(round)).is_ok()
+                        && myself.send_message(HealthMsg::Round { round }).is_ok()
                 })
             })?;
         Ok(HealthState {
@@ -72,7 +90,7 @@ impl Actor for HealthMonitor {
         msg: HealthMsg,
         state: &mut HealthState,
     ) -> Result<(), ActorProcessingErr> {
-        let HealthMsg::Round(round) = msg;
+        let HealthMsg::Round { round } = msg;
         let failing: Vec<bool> = round.iter().map(Option::is_some).collect();
         let before = state.tracker.healthy();
         if let Some(now) = state.tracker.observe(&failing, Instant::now()) {

@@ -40,12 +40,28 @@ impl InventoryArgs {
             published,
         }
     }
+
+    /// What restarts a running publisher when a reload changes it: where
+    /// it publishes. Left out: the inventory itself, sent to the running
+    /// publisher.
+    pub(crate) fn restart_key(&self) -> impl PartialEq + '_ {
+        let InventoryArgs {
+            node_name,
+            kubeconfig,
+            published: _,
+        } = self;
+        (node_name, kubeconfig)
+    }
 }
 
+/// What the publisher is told; nothing waits for a reply.
 pub(crate) enum InventoryMsg {
-    /// A new inventory (GPU set, health or config changed).
-    Publish(Published),
-    /// Bring the Node in line (at start, and the backoff's retries).
+    /// What the Node should carry from now on (the GPU set, their health
+    /// or the config changed): keep it and bring the Node in line, marking
+    /// a key of a domain since changed for removal.
+    Publish { published: Published },
+    /// Bring the Node in line with what it should carry: sent to itself at
+    /// start and as the backoff's retry.
     Sync,
 }
 
@@ -156,7 +172,7 @@ impl Actor for InventoryPublisher {
         state: &mut InventoryState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            InventoryMsg::Publish(published) => {
+            InventoryMsg::Publish { published } => {
                 if published.key != state.wanted.key {
                     state.stale.push(state.wanted.key.clone());
                 }

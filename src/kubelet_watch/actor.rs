@@ -24,8 +24,24 @@ pub(crate) struct WatcherArgs {
     pub(crate) tick: Duration,
 }
 
+impl WatcherArgs {
+    /// What restarts a running watcher when a reload changes it. Left out:
+    /// where it sends, the supervisor's, the same across reloads.
+    pub(crate) fn restart_key(&self) -> impl PartialEq + '_ {
+        let WatcherArgs {
+            dir,
+            tick,
+            check: _,
+        } = self;
+        (dir, tick)
+    }
+}
+
+/// What the watcher is told, by its filesystem watch and its ticker;
+/// nothing waits for a reply.
 pub(crate) enum WatcherMsg {
-    /// Something happened to a socket in the directory, or the tick fired.
+    /// Something happened to a socket in the directory, or the tick fired:
+    /// ask for every plugin to be checked.
     Changed,
 }
 

@@ -1,15 +1,15 @@
 //! The pod-matcher actor. It owns the API-server side (client, pod cache,
-//! ledger writes, events) and answers one lookup at a time, so two
-//! Allocates on different sockets can never claim the same container.
+//! ledger writes) and answers one lookup at a time, so two Allocates on
+//! different sockets can never claim the same container. Its Events are
+//! handed to `events`, which posts them beside it.
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference, Pod};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Patch, PatchParams};
 use kube::{Api, Client};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::watch;
@@ -19,6 +19,7 @@ use super::api::{
     UNSEEN_POD_WAIT,
 };
 use super::cache::PodCache;
+use super::events::Events;
 use super::matching::{Ask, Decision, MatchError, decide, decide_with, deleting, record, usage};
 use super::pods::{PodKey, PodView};
 use super::report::Withdrawn;
@@ -27,8 +28,6 @@ use crate::usage::{Inventory, Keys, Ledger};
 
 /// Pause between attempts at an API server that failed.
 const RETRY: Duration = Duration::from_millis(200);
-/// An Event is a courtesy: it never holds up the answer for long.
-const EVENT_TIMEOUT: Duration = Duration::from_secs(2);
 
 pub(crate) struct PodMatcher;
 
@@ -66,6 +65,31 @@ impl MatcherArgs {
                 .then(|| handle.withdrawals().clone()),
         }
     }
+
+    /// What restarts a running matcher when a reload changes it. Left out:
+    /// the metrics registry, the supervisor's, the same across reloads;
+    /// and the withdrawals channel, the supervisor's matcher handle's
+    /// (only whether it is used is the config's). Taken apart field by
+    /// field, so a field added here does not compile until it is sorted.
+    pub(crate) fn restart_key(&self) -> impl PartialEq + '_ {
+        let MatcherArgs {
+            node_name,
+            node,
+            keys,
+            wait,
+            kubeconfig,
+            withdrawals,
+            metrics: _,
+        } = self;
+        (
+            node_name,
+            node,
+            keys,
+            wait,
+            kubeconfig,
+            withdrawals.is_some(),
+        )
+    }
 }
 
 /// What `/readyz` calls the matcher.
@@ -79,6 +103,8 @@ pub(crate) struct MatcherState {
     synced: tokio::task::JoinHandle<()>,
     /// Keeps the per-GPU usage metrics current.
     report: tokio::task::JoinHandle<()>,
+    /// Warning Events on pods it could not place, posted beside it.
+    events: Events,
     /// Our writes by pod UID: the next Allocate may come before the watch
     /// event does.
     written: HashMap<String, Written>,
@@ -169,7 +195,7 @@ impl MatcherState {
                                     resource: ask.resource,
                                     source,
                                 };
-                                self.post_event(Some(&d.pod), &e.to_string()).await;
+                                self.events.warn(&d.pod, &e.to_string());
                                 return Err(e);
                             }
                         },
@@ -202,7 +228,9 @@ impl MatcherState {
                     }
                     let pod = e.pod().cloned();
                     let failure = self.failure(ask, e);
-                    self.post_event(pod.as_ref(), &failure.to_string()).await;
+                    if let Some(pod) = &pod {
+                        self.events.warn(pod, &failure.to_string());
+                    }
                     return Err(failure);
                 }
             }
@@ -348,44 +376,6 @@ impl MatcherState {
         }
         Some(live)
     }
-
-    /// A Warning Event on the pod, so `kubectl describe pod` says why.
-    async fn post_event(&self, pod: Option<&PodKey>, message: &str) {
-        let Some(pod) = pod else { return };
-        let now = Time(k8s_openapi::jiff::Timestamp::now());
-        let event = Event {
-            metadata: ObjectMeta {
-                generate_name: Some(format!("{}.", pod.name)),
-                namespace: Some(pod.namespace.clone()),
-                ..Default::default()
-            },
-            involved_object: ObjectReference {
-                api_version: Some("v1".into()),
-                kind: Some("Pod".into()),
-                name: Some(pod.name.clone()),
-                namespace: Some(pod.namespace.clone()),
-                ..Default::default()
-            },
-            reason: Some("GpuAllocateFailed".into()),
-            message: Some(message.to_owned()),
-            type_: Some("Warning".into()),
-            source: Some(EventSource {
-                component: Some("gpu-device-plugin".into()),
-                host: Some(self.args.node_name.clone()),
-            }),
-            first_timestamp: Some(now.clone()),
-            last_timestamp: Some(now),
-            count: Some(1),
-            ..Default::default()
-        };
-        let api: Api<Event> = Api::namespaced(self.client.clone(), &pod.namespace);
-        let params = PostParams::default();
-        match tokio::time::timeout(EVENT_TIMEOUT, api.create(&params, &event)).await {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => tracing::warn!(%pod, error = %e, "cannot post event"),
-            Err(_) => tracing::warn!(%pod, "posting an event timed out"),
-        }
-    }
 }
 
 /// The client retries 503s and 429s by itself, for longer than an Allocate
@@ -420,12 +410,14 @@ impl Actor for PodMatcher {
             metrics.hold(READY_NAME, Hold::Waiting, None);
         });
         let report = super::report::spawn(&cache, &client, &args);
+        let events = Events::start(client.clone(), &args.node_name);
         Ok(MatcherState {
             args,
             client,
             cache,
             synced,
             report,
+            events,
             written: HashMap::new(),
         })
     }
@@ -440,11 +432,16 @@ impl Actor for PodMatcher {
             // A caller that has gone (timed out, or its RPC was cancelled)
             // reads no answer: serving it would record a grant no container
             // gets.
-            MatcherMsg::Allocate(ask, _, _, reply) if reply.is_closed() => {
+            MatcherMsg::Allocate { ask, reply, .. } if reply.is_closed() => {
                 tracing::info!(resource = %ask.resource, "skipping an Allocate whose caller has gone");
             }
-            MatcherMsg::Prefer(_, _, reply) if reply.is_closed() => {}
-            MatcherMsg::Allocate(ask, deadline, prepare, reply) => {
+            MatcherMsg::Prefer { reply, .. } if reply.is_closed() => {}
+            MatcherMsg::Allocate {
+                ask,
+                deadline,
+                prepare,
+                reply,
+            } => {
                 let result = state.allocate(&ask, deadline, prepare.as_ref()).await;
                 match &result {
                     Ok((d, _)) => tracing::info!(
@@ -461,10 +458,14 @@ impl Actor for PodMatcher {
                 // The plugin may have timed out; nothing to do then.
                 let _ = reply.send(result);
             }
-            MatcherMsg::Prefer(ask, deadline, reply) => {
+            MatcherMsg::Prefer {
+                ask,
+                deadline,
+                reply,
+            } => {
                 let _ = reply.send(state.prefer(&ask, deadline).await);
             }
-            MatcherMsg::Live(reply) => {
+            MatcherMsg::Live { reply } => {
                 let _ = reply.send(state.live().await);
             }
         }

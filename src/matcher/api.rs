@@ -53,16 +53,35 @@ pub(crate) type Prepare = Arc<
 /// What an Allocate gets from the matcher.
 pub(crate) type Allocated = Result<(Decision, Option<Preload>), MatcherError>;
 
+/// What the matcher is asked, one at a time; each carries the port its
+/// answer goes to. A request whose caller has gone by the time its turn
+/// comes is skipped unanswered.
 pub(crate) enum MatcherMsg {
-    /// Find, place, prepare and record the container an Allocate is for,
-    /// giving up by the caller's deadline.
-    Allocate(Ask, Instant, Option<Prepare>, RpcReplyPort<Allocated>),
-    /// The same lookup, recording nothing, for GetPreferredAllocation, by
-    /// the caller's deadline.
-    Prefer(Ask, Instant, RpcReplyPort<Steer>),
-    /// Every container of every pod in the pod cache; None before the
-    /// cache's first full list (nothing yet says which pods are gone).
-    Live(RpcReplyPort<Option<Vec<LiveContainer>>>),
+    /// Find the container an Allocate is for, place it, ready it with
+    /// `prepare` and record it on its pod, giving up by `deadline` (the
+    /// caller's). Reply with the decision and what `prepare` readied, or
+    /// why not; a refusal also lands as an Event on the pod when one was
+    /// found.
+    Allocate {
+        ask: Ask,
+        deadline: Instant,
+        prepare: Option<Prepare>,
+        reply: RpcReplyPort<Allocated>,
+    },
+    /// The same lookup for GetPreferredAllocation, recording nothing, by
+    /// `deadline` (the caller's). Reply with where the devices should come
+    /// from (no opinion when nothing was found).
+    Prefer {
+        ask: Ask,
+        deadline: Instant,
+        reply: RpcReplyPort<Steer>,
+    },
+    /// Reply with every container of every pod in the pod cache; None
+    /// before the cache's first full list (nothing yet says which pods are
+    /// gone).
+    Live {
+        reply: RpcReplyPort<Option<Vec<LiveContainer>>>,
+    },
 }
 
 /// A container of a pod the pod cache holds.
@@ -200,7 +219,13 @@ impl MatcherHandle {
         let ask = allocate_ask(resource, devices, ids);
         let bound = wait + QUEUE_SLACK;
         let (ms, deadline) = (bound.as_millis() as u64, Instant::now() + bound);
-        call_t!(actor, MatcherMsg::Allocate, ms, ask, deadline, prepare).map_err(no_answer)?
+        let allocate = |reply| MatcherMsg::Allocate {
+            ask,
+            deadline,
+            prepare,
+            reply,
+        };
+        call_t!(actor, allocate, ms).map_err(no_answer)?
     }
 
     /// The containers of the pods in the pod cache; None when the matcher
@@ -208,7 +233,9 @@ impl MatcherHandle {
     pub(crate) async fn live(&self) -> Option<Vec<LiveContainer>> {
         let actor = self.actor()?;
         let ms = LIVE_TIMEOUT.as_millis() as u64;
-        call_t!(actor, MatcherMsg::Live, ms).ok().flatten()
+        call_t!(actor, |reply| MatcherMsg::Live { reply }, ms)
+            .ok()
+            .flatten()
     }
 
     /// Where `size` devices of `resource` should come from; no opinion
@@ -227,7 +254,12 @@ impl MatcherHandle {
             PREFER_TIMEOUT.as_millis() as u64,
             Instant::now() + PREFER_TIMEOUT,
         );
-        call_t!(actor, MatcherMsg::Prefer, ms, ask, deadline).unwrap_or_default()
+        let prefer = |reply| MatcherMsg::Prefer {
+            ask,
+            deadline,
+            reply,
+        };
+        call_t!(actor, prefer, ms).unwrap_or_default()
     }
 }
 

@@ -3,11 +3,13 @@
 //! format is the usage model's, [`crate::usage::Ledger`]).
 //!
 //! `matching` and `pods` are pure; `actor` does the I/O (pod cache, ledger
-//! patches, events) behind the handle in `api`.
+//! patches) behind the handle in `api`, and hands its Events to `events`,
+//! whose task posts them.
 
 mod actor;
 mod api;
 pub(crate) mod cache;
+mod events;
 pub mod matching;
 pub mod pods;
 pub mod report;

@@ -90,6 +90,36 @@ impl PluginArgs {
             settle_until: None,
         }
     }
+
+    /// What restarts a running plugin when a reload changes it. Left out:
+    /// placement and health, pushed to the running plugin; its metrics,
+    /// looked up by resource name; the settle instant, set at its start.
+    /// Taken apart field by field, so a field added here does not compile
+    /// until it is sorted.
+    pub(crate) fn restart_key(&self) -> impl PartialEq + '_ {
+        let PluginArgs {
+            model,
+            resource_name,
+            endpoint,
+            socket,
+            kubelet_socket,
+            composer,
+            enforcer,
+            placement: _,
+            healthy: _,
+            metrics: _,
+            settle_until: _,
+        } = self;
+        (
+            model,
+            resource_name,
+            endpoint,
+            socket,
+            kubelet_socket,
+            composer,
+            enforcer,
+        )
+    }
 }
 
 pub(crate) enum PluginMsg {

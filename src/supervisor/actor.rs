@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent, call_t};
 
-use super::children::{Args, Child, Shared, Spawned, wanted};
+use super::children::{Args, Child, ChildContext, Spawned, wanted};
 use super::reload;
 use crate::config::Config;
 use crate::device::{Plan, Resource};
@@ -37,21 +37,34 @@ pub(crate) struct SupervisorArgs {
     pub(crate) metrics: Arc<Metrics>,
 }
 
+/// What the supervisor is told. Only the test-only `Children` is a call;
+/// everything else is sent and answered by what the supervisor does.
 pub(crate) enum SupervisorMsg {
-    /// Start (again) a child that is not running.
-    Start(Child),
-    /// Have every plugin verify its socket, kubelet and stream.
+    /// Start `child` (again, after its backoff) unless it runs already or
+    /// the config no longer calls for it; a failed start schedules the next
+    /// try.
+    Start { child: Child },
+    /// The kubelet's directory changed (or the watcher's tick): every
+    /// running plugin is told to verify its socket, kubelet and stream.
     CheckPlugins,
-    /// GPU health changed.
-    Health(Arc<[bool]>),
-    /// A new, valid config and its plan (SIGHUP).
-    Reload(Box<(Config, Plan)>),
-    /// A child that was failing may have run STABLE_AFTER by now.
-    Stable(Child),
-    /// The running children, each with its actor: which ones a reload
-    /// restarted or a crash brought back shows in their ids.
+    /// The GPUs' health changed (one flag per GPU, in plan order): handed
+    /// to every running plugin and published in the inventory. A list of
+    /// the wrong length (a report from before a reload changed the GPUs)
+    /// is dropped.
+    Health { healthy: Arc<[bool]> },
+    /// A new, valid config (SIGHUP or an edit) and the plan made from it:
+    /// stop, start or restart the children it changes. The sender has
+    /// already checked both.
+    Reload { config: Box<Config>, plan: Plan },
+    /// `child`, failing before, may have run [`STABLE_AFTER`] by now: if
+    /// so its backoff starts afresh and it no longer holds readiness back.
+    Stable { child: Child },
+    /// Reply with the running children, each with its actor: which ones a
+    /// reload restarted or a crash brought back shows in their ids.
     #[cfg(test)]
-    Children(ractor::RpcReplyPort<BTreeMap<Child, ractor::ActorCell>>),
+    Children {
+        reply: ractor::RpcReplyPort<BTreeMap<Child, ractor::ActorCell>>,
+    },
 }
 
 struct Running {
@@ -103,14 +116,14 @@ impl SupervisorState {
 
     /// `child`'s arguments under the current config and plan.
     fn args(&self, child: Child) -> Option<Args> {
-        let shared = Shared {
+        let context = ChildContext {
             metrics: &self.metrics,
             healthy: &self.healthy,
             placement: self.placement(),
             report_health: &self.report_health,
             check_plugins: &self.check_plugins,
         };
-        Args::new(child, &self.config, &self.plan, &shared)
+        Args::new(child, &self.config, &self.plan, &context)
     }
 
     /// How plugins place containers under the current config.
@@ -153,7 +166,7 @@ impl SupervisorState {
         for running in self.children.values() {
             if let Spawned::Inventory(actor) = &running.spawned {
                 let published = Published::of(&self.config, self.plan.gpus(), &self.healthy);
-                let _ = actor.send_message(InventoryMsg::Publish(published));
+                let _ = actor.send_message(InventoryMsg::Publish { published });
             }
         }
     }
@@ -198,7 +211,7 @@ impl Supervisor {
                 };
                 state.children.insert(child, running);
                 if state.failures.contains_key(&child) {
-                    myself.send_after(STABLE_AFTER, move || SupervisorMsg::Stable(child));
+                    myself.send_after(STABLE_AFTER, move || SupervisorMsg::Stable { child });
                 }
             }
             Err(e) => Self::schedule_restart(myself, state, child, &format!("cannot start: {e}")),
@@ -225,7 +238,7 @@ impl Supervisor {
             restart_in_ms = delay.as_millis() as u64,
             "child ended; restarting"
         );
-        myself.send_after(delay, move || SupervisorMsg::Start(child));
+        myself.send_after(delay, move || SupervisorMsg::Start { child });
     }
 
     /// Stops a child on purpose (reload, shutdown): it leaves the map
@@ -352,7 +365,7 @@ impl Actor for Supervisor {
     ) -> Result<SupervisorState, ActorProcessingErr> {
         let me = myself.clone();
         let report_health: HealthReport = Arc::new(move |healthy| {
-            let _ = me.send_message(SupervisorMsg::Health(healthy));
+            let _ = me.send_message(SupervisorMsg::Health { healthy });
         });
         let me = myself.clone();
         let check_plugins: CheckPlugins = Arc::new(move || {
@@ -388,13 +401,13 @@ impl Actor for Supervisor {
         state: &mut SupervisorState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            SupervisorMsg::Start(child) => Self::start(&myself, state, child).await,
+            SupervisorMsg::Start { child } => Self::start(&myself, state, child).await,
             SupervisorMsg::CheckPlugins => {
                 for plugin in state.plugins() {
                     let _ = plugin.send_message(PluginMsg::Check);
                 }
             }
-            SupervisorMsg::Health(healthy) => {
+            SupervisorMsg::Health { healthy } => {
                 if healthy.len() == state.plan.gpus().len() {
                     state.healthy = healthy;
                     for plugin in state.plugins() {
@@ -403,11 +416,10 @@ impl Actor for Supervisor {
                     state.publish_inventory();
                 }
             }
-            SupervisorMsg::Reload(new) => {
-                let (config, plan) = *new;
-                Self::reload(&myself, state, config, plan).await;
+            SupervisorMsg::Reload { config, plan } => {
+                Self::reload(&myself, state, *config, plan).await;
             }
-            SupervisorMsg::Stable(child) => {
+            SupervisorMsg::Stable { child } => {
                 if state
                     .children
                     .get(&child)
@@ -417,7 +429,7 @@ impl Actor for Supervisor {
                 }
             }
             #[cfg(test)]
-            SupervisorMsg::Children(reply) => {
+            SupervisorMsg::Children { reply } => {
                 let cells = state.children.iter();
                 let _ = reply.send(cells.map(|(c, r)| (*c, r.spawned.cell())).collect());
             }

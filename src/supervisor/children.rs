@@ -68,7 +68,7 @@ pub(crate) fn wanted(config: &Config, plan: &Plan) -> Vec<Child> {
 
 /// What the supervisor keeps across its children's lives and hands to
 /// them, beside the config and plan.
-pub(crate) struct Shared<'a> {
+pub(crate) struct ChildContext<'a> {
     pub(crate) metrics: &'a Arc<Metrics>,
     pub(crate) healthy: &'a Arc<[bool]>,
     pub(crate) placement: Placement,
@@ -109,7 +109,12 @@ impl Spawned {
 impl Args {
     /// `child`'s arguments under `config` and `plan`; None when they do not
     /// call for it.
-    pub(crate) fn new(child: Child, config: &Config, plan: &Plan, shared: &Shared) -> Option<Args> {
+    pub(crate) fn new(
+        child: Child,
+        config: &Config,
+        plan: &Plan,
+        context: &ChildContext,
+    ) -> Option<Args> {
         if !wanted(config, plan).contains(&child) {
             return None;
         }
@@ -117,8 +122,8 @@ impl Args {
             Child::Matcher => Args::Matcher(MatcherArgs::new(
                 config,
                 plan.gpus(),
-                shared.metrics.clone(),
-                match &shared.placement {
+                context.metrics.clone(),
+                match &context.placement {
                     Placement::Matcher { handle, .. } => handle,
                     // Wanted only with pod matching, whose placement it is.
                     Placement::Ids(_) => return None,
@@ -127,17 +132,17 @@ impl Args {
             Child::Plugin(r) => Args::Plugin(PluginArgs::new(
                 config,
                 plan.model(r)?.clone(),
-                shared.placement.clone(),
-                shared.healthy.clone(),
-                shared.metrics,
+                context.placement.clone(),
+                context.healthy.clone(),
+                context.metrics,
             )),
             Child::Inventory => Args::Inventory(InventoryArgs::new(
                 config,
-                Published::of(config, plan.gpus(), shared.healthy),
+                Published::of(config, plan.gpus(), context.healthy),
             )),
             Child::Watcher => Args::Watcher(WatcherArgs {
                 dir: config.device_plugin_dir.clone(),
-                check: shared.check_plugins.clone(),
+                check: context.check_plugins.clone(),
                 tick: WATCH_TICK,
             }),
             Child::Health => Args::Health(HealthArgs {
@@ -145,17 +150,17 @@ impl Args {
                 uuids: plan.gpus().iter().map(|g| g.uuid.clone()).collect(),
                 poll: Duration::from_millis(config.health.poll_ms),
                 recovery: Duration::from_millis(config.health.recovery_ms),
-                report: shared.report_health.clone(),
+                report: context.report_health.clone(),
             }),
             Child::Enforcement => Args::Enforcement(SweeperArgs {
                 enforcer: Enforcer::new(&config.enforcement)?,
-                matcher: match &shared.placement {
+                matcher: match &context.placement {
                     Placement::Matcher { handle, .. } => Some(handle.clone()),
                     Placement::Ids(_) => None,
                 },
                 // The library is checked as often as the GPUs' health.
                 tick: Duration::from_millis(config.health.poll_ms),
-                metrics: shared.metrics.clone(),
+                metrics: context.metrics.clone(),
             }),
         })
     }

@@ -3,12 +3,7 @@
 //! new config gives it) and whether a running plugin must be handed the new
 //! placement (which it takes without a restart).
 
-use crate::enforcement::sweeper::SweeperArgs;
-use crate::health::HealthArgs;
-use crate::inventory::InventoryArgs;
-use crate::kubelet_watch::WatcherArgs;
-use crate::matcher::MatcherArgs;
-use crate::plugin::{Placement, PluginArgs};
+use crate::plugin::Placement;
 
 use super::children::Args;
 
@@ -16,20 +11,21 @@ use super::children::Args;
 /// it `new` (None: the config no longer calls for it); None when it keeps
 /// running.
 ///
-/// Each child's arguments are taken apart field by field, so a field added
-/// to them does not compile until it is sorted into "restarts the child" or
-/// "reaches the running child otherwise".
+/// Each child's arguments say what restarts it in their `restart_key()`,
+/// which takes them apart field by field: a field added to them does not
+/// compile until it is sorted into "restarts the child" or "reaches the
+/// running child otherwise".
 pub(crate) fn restart(old: &Args, new: Option<&Args>) -> Option<&'static str> {
     let Some(new) = new else {
         return Some("disabled by reload");
     };
     let same = match (old, new) {
-        (Args::Matcher(a), Args::Matcher(b)) => matcher(a) == matcher(b),
-        (Args::Plugin(a), Args::Plugin(b)) => plugin(a) == plugin(b),
-        (Args::Inventory(a), Args::Inventory(b)) => inventory(a) == inventory(b),
-        (Args::Watcher(a), Args::Watcher(b)) => watcher(a) == watcher(b),
-        (Args::Health(a), Args::Health(b)) => health(a) == health(b),
-        (Args::Enforcement(a), Args::Enforcement(b)) => sweeper(a) == sweeper(b),
+        (Args::Matcher(a), Args::Matcher(b)) => a.restart_key() == b.restart_key(),
+        (Args::Plugin(a), Args::Plugin(b)) => a.restart_key() == b.restart_key(),
+        (Args::Inventory(a), Args::Inventory(b)) => a.restart_key() == b.restart_key(),
+        (Args::Watcher(a), Args::Watcher(b)) => a.restart_key() == b.restart_key(),
+        (Args::Health(a), Args::Health(b)) => a.restart_key() == b.restart_key(),
+        (Args::Enforcement(a), Args::Enforcement(b)) => a.restart_key() == b.restart_key(),
         _ => false,
     };
     (!same).then_some(match new {
@@ -52,46 +48,6 @@ pub(crate) fn repoint(old: &Placement, new: &Placement) -> bool {
     }
 }
 
-/// `fn $name(&$args) -> impl PartialEq`: the fields that restart a child
-/// when they change, with every other field named as passed over, so a
-/// field added to the arguments does not compile until it is sorted.
-macro_rules! compared {
-    ($name:ident: $args:ident { $($keep:ident $(.$method:ident())?),+ ; $($skip:ident),* }) => {
-        fn $name(a: &$args) -> impl PartialEq + '_ {
-            let $args { $($keep,)+ $($skip: _,)* } = a;
-            ($($keep $(.$method())?,)+)
-        }
-    };
-}
-
-// The metrics registry is the supervisor's, the same across reloads.
-// The withdrawals channel is the supervisor's matcher handle's; whether
-// it is used is the config's.
-compared!(matcher: MatcherArgs {
-    node_name, node, keys, wait, kubeconfig, withdrawals.is_some();
-    metrics
-});
-
-// Health and placement are pushed to a running plugin; its metrics are
-// looked up by resource name; the settle instant is set at its start.
-compared!(plugin: PluginArgs {
-    model, resource_name, endpoint, socket, kubelet_socket, composer, enforcer;
-    placement, healthy, metrics, settle_until
-});
-
-// The inventory itself is sent to the running publisher.
-compared!(inventory: InventoryArgs { node_name, kubeconfig; published });
-
-// Where it sends is the supervisor's, the same across reloads.
-compared!(watcher: WatcherArgs { dir, tick; check });
-
-// Where it reports is the supervisor's, the same across reloads.
-compared!(health: HealthArgs { spec, uuids, poll, recovery; report });
-
-// Which matcher handle it asks is the supervisor's, the same across
-// reloads; whether it asks one is not.
-compared!(sweeper: SweeperArgs { enforcer, matcher.is_some(), tick; metrics });
-
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
@@ -106,7 +62,7 @@ mod tests {
     use crate::matcher::MatcherHandle;
     use crate::metrics::Metrics;
     use crate::plugin::LastShared;
-    use crate::supervisor::children::{Child, Shared, wanted};
+    use crate::supervisor::children::{Child, ChildContext, wanted};
 
     const NODE: &str = "node_name = \"node-1\"\nhttp_listen = \"\"\n";
     const GPUS: &str = "[devices]\nbackend = \"mock\"\n\
@@ -127,14 +83,14 @@ mod tests {
         };
         let report_health: HealthReport = Arc::new(|_| {});
         let check_plugins: CheckPlugins = Arc::new(|| {});
-        let shared = Shared {
+        let context = ChildContext {
             metrics: &Arc::new(Metrics::default()),
             healthy: &vec![true; plan.gpus().len()].into(),
             placement,
             report_health: &report_health,
             check_plugins: &check_plugins,
         };
-        let args = |c| Args::new(c, &config, &plan, &shared).map(|a| (c, a));
+        let args = |c| Args::new(c, &config, &plan, &context).map(|a| (c, a));
         wanted(&config, &plan)
             .into_iter()
             .filter_map(args)
@@ -216,6 +172,60 @@ mod tests {
                 "{new}"
             );
         }
+    }
+
+    #[test]
+    fn new_credentials_restart_the_publisher_and_the_matcher_a_new_inventory_does_not() {
+        let elsewhere = "[matcher]\nkubeconfig = \"/etc/other/kubeconfig\"";
+        assert_eq!(
+            restarts("", elsewhere),
+            BTreeMap::from([
+                (Child::Matcher, "changed by reload"),
+                (Child::Inventory, "changed by reload")
+            ])
+        );
+        // What the Node carries changes, and is sent to the running publisher.
+        let (old, new) = (children(""), children("memory_unit_mib = 2"));
+        let published = |c: &BTreeMap<Child, Args>| match &c[&Child::Inventory] {
+            Args::Inventory(i) => i.published.clone(),
+            _ => unreachable!("the publisher runs"),
+        };
+        assert_ne!(published(&old), published(&new));
+        assert_eq!(
+            restart(&old[&Child::Inventory], new.get(&Child::Inventory)),
+            None
+        );
+    }
+
+    #[test]
+    fn the_sweeper_restarts_with_its_tick_its_enforcer_or_matching_only() {
+        const ENFORCED: &str = "[enforcement]\nmode = \"hami-core\"";
+        let on = format!("pod_matching = false\n{ENFORCED}");
+        assert_eq!(restarts(&on, &on), BTreeMap::new());
+        let polled = format!("pod_matching = false\n[health]\npoll_ms = 10\n{ENFORCED}");
+        assert_eq!(
+            restarts(&on, &polled),
+            BTreeMap::from([
+                (Child::Health, "health settings changed"),
+                (Child::Enforcement, "changed by reload")
+            ])
+        );
+        let moved = restarts(&on, &format!("{on}\nstate_dir = \"/elsewhere\""));
+        assert_eq!(moved[&Child::Enforcement], "changed by reload");
+        assert!(!moved.contains_key(&Child::Health), "{moved:?}");
+        // Its metrics are the supervisor's; a new unit is nothing to it.
+        let unit = restarts(&on, &format!("memory_unit_mib = 2\n{on}"));
+        assert!(!unit.contains_key(&Child::Enforcement), "{unit:?}");
+        assert_eq!(unit[&MEMORY], "changed by reload");
+        // With pod matching it asks the matcher which containers live.
+        assert_eq!(
+            restarts(&on, ENFORCED)[&Child::Enforcement],
+            "changed by reload"
+        );
+        assert_eq!(
+            restarts(&on, "pod_matching = false")[&Child::Enforcement],
+            "disabled by reload"
+        );
     }
 
     #[test]

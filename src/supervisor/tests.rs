@@ -66,7 +66,12 @@ impl Tree {
     }
 
     async fn children(&self) -> BTreeMap<Child, ActorCell> {
-        call_t!(self.supervisor, SupervisorMsg::Children, 5000).unwrap()
+        call_t!(
+            self.supervisor,
+            |reply| SupervisorMsg::Children { reply },
+            5000
+        )
+        .unwrap()
     }
 
     async fn ids(&self) -> BTreeMap<Child, ActorId> {
@@ -101,7 +106,10 @@ async fn a_reload_restarts_exactly_the_children_it_changed() {
 
     let config = config(tree.dir.path(), "memory_unit_mib = 2");
     let plan = crate::app::plan(&config).await.unwrap();
-    let reload = SupervisorMsg::Reload(Box::new((config, plan)));
+    let reload = SupervisorMsg::Reload {
+        config: Box::new(config),
+        plan,
+    };
     tree.supervisor.send_message(reload).unwrap();
     // Messages are handled in order: this answer comes after the reload.
     let after = tree.ids().await;
@@ -133,7 +141,10 @@ async fn a_reload_dropping_a_resource_stops_its_plugin_only() {
         "resources = [\"gpu-memory\", \"gpu-count\"]",
     );
     let plan = crate::app::plan(&config).await.unwrap();
-    let reload = SupervisorMsg::Reload(Box::new((config, plan)));
+    let reload = SupervisorMsg::Reload {
+        config: Box::new(config),
+        plan,
+    };
     tree.supervisor.send_message(reload).unwrap();
     let after = tree.ids().await;
 

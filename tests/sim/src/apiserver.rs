@@ -4,7 +4,9 @@
 //! selectors with `=` and `!=`; an object leaving the selection is DELETED
 //! for the watch), get, JSON merge patch with a resourceVersion
 //! precondition, JSON patch with `test`, the `pods/<name>/binding`
-//! subresource (once per pod, 409 after), event create. It counts requests
+//! subresource (once per pod, 409 after), `events.k8s.io/v1` Event create
+//! and merge patch (validated strictly, as the real one validates that
+//! API: what is required, what may not change). It counts requests
 //! by verb and can inject what a real API server does on a bad day: 503s,
 //! slow answers, and writes by others that make a patch conflict. Like the
 //! real one it stores every resource quantity of a pod's containers and a
@@ -313,7 +315,10 @@ enum Target {
     Collection(Kind, Option<String>),
     Object(Key),
     Binding(Key),
-    Events,
+    /// `events.k8s.io/v1` Events of a namespace.
+    Events(String),
+    /// One of them: namespace, name.
+    Event(String, String),
 }
 
 fn target(path: &[String]) -> Option<Target> {
@@ -333,7 +338,18 @@ fn target(path: &[String]) -> Option<Target> {
         ["api", "v1", "namespaces", ns, "pods", name, "binding"] => {
             Target::Binding((Kind::Pod, ns.to_string(), name.to_string()))
         }
-        ["api", "v1", "namespaces", _, "events"] => Target::Events,
+        ["apis", "events.k8s.io", "v1", "namespaces", ns, "events"] => {
+            Target::Events(ns.to_string())
+        }
+        [
+            "apis",
+            "events.k8s.io",
+            "v1",
+            "namespaces",
+            ns,
+            "events",
+            name,
+        ] => Target::Event(ns.to_string(), name.to_string()),
         _ => return None,
     })
 }
@@ -376,7 +392,8 @@ async fn serve(shared: Shared, req: Request<Body>) -> Response<Body> {
         (&Method::GET, Target::Collection(..), false) => "list",
         (&Method::GET, Target::Object(_), _) => "get",
         (&Method::PATCH, Target::Object(_), _) => "patch",
-        (&Method::POST, Target::Events, _) => "create",
+        (&Method::POST, Target::Events(_), _) => "create",
+        (&Method::PATCH, Target::Event(..), _) => "patch",
         (&Method::POST, Target::Binding(_), _) => "bind",
         _ => {
             return status(
@@ -453,19 +470,205 @@ async fn serve(shared: Shared, req: Request<Body>) -> Response<Body> {
             };
             bind(&shared, key, &binding)
         }
-        Target::Events => {
+        Target::Events(ns) => {
             let body = axum::body::to_bytes(req.into_body(), 1 << 20)
                 .await
                 .unwrap_or_default();
-            let mut event: Value = serde_json::from_slice(&body).unwrap_or_default();
-            let mut inner = shared.lock();
-            inner.rv += 1;
-            event["metadata"]["name"] = format!("event-{}", inner.rv).into();
-            event["metadata"]["resourceVersion"] = inner.rv.to_string().into();
-            inner.events.push(event.clone());
-            json_response(StatusCode::CREATED, &event)
+            let Ok(event) = serde_json::from_slice::<Value>(&body) else {
+                return status(StatusCode::BAD_REQUEST, "BadRequest", "not JSON");
+            };
+            create_event(&shared, &ns, event)
+        }
+        Target::Event(ns, name) => {
+            let body = axum::body::to_bytes(req.into_body(), 1 << 20)
+                .await
+                .unwrap_or_default();
+            let Ok(patch) = serde_json::from_slice::<Value>(&body) else {
+                return status(StatusCode::BAD_REQUEST, "BadRequest", "not JSON");
+            };
+            patch_event(&shared, (&ns, &name), &content_type, &patch)
         }
     }
+}
+
+/// What the real API server refuses of an `events.k8s.io/v1` Event in
+/// namespace `ns` (its strict validation of that API), as its messages
+/// name them; empty when it takes the Event.
+fn event_errors(ns: &str, event: &Value) -> Vec<String> {
+    let mut errors = Vec::new();
+    let text = |field: &str| event[field].as_str().unwrap_or_default();
+    let meta = &event["metadata"];
+    if [&meta["name"], &meta["generateName"]]
+        .iter()
+        .all(|n| n.as_str().is_none_or(str::is_empty))
+    {
+        errors.push("metadata.name: Required value: name or generateName is required".into());
+    }
+    if event["eventTime"]
+        .as_str()
+        .is_none_or(|t| t.parse::<k8s_openapi::jiff::Timestamp>().is_err())
+    {
+        errors.push("eventTime: Required value".into());
+    }
+    for field in [
+        "reportingController",
+        "reportingInstance",
+        "action",
+        "reason",
+    ] {
+        match text(field).len() {
+            0 => errors.push(format!("{field}: Required value")),
+            129.. => errors.push(format!("{field}: Invalid value: at most 128 characters")),
+            _ => {}
+        }
+    }
+    if !matches!(text("type"), "Normal" | "Warning") {
+        errors.push(format!("type: Invalid value: {:?}", text("type")));
+    }
+    if text("note").len() > 1024 {
+        errors.push("note: Invalid value: at most 1024 characters".into());
+    }
+    let regarding = &event["regarding"];
+    if ["kind", "name"]
+        .iter()
+        .any(|f| regarding[f].as_str().is_none_or(str::is_empty))
+    {
+        errors.push("regarding: Required value: kind and name".into());
+    }
+    // A namespaced object's Events live in its namespace.
+    if regarding["namespace"].as_str().is_some_and(|n| n != ns) {
+        errors.push("regarding.namespace: Invalid value: does not match the event's".into());
+    }
+    for field in [
+        "deprecatedCount",
+        "deprecatedFirstTimestamp",
+        "deprecatedLastTimestamp",
+        "deprecatedSource",
+    ] {
+        if !event[field].is_null() {
+            errors.push(format!("{field}: Invalid value: needs to be unset"));
+        }
+    }
+    let series = &event["series"];
+    if !series.is_null()
+        && (series["count"].as_u64().is_none_or(|c| c < 2)
+            || series["lastObservedTime"].as_str().is_none())
+    {
+        errors.push("series: Invalid value: count of at least 2 and lastObservedTime".into());
+    }
+    errors
+}
+
+/// `status(422)` for `errors` of the Event `name`, as the API server words it.
+fn invalid_event(name: &str, errors: &[String]) -> Response<Body> {
+    let message = format!(
+        "Event.events.k8s.io {name:?} is invalid: [{}]",
+        errors.join(", ")
+    );
+    status(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", &message)
+}
+
+/// `events.k8s.io/v1` create: validated, named from its generateName if it
+/// has no name, stored.
+fn create_event(shared: &Shared, ns: &str, mut event: Value) -> Response<Body> {
+    let meta_ns = &event["metadata"]["namespace"];
+    if !meta_ns.is_null() && meta_ns != ns {
+        return status(
+            StatusCode::BAD_REQUEST,
+            "BadRequest",
+            "the namespace of the provided object does not match the namespace sent on the request",
+        );
+    }
+    let name = event["metadata"]["name"].as_str().unwrap_or_default();
+    let errors = event_errors(ns, &event);
+    if !errors.is_empty() {
+        return invalid_event(name, &errors);
+    }
+    let mut inner = shared.lock();
+    inner.rv += 1;
+    if name.is_empty() {
+        let prefix = event["metadata"]["generateName"]
+            .as_str()
+            .unwrap_or_default();
+        event["metadata"]["name"] = format!("{prefix}{}", inner.rv).into();
+    }
+    let name = event["metadata"]["name"].clone();
+    let same = |e: &Value| e["metadata"]["namespace"] == ns && e["metadata"]["name"] == name;
+    if inner.events.iter().any(same) {
+        return status(
+            StatusCode::CONFLICT,
+            "AlreadyExists",
+            &format!("events.events.k8s.io {name} already exists"),
+        );
+    }
+    event["metadata"]["namespace"] = ns.into();
+    event["metadata"]["resourceVersion"] = inner.rv.to_string().into();
+    inner.events.push(event.clone());
+    json_response(StatusCode::CREATED, &event)
+}
+
+/// `events.k8s.io/v1` merge patch (a repeat's series): what the Event says
+/// and whom it is about may not change.
+fn patch_event(
+    shared: &Shared,
+    (ns, name): (&str, &str),
+    content_type: &str,
+    patch: &Value,
+) -> Response<Body> {
+    if content_type.split(';').next().unwrap_or_default().trim() != "application/merge-patch+json" {
+        return status(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "UnsupportedMediaType",
+            &format!("the sim patches Events by merge patch only, not {content_type:?}"),
+        );
+    }
+    let mut inner = shared.lock();
+    let found = (inner.events.iter())
+        .position(|e| e["metadata"]["namespace"] == ns && e["metadata"]["name"] == name);
+    let Some(at) = found else {
+        return status(
+            StatusCode::NOT_FOUND,
+            "NotFound",
+            &format!("events.events.k8s.io {name:?} not found"),
+        );
+    };
+    let current = &inner.events[at];
+    let wanted = &patch["metadata"]["resourceVersion"];
+    if !wanted.is_null() && *wanted != current["metadata"]["resourceVersion"] {
+        return status(
+            StatusCode::CONFLICT,
+            "Conflict",
+            "the object has been modified; please apply your changes to the latest version",
+        );
+    }
+    let mut event = current.clone();
+    merge(&mut event, patch);
+    let mut errors = event_errors(ns, &event);
+    for field in [
+        "regarding",
+        "related",
+        "reason",
+        "note",
+        "type",
+        "eventTime",
+        "action",
+        "reportingController",
+        "reportingInstance",
+    ] {
+        if event[field] != current[field] {
+            errors.push(format!("{field}: Invalid value: field is immutable"));
+        }
+    }
+    if event["metadata"]["name"] != current["metadata"]["name"] {
+        errors.push("metadata.name: Invalid value: field is immutable".into());
+    }
+    if !errors.is_empty() {
+        return invalid_event(name, &errors);
+    }
+    inner.rv += 1;
+    event["metadata"]["resourceVersion"] = inner.rv.to_string().into();
+    inner.events[at] = event.clone();
+    json_response(StatusCode::OK, &event)
 }
 
 fn patch_object(shared: &Shared, key: Key, content_type: &str, patch: &Value) -> Response<Body> {
@@ -872,8 +1075,24 @@ impl ApiServerSim {
             .collect()
     }
 
+    /// The `events.k8s.io/v1` Events posted so far, in order; a repeat
+    /// patched into its first one's series is no new Event.
     pub fn events(&self) -> Vec<Value> {
         self.shared.lock().events.clone()
+    }
+
+    /// The Events once there are `count` of them, or as they are when
+    /// `timeout` has passed: the matcher posts them beside its answer, so
+    /// they land a moment after the refusal they explain.
+    pub async fn wait_for_events(&self, count: usize, timeout: Duration) -> Vec<Value> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let events = self.events();
+            if events.len() >= count || tokio::time::Instant::now() >= deadline {
+                return events;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Requests served so far, by verb (list, watch, get, patch, create,
@@ -949,6 +1168,114 @@ mod tests {
                 ..Default::default()
             },
         }
+    }
+
+    fn recorded(note: &str) -> kube::runtime::events::Event {
+        kube::runtime::events::Event {
+            type_: kube::runtime::events::EventType::Warning,
+            reason: "GpuAllocateFailed".into(),
+            note: Some(note.into()),
+            action: "Allocate".into(),
+            secondary: None,
+        }
+    }
+
+    fn pod_ref(namespace: &str) -> ObjectReference {
+        ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Pod".into()),
+            name: Some("p".into()),
+            namespace: Some(namespace.into()),
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_recorders_repeat_patches_the_series_of_its_first_event() {
+        use kube::runtime::events::{Recorder, Reporter};
+        let api = ApiServerSim::start().await.unwrap();
+        let reporter = Reporter {
+            controller: "gpu-device-plugin".into(),
+            instance: Some("node-1".into()),
+        };
+        let recorder = Recorder::new(client(&api).await, reporter);
+        recorder
+            .publish(&recorded("first"), &pod_ref("team-a"))
+            .await
+            .unwrap();
+        recorder
+            .publish(&recorded("second"), &pod_ref("team-a"))
+            .await
+            .unwrap();
+        let events = api.events();
+        assert_eq!(events.len(), 1, "{events:?}");
+        let event = &events[0];
+        assert_eq!(event["metadata"]["namespace"], "team-a");
+        assert_eq!(event["regarding"]["name"], "p");
+        assert_eq!(event["note"], "first");
+        assert_eq!(event["reportingInstance"], "node-1");
+        assert_eq!(event["series"]["count"], 2);
+        assert_eq!(
+            (api.requests().get("create"), api.requests().get("patch")),
+            (Some(&1), Some(&1))
+        );
+    }
+
+    #[tokio::test]
+    async fn an_event_is_refused_as_the_api_server_refuses_it() {
+        use k8s_openapi::api::events::v1::Event;
+        let api = ApiServerSim::start().await.unwrap();
+        let events: Api<Event> = Api::namespaced(client(&api).await, "team-a");
+        let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(
+            k8s_openapi::jiff::Timestamp::now(),
+        );
+        let good = Event {
+            metadata: ObjectMeta {
+                name: Some("p.1".into()),
+                ..Default::default()
+            },
+            event_time: Some(now),
+            reporting_controller: Some("gpu-device-plugin".into()),
+            reporting_instance: Some("node-1".into()),
+            action: Some("Allocate".into()),
+            reason: Some("GpuAllocateFailed".into()),
+            regarding: Some(pod_ref("team-a")),
+            note: Some("why".into()),
+            type_: Some("Warning".into()),
+            ..Default::default()
+        };
+        let refused = async |event: &Event| match events.create(&PostParams::default(), event).await
+        {
+            Err(kube::Error::Api(s)) => (s.code, s.message),
+            other => panic!("{other:?}"),
+        };
+        let mut bad = good.clone();
+        bad.reporting_controller = None;
+        bad.type_ = Some("Error".into());
+        let (code, message) = refused(&bad).await;
+        assert_eq!(code, 422);
+        assert!(
+            message.contains("reportingController: Required value")
+                && message.contains("type: Invalid value"),
+            "{message}"
+        );
+        let mut elsewhere = good.clone();
+        elsewhere.regarding = Some(pod_ref("team-b"));
+        assert_eq!(refused(&elsewhere).await.0, 422);
+        let mut legacy = good.clone();
+        legacy.deprecated_count = Some(1);
+        assert_eq!(refused(&legacy).await.0, 422);
+        assert!(api.events().is_empty());
+
+        events.create(&PostParams::default(), &good).await.unwrap();
+        assert_eq!(refused(&good).await.0, 409);
+        let params = PatchParams::default();
+        let renote = serde_json::json!({"note": "another story"});
+        let err = events.patch("p.1", &params, &Patch::Merge(&renote)).await;
+        assert!(matches!(err, Err(kube::Error::Api(s)) if s.code == 422));
+        let gone = events.patch("p.2", &params, &Patch::Merge(&renote)).await;
+        assert!(matches!(gone, Err(kube::Error::Api(s)) if s.code == 404));
+        assert_eq!(api.events()[0]["note"], "why");
     }
 
     #[tokio::test]

@@ -195,15 +195,15 @@ async fn one_node() -> Result<String, DemoError> {
     let memory = config.resource_name(Resource::GpuMemory);
     let e = kubelet.admit(&[(&memory, 1000)]).await.err();
     let _ = writeln!(out, "  {}", e.unwrap_or_default());
-    let events = api.events();
+    let events = api.wait_for_events(1, Duration::from_secs(2)).await;
     let _ = writeln!(out, "\nEvents posted on pods ({}):", events.len());
     for e in events {
         let _ = writeln!(
             out,
             "  {} {}: {}",
-            e["involvedObject"]["name"].as_str().unwrap_or("?"),
+            e["regarding"]["name"].as_str().unwrap_or("?"),
             e["reason"].as_str().unwrap_or("?"),
-            e["message"].as_str().unwrap_or("?")
+            e["note"].as_str().unwrap_or("?")
         );
     }
 
