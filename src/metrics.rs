@@ -258,21 +258,9 @@ pub(crate) struct Metrics {
     pod_cache: Level,
     /// API-server requests the matcher made outside its watch.
     api_requests: Family<VerbLabels, Counter>,
-    #[cfg_attr(
-        not(test),
-        expect(
-            dead_code,
-            reason = "the supervisor's call sites come in another branch"
-        )
-    )]
+    /// Reloads by result.
     config_reloads: Family<ReloadLabels, Counter>,
-    #[cfg_attr(
-        not(test),
-        expect(
-            dead_code,
-            reason = "the supervisor's call sites come in another branch"
-        )
-    )]
+    /// Restarts after a failure, by child.
     child_restarts: Family<ChildLabels, Counter>,
 }
 
@@ -377,17 +365,18 @@ impl Default for Metrics {
         let version = env!("CARGO_PKG_VERSION");
         let git = crate::GIT_REVISION;
         build.get_or_create(&BuildLabels { version, git }).set(1);
-        // The library appends `_total` to a counter's name.
+        // The library appends `_total` to a counter's name, and a period to
+        // the help.
         let mut registry = Registry::with_prefix(PREFIX);
-        let help = "The running binary's version and git revision.";
+        let help = "The running binary's version and git revision";
         registry.register("build_info", help, build);
-        let help = "Pods of this node in the pod matcher's cache.";
+        let help = "Pods of this node in the pod matcher's cache";
         registry.register("pod_cache_pods", help, pod_cache.clone());
-        let help = "API-server requests by the pod matcher, besides its watch.";
+        let help = "API-server requests by the pod matcher, besides its watch";
         registry.register("api_requests", help, Family::clone(&api_requests));
-        let help = "Config reloads, by whether they were applied or refused.";
+        let help = "Config reloads, by whether they were applied or refused";
         registry.register("config_reloads", help, Family::clone(&config_reloads));
-        let help = "Restarts of a supervised child after it failed, by child.";
+        let help = "Restarts of a supervised child after it failed, by child";
         registry.register("child_restarts", help, Family::clone(&child_restarts));
         registry.register_collector(Box::new(scraped.clone()));
         Metrics {
@@ -554,6 +543,9 @@ type PerResource = (
     fn(&ResourceMetrics) -> &dyn EncodeMetric,
 );
 
+/// A per-GPU gauge: name, help, how to read it from `T`.
+type PerGpu<T> = (&'static str, &'static str, fn(&T) -> u64);
+
 impl Scraped {
     fn encode_resources(&self, encoder: &mut DescriptorEncoder) -> Result<(), fmt::Error> {
         use MetricType::{Counter, Gauge};
@@ -672,7 +664,7 @@ impl Scraped {
 
     fn encode_gpus(&self, encoder: &mut DescriptorEncoder) -> Result<(), fmt::Error> {
         let status = self.status.lock().expect("metrics lock");
-        let every: [(_, _, fn(&GpuStatus) -> u64); 3] = [
+        let every: [PerGpu<GpuStatus>; 3] = [
             (
                 "gpu_memory_capacity_bytes",
                 "GPU memory the gpu-memory devices cover.",
@@ -696,7 +688,7 @@ impl Scraped {
             }
         }
         let gpus = self.gpus.lock().expect("metrics lock");
-        let granted: [(_, _, fn(&GpuSample) -> u64); 3] = [
+        let granted: [PerGpu<GpuSample>; 3] = [
             (
                 "gpu_memory_granted_bytes",
                 "GPU memory granted to shared containers, by the pods' ledgers.",
@@ -864,6 +856,7 @@ mod tests {
             expected.iter().map(String::as_str).collect();
         assert_eq!(series_names(&text), expected, "{text}");
         assert!(text.ends_with("# EOF\n"), "{text}");
+        assert!(!text.contains("..\n"), "a help ends in one period: {text}");
     }
 
     #[test]
