@@ -527,11 +527,7 @@ fn family<'a>(
 }
 
 /// One gauge sample with `labels` in an open family.
-fn gauge(
-    family: &mut MetricEncoder,
-    labels: &impl EncodeLabelSet,
-    value: u64,
-) -> Result<(), fmt::Error> {
+fn gauge(family: &mut MetricEncoder, labels: &impl EncodeLabelSet, value: u64) -> fmt::Result {
     ConstGauge::new(value).encode(family.encode_family(labels)?)
 }
 
@@ -547,7 +543,7 @@ type PerResource = (
 type PerGpu<T> = (&'static str, &'static str, fn(&T) -> u64);
 
 impl Scraped {
-    fn encode_resources(&self, encoder: &mut DescriptorEncoder) -> Result<(), fmt::Error> {
+    fn encode_resources(&self, encoder: &mut DescriptorEncoder) -> fmt::Result {
         use MetricType::{Counter, Gauge};
         let all = self.resources.read().expect("metrics lock");
         let label = |resource: &str| ResourceLabels {
@@ -638,7 +634,7 @@ impl Scraped {
         Ok(())
     }
 
-    fn encode_config(&self, encoder: &mut DescriptorEncoder) -> Result<(), fmt::Error> {
+    fn encode_config(&self, encoder: &mut DescriptorEncoder) -> fmt::Result {
         let c = self.config.lock().expect("metrics lock");
         let help = "The SHA-256 of the config file serving now.";
         let mut f = family(encoder, "config_info", help, MetricType::Gauge)?;
@@ -662,7 +658,7 @@ impl Scraped {
         Ok(())
     }
 
-    fn encode_gpus(&self, encoder: &mut DescriptorEncoder) -> Result<(), fmt::Error> {
+    fn encode_gpus(&self, encoder: &mut DescriptorEncoder) -> fmt::Result {
         let status = self.status.lock().expect("metrics lock");
         let every: [PerGpu<GpuStatus>; 3] = [
             (
@@ -681,12 +677,7 @@ impl Scraped {
                 |g| u64::from(g.healthy),
             ),
         ];
-        for (name, help, value) in every {
-            let mut f = family(encoder, name, help, MetricType::Gauge)?;
-            for g in status.iter() {
-                gauge(&mut f, &gpu_label(&g.uuid), value(g))?;
-            }
-        }
+        per_gpu(encoder, every, &status, |g| &g.uuid)?;
         let gpus = self.gpus.lock().expect("metrics lock");
         let granted: [PerGpu<GpuSample>; 3] = [
             (
@@ -705,12 +696,7 @@ impl Scraped {
                 |g| g.containers,
             ),
         ];
-        for (name, help, value) in granted {
-            let mut f = family(encoder, name, help, MetricType::Gauge)?;
-            for g in gpus.iter() {
-                gauge(&mut f, &gpu_label(&g.uuid), value(g))?;
-            }
-        }
+        per_gpu(encoder, granted, &gpus, |g| &g.uuid)?;
         let help = "1 for what the GPU carries: whole, shared or free.";
         let mut f = family(encoder, "gpu_mode", help, MetricType::Gauge)?;
         for g in gpus.iter() {
@@ -726,7 +712,7 @@ impl Scraped {
     }
 
     /// Absent altogether with enforcement off.
-    fn encode_enforcement(&self, encoder: &mut DescriptorEncoder) -> Result<(), fmt::Error> {
+    fn encode_enforcement(&self, encoder: &mut DescriptorEncoder) -> fmt::Result {
         let series = self.enforcement.lock().expect("metrics lock");
         let Some(series) = series.as_ref() else {
             return Ok(());
@@ -751,14 +737,25 @@ impl Scraped {
     }
 }
 
-fn gpu_label(uuid: &str) -> GpuLabels {
-    GpuLabels {
-        gpu: uuid.to_owned(),
+/// Per-GPU gauges of `gpus`, each labelled with its UUID.
+fn per_gpu<T>(
+    encoder: &mut DescriptorEncoder,
+    series: [PerGpu<T>; 3],
+    gpus: &[T],
+    uuid: fn(&T) -> &str,
+) -> fmt::Result {
+    for (name, help, value) in series {
+        let mut f = family(encoder, name, help, MetricType::Gauge)?;
+        for g in gpus {
+            let gpu = uuid(g).to_owned();
+            gauge(&mut f, &GpuLabels { gpu }, value(g))?;
+        }
     }
+    Ok(())
 }
 
 impl Collector for Scraped {
-    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), fmt::Error> {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
         self.encode_resources(&mut encoder)?;
         self.encode_enforcement(&mut encoder)?;
         self.encode_config(&mut encoder)?;
