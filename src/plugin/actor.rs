@@ -218,7 +218,9 @@ impl PluginState {
             .map(|(g, &h)| h && !self.withdrawn.get(g).copied().unwrap_or(false))
             .collect();
         let list = DeviceListMessage::new(self.args.model.clone(), healthy);
-        (self.args.metrics).set_devices(list.device_count(), list.healthy_count());
+        self.args
+            .metrics
+            .set_devices(list.device_count(), list.healthy_count());
         list
     }
 
