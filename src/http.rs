@@ -1,5 +1,5 @@
-//! The operator's HTTP endpoint (`http_listen`): `/metrics` in Prometheus
-//! text format, `/healthz` (the process answers), `/readyz` (every enabled
+//! The operator's HTTP endpoint (`http_listen`): `/metrics` in the
+//! OpenMetrics text format (written by `prometheus-client`), `/healthz` (the process answers), `/readyz` (every enabled
 //! resource is registered and its ListAndWatch stream open, the pod matcher,
 //! when on, has synced its pod cache and reaches the API server, and no
 //! actor keeps failing; a 503 names each part that is not ready and why).
@@ -373,7 +373,7 @@ impl AsyncWrite for Activity {
 
 async fn metrics(State(m): State<Arc<Metrics>>) -> impl IntoResponse {
     (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        [(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)],
         m.render(),
     )
 }

@@ -1,78 +1,119 @@
-//! Counters and gauges for `/metrics` (Prometheus text format) and the
-//! readiness of `/readyz`. One [`ResourceMetrics`] per resource, created by
-//! the supervisor and kept across plugin restarts, so counters accumulate.
-//! Readiness also waits for the other parts that mark themselves unready:
-//! the pod matcher until its pod cache synced, and any actor that keeps
-//! failing.
+//! The daemon's series for `/metrics`, on the Prometheus project's own
+//! client (`prometheus-client`: types, escaping and the OpenMetrics text
+//! come from it), and the readiness of `/readyz`.
+//!
+//! Series come two ways:
+//! - counted as things happen, in the library's typed counters, gauges and
+//!   histograms: process-wide ones registered once in the [`Registry`],
+//!   per-resource ones in that resource's [`ResourceMetrics`];
+//! - read at scrape time by [`Scraped`], the registry's collector: the
+//!   per-resource series of the resources enabled now (a reload that
+//!   switches one off drops its series), the plugin's open streams, and
+//!   what its owners replace whole (each GPU's capacity and usage,
+//!   enforcement's and the config's series), so a scrape never sees half of
+//!   an update.
+//!
+//! One [`ResourceMetrics`] per resource, created by the supervisor and kept
+//! across plugin restarts, so counters accumulate. Readiness also waits for
+//! the other parts that mark themselves unready: the pod matcher until its
+//! pod cache synced, and any actor that keeps failing.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::fmt;
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-/// Latency buckets, in seconds.
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeLabelSet, EncodeMetric, MetricEncoder, text,
+};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+use crate::plugin::OpenStreams;
+
+/// Every series' name starts with it.
+const PREFIX: &str = "gpu_device_plugin";
+
+/// What `/metrics` answers with: the OpenMetrics text the library writes
+/// (counters typed without their `_total`, a closing `# EOF`).
+pub(crate) const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// RPC latency buckets, in seconds.
 const BUCKETS: [f64; 10] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
 ];
 
-#[derive(Debug, Default)]
-pub(crate) struct Histogram {
-    buckets: [AtomicU64; BUCKETS.len()],
-    count: AtomicU64,
-    sum_micros: AtomicU64,
+/// A gauge of a count (devices, bytes): never negative.
+type Level = Gauge<u64, AtomicU64>;
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct BuildLabels {
+    version: &'static str,
+    git: &'static str,
 }
 
-impl Histogram {
-    pub(crate) fn observe(&self, d: Duration) {
-        let secs = d.as_secs_f64();
-        for (i, le) in BUCKETS.iter().enumerate() {
-            if secs <= *le {
-                self.buckets[i].fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        self.count.fetch_add(1, Ordering::Relaxed);
-        self.sum_micros
-            .fetch_add(d.as_micros() as u64, Ordering::Relaxed);
-    }
-
-    fn render(&self, out: &mut String, name: &str, labels: &str) {
-        for (i, le) in BUCKETS.iter().enumerate() {
-            let n = self.buckets[i].load(Ordering::Relaxed);
-            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{le}\"}} {n}");
-        }
-        let count = self.count.load(Ordering::Relaxed);
-        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {count}");
-        let sum = self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
-        let _ = writeln!(out, "{name}_sum{{{labels}}} {sum}");
-        let _ = writeln!(out, "{name}_count{{{labels}}} {count}");
-    }
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct VerbLabels {
+    verb: &'static str,
 }
 
-/// Counts the open ListAndWatch streams, so the plugin can tell when the
-/// kubelet dropped it (it never reconnects by itself). The streams hold
-/// guards; the plugin's check and `/readyz` read the count.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Streams(Arc<AtomicUsize>);
-
-impl Streams {
-    pub(crate) fn open(&self) -> usize {
-        self.0.load(Ordering::SeqCst)
-    }
-
-    pub(crate) fn guard(&self) -> StreamGuard {
-        self.0.fetch_add(1, Ordering::SeqCst);
-        StreamGuard(self.0.clone())
-    }
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ReloadLabels {
+    /// `applied` or `refused`.
+    result: &'static str,
 }
 
-/// Held by a stream for its life.
-pub(crate) struct StreamGuard(Arc<AtomicUsize>);
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ChildLabels {
+    child: String,
+}
 
-impl Drop for StreamGuard {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ResourceLabels {
+    resource: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RpcLabels {
+    resource: String,
+    rpc: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct FailureLabels {
+    resource: String,
+    rpc: &'static str,
+    reason: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ConfigLabels {
+    sha256: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct GpuLabels {
+    gpu: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ModeLabels {
+    gpu: String,
+    mode: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ContainerLabels {
+    namespace: String,
+    pod: String,
+    container: String,
+    gpu: String,
 }
 
 /// The two RPCs that do work.
@@ -83,6 +124,8 @@ pub(crate) enum Rpc {
 }
 
 impl Rpc {
+    const ALL: [Rpc; 2] = [Rpc::Allocate, Rpc::PreferredAllocation];
+
     fn name(self) -> &'static str {
         match self {
             Rpc::Allocate => "allocate",
@@ -91,17 +134,29 @@ impl Rpc {
     }
 }
 
-#[derive(Debug, Default)]
+/// One RPC's calls, latency and refusals, of one resource.
+#[derive(Debug)]
 pub(crate) struct RpcMetrics {
-    pub(crate) calls: AtomicU64,
-    pub(crate) latency: Histogram,
+    calls: Counter,
+    latency: Histogram,
+    /// Refusals by reason; a reason shows once it happened.
     failures: Mutex<BTreeMap<&'static str, u64>>,
+}
+
+impl Default for RpcMetrics {
+    fn default() -> Self {
+        RpcMetrics {
+            calls: Counter::default(),
+            latency: Histogram::new(BUCKETS),
+            failures: Mutex::default(),
+        }
+    }
 }
 
 impl RpcMetrics {
     pub(crate) fn record(&self, took: Duration, failure: Option<&'static str>) {
-        self.calls.fetch_add(1, Ordering::Relaxed);
-        self.latency.observe(took);
+        self.calls.inc();
+        self.latency.observe(took.as_secs_f64());
         if let Some(reason) = failure {
             *self
                 .failures
@@ -116,15 +171,20 @@ impl RpcMetrics {
 /// What one resource's plugin reports.
 #[derive(Debug, Default)]
 pub(crate) struct ResourceMetrics {
-    pub(crate) devices: AtomicU64,
-    pub(crate) healthy: AtomicU64,
-    pub(crate) registered: AtomicBool,
-    pub(crate) registrations: AtomicU64,
-    pub(crate) lists_sent: AtomicU64,
-    pub(crate) list_bytes: AtomicU64,
-    pub(crate) streams: Streams,
-    pub(crate) allocate: RpcMetrics,
-    pub(crate) preferred: RpcMetrics,
+    devices: Level,
+    healthy: Level,
+    /// 1 while registered with the current kubelet.
+    registered: Level,
+    registrations: Counter,
+    /// Registrations after the first (kubelet restarts, reloads, repairs).
+    reregistrations: Counter,
+    lists_sent: Counter,
+    list_bytes: Level,
+    allocate: RpcMetrics,
+    preferred: RpcMetrics,
+    /// The running plugin's open ListAndWatch streams; it hands them over
+    /// at start ([`ResourceMetrics::read_streams`]).
+    streams: RwLock<OpenStreams>,
 }
 
 impl ResourceMetrics {
@@ -135,35 +195,42 @@ impl ResourceMetrics {
         }
     }
 
-    /// Registered with the kubelet and streaming to it.
-    pub(crate) fn ready(&self) -> bool {
-        self.registered.load(Ordering::SeqCst) && self.streams.open() > 0
+    /// The devices of the list the plugin streams now, and how many of
+    /// them are listed healthy.
+    pub(crate) fn set_devices(&self, devices: u64, healthy: u64) {
+        self.devices.set(devices);
+        self.healthy.set(healthy);
     }
-}
 
-/// A per-resource series: name, type, help, how to read it.
-type Series = (
-    &'static str,
-    &'static str,
-    &'static str,
-    fn(&ResourceMetrics) -> u64,
-);
+    pub(crate) fn set_registered(&self, registered: bool) {
+        self.registered.set(u64::from(registered));
+    }
 
-/// A per-GPU gauge: name, help, how to read it from `T`.
-type GpuSeries<T> = (&'static str, &'static str, fn(&T) -> u64);
+    /// A registration with the kubelet went through.
+    pub(crate) fn count_registration(&self) {
+        if self.registrations.inc() > 0 {
+            self.reregistrations.inc();
+        }
+    }
 
-/// Writes one per-GPU gauge over `gpus` (UUID, what it is read from).
-fn per_gpu<'a, T: 'a>(
-    out: &mut String,
-    (name, help, get): GpuSeries<T>,
-    gpus: impl Iterator<Item = (&'a str, &'a T)>,
-) {
-    let _ = writeln!(
-        out,
-        "# HELP gpu_device_plugin_{name} {help}\n# TYPE gpu_device_plugin_{name} gauge"
-    );
-    for (uuid, g) in gpus {
-        let _ = writeln!(out, "gpu_device_plugin_{name}{{gpu=\"{uuid}\"}} {}", get(g));
+    /// A ListAndWatch message of `bytes` (encoded) was sent.
+    pub(crate) fn count_list(&self, bytes: u64) {
+        self.lists_sent.inc();
+        self.list_bytes.set(bytes);
+    }
+
+    /// Reads the open streams of a plugin that just started from now on.
+    pub(crate) fn read_streams(&self, streams: OpenStreams) {
+        *self.streams.write().expect("metrics lock") = streams;
+    }
+
+    fn open_streams(&self) -> usize {
+        self.streams.read().expect("metrics lock").count()
+    }
+
+    /// Registered with the kubelet and streaming to it.
+    fn ready(&self) -> bool {
+        self.registered.get() == 1 && self.open_streams() > 0
     }
 }
 
@@ -179,19 +246,32 @@ pub(crate) enum Hold {
     Unreachable,
 }
 
-/// Every enabled resource's metrics, by resource name.
-#[derive(Debug, Default)]
+/// Every series of the daemon, and the parts holding readiness back.
+#[derive(Debug)]
 pub(crate) struct Metrics {
-    resources: RwLock<BTreeMap<String, Arc<ResourceMetrics>>>,
+    /// The process-wide series below and the [`Scraped`] collector.
+    registry: Registry,
+    scraped: Arc<Scraped>,
     /// Parts holding readiness back: (name, hold) → why.
     held: Mutex<BTreeMap<(String, Hold), String>>,
     /// Pods of this node in the matcher's cache.
-    pod_cache: AtomicU64,
-    /// API-server requests the matcher made outside its watch, by verb.
-    api_requests: Mutex<BTreeMap<&'static str, u64>>,
+    pod_cache: Level,
+    /// API-server requests the matcher made outside its watch.
+    api_requests: Family<VerbLabels, Counter>,
+    /// Reloads by result.
+    config_reloads: Family<ReloadLabels, Counter>,
+    /// Restarts after a failure, by child.
+    child_restarts: Family<ChildLabels, Counter>,
+}
+
+/// What the scrape reads at its time: the resources enabled now, and the
+/// series their owners replace whole.
+#[derive(Debug, Default)]
+struct Scraped {
+    resources: RwLock<BTreeMap<String, Arc<ResourceMetrics>>>,
+    config: Mutex<ConfigState>,
     /// Enforcement's series; None (absent) with enforcement off.
     enforcement: Mutex<Option<EnforcementSeries>>,
-    config: Mutex<ConfigState>,
     /// Per GPU, from the pod matcher's usage model; empty without it.
     gpus: Mutex<Vec<GpuSample>>,
     /// Every GPU's capacity and health, in every mode.
@@ -247,6 +327,26 @@ pub(crate) struct GpuStatus {
     pub(crate) healthy: bool,
 }
 
+/// What enforcement's sweeper last found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct EnforcementSeries {
+    /// Per-container cache directories in the state directory.
+    pub(crate) cache_dirs: u64,
+    /// Device memory per container and GPU, from the usage regions that
+    /// could be read.
+    pub(crate) memory_used: Vec<ContainerMemory>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ContainerMemory {
+    pub(crate) namespace: String,
+    pub(crate) pod: String,
+    pub(crate) container: String,
+    /// The GPU's UUID.
+    pub(crate) gpu: String,
+    pub(crate) bytes: u64,
+}
+
 /// Seconds since the Unix epoch, as Prometheus timestamps go.
 fn now_unix() -> f64 {
     std::time::SystemTime::now()
@@ -254,58 +354,123 @@ fn now_unix() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
+impl Default for Metrics {
+    fn default() -> Self {
+        let scraped = Arc::<Scraped>::default();
+        let pod_cache = Level::default();
+        let api_requests = Family::default();
+        let config_reloads = Family::default();
+        let child_restarts = Family::default();
+        let build = Family::<BuildLabels, Gauge>::default();
+        let version = env!("CARGO_PKG_VERSION");
+        let git = crate::GIT_REVISION;
+        build.get_or_create(&BuildLabels { version, git }).set(1);
+        // The library appends `_total` to a counter's name, and a period to
+        // the help.
+        let mut registry = Registry::with_prefix(PREFIX);
+        let help = "The running binary's version and git revision";
+        registry.register("build_info", help, build);
+        let help = "Pods of this node in the pod matcher's cache";
+        registry.register("pod_cache_pods", help, pod_cache.clone());
+        let help = "API-server requests by the pod matcher, besides its watch";
+        registry.register("api_requests", help, Family::clone(&api_requests));
+        let help = "Config reloads, by whether they were applied or refused";
+        registry.register("config_reloads", help, Family::clone(&config_reloads));
+        let help = "Restarts of a supervised child after it failed, by child";
+        registry.register("child_restarts", help, Family::clone(&child_restarts));
+        registry.register_collector(Box::new(scraped.clone()));
+        Metrics {
+            registry,
+            scraped,
+            held: Mutex::default(),
+            pod_cache,
+            api_requests,
+            config_reloads,
+            child_restarts,
+        }
+    }
+}
+
 impl Metrics {
     /// The metrics of `name`, created on first use and kept afterwards.
     pub(crate) fn resource(&self, name: &str) -> Arc<ResourceMetrics> {
-        if let Some(m) = self.resources.read().expect("metrics lock").get(name) {
+        let resources = &self.scraped.resources;
+        if let Some(m) = resources.read().expect("metrics lock").get(name) {
             return m.clone();
         }
-        let mut all = self.resources.write().expect("metrics lock");
+        let mut all = resources.write().expect("metrics lock");
         all.entry(name.to_owned()).or_default().clone()
     }
 
     /// Keeps only `names` (a reload switched the others off).
     pub(crate) fn retain(&self, names: &[String]) {
-        self.resources
-            .write()
-            .expect("metrics lock")
-            .retain(|n, _| names.contains(n));
+        (self.scraped.resources.write().expect("metrics lock")).retain(|n, _| names.contains(n));
     }
 
     pub(crate) fn set_pod_cache(&self, pods: usize) {
-        self.pod_cache.store(pods as u64, Ordering::Relaxed);
+        self.pod_cache.set(pods as u64);
     }
 
     pub(crate) fn count_api_request(&self, verb: &'static str) {
-        *self
-            .api_requests
-            .lock()
-            .expect("metrics lock")
-            .entry(verb)
-            .or_default() += 1;
+        self.api_requests.get_or_create(&VerbLabels { verb }).inc();
+    }
+
+    /// A config reload was applied, or refused (the loaded one serves on).
+    #[cfg_attr(
+        not(test),
+        expect(
+            dead_code,
+            reason = "the supervisor's call sites come in another branch"
+        )
+    )]
+    pub(crate) fn count_reload(&self, applied: bool) {
+        let result = if applied { "applied" } else { "refused" };
+        self.config_reloads
+            .get_or_create(&ReloadLabels { result })
+            .inc();
+    }
+
+    /// The supervisor restarted `child` after it failed.
+    #[cfg_attr(
+        not(test),
+        expect(
+            dead_code,
+            reason = "the supervisor's call sites come in another branch"
+        )
+    )]
+    pub(crate) fn count_restart(&self, child: &str) {
+        let child = child.to_owned();
+        self.child_restarts
+            .get_or_create(&ChildLabels { child })
+            .inc();
     }
 
     /// The config whose file bytes have SHA-256 `sha256` now serves (at
     /// start, or a reload went through).
     pub(crate) fn config_loaded(&self, sha256: String) {
-        let mut c = self.config.lock().expect("metrics lock");
+        let mut c = self.scraped.config.lock().expect("metrics lock");
         c.sha256 = sha256;
         c.loaded_at = now_unix();
     }
 
     /// A reload was refused; the loaded config keeps serving.
     pub(crate) fn config_refused(&self) {
-        self.config.lock().expect("metrics lock").refused_at = now_unix();
+        self.scraped.config.lock().expect("metrics lock").refused_at = now_unix();
     }
 
     /// Every GPU's usage, replacing the last (empty: none known).
     pub(crate) fn set_gpus(&self, gpus: Vec<GpuSample>) {
-        *self.gpus.lock().expect("metrics lock") = gpus;
+        *self.scraped.gpus.lock().expect("metrics lock") = gpus;
     }
 
     /// Every GPU's capacity and health, replacing the last.
     pub(crate) fn set_gpu_status(&self, gpus: Vec<GpuStatus>) {
-        *self.status.lock().expect("metrics lock") = gpus;
+        *self.scraped.status.lock().expect("metrics lock") = gpus;
+    }
+
+    /// Replaces enforcement's series; None removes them.
+    pub(crate) fn set_enforcement(&self, series: Option<EnforcementSeries>) {
+        *self.scraped.enforcement.lock().expect("metrics lock") = series;
     }
 
     /// Marks `part` unready for `hold` with the reason `why`, or clears
@@ -330,7 +495,7 @@ impl Metrics {
 
     /// What is not ready yet, each with why; empty when all is.
     pub(crate) fn not_ready(&self) -> Vec<String> {
-        let all = self.resources.read().expect("metrics lock");
+        let all = self.scraped.resources.read().expect("metrics lock");
         let resources = all
             .iter()
             .filter(|(_, m)| !m.ready())
@@ -340,162 +505,162 @@ impl Metrics {
         resources.chain(parts).collect()
     }
 
+    /// The scrape, in the OpenMetrics text format ([`CONTENT_TYPE`]).
     pub(crate) fn render(&self) -> String {
-        let all = self.resources.read().expect("metrics lock");
         let mut out = String::new();
-        let _ = writeln!(
-            out,
-            "# HELP gpu_device_plugin_build_info The running binary's version and git revision.\n# TYPE gpu_device_plugin_build_info gauge\ngpu_device_plugin_build_info{{version=\"{}\",git=\"{}\"}} 1",
-            env!("CARGO_PKG_VERSION"),
-            crate::GIT_REVISION
-        );
-        let gauges: [Series; 8] = [
+        // Writing to a String cannot fail, and neither can encoding the
+        // label sets and values above.
+        text::encode(&mut out, &self.registry).expect("encoding metrics into a String");
+        out
+    }
+}
+
+/// Opens a family of series at scrape time; the library writes its HELP
+/// and TYPE lines (a counter's without the `_total` its samples carry).
+fn family<'a>(
+    encoder: &'a mut DescriptorEncoder,
+    name: &'a str,
+    help: &str,
+    kind: MetricType,
+) -> Result<MetricEncoder<'a>, fmt::Error> {
+    encoder.encode_descriptor(name, help, None, kind)
+}
+
+/// One gauge sample with `labels` in an open family.
+fn gauge(family: &mut MetricEncoder, labels: &impl EncodeLabelSet, value: u64) -> fmt::Result {
+    ConstGauge::new(value).encode(family.encode_family(labels)?)
+}
+
+/// A per-resource series: name, help, type, the resource's metric.
+type PerResource = (
+    &'static str,
+    &'static str,
+    MetricType,
+    fn(&ResourceMetrics) -> &dyn EncodeMetric,
+);
+
+/// A per-GPU gauge: name, help, how to read it from `T`.
+type PerGpu<T> = (&'static str, &'static str, fn(&T) -> u64);
+
+impl Scraped {
+    fn encode_resources(&self, encoder: &mut DescriptorEncoder) -> fmt::Result {
+        use MetricType::{Counter, Gauge};
+        let all = self.resources.read().expect("metrics lock");
+        let label = |resource: &str| ResourceLabels {
+            resource: resource.to_owned(),
+        };
+        let series: [PerResource; 7] = [
             (
                 "devices",
-                "gauge",
                 "Devices advertised to the kubelet.",
-                |m| m.devices.load(Ordering::Relaxed),
+                Gauge,
+                |m| &m.devices,
             ),
             (
                 "devices_healthy",
-                "gauge",
                 "Devices advertised Healthy.",
-                |m| m.healthy.load(Ordering::Relaxed),
+                Gauge,
+                |m| &m.healthy,
             ),
             (
                 "registered",
-                "gauge",
                 "1 when registered with the current kubelet.",
-                |m| u64::from(m.registered.load(Ordering::Relaxed)),
+                Gauge,
+                |m| &m.registered,
             ),
-            ("list_streams", "gauge", "Open ListAndWatch streams.", |m| {
-                m.streams.open() as u64
-            }),
             (
-                "registrations_total",
-                "counter",
+                "registrations",
                 "Successful registrations with the kubelet.",
-                |m| m.registrations.load(Ordering::Relaxed),
+                Counter,
+                |m| &m.registrations,
             ),
             (
-                "reregistrations_total",
-                "counter",
+                "reregistrations",
                 "Registrations after the first (kubelet restarts, reloads, repairs).",
-                |m| m.registrations.load(Ordering::Relaxed).saturating_sub(1),
+                Counter,
+                |m| &m.reregistrations,
             ),
             (
-                "list_messages_total",
-                "counter",
+                "list_messages",
                 "ListAndWatch messages sent.",
-                |m| m.lists_sent.load(Ordering::Relaxed),
+                Counter,
+                |m| &m.lists_sent,
             ),
             (
                 "list_message_bytes",
-                "gauge",
                 "Encoded size of the last ListAndWatch message (kubelet limit 4194304).",
-                |m| m.list_bytes.load(Ordering::Relaxed),
+                Gauge,
+                |m| &m.list_bytes,
             ),
         ];
-        for (name, kind, help, get) in gauges {
-            let _ = writeln!(
-                out,
-                "# HELP gpu_device_plugin_{name} {help}\n# TYPE gpu_device_plugin_{name} {kind}"
-            );
+        for (name, help, kind, metric) in series {
+            let mut f = family(encoder, name, help, kind)?;
             for (resource, m) in all.iter() {
-                let _ = writeln!(
-                    out,
-                    "gpu_device_plugin_{name}{{resource=\"{resource}\"}} {}",
-                    get(m)
-                );
+                metric(m).encode(f.encode_family(&label(resource))?)?;
             }
         }
-        let rpcs = [Rpc::Allocate, Rpc::PreferredAllocation];
-        let _ = writeln!(
-            out,
-            "# HELP gpu_device_plugin_rpc_total RPCs served.\n# TYPE gpu_device_plugin_rpc_total counter"
-        );
+        let mut f = family(encoder, "list_streams", "Open ListAndWatch streams.", Gauge)?;
         for (resource, m) in all.iter() {
-            for rpc in rpcs {
-                let n = m.rpc(rpc).calls.load(Ordering::Relaxed);
-                let _ = writeln!(
-                    out,
-                    "gpu_device_plugin_rpc_total{{resource=\"{resource}\",rpc=\"{}\"}} {n}",
-                    rpc.name()
-                );
+            gauge(&mut f, &label(resource), m.open_streams() as u64)?;
+        }
+        let rpcs = || {
+            all.iter().flat_map(|(resource, m)| {
+                Rpc::ALL.map(|rpc| (resource.clone(), rpc.name(), m.rpc(rpc)))
+            })
+        };
+        let mut f = family(encoder, "rpc", "RPCs served.", Counter)?;
+        for (resource, rpc, m) in rpcs() {
+            m.calls
+                .encode(f.encode_family(&RpcLabels { resource, rpc })?)?;
+        }
+        let mut f = family(encoder, "rpc_failures", "RPCs refused, by reason.", Counter)?;
+        for (resource, rpc, m) in rpcs() {
+            for (&reason, &n) in m.failures.lock().expect("metrics lock").iter() {
+                let resource = resource.clone();
+                let labels = FailureLabels {
+                    resource,
+                    rpc,
+                    reason,
+                };
+                ConstCounter::new(n).encode(f.encode_family(&labels)?)?;
             }
         }
-        let _ = writeln!(
-            out,
-            "# HELP gpu_device_plugin_rpc_failures_total RPCs refused, by reason.\n# TYPE gpu_device_plugin_rpc_failures_total counter"
-        );
-        for (resource, m) in all.iter() {
-            for rpc in rpcs {
-                for (reason, n) in m.rpc(rpc).failures.lock().expect("metrics lock").iter() {
-                    let _ = writeln!(
-                        out,
-                        "gpu_device_plugin_rpc_failures_total{{resource=\"{resource}\",rpc=\"{}\",reason=\"{reason}\"}} {n}",
-                        rpc.name()
-                    );
-                }
-            }
+        let kind = MetricType::Histogram;
+        let mut f = family(encoder, "rpc_duration_seconds", "RPC latency.", kind)?;
+        for (resource, rpc, m) in rpcs() {
+            m.latency
+                .encode(f.encode_family(&RpcLabels { resource, rpc })?)?;
         }
-        let _ = writeln!(
-            out,
-            "# HELP gpu_device_plugin_rpc_duration_seconds RPC latency.\n# TYPE gpu_device_plugin_rpc_duration_seconds histogram"
-        );
-        for (resource, m) in all.iter() {
-            for rpc in rpcs {
-                let labels = format!("resource=\"{resource}\",rpc=\"{}\"", rpc.name());
-                m.rpc(rpc).latency.render(
-                    &mut out,
-                    "gpu_device_plugin_rpc_duration_seconds",
-                    &labels,
-                );
-            }
-        }
-        let _ = writeln!(
-            out,
-            "# HELP gpu_device_plugin_pod_cache_pods Pods of this node in the pod matcher's cache.\n# TYPE gpu_device_plugin_pod_cache_pods gauge\ngpu_device_plugin_pod_cache_pods {}",
-            self.pod_cache.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP gpu_device_plugin_api_requests_total API-server requests by the pod matcher, besides its watch.\n# TYPE gpu_device_plugin_api_requests_total counter"
-        );
-        for (verb, n) in self.api_requests.lock().expect("metrics lock").iter() {
-            let _ = writeln!(
-                out,
-                "gpu_device_plugin_api_requests_total{{verb=\"{verb}\"}} {n}"
-            );
-        }
-        self.render_enforcement(&mut out);
-        self.render_config(&mut out);
-        self.render_gpus(&mut out);
-        out
+        Ok(())
     }
 
-    fn render_config(&self, out: &mut String) {
+    fn encode_config(&self, encoder: &mut DescriptorEncoder) -> fmt::Result {
         let c = self.config.lock().expect("metrics lock");
-        let _ = writeln!(
-            out,
-            "# HELP gpu_device_plugin_config_info The SHA-256 of the config file serving now.\n# TYPE gpu_device_plugin_config_info gauge\ngpu_device_plugin_config_info{{sha256=\"{}\"}} 1",
-            c.sha256
-        );
-        let _ = writeln!(
-            out,
-            "# HELP gpu_device_plugin_config_last_reload_timestamp_seconds When the serving config was loaded (start or reload).\n# TYPE gpu_device_plugin_config_last_reload_timestamp_seconds gauge\ngpu_device_plugin_config_last_reload_timestamp_seconds {}",
-            c.loaded_at
-        );
-        let _ = writeln!(
-            out,
-            "# HELP gpu_device_plugin_config_last_refused_timestamp_seconds When a reload was last refused; 0: never.\n# TYPE gpu_device_plugin_config_last_refused_timestamp_seconds gauge\ngpu_device_plugin_config_last_refused_timestamp_seconds {}",
-            c.refused_at
-        );
+        let help = "The SHA-256 of the config file serving now.";
+        let mut f = family(encoder, "config_info", help, MetricType::Gauge)?;
+        let sha256 = c.sha256.clone();
+        gauge(&mut f, &ConfigLabels { sha256 }, 1)?;
+        let timestamps = [
+            (
+                "config_last_reload_timestamp_seconds",
+                "When the serving config was loaded (start or reload).",
+                c.loaded_at,
+            ),
+            (
+                "config_last_refused_timestamp_seconds",
+                "When a reload was last refused; 0: never.",
+                c.refused_at,
+            ),
+        ];
+        for (name, help, at) in timestamps {
+            ConstGauge::new(at).encode(family(encoder, name, help, MetricType::Gauge)?)?;
+        }
+        Ok(())
     }
 
-    fn render_gpus(&self, out: &mut String) {
+    fn encode_gpus(&self, encoder: &mut DescriptorEncoder) -> fmt::Result {
         let status = self.status.lock().expect("metrics lock");
-        let every: [GpuSeries<GpuStatus>; 3] = [
+        let every: [PerGpu<GpuStatus>; 3] = [
             (
                 "gpu_memory_capacity_bytes",
                 "GPU memory the gpu-memory devices cover.",
@@ -512,11 +677,9 @@ impl Metrics {
                 |g| u64::from(g.healthy),
             ),
         ];
-        for series in every {
-            per_gpu(out, series, status.iter().map(|g| (g.uuid.as_str(), g)));
-        }
+        per_gpu(encoder, every, &status, |g| &g.uuid)?;
         let gpus = self.gpus.lock().expect("metrics lock");
-        let granted: [GpuSeries<GpuSample>; 3] = [
+        let granted: [PerGpu<GpuSample>; 3] = [
             (
                 "gpu_memory_granted_bytes",
                 "GPU memory granted to shared containers, by the pods' ledgers.",
@@ -533,74 +696,70 @@ impl Metrics {
                 |g| g.containers,
             ),
         ];
-        for series in granted {
-            per_gpu(out, series, gpus.iter().map(|g| (g.uuid.as_str(), g)));
-        }
-        let _ = writeln!(
-            out,
-            "# HELP gpu_device_plugin_gpu_mode 1 for what the GPU carries: whole, shared or free.\n# TYPE gpu_device_plugin_gpu_mode gauge"
-        );
+        per_gpu(encoder, granted, &gpus, |g| &g.uuid)?;
+        let help = "1 for what the GPU carries: whole, shared or free.";
+        let mut f = family(encoder, "gpu_mode", help, MetricType::Gauge)?;
         for g in gpus.iter() {
             for mode in GpuMode::ALL {
-                let _ = writeln!(
-                    out,
-                    "gpu_device_plugin_gpu_mode{{gpu=\"{}\",mode=\"{}\"}} {}",
-                    g.uuid,
-                    mode.name(),
-                    u64::from(g.mode == mode)
-                );
+                let labels = ModeLabels {
+                    gpu: g.uuid.clone(),
+                    mode: mode.name(),
+                };
+                gauge(&mut f, &labels, u64::from(g.mode == mode))?;
             }
         }
-    }
-}
-
-/// What enforcement's sweeper last found.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct EnforcementSeries {
-    /// Per-container cache directories in the state directory.
-    pub(crate) cache_dirs: u64,
-    /// Device memory per container and GPU, from the usage regions that
-    /// could be read.
-    pub(crate) memory_used: Vec<ContainerMemory>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct ContainerMemory {
-    pub(crate) namespace: String,
-    pub(crate) pod: String,
-    pub(crate) container: String,
-    /// The GPU's UUID.
-    pub(crate) gpu: String,
-    pub(crate) bytes: u64,
-}
-
-impl Metrics {
-    /// Replaces enforcement's series; None removes them.
-    pub(crate) fn set_enforcement(&self, series: Option<EnforcementSeries>) {
-        *self.enforcement.lock().expect("metrics lock") = series;
+        Ok(())
     }
 
-    fn render_enforcement(&self, out: &mut String) {
+    /// Absent altogether with enforcement off.
+    fn encode_enforcement(&self, encoder: &mut DescriptorEncoder) -> fmt::Result {
         let series = self.enforcement.lock().expect("metrics lock");
         let Some(series) = series.as_ref() else {
-            return;
+            return Ok(());
         };
-        let _ = writeln!(
-            out,
-            "# HELP gpu_device_plugin_enforcement_cache_dirs Per-container enforcement cache directories on the host.\n# TYPE gpu_device_plugin_enforcement_cache_dirs gauge\ngpu_device_plugin_enforcement_cache_dirs {}",
-            series.cache_dirs
-        );
-        let _ = writeln!(
-            out,
-            "# HELP gpu_device_plugin_container_memory_used_bytes Device memory a container uses on a GPU, as its enforcement library reports it.\n# TYPE gpu_device_plugin_container_memory_used_bytes gauge"
-        );
+        let help = "Per-container enforcement cache directories on the host.";
+        let f = family(encoder, "enforcement_cache_dirs", help, MetricType::Gauge)?;
+        ConstGauge::new(series.cache_dirs).encode(f)?;
+        let help =
+            "Device memory a container uses on a GPU, as its enforcement library reports it.";
+        let name = "container_memory_used_bytes";
+        let mut f = family(encoder, name, help, MetricType::Gauge)?;
         for m in &series.memory_used {
-            let _ = writeln!(
-                out,
-                "gpu_device_plugin_container_memory_used_bytes{{namespace=\"{}\",pod=\"{}\",container=\"{}\",gpu=\"{}\"}} {}",
-                m.namespace, m.pod, m.container, m.gpu, m.bytes
-            );
+            let labels = ContainerLabels {
+                namespace: m.namespace.clone(),
+                pod: m.pod.clone(),
+                container: m.container.clone(),
+                gpu: m.gpu.clone(),
+            };
+            gauge(&mut f, &labels, m.bytes)?;
         }
+        Ok(())
+    }
+}
+
+/// Per-GPU gauges of `gpus`, each labelled with its UUID.
+fn per_gpu<T>(
+    encoder: &mut DescriptorEncoder,
+    series: [PerGpu<T>; 3],
+    gpus: &[T],
+    uuid: fn(&T) -> &str,
+) -> fmt::Result {
+    for (name, help, value) in series {
+        let mut f = family(encoder, name, help, MetricType::Gauge)?;
+        for g in gpus {
+            let gpu = uuid(g).to_owned();
+            gauge(&mut f, &GpuLabels { gpu }, value(g))?;
+        }
+    }
+    Ok(())
+}
+
+impl Collector for Scraped {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
+        self.encode_resources(&mut encoder)?;
+        self.encode_enforcement(&mut encoder)?;
+        self.encode_config(&mut encoder)?;
+        self.encode_gpus(&mut encoder)
     }
 }
 
@@ -608,39 +767,188 @@ impl Metrics {
 mod tests {
     use super::*;
 
+    /// The sample lines' series names (the name up to its labels).
+    fn series_names(text: &str) -> std::collections::BTreeSet<&str> {
+        text.lines()
+            .filter(|l| !l.starts_with('#'))
+            .map(|l| l.split(['{', ' ']).next().unwrap())
+            .collect()
+    }
+
+    /// Every series the daemon exports, with some state in each: a rename
+    /// (or a `_total` the library appends twice) cannot slip through.
+    #[test]
+    fn the_scrape_holds_exactly_the_series_the_dashboards_read() {
+        let metrics = Metrics::default();
+        let m = metrics.resource("doslab.io/gpu-memory");
+        m.set_devices(4, 3);
+        m.set_registered(true);
+        m.count_registration();
+        m.count_list(100);
+        m.rpc(Rpc::Allocate)
+            .record(Duration::from_millis(1), Some("unknown_id"));
+        metrics.set_pod_cache(2);
+        metrics.count_api_request("patch");
+        metrics.count_reload(true);
+        metrics.count_restart("pod matcher");
+        metrics.config_loaded("abc".into());
+        metrics.set_gpu_status(vec![GpuStatus {
+            uuid: "GPU-a".into(),
+            memory_capacity_mib: 1024,
+            core_capacity_percent: 100,
+            healthy: true,
+        }]);
+        metrics.set_gpus(vec![GpuSample {
+            uuid: "GPU-a".into(),
+            memory_granted_mib: 512,
+            core_granted_percent: 30,
+            containers: 1,
+            mode: GpuMode::Shared,
+        }]);
+        metrics.set_enforcement(Some(EnforcementSeries {
+            cache_dirs: 1,
+            memory_used: vec![ContainerMemory {
+                namespace: "ns".into(),
+                pod: "p".into(),
+                container: "app".into(),
+                gpu: "GPU-a".into(),
+                bytes: 1 << 20,
+            }],
+        }));
+        let text = metrics.render();
+        let expected = [
+            "build_info",
+            "devices",
+            "devices_healthy",
+            "registered",
+            "registrations_total",
+            "reregistrations_total",
+            "list_streams",
+            "list_messages_total",
+            "list_message_bytes",
+            "rpc_total",
+            "rpc_failures_total",
+            "rpc_duration_seconds_bucket",
+            "rpc_duration_seconds_sum",
+            "rpc_duration_seconds_count",
+            "pod_cache_pods",
+            "api_requests_total",
+            "config_reloads_total",
+            "child_restarts_total",
+            "enforcement_cache_dirs",
+            "container_memory_used_bytes",
+            "config_info",
+            "config_last_reload_timestamp_seconds",
+            "config_last_refused_timestamp_seconds",
+            "gpu_memory_capacity_bytes",
+            "gpu_core_capacity_percent",
+            "gpu_healthy",
+            "gpu_memory_granted_bytes",
+            "gpu_core_granted_percent",
+            "gpu_containers",
+            "gpu_mode",
+        ]
+        .map(|s| format!("{PREFIX}_{s}"));
+        let expected: std::collections::BTreeSet<&str> =
+            expected.iter().map(String::as_str).collect();
+        assert_eq!(series_names(&text), expected, "{text}");
+        assert!(text.ends_with("# EOF\n"), "{text}");
+        assert!(!text.contains("..\n"), "a help ends in one period: {text}");
+    }
+
     #[test]
     fn renders_counters_failures_and_histograms() {
         let metrics = Metrics::default();
         let m = metrics.resource("doslab.io/gpu-core");
-        m.devices.store(200, Ordering::Relaxed);
-        m.registrations.store(3, Ordering::Relaxed);
+        m.set_devices(200, 200);
+        for _ in 0..3 {
+            m.count_registration();
+        }
         m.allocate.record(Duration::from_micros(700), None);
         m.allocate
             .record(Duration::from_millis(30), Some("unknown_id"));
         let text = metrics.render();
-        assert!(text.contains("gpu_device_plugin_devices{resource=\"doslab.io/gpu-core\"} 200"));
-        assert!(text.contains(
-            "gpu_device_plugin_reregistrations_total{resource=\"doslab.io/gpu-core\"} 2"
+        let has = |line: &str| assert!(text.contains(&format!("{line}\n")), "{line}:\n{text}");
+        has(r#"gpu_device_plugin_devices{resource="doslab.io/gpu-core"} 200"#);
+        has(r#"gpu_device_plugin_registrations_total{resource="doslab.io/gpu-core"} 3"#);
+        has(r#"gpu_device_plugin_reregistrations_total{resource="doslab.io/gpu-core"} 2"#);
+        has(r#"gpu_device_plugin_rpc_total{resource="doslab.io/gpu-core",rpc="allocate"} 2"#);
+        has(
+            r#"gpu_device_plugin_rpc_total{resource="doslab.io/gpu-core",rpc="get_preferred_allocation"} 0"#,
+        );
+        has(
+            r#"gpu_device_plugin_rpc_failures_total{resource="doslab.io/gpu-core",rpc="allocate",reason="unknown_id"} 1"#,
+        );
+        let bucket = r#"gpu_device_plugin_rpc_duration_seconds_bucket{le="#;
+        has(&format!(
+            r#"{bucket}"0.001",resource="doslab.io/gpu-core",rpc="allocate"}} 1"#
         ));
-        assert!(text.contains("rpc_total{resource=\"doslab.io/gpu-core\",rpc=\"allocate\"} 2"));
-        assert!(text.contains("reason=\"unknown_id\"} 1"));
-        assert!(text.contains("rpc=\"allocate\",le=\"0.001\"} 1"));
-        assert!(text.contains("rpc=\"allocate\",le=\"+Inf\"} 2"));
-        assert!(text.contains(&format!(
+        has(&format!(
+            r#"{bucket}"+Inf",resource="doslab.io/gpu-core",rpc="allocate"}} 2"#
+        ));
+        has(&format!(
             "gpu_device_plugin_build_info{{version=\"{}\",git=\"{}\"}} 1",
             env!("CARGO_PKG_VERSION"),
             crate::GIT_REVISION
-        )));
+        ));
         assert_eq!(
             metrics.not_ready(),
             ["doslab.io/gpu-core: not registered or not streaming"]
         );
         metrics.retain(&[]);
+        assert!(!metrics.render().contains("doslab.io/gpu-core"));
         assert!(metrics.not_ready().is_empty());
         metrics.hold("pod matcher", Hold::Waiting, Some("not synced".into()));
         metrics.hold("pod matcher", Hold::Failing, Some("failed".into()));
         metrics.hold("pod matcher", Hold::Waiting, None);
         assert_eq!(metrics.not_ready(), ["pod matcher: failed"]);
+    }
+
+    #[test]
+    fn a_resource_is_ready_while_registered_with_a_stream_open() {
+        let metrics = Metrics::default();
+        let m = metrics.resource("doslab.io/gpu-memory");
+        let streams = OpenStreams::default();
+        m.read_streams(streams.clone());
+        m.set_registered(true);
+        assert!(!metrics.not_ready().is_empty(), "no stream yet");
+        let stream = streams.guard();
+        assert!(metrics.not_ready().is_empty());
+        assert!(
+            metrics
+                .render()
+                .contains("gpu_device_plugin_list_streams{resource=\"doslab.io/gpu-memory\"} 1\n")
+        );
+        drop(stream);
+        assert!(!metrics.not_ready().is_empty(), "the kubelet dropped it");
+    }
+
+    #[test]
+    fn reloads_and_restarts_are_counted_by_result_and_child() {
+        let metrics = Metrics::default();
+        metrics.count_reload(true);
+        metrics.count_reload(false);
+        metrics.count_reload(false);
+        metrics.count_restart("pod matcher");
+        let text = metrics.render();
+        for line in [
+            "gpu_device_plugin_config_reloads_total{result=\"applied\"} 1\n",
+            "gpu_device_plugin_config_reloads_total{result=\"refused\"} 2\n",
+            "gpu_device_plugin_child_restarts_total{child=\"pod matcher\"} 1\n",
+        ] {
+            assert!(text.contains(line), "{line}{text}");
+        }
+    }
+
+    #[test]
+    fn label_values_are_escaped() {
+        let metrics = Metrics::default();
+        metrics.count_restart("a\"b\\c\nd");
+        let text = metrics.render();
+        assert!(
+            text.contains(r#"gpu_device_plugin_child_restarts_total{child="a\"b\\c\nd"} 1"#),
+            "{text}"
+        );
     }
 
     #[test]

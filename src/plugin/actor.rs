@@ -12,7 +12,7 @@
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -122,23 +122,86 @@ impl PluginArgs {
     }
 }
 
+/// What the plugin is told. Only `SetPlacement` is answered; the others
+/// are sent and forgotten.
 pub(crate) enum PluginMsg {
-    /// Try to register the server of this generation: the retry scheduled
-    /// for the given instant, or (None) at once, on start or on a trigger.
-    Register(u64, Option<Instant>),
-    /// The outcome of a registration attempt of a generation, against this
-    /// kubelet socket.
-    Registered(u64, FileId, Result<(), RegisterError>),
-    /// Verify socket, kubelet and stream; heal what is wrong.
+    /// Register the server of `generation` with the kubelet, unless that
+    /// server was replaced since, a registration is under way or done, the
+    /// settle pause of a restart is not over, or this is an early trigger
+    /// inside the backoff window. Sent by the plugin itself (at start, on
+    /// `Check`, and as the scheduled retry). The outcome comes back as
+    /// `Registered`.
+    Register {
+        /// The server this attempt is for (bumped on every server start).
+        generation: u64,
+        /// The retry this is, scheduled for that instant; None: at once,
+        /// on start or on a trigger.
+        scheduled: Option<Instant>,
+    },
+    /// The outcome of a registration attempt, from the task that made it:
+    /// on success the plugin counts itself registered, on failure it
+    /// schedules the next `Register` on its backoff. Ignored when the
+    /// server was replaced since.
+    Registered {
+        /// The server the attempt was for.
+        generation: u64,
+        /// The kubelet socket it registered with (default when none was
+        /// there).
+        kubelet: FileId,
+        result: Result<(), RegisterError>,
+    },
+    /// Verify socket, kubelet and stream, and heal what is wrong (restart
+    /// the server, register again). Idempotent: the kubelet watcher sends
+    /// it on every filesystem event and on a timer.
     Check,
-    /// Pod matching was switched on or off, or its wait changed; replies
-    /// once the plugin's server uses it.
-    SetPlacement(Placement, RpcReplyPort<()>),
-    /// The GPUs' health changed.
-    SetHealth(Arc<[bool]>),
-    /// Per GPU: whether the matcher withdraws this resource's devices
-    /// (empty: none).
-    SetWithdrawn(Arc<[bool]>),
+    /// Pod matching was switched on or off, or its wait changed. The
+    /// plugin's server uses `placement` from its next call on, and the
+    /// plugin follows the matcher's withdrawals while it uses the matcher.
+    SetPlacement {
+        placement: Placement,
+        /// Answered once the server uses `placement`.
+        reply: RpcReplyPort<()>,
+    },
+    /// The GPUs' health changed: the plugin streams the new list.
+    SetHealth {
+        /// Per GPU of the model, whether it passes its health checks.
+        healthy: Arc<[bool]>,
+    },
+    /// The matcher's withdrawals changed: the plugin streams the new list.
+    /// Ignored once placement no longer uses the matcher.
+    SetWithdrawn {
+        /// Per GPU: whether the matcher withdraws this resource's devices
+        /// (empty: none).
+        withdrawn: Arc<[bool]>,
+    },
+}
+
+/// The ListAndWatch streams open now. The kubelet never reconnects a
+/// stream it dropped, so the plugin heals from this count (`Check`); the
+/// metrics and `/readyz` read it. Each stream holds a [`StreamGuard`] for
+/// its life.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct OpenStreams(Arc<AtomicUsize>);
+
+impl OpenStreams {
+    pub(crate) fn count(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+
+    /// Counts one more stream open until the guard drops.
+    pub(crate) fn guard(&self) -> StreamGuard {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        StreamGuard(self.0.clone())
+    }
+}
+
+/// Held by a stream for its life.
+pub(crate) struct StreamGuard(Arc<AtomicUsize>);
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 struct Server {
@@ -168,6 +231,8 @@ pub(crate) struct PluginState {
     withdrawn: Arc<[bool]>,
     /// Forwards the matcher's withdrawals while placement uses it.
     follower: Option<JoinHandle<()>>,
+    /// The streams every server of this plugin opened, still open.
+    streams: OpenStreams,
 }
 
 impl PluginState {
@@ -183,18 +248,15 @@ impl PluginState {
             .map(|(g, &h)| h && !self.withdrawn.get(g).copied().unwrap_or(false))
             .collect();
         let list = DeviceListMessage::new(self.args.model.clone(), healthy);
-        let m = &self.args.metrics;
-        m.devices.store(list.device_count(), Ordering::Relaxed);
-        m.healthy.store(list.healthy_count(), Ordering::Relaxed);
+        self.args
+            .metrics
+            .set_devices(list.device_count(), list.healthy_count());
         list
     }
 
     fn set_registered(&mut self, registered: Option<(FileId, Instant)>) {
         self.registered = registered;
-        self.args
-            .metrics
-            .registered
-            .store(registered.is_some(), Ordering::SeqCst);
+        self.args.metrics.set_registered(registered.is_some());
     }
 
     /// Pod matching was switched on or off, or its wait changed.
@@ -219,7 +281,8 @@ impl PluginState {
         self.follower = Some(tokio::spawn(async move {
             loop {
                 let mask = rx.borrow_and_update()[r].clone();
-                if myself.send_message(PluginMsg::SetWithdrawn(mask)).is_err() {
+                let msg = PluginMsg::SetWithdrawn { withdrawn: mask };
+                if myself.send_message(msg).is_err() {
                     return;
                 }
                 if rx.changed().await.is_err() {
@@ -341,6 +404,7 @@ impl PluginActor {
             state.placement.subscribe(),
             args.enforcer.clone(),
             args.metrics.clone(),
+            state.streams.clone(),
         );
         let routes = tonic::service::Routes::new(
             DevicePluginServer::new(service).max_decoding_message_size(MAX_REQUEST_BYTES),
@@ -433,9 +497,15 @@ impl PluginActor {
                     "settling before registering: the kubelet must drop the old stream first"
                 );
                 state.settle = Some((until, held_by));
-                myself.send_after(wait, move || PluginMsg::Register(generation, None));
+                myself.send_after(wait, move || PluginMsg::Register {
+                    generation,
+                    scheduled: None,
+                });
             }
-            None => myself.send_message(PluginMsg::Register(generation, None))?,
+            None => myself.send_message(PluginMsg::Register {
+                generation,
+                scheduled: None,
+            })?,
         }
         Ok(())
     }
@@ -468,8 +538,11 @@ impl PluginActor {
         }
         let Some(kubelet_id) = file_id(&kubelet) else {
             let err = RegisterError::NoKubelet(kubelet.display().to_string());
-            let none = FileId::default();
-            myself.send_message(PluginMsg::Registered(generation, none, Err(err)))?;
+            myself.send_message(PluginMsg::Registered {
+                generation,
+                kubelet: FileId::default(),
+                result: Err(err),
+            })?;
             return Ok(());
         };
         state.registering = true;
@@ -480,7 +553,11 @@ impl PluginActor {
         // keeps answering meanwhile.
         tokio::spawn(async move {
             let result = register(&kubelet, &endpoint, &name).await;
-            let _ = myself.send_message(PluginMsg::Registered(generation, kubelet_id, result));
+            let _ = myself.send_message(PluginMsg::Registered {
+                generation,
+                kubelet: kubelet_id,
+                result,
+            });
         });
         Ok(())
     }
@@ -502,11 +579,7 @@ impl PluginActor {
             Ok(()) => {
                 state.retry = Retry::default();
                 state.set_registered(Some((kubelet_id, Instant::now())));
-                state
-                    .args
-                    .metrics
-                    .registrations
-                    .fetch_add(1, Ordering::Relaxed);
+                state.args.metrics.count_registration();
                 tracing::info!(
                     resource = %state.resource(),
                     name = %state.args.resource_name,
@@ -540,7 +613,10 @@ impl PluginActor {
             ),
         }
         let due = state.retry.due;
-        myself.send_after(delay, move || PluginMsg::Register(generation, due));
+        myself.send_after(delay, move || PluginMsg::Register {
+            generation,
+            scheduled: due,
+        });
     }
 
     /// Verifies socket, kubelet and stream; heals what is wrong.
@@ -560,14 +636,17 @@ impl PluginActor {
                 Self::restart(myself, state, "kubelet restarted", false).await
             }
             (Some(_), Some((_, at)))
-                if at.elapsed() > STREAM_GRACE && state.args.metrics.streams.open() == 0 =>
+                if at.elapsed() > STREAM_GRACE && state.streams.count() == 0 =>
             {
                 let reason = "kubelet closed the ListAndWatch stream";
                 Self::restart(myself, state, reason, false).await
             }
             (Some(_), None) if !state.registering => {
                 // A kubelet appeared: no need to sit out the backoff.
-                myself.send_message(PluginMsg::Register(state.generation, None))?;
+                myself.send_message(PluginMsg::Register {
+                    generation: state.generation,
+                    scheduled: None,
+                })?;
                 Ok(())
             }
             _ => Ok(()),
@@ -599,7 +678,9 @@ impl Actor for PluginActor {
             retry: Retry::default(),
             withdrawn: Arc::new([]),
             follower: None,
+            streams: OpenStreams::default(),
         };
+        state.args.metrics.read_streams(state.streams.clone());
         state.follow(&myself);
         state.server = Some(Self::start_server(&state)?);
         Self::first_registration(&myself, &mut state, settle_until, held_by)?;
@@ -613,26 +694,31 @@ impl Actor for PluginActor {
         state: &mut PluginState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            PluginMsg::Register(generation, scheduled) => {
-                Self::on_register(&myself, state, generation, scheduled)
-            }
-            PluginMsg::Registered(generation, kubelet_id, result) => {
-                Self::on_registered(&myself, state, generation, kubelet_id, result);
+            PluginMsg::Register {
+                generation,
+                scheduled,
+            } => Self::on_register(&myself, state, generation, scheduled),
+            PluginMsg::Registered {
+                generation,
+                kubelet,
+                result,
+            } => {
+                Self::on_registered(&myself, state, generation, kubelet, result);
                 Ok(())
             }
             PluginMsg::Check => Self::on_check(&myself, state).await,
-            PluginMsg::SetPlacement(placement, reply) => {
+            PluginMsg::SetPlacement { placement, reply } => {
                 state.set_placement(&myself, placement);
                 let _ = reply.send(());
                 Ok(())
             }
-            PluginMsg::SetHealth(healthy) => {
+            PluginMsg::SetHealth { healthy } => {
                 state.set_health(healthy);
                 Ok(())
             }
             // One the last follower sent before placement left the matcher
             // is stale: without it nothing is withdrawn.
-            PluginMsg::SetWithdrawn(withdrawn) => {
+            PluginMsg::SetWithdrawn { withdrawn } => {
                 if state.args.placement.uses_matcher() {
                     state.set_withdrawn(withdrawn);
                 }

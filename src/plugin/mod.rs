@@ -20,6 +20,6 @@ mod registration;
 mod response;
 pub(crate) mod service;
 
-pub(crate) use actor::{PluginActor, PluginArgs, PluginMsg, SETTLE};
+pub(crate) use actor::{OpenStreams, PluginActor, PluginArgs, PluginMsg, SETTLE};
 pub(crate) use pairing::LastShared;
 pub(crate) use placement::Placement;

@@ -6,7 +6,6 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use futures::Stream;
@@ -14,6 +13,7 @@ use prost::Message;
 use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 
+use super::actor::OpenStreams;
 use super::codec::{AllocateIdsRequest, DeviceListMessage, Oversize, PreferredRequest};
 use super::placement::{PlaceError, Placement};
 use super::response::ResponseComposer;
@@ -48,6 +48,8 @@ pub(crate) struct DevicePluginService {
     placement: watch::Receiver<Placement>,
     enforcer: Option<Enforcer>,
     metrics: Arc<ResourceMetrics>,
+    /// The plugin's count of open streams: each ListAndWatch holds a guard.
+    streams: OpenStreams,
 }
 
 /// A refused request: the status for the kubelet, the reason for metrics.
@@ -61,6 +63,7 @@ impl DevicePluginService {
         placement: watch::Receiver<Placement>,
         enforcer: Option<Enforcer>,
         metrics: Arc<ResourceMetrics>,
+        streams: OpenStreams,
     ) -> Self {
         DevicePluginService {
             model,
@@ -69,6 +72,7 @@ impl DevicePluginService {
             placement,
             enforcer,
             metrics,
+            streams,
         }
     }
 
@@ -216,12 +220,7 @@ impl DevicePlugin for DevicePluginService {
         // (receiver, first, done, guard): the first item is the current list;
         // the guard counts the stream open until the kubelet drops it.
         let stream = futures::stream::unfold(
-            (
-                self.lists.clone(),
-                true,
-                false,
-                self.metrics.streams.guard(),
-            ),
+            (self.lists.clone(), true, false, self.streams.guard()),
             move |(mut rx, first, done, guard)| {
                 let metrics = metrics.clone();
                 async move {
@@ -231,10 +230,7 @@ impl DevicePlugin for DevicePluginService {
                     }
                     let item = rx.borrow_and_update().clone();
                     tracing::debug!(%resource, devices = item.list.device_count(), "ListAndWatch send");
-                    metrics.lists_sent.fetch_add(1, Ordering::Relaxed);
-                    metrics
-                        .list_bytes
-                        .store(item.list.encoded_len() as u64, Ordering::Relaxed);
+                    metrics.count_list(item.list.encoded_len() as u64);
                     Some((Ok(item.list), (rx, false, item.last, guard)))
                 }
             },
@@ -299,6 +295,7 @@ mod tests {
             placement,
             None,
             metrics.resource("doslab.io/gpu-memory"),
+            OpenStreams::default(),
         );
         let request = crate::api::AllocateRequest {
             container_requests: vec![crate::api::ContainerAllocateRequest {

@@ -336,7 +336,9 @@ impl Supervisor {
             }
         }
         for actor in pushes {
-            if let Err(e) = call_t!(actor, PluginMsg::SetPlacement, 2000, new.clone()) {
+            let placement = new.clone();
+            let set = |reply| PluginMsg::SetPlacement { placement, reply };
+            if let Err(e) = call_t!(actor, set, 2000) {
                 tracing::warn!(error = %e, "a plugin did not take the new placement");
             }
         }
@@ -411,7 +413,9 @@ impl Actor for Supervisor {
                 if healthy.len() == state.plan.gpus().len() {
                     state.healthy = healthy;
                     for plugin in state.plugins() {
-                        let _ = plugin.send_message(PluginMsg::SetHealth(state.healthy.clone()));
+                        let _ = plugin.send_message(PluginMsg::SetHealth {
+                            healthy: state.healthy.clone(),
+                        });
                     }
                     state.publish_inventory();
                 }
