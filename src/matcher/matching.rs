@@ -421,7 +421,7 @@ fn place(
         (None, []) => {
             let need = inv.amount(&c.devices);
             return Ok(decision(
-                best_shared(inv, usage, &need, &[]).into_iter().collect(),
+                best_shared(inv, usage, &need).into_iter().collect(),
             ));
         }
         (None, many) => {

@@ -5,6 +5,8 @@
 //! - `service`: the gRPC adapter (decode, delegate, encode, record).
 //! - `placement`: which devices and GPU a container gets, by the pod
 //!   matcher or by the IDs with `pairing`'s hints.
+//! - `preferred`: GetPreferredAllocation's device IDs, chosen by the usage
+//!   model's one GPU selection.
 //! - `allocate`: the Allocate response built from a grant.
 //! - `codec`: the hand-written prost types for the large messages.
 //! - `registration`: the Register call to the kubelet.
@@ -14,9 +16,10 @@ pub(crate) mod allocate;
 pub mod codec;
 mod pairing;
 mod placement;
+pub mod preferred;
 mod registration;
 pub(crate) mod service;
 
 pub(crate) use actor::{PluginActor, PluginArgs, PluginMsg, SETTLE};
-pub(crate) use pairing::LastShared;
+pub(crate) use pairing::PairingBook;
 pub(crate) use placement::Placement;

@@ -1,8 +1,8 @@
 //! The one model of GPU usage that the node's pod matcher and the scheduler
 //! extender share, so both agree on what is free: a node's GPUs
 //! ([`Inventory`]), what pods ask ([`PodAsks`]) and hold ([`Holding`]), the
-//! usage that adds up to ([`NodeUsage`]), where a pod fits ([`fit`]) and how
-//! well ([`score`]).
+//! usage that adds up to ([`NodeUsage`]), which GPU has room ([`choose`], for
+//! every caller alike), where a pod fits ([`fit`]) and how well ([`score`]).
 //!
 //! Usage of a GPU is the ledgers of live pods, plus the assignments of pods
 //! bound but not yet admitted, plus whatever the caller adds (the
@@ -14,6 +14,7 @@ mod fit;
 mod inventory;
 mod node;
 pub(crate) mod quantity;
+mod select;
 
 pub use annotations::Keys;
 pub(crate) use annotations::{Assignment, Records};
@@ -26,6 +27,7 @@ pub(crate) use inventory::InventoryError;
 #[cfg(feature = "sim")]
 pub(crate) use inventory::{GpuInfo, INVENTORY_VERSION};
 pub(crate) use node::{Holding, NodeUsage, pod_holdings};
+pub(crate) use select::{Candidate, Order, choose};
 
 #[cfg(test)]
 mod tests;
