@@ -18,6 +18,8 @@ mod pairing;
 mod placement;
 pub mod preferred;
 mod registration;
+#[cfg(test)]
+mod same_choice;
 pub(crate) mod service;
 
 pub(crate) use actor::{PluginActor, PluginArgs, PluginMsg, SETTLE};

@@ -1,5 +1,6 @@
 //! Where a pod fits on a node, and how well: the same answer for the
-//! extender's filter and the node's GetPreferredAllocation.
+//! extender's filter and the node's GetPreferredAllocation, whose GPUs
+//! both come from [`choose`].
 
 use serde::Deserialize;
 
@@ -54,15 +55,11 @@ fn shared_order(
 ) -> Vec<usize> {
     let candidates = (0..inv.gpus.len())
         .filter(|&g| holds(inv, usage, g, need))
-        .map(|g| {
-            let (cap, left) = (inv.capacity(g), |r| usage.free(inv, g, r) - need[r]);
-            Candidate {
-                gpu: g,
-                left: SHARED.map(left),
-                all: [cap.memory, cap.core],
-                numa: inv.gpus[g].numa_node,
-                preferred: preferred(g),
-            }
+        .map(|g| Candidate {
+            gpu: g,
+            left: SHARED.map(|r| usage.free(inv, g, r) - need[r]),
+            preferred: preferred(g),
+            ..Candidate::default()
         })
         .collect();
     choose(candidates, usize::MAX, Order::BestFit)
