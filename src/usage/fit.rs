@@ -65,16 +65,29 @@ fn shared_order(
     choose(candidates, usize::MAX, Order::BestFit)
 }
 
-/// `n` of the GPUs free of any work for a pod's whole asks: by
-/// [`Order::NumaWhole`] over their memory, as the node's
-/// GetPreferredAllocation chooses.
-fn whole_gpus(inv: &Inventory, usage: &NodeUsage, n: usize) -> Vec<usize> {
-    let candidates = (0..inv.gpus.len())
-        .filter(|&g| free_of_work(inv, usage, g))
+/// `n` of the GPUs free of any work for whole asks: `first` of them in
+/// its order, then by [`Order::NumaWhole`] over their memory, as the
+/// node's GetPreferredAllocation chooses (`first` counting as its
+/// must-include).
+pub(crate) fn whole_gpus(
+    inv: &Inventory,
+    usage: &NodeUsage,
+    first: &[usize],
+    n: usize,
+) -> Vec<usize> {
+    let mut free: Vec<usize> = Vec::new();
+    for g in first.iter().copied().chain(0..inv.gpus.len()) {
+        if free_of_work(inv, usage, g) && !free.contains(&g) {
+            free.push(g);
+        }
+    }
+    let candidates = free
+        .into_iter()
         .map(|g| Candidate {
             gpu: g,
             left: [inv.gpus[g].memory_mib, 0],
             numa: inv.gpus[g].numa_node,
+            preferred: first.contains(&g),
             ..Candidate::default()
         })
         .collect();
@@ -183,7 +196,7 @@ fn place_all(inv: &Inventory, usage: &NodeUsage, asks: &PodAsks) -> Result<Assig
             .rev()
             .collect(),
     };
-    let first = whole_gpus(inv, usage, layout.slots);
+    let first = whole_gpus(inv, usage, &[], layout.slots);
     let classes = search.classes(&first);
     let outcome = search.whole(&classes, &first);
     let deepest = search.deepest.take();

@@ -20,7 +20,7 @@ pub use annotations::Keys;
 pub(crate) use annotations::{Assignment, Records};
 pub(crate) use asks::{ContainerAsk, PodAsks};
 pub use fit::Policy;
-pub(crate) use fit::{best_shared, fit, score};
+pub(crate) use fit::{best_shared, fit, score, whole_gpus};
 pub use inventory::Inventory;
 pub(crate) use inventory::InventoryError;
 // Only the stand-ins' in-memory cluster writes an inventory by hand.
