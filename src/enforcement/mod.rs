@@ -5,7 +5,8 @@
 //! with a container that would run unlimited.
 //!
 //! `config` and `plan` are pure; `library`, `state` and `region` do the
-//! file work; [`Enforcer`] ties them to one config for the plugin.
+//! file work; [`Enforcer`] ties them to one config for the plugin, and
+//! [`AllocateEnforcement`] readies one Allocate RPC's shared grants.
 
 pub(crate) mod config;
 pub(crate) mod library;
@@ -15,6 +16,8 @@ pub(crate) mod state;
 pub(crate) mod sweeper;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::SystemTime;
 
 pub(crate) use config::EnforcementConfig;
@@ -22,7 +25,7 @@ pub use config::{CorePolicy, Mode};
 pub use library::install_library;
 pub(crate) use library::{LibraryError, check_library};
 pub use plan::LIBRARY_FILE;
-pub(crate) use plan::{CacheOwner, Grant, Preload, cache_key};
+pub(crate) use plan::{CacheOwner, Preload, cache_key};
 pub(crate) use region::{Region, RegionError};
 pub(crate) use state::{Keep, Swept};
 
@@ -70,36 +73,17 @@ impl Enforcer {
     }
 
     /// Whether the library is there and loadable: readiness, and the
-    /// first step of every shared Allocate.
+    /// first step of every Allocate that preloads it.
     pub(crate) fn check(&self) -> Result<(), EnforcementError> {
         check_library(&self.library_path())
     }
 
-    /// The mounts and env `grant` adds, with nothing touched on disk.
-    pub(crate) fn plan(&self, grant: Grant, owner: CacheOwner<'_>) -> Option<Preload> {
-        plan::plan(&self.config, grant, owner)
-    }
-
-    /// What `grant` adds to its response, after checking the library and
-    /// making the state directory's shared parts (again, if it was wiped)
-    /// and a fresh cache directory for `owner`. An error means the grant
-    /// must be refused.
-    pub(crate) fn prepare(
-        &self,
-        grant: Grant,
-        owner: CacheOwner<'_>,
-    ) -> Result<Option<Preload>, EnforcementError> {
-        let Some(preload) = self.plan(grant, owner) else {
-            return Ok(None);
-        };
-        self.check()?;
-        state::ensure_state(
-            &self.config.state_dir,
-            &self.layout,
-            &plan::preload_text(&self.config),
-        )?;
-        state::fresh_cache_dir(&preload.cache_dir)?;
-        Ok(Some(preload))
+    /// Enforcement for one Allocate RPC.
+    pub(crate) fn for_allocate(&self) -> AllocateEnforcement {
+        AllocateEnforcement {
+            enforcer: self.clone(),
+            node_ready: Arc::default(),
+        }
     }
 
     /// Removes the cache directories `keep` does not keep; says how many
@@ -133,6 +117,39 @@ impl Enforcer {
     }
 }
 
+/// Enforcement over one Allocate RPC. The node-wide part (the library
+/// checked, the state directory's shared parts made) is done at the first
+/// shared grant and not again for the RPC's other containers or a grant
+/// the matcher decides anew; each grant gets its own fresh cache directory.
+/// A failure is not remembered: it refuses the whole RPC anyway.
+#[derive(Debug, Clone)]
+pub(crate) struct AllocateEnforcement {
+    enforcer: Enforcer,
+    /// Shared by the clones that go to the blocking tasks.
+    node_ready: Arc<AtomicBool>,
+}
+
+impl AllocateEnforcement {
+    /// What HAMi-core needs in the container of a shared grant owned by
+    /// `owner`, its cache directory made fresh on disk. An error means the
+    /// grant must be refused, and nothing is recorded for it.
+    pub(crate) fn prepare(&self, owner: CacheOwner<'_>) -> Result<Preload, EnforcementError> {
+        let e = &self.enforcer;
+        let preload = plan::plan(&e.config, owner);
+        if !self.node_ready.load(Ordering::Acquire) {
+            e.check()?;
+            state::ensure_state(
+                &e.config.state_dir,
+                &e.layout,
+                &plan::preload_text(&e.config),
+            )?;
+            self.node_ready.store(true, Ordering::Release);
+        }
+        state::fresh_cache_dir(&preload.cache_dir)?;
+        Ok(preload)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::HashSet;
@@ -155,6 +172,27 @@ mod tests {
     }
 
     #[test]
+    fn one_allocate_checks_the_library_once() {
+        let tmp = tempfile::tempdir().unwrap();
+        let e = enforcer(tmp.path());
+        let lib = tmp.path().join("lib");
+        install_library(&library::tests::real_shared_object(), &lib).unwrap();
+        let rpc = e.for_allocate();
+        rpc.prepare(POD).unwrap();
+        // Gone after the RPC's first container: its second one is not
+        // checked again (the clone is what a blocking task holds)...
+        std::fs::remove_file(e.library_path()).unwrap();
+        let second = CacheOwner::Container {
+            pod_uid: "uid-1",
+            container: "sidecar",
+        };
+        assert!(rpc.clone().prepare(second).unwrap().cache_dir.is_dir());
+        // ...but the next RPC is.
+        let err = e.for_allocate().prepare(second).unwrap_err();
+        assert!(err.to_string().contains("does not exist"), "{err}");
+    }
+
+    #[test]
     fn mode_none_enforces_nothing() {
         assert_eq!(Enforcer::new(&EnforcementConfig::default()), None);
     }
@@ -163,7 +201,7 @@ mod tests {
     fn prepare_fails_closed_without_the_library_and_works_with_it() {
         let tmp = tempfile::tempdir().unwrap();
         let e = enforcer(tmp.path());
-        let err = e.prepare(Grant::Shared, POD).unwrap_err();
+        let err = e.for_allocate().prepare(POD).unwrap_err();
         let msg = err.to_string();
         assert!(msg.contains(&*e.library_path().to_string_lossy()), "{msg}");
         assert!(msg.contains("does not exist"), "{msg}");
@@ -171,8 +209,6 @@ mod tests {
             !tmp.path().join("state").exists(),
             "state made for a refused grant"
         );
-        // A whole GPU needs no library.
-        assert!(e.prepare(Grant::Whole, POD).unwrap().is_none());
 
         install_library(
             &library::tests::real_shared_object(),
@@ -180,14 +216,14 @@ mod tests {
         )
         .unwrap();
         e.check().unwrap();
-        let p = e.prepare(Grant::Shared, POD).unwrap().unwrap();
+        let p = e.for_allocate().prepare(POD).unwrap();
         assert!(p.cache_dir.is_dir());
         for m in &p.mounts {
             assert!(Path::new(&m.host_path).exists(), "{} missing", m.host_path);
         }
         // A wiped state directory is made again on the next Allocate.
         std::fs::remove_dir_all(tmp.path().join("state")).unwrap();
-        let p = e.prepare(Grant::Shared, POD).unwrap().unwrap();
+        let p = e.for_allocate().prepare(POD).unwrap();
         assert!(p.cache_dir.is_dir());
 
         // Usage: the region HAMi-core writes into the cache directory.

@@ -1,5 +1,6 @@
-//! What a shared grant's Allocate response carries for HAMi-core, decided
-//! without I/O: the mounts, the env and the per-container cache key. The
+//! What HAMi-core needs in a shared grant's container, decided without
+//! I/O: the mounts, the envs and the per-container cache key. Data only:
+//! the plugin's response composer puts them into the response. The
 //! layout follows HAMi's own device plugin (HAMi v2.9.0,
 //! pkg/device-plugin/nvidiadevice/nvinternal/plugin/server.go, Allocate):
 //! the library read-only, an `ld.so.preload` naming it at
@@ -13,7 +14,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::api::{ContainerAllocateResponse, Mount};
+use crate::api::Mount;
 
 use super::EnforcementConfig;
 
@@ -30,17 +31,6 @@ pub(crate) const CACHE_ENV: &str = "CUDA_DEVICE_MEMORY_SHARED_CACHE";
 pub(crate) const CORE_POLICY_ENV: &str = "GPU_CORE_UTILIZATION_POLICY";
 /// The usage region's file name in a container's cache directory.
 pub(crate) const CACHE_FILE: &str = "vgpu.cache";
-
-/// Whether a grant shares a GPU (and so is capped) or holds it whole.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Grant {
-    /// gpu-memory or gpu-core: preloaded. The limit envs themselves
-    /// (`CUDA_DEVICE_MEMORY_LIMIT_0`, `CUDA_DEVICE_SM_LIMIT`) come with the
-    /// grant's response already.
-    Shared,
-    /// gpu-count: the container owns the GPU, nothing to cap.
-    Whole,
-}
 
 /// Whose cache directory: the container when pod matching knows it, else
 /// the grant (by the digest of its device IDs).
@@ -105,24 +95,15 @@ impl StateLayout {
     }
 }
 
-/// What one shared grant adds to its container's response.
+/// What HAMi-core needs in one shared grant's container. The limit envs
+/// themselves (`CUDA_DEVICE_MEMORY_LIMIT_0`, `CUDA_DEVICE_SM_LIMIT`) are
+/// the grant's, not the library's: the composer sets them with the grant.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Preload {
     /// The container's cache directory on the host.
     pub(crate) cache_dir: PathBuf,
     pub(crate) mounts: Vec<Mount>,
     pub(crate) envs: Vec<(String, String)>,
-}
-
-impl Preload {
-    /// Adds the mounts and envs to `response` (an env the response has
-    /// already keeps its value: the plugin's own envs come first).
-    pub(crate) fn apply(self, response: &mut ContainerAllocateResponse) {
-        response.mounts.extend(self.mounts);
-        for (k, v) in self.envs {
-            response.envs.entry(k).or_insert(v);
-        }
-    }
 }
 
 fn mount(host: &Path, container: &Path, read_only: bool) -> Mount {
@@ -133,15 +114,9 @@ fn mount(host: &Path, container: &Path, read_only: bool) -> Mount {
     }
 }
 
-/// The mounts and env for `grant` owned by `owner`; none for a whole GPU.
-pub(crate) fn plan(
-    config: &EnforcementConfig,
-    grant: Grant,
-    owner: CacheOwner<'_>,
-) -> Option<Preload> {
-    if grant == Grant::Whole {
-        return None;
-    }
+/// The mounts and envs of a shared grant owned by `owner` (a whole GPU has
+/// nothing to cap, so it never asks).
+pub(crate) fn plan(config: &EnforcementConfig, owner: CacheOwner<'_>) -> Preload {
     let layout = StateLayout::new(&config.state_dir);
     let cache_dir = layout.containers_dir.join(cache_key(owner));
     let mounts = vec![
@@ -168,11 +143,11 @@ pub(crate) fn plan(
             config.core_policy.env_value().to_owned(),
         ),
     ];
-    Some(Preload {
+    Preload {
         cache_dir,
         mounts,
         envs,
-    })
+    }
 }
 
 /// The `ld.so.preload` text: the library's path inside the container.
@@ -200,7 +175,7 @@ mod tests {
 
     #[test]
     fn a_shared_grant_preloads_the_library_with_a_cache_of_its_own() {
-        let p = plan(&config(), Grant::Shared, POD).unwrap();
+        let p = plan(&config(), POD);
         let by_target: Vec<(&str, &str, bool)> = p
             .mounts
             .iter()
@@ -245,28 +220,13 @@ mod tests {
             core_policy: crate::enforcement::CorePolicy::Default,
             ..config()
         };
-        let p = plan(&lax, Grant::Shared, POD).unwrap();
+        let p = plan(&lax, POD);
         assert!(
             p.envs
                 .contains(&(CORE_POLICY_ENV.to_owned(), "default".to_owned()))
         );
         assert_eq!(Path::new(&p.mounts[2].host_path), p.cache_dir);
         assert_eq!(preload_text(&config()), "/usr/local/vgpu/libvgpu.so\n");
-    }
-
-    #[test]
-    fn a_whole_gpu_gets_no_preload() {
-        assert_eq!(plan(&config(), Grant::Whole, POD), None);
-    }
-
-    #[test]
-    fn apply_adds_mounts_and_keeps_the_responses_own_envs() {
-        let mut r = ContainerAllocateResponse::default();
-        r.envs.insert(CACHE_ENV.into(), "/mine".into());
-        r.mounts.push(Mount::default());
-        plan(&config(), Grant::Shared, POD).unwrap().apply(&mut r);
-        assert_eq!(r.mounts.len(), 5);
-        assert_eq!(r.envs[CACHE_ENV], "/mine");
     }
 
     #[test]

@@ -232,7 +232,7 @@ mod tests {
     use std::path::Path;
 
     use super::*;
-    use crate::enforcement::{EnforcementConfig, Grant, Mode, install_library, library, region};
+    use crate::enforcement::{EnforcementConfig, Mode, install_library, library, region};
     use crate::matcher::pods::PodKey;
 
     fn enforcer(root: &Path, cache_max_age_s: u64) -> Enforcer {
@@ -264,7 +264,7 @@ mod tests {
             pod_uid: &c.uid,
             container: &c.container,
         };
-        e.prepare(Grant::Shared, owner).unwrap().unwrap().cache_dir
+        e.for_allocate().prepare(owner).unwrap().cache_dir
     }
 
     fn state(e: &Enforcer) -> SweeperState {

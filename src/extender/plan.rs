@@ -12,7 +12,7 @@ use crate::usage::{Assignment, Inventory, Keys, NodeUsage, PodAsks, Policy, fit,
 
 /// Why a node is filtered out.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Refusal {
+pub(crate) struct FilterRefusal {
     pub(crate) reason: String,
     /// Waiting or preempting pods cannot change it.
     pub(crate) never: bool,
@@ -56,8 +56,13 @@ impl Planner {
             .then_some(asks)
     }
 
-    fn place<'a>(&self, ix: &'a Index, node: &str, asks: &PodAsks) -> Result<Fit<'a>, Refusal> {
-        let never = |reason: String| Refusal {
+    fn place<'a>(
+        &self,
+        ix: &'a Index,
+        node: &str,
+        asks: &PodAsks,
+    ) -> Result<Fit<'a>, FilterRefusal> {
+        let never = |reason: String| FilterRefusal {
             reason,
             never: true,
         };
@@ -67,7 +72,7 @@ impl Planner {
         let key = &self.keys.inventory;
         let (inventory, usage) = match ix.gpus(node) {
             None => {
-                return Err(Refusal {
+                return Err(FilterRefusal {
                     reason: "node is not in the extender's cache yet".into(),
                     never: false,
                 });
@@ -81,7 +86,7 @@ impl Planner {
             Some(Gpus::Unreadable(e)) => return Err(never(format!("annotation {key}: {e}"))),
             Some(Gpus::Published { inventory, usage }) => (inventory, usage),
         };
-        let assignment = fit(inventory, usage, asks).map_err(|e| Refusal {
+        let assignment = fit(inventory, usage, asks).map_err(|e| FilterRefusal {
             reason: e.to_string(),
             never: e.unresolvable,
         })?;
@@ -93,7 +98,7 @@ impl Planner {
     }
 
     /// Whether every container of the pod fits on `node` at once.
-    pub(crate) fn fits(&self, ix: &Index, node: &str, asks: &PodAsks) -> Result<(), Refusal> {
+    pub(crate) fn fits(&self, ix: &Index, node: &str, asks: &PodAsks) -> Result<(), FilterRefusal> {
         self.place(ix, node, asks).map(drop)
     }
 
@@ -174,7 +179,7 @@ mod tests {
         Planner::new("doslab.io", Policy::Binpack)
     }
 
-    fn refusal(p: &Planner, ix: &Index, node: &str, pod: &Pod) -> Refusal {
+    fn refusal(p: &Planner, ix: &Index, node: &str, pod: &Pod) -> FilterRefusal {
         p.fits(ix, node, &p.asks(pod).unwrap()).unwrap_err()
     }
 

@@ -19,10 +19,10 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 
-use super::allocate::{Extras, ResponseTemplate};
 use super::codec::DeviceListMessage;
 use super::placement::Placement;
 use super::registration::{RegisterError, register};
+use super::response::ResponseComposer;
 use super::service::{DevicePluginService, StreamItem};
 use crate::api::lazy::device_plugin_server::DevicePluginServer;
 use crate::config::Config;
@@ -54,7 +54,7 @@ pub(crate) struct PluginArgs {
     pub(crate) endpoint: String,
     pub(crate) socket: PathBuf,
     pub(crate) kubelet_socket: PathBuf,
-    pub(crate) template: Arc<ResponseTemplate>,
+    pub(crate) composer: Arc<ResponseComposer>,
     pub(crate) placement: Placement,
     /// Caps shared grants; None with enforcement off.
     pub(crate) enforcer: Option<Enforcer>,
@@ -82,7 +82,7 @@ impl PluginArgs {
             socket: config.device_plugin_dir.join(&endpoint),
             endpoint,
             kubelet_socket: config.kubelet_socket(),
-            template: Arc::new(template(config, r)),
+            composer: Arc::new(ResponseComposer::new(config, r)),
             model,
             placement,
             enforcer: Enforcer::new(&config.enforcement),
@@ -90,25 +90,6 @@ impl PluginArgs {
             settle_until: None,
         }
     }
-}
-
-/// What `resource`'s Allocate responses take from the config.
-pub(super) fn template(config: &Config, resource: Resource) -> ResponseTemplate {
-    let mounts = config
-        .allocate
-        .mounts
-        .iter()
-        .map(|m| crate::api::Mount {
-            container_path: m.container_path.display().to_string(),
-            host_path: m.host_path.display().to_string(),
-            read_only: m.read_only,
-        })
-        .collect();
-    let extras = Extras {
-        envs: config.allocate.envs.clone(),
-        mounts,
-    };
-    ResponseTemplate::new(config.amount_env(resource), &extras)
 }
 
 pub(crate) enum PluginMsg {
@@ -325,7 +306,7 @@ impl PluginActor {
         let socket_id = file_id(&args.socket).unwrap_or_default();
         let service = DevicePluginService::new(
             args.model.clone(),
-            args.template.clone(),
+            args.composer.clone(),
             rx,
             state.placement.subscribe(),
             args.enforcer.clone(),

@@ -7,17 +7,20 @@
 //!   matcher or by the IDs with `pairing`'s hints.
 //! - `preferred`: GetPreferredAllocation's device IDs, chosen by the usage
 //!   model's one GPU selection.
-//! - `allocate`: the Allocate response built from a grant.
+//! - `allocate`: what a container is granted (from the IDs alone without
+//!   pod matching).
+//! - `response`: the one composer of a container's Allocate response.
 //! - `codec`: the hand-written prost types for the large messages.
 //! - `registration`: the Register call to the kubelet.
 
 mod actor;
-pub(crate) mod allocate;
+mod allocate;
 pub mod codec;
 mod pairing;
 mod placement;
 pub mod preferred;
 mod registration;
+mod response;
 #[cfg(test)]
 mod same_choice;
 pub(crate) mod service;

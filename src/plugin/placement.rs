@@ -2,19 +2,20 @@
 //! `pod_matching = false`, from the device IDs alone (with the pairing
 //! book's hints). Both paths sit behind [`Placement::steer`] (for
 //! GetPreferredAllocation) and [`Placement::grant`] (for Allocate), so the
-//! gRPC service only decodes, delegates and encodes. A shared grant under
-//! enforcement is readied (library checked, cache directory made) before
-//! anything is recorded: a container is never placed to run unlimited, and
-//! a refused grant leaves no ledger entry or pairing behind.
+//! gRPC service only decodes, delegates and has the response composed. A
+//! shared grant under enforcement is readied (library checked, cache
+//! directory made) before anything is recorded: a container is never placed
+//! to run unlimited, and a refused grant leaves no ledger entry or pairing
+//! behind.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::allocate::{AllocateError, Grant, ids_grant};
+use super::allocate::{AllocateError, ContainerGrant, ids_grant};
 use super::pairing::{PairingBook, SplitError};
 use super::preferred;
 use crate::device::{DeviceModel, DeviceRef, Resource};
-use crate::enforcement::{self, EnforcementError, Enforcer, Preload};
+use crate::enforcement::{AllocateEnforcement, CacheOwner, EnforcementError, Preload};
 use crate::matcher::ledger::ids_digest;
 use crate::matcher::{Decision, MatcherError, MatcherHandle, Prepare};
 
@@ -80,22 +81,22 @@ impl Placement {
     }
 
     /// Allocate: what a container granted `devices` of `model`'s resource
-    /// gets, and under `enforcer` the preload of a shared grant. `ids` are
-    /// the same devices as the kubelet named them. Enforcement readies a
-    /// shared grant before the pairing book or the ledger records it, so a
-    /// refused one leaves nothing behind.
+    /// gets, and under `enforcement` (this RPC's) the preload of a shared
+    /// grant. `ids` are the same devices as the kubelet named them.
+    /// Enforcement readies a shared grant before the pairing book or the
+    /// ledger records it, so a refused one leaves nothing behind.
     pub(crate) async fn grant(
         &self,
         model: &DeviceModel,
         devices: &[DeviceRef],
         ids: &[&str],
-        enforcer: Option<&Enforcer>,
-    ) -> Result<(Grant, Option<Preload>), PlaceError> {
-        let enforcer = enforcer.filter(|_| model.resource() != Resource::GpuCount);
+        enforcement: Option<&AllocateEnforcement>,
+    ) -> Result<(ContainerGrant, Option<Preload>), PlaceError> {
+        let enforcement = enforcement.filter(|_| model.resource() != Resource::GpuCount);
         match self {
             Placement::Ids(book) => {
                 let grant = ids_grant(model, devices)?;
-                let preload = match enforcer {
+                let preload = match enforcement {
                     Some(e) => {
                         let owner = Owner::Grant(ids_digest(ids.iter().copied()));
                         prepare(e, &grant, owner).await?
@@ -106,7 +107,7 @@ impl Placement {
                 Ok((grant, preload))
             }
             Placement::Matcher { handle, wait } => {
-                let prepare = enforcer.map(|e| {
+                let prepare = enforcement.map(|e| {
                     let e = e.clone();
                     let hook: Prepare = Arc::new(move |d: &Decision| {
                         let (e, grant) = (e.clone(), grant_of(d));
@@ -126,8 +127,8 @@ impl Placement {
 }
 
 /// The grant a matcher's decision gives.
-fn grant_of(d: &Decision) -> Grant {
-    Grant {
+fn grant_of(d: &Decision) -> ContainerGrant {
+    ContainerGrant {
         gpus: d.gpus.clone(),
         amount: d.amount,
         whole: d.whole,
@@ -137,15 +138,15 @@ fn grant_of(d: &Decision) -> Grant {
 /// Enforcement's cap for `grant`, readied off the async threads; a grant
 /// riding inside whole GPUs has nothing to cap.
 async fn prepare(
-    e: &Enforcer,
-    grant: &Grant,
+    e: &AllocateEnforcement,
+    grant: &ContainerGrant,
     owner: Owner,
 ) -> Result<Option<Preload>, EnforcementError> {
     if grant.whole {
         return Ok(None);
     }
     let e = e.clone();
-    blocking(move || e.prepare(enforcement::Grant::Shared, owner.as_cache_owner())).await
+    blocking(move || e.prepare(owner.as_cache_owner()).map(Some)).await
 }
 
 /// Whose cache directory a grant gets, owned for the blocking task.
@@ -155,12 +156,10 @@ enum Owner {
 }
 
 impl Owner {
-    fn as_cache_owner(&self) -> enforcement::CacheOwner<'_> {
+    fn as_cache_owner(&self) -> CacheOwner<'_> {
         match self {
-            Owner::Container(pod_uid, container) => {
-                enforcement::CacheOwner::Container { pod_uid, container }
-            }
-            Owner::Grant(ids_digest) => enforcement::CacheOwner::Grant { ids_digest },
+            Owner::Container(pod_uid, container) => CacheOwner::Container { pod_uid, container },
+            Owner::Grant(ids_digest) => CacheOwner::Grant { ids_digest },
         }
     }
 }

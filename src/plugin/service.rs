@@ -1,6 +1,7 @@
 //! The DevicePlugin gRPC service: a thin adapter from tonic to the plugin.
-//! Each RPC decodes the kubelet's IDs, delegates to [`Placement`] and the
-//! [`ResponseTemplate`], encodes the answer and records it in the metrics.
+//! Each RPC decodes the kubelet's IDs, delegates to [`Placement`] and (for
+//! Allocate) the [`ResponseComposer`], encodes the answer and records it in
+//! the metrics.
 //! The plugin actor owns its lifecycle.
 
 use std::pin::Pin;
@@ -13,9 +14,9 @@ use prost::Message;
 use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 
-use super::allocate::ResponseTemplate;
 use super::codec::{AllocateIdsRequest, DeviceListMessage, Oversize, PreferredRequest};
 use super::placement::{PlaceError, Placement};
+use super::response::ResponseComposer;
 use crate::api::lazy::device_plugin_server::DevicePlugin;
 use crate::api::{
     AllocateResponse, ContainerPreferredAllocationResponse, DevicePluginOptions, Empty,
@@ -42,7 +43,7 @@ pub(crate) fn options() -> DevicePluginOptions {
 
 pub(crate) struct DevicePluginService {
     model: Arc<DeviceModel>,
-    template: Arc<ResponseTemplate>,
+    composer: Arc<ResponseComposer>,
     lists: watch::Receiver<StreamItem>,
     placement: watch::Receiver<Placement>,
     enforcer: Option<Enforcer>,
@@ -50,12 +51,12 @@ pub(crate) struct DevicePluginService {
 }
 
 /// A refused request: the status for the kubelet, the reason for metrics.
-struct Refusal(Status, &'static str);
+struct RpcRefusal(Status, &'static str);
 
 impl DevicePluginService {
     pub(crate) fn new(
         model: Arc<DeviceModel>,
-        template: Arc<ResponseTemplate>,
+        composer: Arc<ResponseComposer>,
         lists: watch::Receiver<StreamItem>,
         placement: watch::Receiver<Placement>,
         enforcer: Option<Enforcer>,
@@ -63,7 +64,7 @@ impl DevicePluginService {
     ) -> Self {
         DevicePluginService {
             model,
-            template,
+            composer,
             lists,
             placement,
             enforcer,
@@ -75,14 +76,14 @@ impl DevicePluginService {
         self.model.resource()
     }
 
-    fn refuse(&self, reason: &'static str, e: impl std::fmt::Display) -> Refusal {
-        Refusal(
+    fn refuse(&self, reason: &'static str, e: impl std::fmt::Display) -> RpcRefusal {
+        RpcRefusal(
             Status::invalid_argument(format!("{}: {e}", self.resource())),
             reason,
         )
     }
 
-    fn oversize(&self, e: Oversize) -> Refusal {
+    fn oversize(&self, e: Oversize) -> RpcRefusal {
         let reason = match e {
             Oversize::Containers(_) => "too_many_containers",
             Oversize::Ids(_) => "too_many_ids",
@@ -93,7 +94,7 @@ impl DevicePluginService {
     fn decode<'a>(
         &self,
         ids: impl ExactSizeIterator<Item = &'a [u8]>,
-    ) -> Result<Vec<DeviceRef>, Refusal> {
+    ) -> Result<Vec<DeviceRef>, RpcRefusal> {
         self.model.decode_all(ids).map_err(|e| {
             let reason = match e {
                 IdError::Unknown(_) => "unknown_id",
@@ -105,7 +106,7 @@ impl DevicePluginService {
 
     /// A wrong request is an invalid argument; a container the plugin
     /// cannot place is a failed precondition.
-    fn unplaced(&self, e: PlaceError) -> Refusal {
+    fn unplaced(&self, e: PlaceError) -> RpcRefusal {
         let reason = e.reason();
         let status = match &e {
             PlaceError::Ids(_) => return self.refuse(reason, e),
@@ -117,7 +118,7 @@ impl DevicePluginService {
                 Status::failed_precondition(format!("{}: {e}", self.resource()))
             }
         };
-        Refusal(status, reason)
+        RpcRefusal(status, reason)
     }
 
     /// Times and counts an RPC's outcome.
@@ -125,19 +126,19 @@ impl DevicePluginService {
         &self,
         rpc: Rpc,
         started: Instant,
-        result: Result<T, Refusal>,
+        result: Result<T, RpcRefusal>,
     ) -> Result<Response<T>, Status> {
-        let failure = result.as_ref().err().map(|Refusal(_, reason)| *reason);
+        let failure = result.as_ref().err().map(|RpcRefusal(_, reason)| *reason);
         self.metrics.rpc(rpc).record(started.elapsed(), failure);
         result
             .map(Response::new)
-            .map_err(|Refusal(status, _)| status)
+            .map_err(|RpcRefusal(status, _)| status)
     }
 
     async fn answer_preferred(
         &self,
         request: PreferredRequest,
-    ) -> Result<PreferredAllocationResponse, Refusal> {
+    ) -> Result<PreferredAllocationResponse, RpcRefusal> {
         let containers = request.containers.checked().map_err(|e| self.oversize(e))?;
         let mut container_responses = Vec::new();
         for req in containers {
@@ -160,8 +161,10 @@ impl DevicePluginService {
     async fn answer_allocate(
         &self,
         request: AllocateIdsRequest,
-    ) -> Result<AllocateResponse, Refusal> {
+    ) -> Result<AllocateResponse, RpcRefusal> {
         let containers = request.containers.checked().map_err(|e| self.oversize(e))?;
+        // One per RPC: its containers share one library check.
+        let enforcement = self.enforcer.as_ref().map(Enforcer::for_allocate);
         let mut container_responses = Vec::new();
         for req in containers {
             let devices = self.decode(req.ids.iter())?;
@@ -173,13 +176,10 @@ impl DevicePluginService {
                 .collect();
             let placement = self.placement.borrow().clone();
             let (grant, preload) = placement
-                .grant(&self.model, &devices, &ids, self.enforcer.as_ref())
+                .grant(&self.model, &devices, &ids, enforcement.as_ref())
                 .await
                 .map_err(|e| self.unplaced(e))?;
-            let mut response = self.template.response(&self.model, &grant);
-            if let Some(preload) = preload {
-                preload.apply(&mut response);
-            }
+            let response = self.composer.compose(&self.model, &grant, preload);
             tracing::info!(
                 resource = %self.resource(),
                 devices = devices.len(),
@@ -277,7 +277,7 @@ mod tests {
     use crate::device::Plan;
     use crate::matcher::MatcherHandle;
     use crate::metrics::Metrics;
-    use crate::plugin::actor::template;
+    use crate::plugin::response::ResponseComposer;
 
     #[tokio::test]
     async fn an_allocate_the_matcher_cannot_serve_is_counted_by_kind() {
@@ -294,7 +294,7 @@ mod tests {
         });
         let service = DevicePluginService::new(
             model.clone(),
-            Arc::new(template(&config, Resource::GpuMemory)),
+            Arc::new(ResponseComposer::new(&config, Resource::GpuMemory)),
             lists,
             placement,
             None,

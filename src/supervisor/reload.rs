@@ -75,7 +75,7 @@ compared!(matcher: MatcherArgs {
 // Health and placement are pushed to a running plugin; its metrics are
 // looked up by resource name; the settle instant is set at its start.
 compared!(plugin: PluginArgs {
-    model, resource_name, endpoint, socket, kubelet_socket, template, enforcer;
+    model, resource_name, endpoint, socket, kubelet_socket, composer, enforcer;
     placement, healthy, metrics, settle_until
 });
 

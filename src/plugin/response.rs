@@ -1,0 +1,250 @@
+//! The one place a container's Allocate response is composed:
+//! [`ResponseComposer::compose`], from the grant, HAMi-core's preload and
+//! the config. A new env or mount is added here, as a step of its own.
+//!
+//! The steps run in a fixed order, and each adds only the envs no earlier
+//! step has set, so the order is the precedence when two name the same env
+//! (the same step-by-step build as NVIDIA's k8s-device-plugin
+//! `getAllocateResponse`):
+//!
+//! 1. The grant: `NVIDIA_VISIBLE_DEVICES` with the GPUs' UUIDs, and for a
+//!    shared grant the amount in the domain's env and the limit HAMi-core
+//!    enforces (SPEC §4). First, so that nothing else can widen or move
+//!    what the kubelet granted (the config refuses these names too).
+//! 2. The operator's extras (config `[allocate]`): before the library's
+//!    envs and the defaults, so that an operator can override them.
+//! 3. HAMi-core's envs and mounts, for a shared grant under enforcement
+//!    (SPEC §8); its mounts after the operator's.
+//! 4. The defaults: `NVIDIA_DRIVER_CAPABILITIES=compute,utility`.
+
+use std::collections::{BTreeMap, HashMap};
+
+use super::allocate::ContainerGrant;
+use crate::api::{ContainerAllocateResponse, Mount};
+use crate::config::Config;
+use crate::device::{DeviceModel, Resource};
+use crate::enforcement::Preload;
+
+/// Composes one resource's Allocate responses; built from the config once.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ResponseComposer {
+    /// The env carrying a shared grant's amount, e.g. `DOSLAB_IO_GPU_MEMORY`.
+    amount_env: String,
+    /// The operator's envs and mounts for every container.
+    extra_envs: BTreeMap<String, String>,
+    extra_mounts: Vec<Mount>,
+}
+
+impl ResponseComposer {
+    pub(crate) fn new(config: &Config, resource: Resource) -> Self {
+        let extra_mounts = config
+            .allocate
+            .mounts
+            .iter()
+            .map(|m| Mount {
+                container_path: m.container_path.display().to_string(),
+                host_path: m.host_path.display().to_string(),
+                read_only: m.read_only,
+            })
+            .collect();
+        ResponseComposer {
+            amount_env: config.amount_env(resource),
+            extra_envs: config.allocate.envs.clone(),
+            extra_mounts,
+        }
+    }
+
+    /// The response for `grant` of `model`'s resource, with `preload` when
+    /// enforcement caps it; the steps are the module's, in its order.
+    pub(crate) fn compose(
+        &self,
+        model: &DeviceModel,
+        grant: &ContainerGrant,
+        preload: Option<Preload>,
+    ) -> ContainerAllocateResponse {
+        let mut envs = HashMap::new();
+        let mut add = |key: &str, value: String| {
+            envs.entry(key.to_owned()).or_insert(value);
+        };
+        let mut mounts = Vec::new();
+
+        // 1. The grant.
+        let gpus = model.gpus();
+        let uuids: Vec<&str> = grant.gpus.iter().map(|&g| gpus[g].uuid.as_str()).collect();
+        add("NVIDIA_VISIBLE_DEVICES", uuids.join(","));
+        let amount = grant.amount;
+        let limit = match model.resource() {
+            // Riding inside whole GPUs: nothing to cap.
+            _ if grant.whole => None,
+            Resource::GpuCount => None,
+            Resource::GpuMemory => Some(("CUDA_DEVICE_MEMORY_LIMIT_0", format!("{amount}m"))),
+            Resource::GpuCore => Some(("CUDA_DEVICE_SM_LIMIT", amount.to_string())),
+        };
+        if let Some((key, value)) = limit {
+            add(&self.amount_env, amount.to_string());
+            add(key, value);
+        }
+
+        // 2. The operator's extras.
+        for (key, value) in &self.extra_envs {
+            add(key, value.clone());
+        }
+        mounts.extend(self.extra_mounts.iter().cloned());
+
+        // 3. HAMi-core's.
+        if let Some(preload) = preload {
+            for (key, value) in preload.envs {
+                add(&key, value);
+            }
+            mounts.extend(preload.mounts);
+        }
+
+        // 4. The defaults.
+        add("NVIDIA_DRIVER_CAPABILITIES", "compute,utility".to_owned());
+
+        ContainerAllocateResponse {
+            envs,
+            mounts,
+            ..Default::default()
+        }
+    }
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    use super::*;
+    use crate::device::{DeviceRef, Plan};
+    use crate::enforcement::{CacheOwner, EnforcementConfig, Mode, plan};
+    use crate::plugin::allocate::ids_grant;
+
+    /// Two mock GPUs of 1024 MiB, 4 MiB and 5 % units, `extra` added.
+    pub(in crate::plugin) fn setup(extra: &str) -> (Config, Plan) {
+        let text = format!(
+            "pod_matching = false\nmemory_unit_mib = 4\ncores_per_gpu = 20\n{extra}\n[devices]\nbackend = \"mock\"\n\
+             [[devices.mock]]\nuuid = \"GPU-a\"\nmemory_mib = 1024\n[[devices.mock]]\nuuid = \"GPU-b\"\nmemory_mib = 1024"
+        );
+        let config = Config::from_toml(&text, None).unwrap();
+        let gpus = crate::device::discover(&config).unwrap();
+        let plan = Plan::new(&config, gpus).unwrap();
+        (config, plan)
+    }
+
+    fn on(gpu: usize, n: u32) -> Vec<DeviceRef> {
+        (0..n).map(|unit| DeviceRef { gpu, unit }).collect()
+    }
+
+    /// The response for `devices` of `resource`, without enforcement.
+    fn respond(
+        extra: &str,
+        resource: Resource,
+        devices: &[DeviceRef],
+    ) -> ContainerAllocateResponse {
+        let (c, p) = setup(extra);
+        let m = p.model(resource).unwrap();
+        ResponseComposer::new(&c, resource).compose(m, &ids_grant(m, devices).unwrap(), None)
+    }
+
+    #[test]
+    fn memory_grant_sets_uuid_amount_and_limit() {
+        let r = respond("", Resource::GpuMemory, &on(1, 10));
+        assert_eq!(r.envs["NVIDIA_VISIBLE_DEVICES"], "GPU-b");
+        assert_eq!(r.envs["NVIDIA_DRIVER_CAPABILITIES"], "compute,utility");
+        assert_eq!(r.envs["DOSLAB_IO_GPU_MEMORY"], "40");
+        assert_eq!(r.envs["CUDA_DEVICE_MEMORY_LIMIT_0"], "40m");
+        assert!(!r.envs.contains_key("CUDA_DEVICE_SM_LIMIT"));
+        assert_eq!(r.envs.len(), 4);
+        assert!(r.mounts.is_empty());
+    }
+
+    #[test]
+    fn core_grant_is_in_percent() {
+        // 20 devices per GPU: each is 5 %.
+        let r = respond("", Resource::GpuCore, &on(0, 3));
+        assert_eq!(r.envs["DOSLAB_IO_GPU_CORE"], "15");
+        assert_eq!(r.envs["CUDA_DEVICE_SM_LIMIT"], "15");
+        assert_eq!(r.envs["NVIDIA_VISIBLE_DEVICES"], "GPU-a");
+    }
+
+    #[test]
+    fn count_grant_lists_every_uuid() {
+        let both = [DeviceRef { gpu: 1, unit: 0 }, DeviceRef { gpu: 0, unit: 0 }];
+        let r = respond("", Resource::GpuCount, &both);
+        assert_eq!(r.envs["NVIDIA_VISIBLE_DEVICES"], "GPU-b,GPU-a");
+        assert!(!r.envs.contains_key("DOSLAB_IO_GPU_COUNT"));
+    }
+
+    #[test]
+    fn a_shared_amount_riding_whole_gpus_caps_nothing() {
+        let (c, p) = setup("");
+        let m = p.model(Resource::GpuMemory).unwrap();
+        let grant = ContainerGrant {
+            gpus: vec![0, 1],
+            amount: 40,
+            whole: true,
+        };
+        let r = ResponseComposer::new(&c, Resource::GpuMemory).compose(m, &grant, None);
+        assert_eq!(r.envs["NVIDIA_VISIBLE_DEVICES"], "GPU-a,GPU-b");
+        assert!(!r.envs.contains_key("DOSLAB_IO_GPU_MEMORY"));
+        assert!(!r.envs.contains_key("CUDA_DEVICE_MEMORY_LIMIT_0"));
+    }
+
+    #[test]
+    fn operator_envs_and_mounts_are_added() {
+        let extra = "[allocate]\nenvs = { NVIDIA_DRIVER_CAPABILITIES = \"all\", LD_PRELOAD = \"/l.so\" }\n\
+                     [[allocate.mounts]]\nhost_path = \"/h\"\ncontainer_path = \"/c\"\nread_only = true";
+        let r = respond(extra, Resource::GpuCore, &on(0, 1));
+        assert_eq!(r.envs["NVIDIA_DRIVER_CAPABILITIES"], "all");
+        assert_eq!(r.envs["LD_PRELOAD"], "/l.so");
+        assert_eq!(r.mounts.len(), 1);
+        assert!(r.mounts[0].read_only);
+        assert_eq!(r.mounts[0].container_path, "/c");
+    }
+
+    /// On a clash the earlier step wins: the grant over the operator (the
+    /// config refuses such extras, so the composer is built by hand), the
+    /// operator over HAMi-core and the defaults; mounts keep step order.
+    #[test]
+    fn the_earlier_step_wins_a_clash() {
+        let (c, p) = setup("");
+        let m = p.model(Resource::GpuMemory).unwrap();
+        let operator = |k: &str| (k.to_owned(), format!("operator's {k}"));
+        let composer = ResponseComposer {
+            extra_envs: BTreeMap::from([
+                operator("NVIDIA_VISIBLE_DEVICES"),
+                operator("CUDA_DEVICE_MEMORY_LIMIT_0"),
+                operator("DOSLAB_IO_GPU_MEMORY"),
+                operator("CUDA_DEVICE_MEMORY_SHARED_CACHE"),
+                operator("NVIDIA_DRIVER_CAPABILITIES"),
+            ]),
+            extra_mounts: vec![Mount {
+                container_path: "/operator".into(),
+                host_path: "/h".into(),
+                read_only: true,
+            }],
+            ..ResponseComposer::new(&c, Resource::GpuMemory)
+        };
+        let enforcement = EnforcementConfig {
+            mode: Mode::HamiCore,
+            ..Default::default()
+        };
+        let preload = plan::plan(&enforcement, CacheOwner::Grant { ids_digest: "d" });
+        let library_mounts = preload.mounts.clone();
+        let grant = ids_grant(m, &on(1, 2)).unwrap();
+        let r = composer.compose(m, &grant, Some(preload));
+        assert_eq!(r.envs["NVIDIA_VISIBLE_DEVICES"], "GPU-b");
+        assert_eq!(r.envs["CUDA_DEVICE_MEMORY_LIMIT_0"], "8m");
+        assert_eq!(r.envs["DOSLAB_IO_GPU_MEMORY"], "8");
+        for k in [
+            "CUDA_DEVICE_MEMORY_SHARED_CACHE",
+            "NVIDIA_DRIVER_CAPABILITIES",
+        ] {
+            assert_eq!(r.envs[k], format!("operator's {k}"));
+        }
+        assert_eq!(r.envs["GPU_CORE_UTILIZATION_POLICY"], "force");
+        assert_eq!(r.envs.len(), 6);
+        let targets: Vec<&str> = r.mounts.iter().map(|m| m.container_path.as_str()).collect();
+        let mut want = vec!["/operator"];
+        want.extend(library_mounts.iter().map(|m| m.container_path.as_str()));
+        assert_eq!(targets, want);
+    }
+}
