@@ -16,8 +16,10 @@
 //! - [`Order::NumaWhole`]: whole GPUs on as few NUMA nodes as possible
 //!   (stay on a node already used, else the node with the fewest GPUs free
 //!   that holds the rest, else the one with the most), best fit within a
-//!   node. The node's GetPreferredAllocation and the extender's fit both
-//!   choose whole GPUs by it, so they agree.
+//!   node. The node's GetPreferredAllocation, the extender's fit and the
+//!   pod matcher (for a container whose share rides inside whole GPUs) all
+//!   choose whole GPUs by it (the last two through
+//!   [`super::whole_gpus`]), so they agree.
 //!
 //! A preferred candidate (the pod's own GPU, the kubelet's must-include)
 //! comes first under every order; ties go to the lowest GPU index. The
@@ -43,11 +45,14 @@ pub(crate) struct Candidate {
     pub(crate) preferred: bool,
 }
 
-/// How to rank the candidates; see the module doc for who uses which.
+/// How to rank the candidates; the module doc says who uses which.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Order {
+    /// Least `left`, memory before core (binpack).
     BestFit,
+    /// Most of the scarcer tracked resource left, as a share (spread).
     Roomiest,
+    /// Fewest NUMA nodes, then [`Order::BestFit`] within one.
     NumaWhole,
 }
 
