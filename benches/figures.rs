@@ -10,8 +10,9 @@ use gpu_device_plugin::api::{
     PreferredAllocationRequest,
 };
 use gpu_device_plugin::config::Config;
-use gpu_device_plugin::device::{Gpu, KUBELET_MAX_MESSAGE_BYTES, Plan, Resource, packing};
+use gpu_device_plugin::device::{Gpu, KUBELET_MAX_MESSAGE_BYTES, Plan, Resource};
 use gpu_device_plugin::plugin::codec::PreferredRequest;
+use gpu_device_plugin::plugin::preferred;
 use gpu_sim::kubelet::{KubeletSim, ResourceView};
 use prost::Message;
 
@@ -97,7 +98,7 @@ fn wire_figures() {
         let available = m
             .decode_all(request.containers.checked().unwrap()[0].available.iter())
             .unwrap();
-        let chosen = packing::shared(&available, &[], 20_000, None);
+        let chosen = preferred::shared(m, &available, &[], 20_000, None);
         let reply = ContainerPreferredAllocationResponse {
             device_i_ds: chosen.iter().map(|d| m.id(*d)).collect(),
         };

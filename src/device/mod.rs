@@ -1,11 +1,12 @@
 //! GPUs and the devices the kubelet sees: the three resources, their device
-//! IDs, the wire size of their lists, and how requests are packed onto GPUs.
+//! IDs, the wire size of their lists, and the free devices per GPU in a
+//! list (the usage model chooses among GPUs).
 //! Everything here but the backends is pure and unit-tested directly.
 
 mod backend;
+pub(crate) mod free;
 mod ids;
 mod model;
-pub mod packing;
 mod units;
 
 pub(crate) use backend::{DiscoverError, GpuSource, discover};

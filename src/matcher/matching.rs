@@ -5,7 +5,7 @@
 use super::pods::{PodKey, PodView};
 use crate::device::Resource;
 use crate::usage::{
-    ContainerAsk, Holding, Inventory, Ledger, NodeUsage, best_shared, pod_holdings,
+    ContainerAsk, Holding, Inventory, Ledger, NodeUsage, best_shared, pod_holdings, whole_gpus,
 };
 
 /// What is being asked for.
@@ -363,27 +363,15 @@ fn place(
         // Its share rides inside its whole GPUs: once its count (or another
         // share) is recorded, those; else the extender's; else as many GPUs
         // clear of other work as it asks, those the kubelet's IDs or an init
-        // container point at first, so its count can follow.
+        // container point at first, then as its count's hint would take
+        // them, so its count can follow.
         let gpus = match recorded.or(assigned) {
             Some(gpus) => gpus,
             None => {
                 let wanted = c.wants(Resource::GpuCount);
-                let clear = |g: &usize| {
-                    inv.gpus[*g].healthy
-                        && !usage.gpus[*g].held_whole()
-                        && !usage.gpus[*g].carries_shared()
-                };
-                let mut gpus: Vec<usize> = Vec::new();
-                for g in handed
-                    .iter()
-                    .chain(&ask.id_gpus)
-                    .copied()
-                    .chain(0..inv.gpus.len())
-                {
-                    if clear(&g) && !gpus.contains(&g) {
-                        gpus.push(g);
-                    }
-                }
+                let first: Vec<usize> = handed.iter().chain(&ask.id_gpus).copied().collect();
+                let n = usize::try_from(wanted).unwrap_or(usize::MAX);
+                let gpus = whole_gpus(inv, usage, &first, n);
                 if (gpus.len() as u64) < wanted {
                     return Err(MatchError::NoWholeGpus {
                         pod: pod.key.clone(),
@@ -391,7 +379,6 @@ fn place(
                         clear: gpus.len() as u64,
                     });
                 }
-                gpus.truncate(wanted as usize);
                 gpus
             }
         };
@@ -422,7 +409,7 @@ fn place(
         (None, []) => {
             let need = inv.amount(&c.devices);
             return Ok(decision(
-                best_shared(inv, usage, &need, &[]).into_iter().collect(),
+                best_shared(inv, usage, &need).into_iter().collect(),
             ));
         }
         (None, many) => {

@@ -5,6 +5,8 @@
 //! - `service`: the gRPC adapter (decode, delegate, encode, record).
 //! - `placement`: which devices and GPU a container gets, by the pod
 //!   matcher or by the IDs with `pairing`'s hints.
+//! - `preferred`: GetPreferredAllocation's device IDs, chosen by the usage
+//!   model's one GPU selection.
 //! - `allocate`: what a container is granted (from the IDs alone without
 //!   pod matching).
 //! - `response`: the one composer of a container's Allocate response.
@@ -16,10 +18,13 @@ mod allocate;
 pub mod codec;
 mod pairing;
 mod placement;
+pub mod preferred;
 mod registration;
 mod response;
+#[cfg(test)]
+mod same_choice;
 pub(crate) mod service;
 
 pub(crate) use actor::{OpenStreams, PluginActor, PluginArgs, PluginMsg, SETTLE};
-pub(crate) use pairing::LastShared;
+pub(crate) use pairing::PairingBook;
 pub(crate) use placement::Placement;

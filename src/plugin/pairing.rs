@@ -11,7 +11,8 @@
 //! - **Room.** Free units per GPU: for a resource, the kubelet's available
 //!   IDs in its last GetPreferredAllocation, less the plugin's grants since.
 //!   A container's first grant goes where the most of both resources stays
-//!   free, since its second ask is not known yet.
+//!   free (the usage model's `Order::Roomiest`), since its second ask is
+//!   not known yet.
 //! - **Whole GPUs.** GPUs granted whole and not listed free by the kubelet
 //!   since; shared hints keep off them, whole hints keep off GPUs carrying
 //!   shared work while others are free.
@@ -20,32 +21,36 @@
 
 use std::sync::{Arc, Mutex};
 
-use crate::device::{DeviceModel, DeviceRef, Resource};
+use crate::device::{DeviceModel, DeviceRef, Resource, free};
 use crate::matcher::Steer;
+use crate::usage::{Candidate, Order, choose};
 
-/// Shared by the plugins of one process (each holds a clone).
+/// What the plugins of one process know of the node's grants, shared by
+/// them (each holds a clone).
 #[derive(Debug, Clone, Default)]
-pub(crate) struct LastShared(Arc<Mutex<Book>>);
+pub(crate) struct PairingBook(Arc<Mutex<Book>>);
 
 #[derive(Debug, Default)]
 struct Book {
     seq: u64,
     /// gpu-memory, gpu-core.
-    shared: [Shared; 2],
+    shared: [SharedResource; 2],
     /// Per GPU: granted whole and not listed free since.
     whole: Vec<bool>,
 }
 
+/// What the book knows of one shared resource: its latest grant and room.
 #[derive(Debug, Default)]
-struct Shared {
-    latest: Option<Latest>,
+struct SharedResource {
+    latest: Option<LatestGrant>,
     /// Per GPU: free units as far as the plugin knows, and all units.
     free: Vec<u32>,
     units: Vec<u32>,
 }
 
+/// A resource's latest grant, to pair the other resource's next one with.
 #[derive(Debug, Clone, Copy)]
-struct Latest {
+struct LatestGrant {
     seq: u64,
     /// `None` for a refused grant: it ends the pair, and pairs with nothing.
     gpu: Option<usize>,
@@ -82,20 +87,9 @@ fn other(resource: Resource) -> Resource {
     }
 }
 
-/// Free units per GPU among `available`.
-fn per_gpu(available: &[DeviceRef], gpus: usize) -> Vec<u32> {
-    let mut free = vec![0u32; gpus];
-    for d in available {
-        if let Some(f) = free.get_mut(d.gpu) {
-            *f += 1;
-        }
-    }
-    free
-}
-
-impl Shared {
+impl SharedResource {
     /// Sized for `model`'s GPUs, everything free until the kubelet says.
-    fn fit(&mut self, model: &DeviceModel) {
+    fn resize_to(&mut self, model: &DeviceModel) {
         let gpus = model.gpus().len();
         if self.units.len() != gpus {
             self.units = (0..gpus).map(|g| model.units(g)).collect();
@@ -110,37 +104,46 @@ impl Shared {
 
 impl Book {
     /// The grant a grant of shared `resource` now would pair with.
-    fn partner(&self, s: usize) -> Option<Latest> {
+    fn partner(&self, s: usize) -> Option<LatestGrant> {
         let own = self.shared[s].latest.map_or(0, |l| l.seq);
         self.shared[1 - s]
             .latest
             .filter(|l| l.seq > own && l.gpu.is_some())
     }
 
-    /// The GPU that keeps the most of both shared resources free after
-    /// `size` units of slot `s`, as a share of each GPU (lowest index on a
-    /// tie); `None` when no GPU outside `avoid` has room.
-    fn roomiest(&self, s: usize, size: u32, avoid: &[bool]) -> Option<usize> {
+    /// The GPU for `size` units of slot `s` outside `avoid`: `partner`
+    /// if it has room, else the one that keeps the most of both shared
+    /// resources free, as a share of each GPU ([`Order::Roomiest`]);
+    /// `None` when no GPU has room.
+    fn roomiest(
+        &self,
+        s: usize,
+        size: u32,
+        avoid: &[bool],
+        partner: Option<usize>,
+    ) -> Option<usize> {
         let (this, that) = (&self.shared[s], &self.shared[1 - s]);
-        let share = |free: u32, units: u32| f64::from(free) / f64::from(units.max(1));
-        (0..this.units.len())
+        let candidates = (0..this.units.len())
             .filter(|&g| !avoid[g] && this.free[g] >= size)
             .map(|g| {
-                let mut room = share(this.free[g] - size, this.units[g]);
+                let mut c = Candidate {
+                    gpu: g,
+                    preferred: partner == Some(g),
+                    ..Candidate::default()
+                };
+                c.left[s] = u64::from(this.free[g] - size);
+                c.all[s] = u64::from(this.units[g]);
                 if let (Some(&f), Some(&u)) = (that.free.get(g), that.units.get(g)) {
-                    room = room.min(share(f, u));
+                    (c.left[1 - s], c.all[1 - s]) = (u64::from(f), u64::from(u));
                 }
-                (g, room)
+                c
             })
-            .fold(None, |best: Option<(usize, f64)>, (g, room)| match best {
-                Some((_, r)) if r >= room => best,
-                _ => Some((g, room)),
-            })
-            .map(|(g, _)| g)
+            .collect();
+        choose(candidates, 1, Order::Roomiest).first().copied()
     }
 }
 
-impl LastShared {
+impl PairingBook {
     fn book(&self) -> std::sync::MutexGuard<'_, Book> {
         self.0.lock().expect("pairing lock poisoned")
     }
@@ -150,7 +153,7 @@ impl LastShared {
     pub(crate) fn steer(&self, model: &DeviceModel, available: &[DeviceRef], size: usize) -> Steer {
         let mut book = self.book();
         let gpus = model.gpus().len();
-        let free = per_gpu(available, gpus);
+        let free = free::per_gpu(available, gpus);
         book.whole.resize(gpus, false);
         let Some(s) = slot(model.resource()) else {
             // The kubelet lists every whole GPU not allocated.
@@ -170,17 +173,14 @@ impl LastShared {
                 avoid,
             };
         };
-        book.shared[s].fit(model);
+        book.shared[s].resize_to(model);
         book.shared[s].free = free;
         let size = u32::try_from(size).unwrap_or(u32::MAX);
         let avoid = book.whole.clone();
-        let partner = book
-            .partner(s)
-            .and_then(|p| p.gpu)
-            .filter(|&g| !avoid[g] && book.shared[s].free[g] >= size);
+        let partner = book.partner(s).and_then(|p| p.gpu);
         Steer {
-            gpus: partner
-                .or_else(|| book.roomiest(s, size, &avoid))
+            gpus: book
+                .roomiest(s, size, &avoid, partner)
                 .into_iter()
                 .collect(),
             avoid,
@@ -208,18 +208,18 @@ impl LastShared {
         let Some(gpu) = devices.first().map(|d| d.gpu) else {
             return Ok(());
         };
-        book.shared[s].fit(model);
+        book.shared[s].resize_to(model);
         book.seq += 1;
         let seq = book.seq;
         let partner = book.partner(s);
-        if let Some(Latest {
+        if let Some(LatestGrant {
             gpu: Some(first),
             opened: true,
             ..
         }) = partner
             && first != gpu
         {
-            book.shared[s].latest = Some(Latest {
+            book.shared[s].latest = Some(LatestGrant {
                 seq,
                 gpu: None,
                 opened: false,
@@ -233,7 +233,7 @@ impl LastShared {
             });
         }
         let shared = &mut book.shared[s];
-        shared.latest = Some(Latest {
+        shared.latest = Some(LatestGrant {
             seq,
             gpu: Some(gpu),
             opened: partner.is_none(),
@@ -277,7 +277,7 @@ mod tests {
             p.model(Resource::GpuMemory).unwrap(),
             p.model(Resource::GpuCore).unwrap(),
         );
-        let book = LastShared::default();
+        let book = PairingBook::default();
         // An init container's memory, its app container's core, then the
         // app container's memory: the init container's IDs again.
         book.grant(mem, &on(0, 0..40)).unwrap();
@@ -299,7 +299,7 @@ mod tests {
             p.model(Resource::GpuMemory).unwrap(),
             p.model(Resource::GpuCore).unwrap(),
         );
-        let book = LastShared::default();
+        let book = PairingBook::default();
         book.grant(mem, &on(0, 0..10)).unwrap();
         let e = book.grant(core, &on(1, 0..10)).unwrap_err();
         assert!(e.to_string().contains("GPU-a") && e.to_string().contains("GPU-b"));
@@ -318,7 +318,7 @@ mod tests {
             p.model(Resource::GpuCore).unwrap(),
             p.model(Resource::GpuCount).unwrap(),
         );
-        let book = LastShared::default();
+        let book = PairingBook::default();
         book.steer(core, &all([5, 100]), 1);
         // GPU a is the best fit for memory but has 5 % of compute left.
         assert_eq!(book.steer(mem, &all([30, 100]), 20).gpus, [1]);

@@ -12,8 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::allocate::{AllocateError, ContainerGrant, ids_grant};
-use super::pairing::{LastShared, SplitError};
-use crate::device::{DeviceModel, DeviceRef, Resource, packing};
+use super::pairing::{PairingBook, SplitError};
+use super::preferred;
+use crate::device::{DeviceModel, DeviceRef, Resource};
 use crate::enforcement::{AllocateEnforcement, CacheOwner, EnforcementError, Preload};
 use crate::matcher::{Decision, MatcherError, MatcherHandle, Prepare};
 use crate::usage::ids_digest;
@@ -21,7 +22,7 @@ use crate::usage::ids_digest;
 #[derive(Debug, Clone)]
 pub(crate) enum Placement {
     /// From the IDs, with the pairing hint for GetPreferredAllocation.
-    Ids(LastShared),
+    Ids(PairingBook),
     /// From the pod matcher, which may wait up to `wait` for a pod.
     Matcher {
         handle: MatcherHandle,
@@ -68,22 +69,15 @@ impl Placement {
     pub(crate) async fn steer(
         &self,
         model: &DeviceModel,
-        mut available: Vec<DeviceRef>,
+        available: Vec<DeviceRef>,
         must: &[DeviceRef],
         size: usize,
     ) -> Vec<DeviceRef> {
-        let resource = model.resource();
         let steer = match self {
             Placement::Ids(book) => book.steer(model, &available, size),
-            Placement::Matcher { handle, .. } => handle.prefer(resource, size).await,
+            Placement::Matcher { handle, .. } => handle.prefer(model.resource(), size).await,
         };
-        available.retain(|d| !steer.avoid.get(d.gpu).copied().unwrap_or(false));
-        match resource {
-            Resource::GpuCount => {
-                packing::whole(&available, must, size, |g| model.gpus()[g].numa_node)
-            }
-            _ => packing::shared(&available, must, size, steer.gpus.first().copied()),
-        }
+        preferred::hint(model, available, must, size, &steer)
     }
 
     /// Allocate: what a container granted `devices` of `model`'s resource

@@ -19,7 +19,7 @@ use crate::inventory::{InventoryMsg, Published};
 use crate::kubelet_watch::CheckPlugins;
 use crate::matcher::{self, MatcherHandle};
 use crate::metrics::{GpuStatus, Hold, Metrics};
-use crate::plugin::{LastShared, Placement, PluginMsg, SETTLE};
+use crate::plugin::{PairingBook, Placement, PluginMsg, SETTLE};
 
 /// A child that ran this long works again: its backoff starts afresh and
 /// it no longer holds readiness back.
@@ -77,7 +77,7 @@ struct Running {
 pub(crate) struct SupervisorState {
     config: Config,
     plan: Plan,
-    pairing: LastShared,
+    pairing: PairingBook,
     /// Filled while the pod matcher runs; every plugin holds a clone.
     matcher: MatcherHandle,
     healthy: Arc<[bool]>,
@@ -381,7 +381,7 @@ impl Actor for Supervisor {
             config: args.config,
             plan: args.plan,
             metrics: args.metrics,
-            pairing: LastShared::default(),
+            pairing: PairingBook::default(),
             matcher: MatcherHandle::default(),
             children: BTreeMap::new(),
             failures: BTreeMap::new(),

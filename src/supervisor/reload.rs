@@ -61,7 +61,7 @@ mod tests {
     use crate::kubelet_watch::CheckPlugins;
     use crate::matcher::MatcherHandle;
     use crate::metrics::Metrics;
-    use crate::plugin::LastShared;
+    use crate::plugin::PairingBook;
     use crate::supervisor::children::{Child, ChildContext, wanted};
 
     const NODE: &str = "node_name = \"node-1\"\nhttp_listen = \"\"\n";
@@ -79,7 +79,7 @@ mod tests {
                 wait: Duration::from_millis(config.matcher.wait_ms),
             }
         } else {
-            Placement::Ids(LastShared::default())
+            Placement::Ids(PairingBook::default())
         };
         let report_health: HealthReport = Arc::new(|_| {});
         let check_plugins: CheckPlugins = Arc::new(|| {});

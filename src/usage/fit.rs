@@ -1,8 +1,10 @@
 //! Where a pod fits on a node, and how well: the same answer for the
-//! extender's filter and the node's GetPreferredAllocation.
+//! extender's filter and the node's GetPreferredAllocation, whose GPUs
+//! both come from [`choose`].
 
 use serde::Deserialize;
 
+use super::select::{Candidate, Order, choose};
 use super::{Assignment, ContainerAsk, Inventory, Ledger, NodeUsage, PodAsks, pod_holdings};
 use crate::device::{PerResource, Resource};
 
@@ -31,38 +33,64 @@ pub enum Policy {
     Spread,
 }
 
-/// The healthy GPU with the least room left that still holds `need`
-/// (memory and core, real units), away from whole-GPU work; among equals,
-/// one of `preferred` first, then the lowest index. The fit tries GPUs in
-/// this order too, so a lone container goes where the node's matcher would
-/// put it.
+/// The GPU the fit would put a lone shared container asking `need`
+/// (memory and core, real units) on: the first of [`shared_order`].
 pub(crate) fn best_shared(
     inv: &Inventory,
     usage: &NodeUsage,
     need: &PerResource<u64>,
-    preferred: &[usize],
 ) -> Option<usize> {
-    (0..inv.gpus.len())
-        .filter(|&g| holds(inv, usage, g, need))
-        .min_by_key(|&g| rank(inv, usage, need, g, preferred.contains(&g)))
+    shared_order(inv, usage, need, |_| false).first().copied()
 }
 
-/// How good a place GPU `g` is for `need`, smaller first: the pod's own
-/// GPUs, then the least memory left, the least core left, the lowest index.
-fn rank(
+/// The healthy GPUs away from whole-GPU work with `need` free, in the
+/// order the fit tries them: the `preferred` (the pod's own) first, then
+/// [`Order::BestFit`].
+fn shared_order(
     inv: &Inventory,
     usage: &NodeUsage,
     need: &PerResource<u64>,
-    g: usize,
-    preferred: bool,
-) -> (bool, u64, u64, usize) {
-    let left = |r: Resource| usage.free(inv, g, r).saturating_sub(need[r]);
-    (
-        !preferred,
-        left(Resource::GpuMemory),
-        left(Resource::GpuCore),
-        g,
-    )
+    preferred: impl Fn(usize) -> bool,
+) -> Vec<usize> {
+    let candidates = (0..inv.gpus.len())
+        .filter(|&g| holds(inv, usage, g, need))
+        .map(|g| Candidate {
+            gpu: g,
+            left: SHARED.map(|r| usage.free(inv, g, r) - need[r]),
+            preferred: preferred(g),
+            ..Candidate::default()
+        })
+        .collect();
+    choose(candidates, usize::MAX, Order::BestFit)
+}
+
+/// `n` of the GPUs free of any work for whole asks: `first` of them in
+/// its order, then by [`Order::NumaWhole`] over their memory, as the
+/// node's GetPreferredAllocation chooses (`first` counting as its
+/// must-include).
+pub(crate) fn whole_gpus(
+    inv: &Inventory,
+    usage: &NodeUsage,
+    first: &[usize],
+    n: usize,
+) -> Vec<usize> {
+    let mut free: Vec<usize> = Vec::new();
+    for g in first.iter().copied().chain(0..inv.gpus.len()) {
+        if free_of_work(inv, usage, g) && !free.contains(&g) {
+            free.push(g);
+        }
+    }
+    let candidates = free
+        .into_iter()
+        .map(|g| Candidate {
+            gpu: g,
+            left: [inv.gpus[g].memory_mib, 0],
+            numa: inv.gpus[g].numa_node,
+            preferred: first.contains(&g),
+            ..Candidate::default()
+        })
+        .collect();
+    choose(candidates, n, Order::NumaWhole)
 }
 
 const SHARED: [Resource; 2] = [Resource::GpuMemory, Resource::GpuCore];
@@ -167,8 +195,9 @@ fn place_all(inv: &Inventory, usage: &NodeUsage, asks: &PodAsks) -> Result<Assig
             .rev()
             .collect(),
     };
-    let classes = search.classes();
-    let outcome = search.whole(&classes, layout.slots);
+    let first = whole_gpus(inv, usage, &[], layout.slots);
+    let classes = search.classes(&first);
+    let outcome = search.whole(&classes, &first);
     let deepest = search.deepest.take();
     let fail = |gave_up: bool| {
         let (_, mut error) = deepest.unwrap_or_else(|| {
@@ -441,8 +470,10 @@ struct Search<'a> {
 impl Search<'_> {
     /// The GPUs free of any work, in classes the search cannot tell apart
     /// (same capacity and usage), smallest first: a whole ask takes the
-    /// smallest, leaving room for shared work.
-    fn classes(&self) -> Vec<Vec<usize>> {
+    /// smallest, leaving room for shared work. Each class lists its GPUs
+    /// of `first` first, so taking as many of it as `first` does takes
+    /// those.
+    fn classes(&self, first: &[usize]) -> Vec<Vec<usize>> {
         let (inv, usage) = (self.inv, &self.usage);
         let mut free: Vec<usize> = (0..inv.gpus.len())
             .filter(|&g| free_of_work(inv, usage, g))
@@ -453,7 +484,7 @@ impl Search<'_> {
             let (cap, used) = (inv.capacity(g), usage.gpus[g].used);
             (cap.memory, cap.core, used.memory, used.core)
         };
-        free.sort_by_key(|&g| (key(g), g));
+        free.sort_by_key(|&g| (key(g), !first.contains(&g), g));
         let mut classes: Vec<Vec<usize>> = Vec::new();
         for g in free {
             match classes.last_mut() {
@@ -464,11 +495,28 @@ impl Search<'_> {
         classes
     }
 
+    /// Takes `first` for the pod's fresh whole GPUs (the choice the node
+    /// makes), else any other choice while the groups do not fit, and
+    /// places the groups.
+    fn whole(&mut self, classes: &[Vec<usize>], first: &[usize]) -> Outcome {
+        self.take_whole(first, true);
+        self.steps += 1;
+        let outcome = self.shared(0);
+        if !matches!(outcome, Outcome::Exhausted) {
+            return outcome;
+        }
+        self.take_whole(first, false);
+        self.other_whole(classes, first.len(), first)
+    }
+
     /// Chooses `wanted` fresh whole GPUs from `classes` (how many of each
-    /// class, most of the smaller first), then places the groups.
-    fn whole(&mut self, classes: &[Vec<usize>], wanted: usize) -> Outcome {
+    /// class, most of the smaller first) other than `tried`, then places
+    /// the groups.
+    fn other_whole(&mut self, classes: &[Vec<usize>], wanted: usize, tried: &[usize]) -> Outcome {
         let Some((class, rest)) = classes.split_first() else {
-            if wanted > 0 {
+            let again =
+                self.whole.len() == tried.len() && self.whole.iter().all(|g| tried.contains(g));
+            if wanted > 0 || again {
                 return Outcome::Exhausted;
             }
             self.steps += 1;
@@ -477,20 +525,27 @@ impl Search<'_> {
         let later: usize = rest.iter().map(Vec::len).sum();
         let most = wanted.min(class.len());
         for take in (wanted.saturating_sub(later)..=most).rev() {
-            for &g in &class[..take] {
-                self.usage.gpus[g].used.count += 1;
-                self.whole.push(g);
-            }
-            let outcome = self.whole(rest, wanted - take);
+            self.take_whole(&class[..take], true);
+            let outcome = self.other_whole(rest, wanted - take, tried);
             if !matches!(outcome, Outcome::Exhausted) {
                 return outcome;
             }
-            for &g in &class[..take] {
+            self.take_whole(&class[..take], false);
+        }
+        Outcome::Exhausted
+    }
+
+    /// Takes (or gives back) whole GPUs `gpus` for the pod.
+    fn take_whole(&mut self, gpus: &[usize], take: bool) {
+        for &g in gpus {
+            if take {
+                self.usage.gpus[g].used.count += 1;
+                self.whole.push(g);
+            } else {
                 self.usage.gpus[g].used.count -= 1;
                 self.whole.pop();
             }
         }
-        Outcome::Exhausted
     }
 
     /// Places groups `i..` on the GPUs.
@@ -524,10 +579,7 @@ impl Search<'_> {
             self.fail(i, |s| s.group_error(stuck));
             return Outcome::Exhausted;
         }
-        let mut gpus: Vec<usize> = (0..inv.gpus.len())
-            .filter(|&g| holds(inv, &self.usage, g, &need))
-            .collect();
-        gpus.sort_by_cached_key(|&g| rank(inv, &self.usage, &need, g, self.in_pod[g] > 0));
+        let gpus = shared_order(inv, &self.usage, &need, |g| self.in_pod[g] > 0);
         let mut tried: Vec<(u64, u64)> = Vec::new();
         for g in gpus {
             let state = (

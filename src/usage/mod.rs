@@ -2,8 +2,9 @@
 //! extender share, so both agree on what is free: the annotations they
 //! exchange ([`annotations`]: a node's GPUs, [`Inventory`]; a pod's
 //! [`Ledger`] and [`Assignment`]), what pods ask ([`PodAsks`]) and hold
-//! ([`Holding`]), the usage that adds up to ([`NodeUsage`]), where a pod
-//! fits ([`fit`]) and how well ([`score`]).
+//! ([`Holding`]), the usage that adds up to ([`NodeUsage`]), which GPU has
+//! room ([`choose`], for every caller alike), where a pod fits ([`fit`])
+//! and how well ([`score`]).
 //!
 //! It sits at the bottom of the crate: it imports only the device
 //! vocabulary (`crate::device`), never the matcher, the extender or the
@@ -18,13 +19,15 @@ mod asks;
 mod fit;
 mod node;
 pub mod quantity;
+mod select;
 
 pub(crate) use annotations::{Assignment, InventoryError, Records, ids_digest};
 pub use annotations::{Inventory, Keys, Ledger};
 pub(crate) use asks::{ContainerAsk, PodAsks};
 pub use fit::Policy;
-pub(crate) use fit::{best_shared, fit, score};
+pub(crate) use fit::{best_shared, fit, score, whole_gpus};
 pub(crate) use node::{Holding, NodeUsage, finished, pod_holdings};
+pub(crate) use select::{Candidate, Order, choose};
 
 #[cfg(test)]
 mod layering;

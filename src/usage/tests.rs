@@ -1277,7 +1277,7 @@ mod search {
             }
             assert_eq!(
                 gpus_of(&inv, &a, &p.containers[0].name),
-                Vec::from_iter(best_shared(&inv, &usage, &need, &[])),
+                Vec::from_iter(best_shared(&inv, &usage, &need)),
                 "{a:?}"
             );
         }
