@@ -189,6 +189,11 @@ pub(crate) struct Metrics {
     pod_cache: AtomicU64,
     /// API-server requests the matcher made outside its watch, by verb.
     api_requests: Mutex<BTreeMap<&'static str, u64>>,
+    /// Config reloads that went through, and those refused.
+    reloads_applied: AtomicU64,
+    reloads_refused: AtomicU64,
+    /// Restarts of children that ended or failed, by child.
+    restarts: Mutex<BTreeMap<String, u64>>,
     /// Enforcement's series; None (absent) with enforcement off.
     enforcement: Mutex<Option<EnforcementSeries>>,
     config: Mutex<ConfigState>,
@@ -283,6 +288,22 @@ impl Metrics {
             .expect("metrics lock")
             .entry(verb)
             .or_default() += 1;
+    }
+
+    /// A config reload went through (`applied`) or was refused.
+    pub(crate) fn count_reload(&self, applied: bool) {
+        let count = if applied {
+            &self.reloads_applied
+        } else {
+            &self.reloads_refused
+        };
+        count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// `child` ended or failed and is being restarted.
+    pub(crate) fn count_restart(&self, child: &str) {
+        let mut restarts = self.restarts.lock().expect("metrics lock");
+        *restarts.entry(child.to_owned()).or_default() += 1;
     }
 
     /// The config whose file bytes have SHA-256 `sha256` now serves (at
@@ -468,6 +489,16 @@ impl Metrics {
                 "gpu_device_plugin_api_requests_total{{verb=\"{verb}\"}} {n}"
             );
         }
+        let _ = writeln!(
+            out,
+            "# HELP gpu_device_plugin_child_restarts_total Restarts of a child that ended or failed (not those a reload asks for).\n# TYPE gpu_device_plugin_child_restarts_total counter"
+        );
+        for (child, n) in self.restarts.lock().expect("metrics lock").iter() {
+            let _ = writeln!(
+                out,
+                "gpu_device_plugin_child_restarts_total{{child=\"{child}\"}} {n}"
+            );
+        }
         self.render_enforcement(&mut out);
         self.render_config(&mut out);
         self.render_gpus(&mut out);
@@ -486,6 +517,21 @@ impl Metrics {
             "# HELP gpu_device_plugin_config_last_reload_timestamp_seconds When the serving config was loaded (start or reload).\n# TYPE gpu_device_plugin_config_last_reload_timestamp_seconds gauge\ngpu_device_plugin_config_last_reload_timestamp_seconds {}",
             c.loaded_at
         );
+        let _ = writeln!(
+            out,
+            "# HELP gpu_device_plugin_config_reloads_total Config reloads, applied or refused.\n# TYPE gpu_device_plugin_config_reloads_total counter"
+        );
+        let reloads = [
+            ("applied", &self.reloads_applied),
+            ("refused", &self.reloads_refused),
+        ];
+        for (result, n) in reloads {
+            let n = n.load(Ordering::Relaxed);
+            let _ = writeln!(
+                out,
+                "gpu_device_plugin_config_reloads_total{{result=\"{result}\"}} {n}"
+            );
+        }
         let _ = writeln!(
             out,
             "# HELP gpu_device_plugin_config_last_refused_timestamp_seconds When a reload was last refused; 0: never.\n# TYPE gpu_device_plugin_config_last_refused_timestamp_seconds gauge\ngpu_device_plugin_config_last_refused_timestamp_seconds {}",
@@ -617,8 +663,16 @@ mod tests {
         m.allocate.record(Duration::from_micros(700), None);
         m.allocate
             .record(Duration::from_millis(30), Some("unknown_id"));
+        metrics.count_reload(true);
+        metrics.count_reload(true);
+        metrics.count_restart("plugin gpu-core");
         let text = metrics.render();
         assert!(text.contains("gpu_device_plugin_devices{resource=\"doslab.io/gpu-core\"} 200"));
+        assert!(text.contains("gpu_device_plugin_config_reloads_total{result=\"applied\"} 2\n"));
+        assert!(text.contains("gpu_device_plugin_config_reloads_total{result=\"refused\"} 0\n"));
+        assert!(
+            text.contains("gpu_device_plugin_child_restarts_total{child=\"plugin gpu-core\"} 1\n")
+        );
         assert!(text.contains(
             "gpu_device_plugin_reregistrations_total{resource=\"doslab.io/gpu-core\"} 2"
         ));
