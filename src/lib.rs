@@ -19,6 +19,8 @@ pub mod kube_client;
 pub(crate) mod kubelet_watch;
 pub mod matcher;
 pub(crate) mod metrics;
+#[cfg(test)]
+mod mock_api;
 pub mod plugin;
 #[cfg(feature = "sim")]
 pub mod sim;
