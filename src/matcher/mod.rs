@@ -2,7 +2,8 @@
 //! GPU it gets, and the ledger on the pod that records it.
 //!
 //! `matching`, `pods` and `ledger` are pure; `actor` does the I/O (pod
-//! cache, ledger patches, events) behind the handle in `api`.
+//! cache, ledger patches through `write`, events) behind the handle in
+//! `api`.
 
 mod actor;
 mod api;
@@ -11,6 +12,7 @@ pub mod ledger;
 pub mod matching;
 pub mod pods;
 pub mod report;
+mod write;
 
 pub(crate) use actor::{MatcherArgs, PodMatcher, READY_NAME};
 pub(crate) use api::{LiveContainer, MatcherError, MatcherHandle, MatcherMsg, Prepare, Steer};
@@ -18,3 +20,5 @@ pub(crate) use matching::Decision;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod write_tests;
