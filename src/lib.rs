@@ -20,6 +20,8 @@ pub mod kube_client;
 pub(crate) mod kubelet_watch;
 pub mod matcher;
 pub(crate) mod metrics;
+#[cfg(test)]
+mod mock_api;
 pub mod plugin;
 pub(crate) mod supervisor;
 pub mod uds;

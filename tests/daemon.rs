@@ -41,14 +41,18 @@ async fn started() -> (tempfile::TempDir, Daemon, KubeletSim) {
 async fn registers_all_three_resources_with_every_device_healthy() {
     let (_dir, daemon, kubelet) = started().await;
     let snap = kubelet.snapshot();
+    let addr = http_addr(&daemon);
     for (name, _) in LISTED {
         assert_eq!(snap[*name].registrations, 1, "{name}");
         assert!(snap[*name].stream_error.is_none());
+        // The daemon's own count agrees with the kubelet's.
+        let registered = format!("gpu_device_plugin_registrations_total{{resource=\"{name}\"}}");
+        wait_for_sample(&addr, &registered, 1.0).await;
     }
     // Short IDs: 2 tag chars at most for two GPUs, so < 20 bytes a device.
     let mem = &snap[MEM];
     assert!(mem.last_message_bytes < 20 * mem.devices, "{mem:?}");
-    assert!(daemon.log_text().contains("registered with the kubelet"));
+    assert_eq!(http_get(&addr, "/readyz").0, 200);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -63,9 +67,13 @@ async fn waits_for_a_kubelet_that_is_not_there_yet() {
         3,
         "plugins serve before any kubelet"
     );
+    let (code, body) = http_get(&http_addr(&daemon), "/readyz");
+    assert_eq!(code, 503, "not ready before it registered: {body}");
     let kubelet = KubeletSim::start(dir.path()).unwrap();
     let ok = kubelet.wait_until(WAIT, all_listed(LISTED)).await;
     assert!(ok, "{:?}\n{}", kubelet.snapshot(), daemon.log_text());
+    // A kubelet that is not up yet is normal at boot: the log says so
+    // once per resource, not per retry (the log is what is tested here).
     let log = daemon.log_text();
     assert_eq!(
         log.matches("waiting for the kubelet").count(),

@@ -4,9 +4,15 @@
 
 mod support;
 
-use std::time::Duration;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
+use gpu_device_plugin::api::registration_server::{Registration, RegistrationServer};
+use gpu_device_plugin::api::{Empty, RegisterRequest};
+use gpu_device_plugin::config_watch::digest;
 use support::*;
+use tonic::{Request, Response, Status};
 
 const GPU_A: &str = "GPU-aaaaaaaa-0000-4000-8000-000000000001";
 const GPU_B: &str = "GPU-bbbbbbbb-0000-4000-8000-000000000002";
@@ -86,6 +92,7 @@ async fn survives_100_kubelet_restarts_without_leaks() {
 async fn sighup_disables_enables_and_changes_only_what_changed() {
     let (dir, mut daemon, kubelet) = start("resources = [\"gpu-memory\", \"gpu-core\"]").await;
     expect(&kubelet, &daemon, &[(MEM, 1, 4096), (CORE, 1, 200)]).await;
+    let addr = http_addr(&daemon);
 
     // gpu-memory changes (2 MiB units), gpu-core goes, gpu-count comes.
     let next = mock_config(
@@ -115,7 +122,8 @@ async fn sighup_disables_enables_and_changes_only_what_changed() {
         &[(MEM, 2, 2048), (CORE, 2, 200), (COUNT, 1, 2)],
     )
     .await;
-    assert!(daemon.log_text().contains("config reloaded"));
+    wait_for_sample(&addr, RELOADS_APPLIED, 2.0).await;
+    assert_eq!(metric(&addr, RELOADS_REFUSED), Some(0.0));
 
     daemon.signal(libc::SIGTERM);
     assert!(daemon.wait_exit(Duration::from_secs(5)).unwrap().success());
@@ -124,7 +132,9 @@ async fn sighup_disables_enables_and_changes_only_what_changed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_with_a_broken_file_keeps_the_old_config() {
     let (dir, daemon, kubelet) = started("").await;
-    let log = || daemon.log_text();
+    let addr = http_addr(&daemon);
+    let serving = digest(mock_config(dir.path(), "", GPUS).as_bytes());
+    assert_eq!(config_sha(&addr), serving);
     let broken = [
         "memory_unit_mib = \"lots\"",
         "resources = [\"gpu-mem\"]",
@@ -135,20 +145,15 @@ async fn sighup_with_a_broken_file_keeps_the_old_config() {
     for (i, text) in broken.iter().enumerate() {
         std::fs::write(&daemon.config, text).unwrap();
         daemon.signal(libc::SIGHUP);
-        let deadline = std::time::Instant::now() + WAIT;
-        while log().matches("reload refused").count() <= i && std::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        assert_eq!(
-            log().matches("reload refused").count(),
-            i + 1,
-            "{text}:\n{}",
-            log()
-        );
+        wait_for_sample(&addr, RELOADS_REFUSED, (i + 1) as f64).await;
     }
+    assert_eq!(metric(&addr, RELOADS_APPLIED), Some(0.0));
+    assert_eq!(config_sha(&addr), serving, "the old config serves on");
+    // Why a reload was refused is told only in the log.
+    let log = daemon.log_text();
     assert!(
-        log().contains("memory_unit_mib"),
-        "the reason names the key"
+        log.contains("memory_unit_mib"),
+        "the reason names the key:\n{log}"
     );
     tokio::time::sleep(Duration::from_millis(300)).await;
     expect(&kubelet, &daemon, FIRST).await;
@@ -163,6 +168,8 @@ async fn an_unhealthy_gpu_turns_its_devices_unhealthy_everywhere_and_back() {
         health.path().display().to_string()
     );
     let (_dir, daemon, kubelet) = started(&extra).await;
+    let addr = http_addr(&daemon);
+    let healthy = |uuid: &str| format!("gpu_device_plugin_gpu_healthy{{gpu=\"{uuid}\"}}");
 
     std::fs::write(health.path().join(GPU_A), "").unwrap();
     let degraded = |s: &std::collections::BTreeMap<String, ResourceView>| {
@@ -178,6 +185,8 @@ async fn an_unhealthy_gpu_turns_its_devices_unhealthy_everywhere_and_back() {
     );
     // GPU A's devices cannot be allocated while it is unhealthy.
     assert_eq!(kubelet.free_devices(MEM).len(), 1024);
+    wait_for_sample(&addr, &healthy(GPU_A), 0.0).await;
+    assert_eq!(metric(&addr, &healthy(GPU_B)), Some(1.0));
 
     std::fs::remove_file(health.path().join(GPU_A)).unwrap();
     expect(
@@ -186,11 +195,7 @@ async fn an_unhealthy_gpu_turns_its_devices_unhealthy_everywhere_and_back() {
         &[(MEM, 1, 4096), (CORE, 1, 200), (COUNT, 1, 2)],
     )
     .await;
-    let log = daemon.log_text();
-    assert!(
-        log.contains("GPU unhealthy") && log.contains("GPU healthy again"),
-        "{log}"
-    );
+    wait_for_sample(&addr, &healthy(GPU_A), 1.0).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -216,8 +221,14 @@ async fn a_plugin_that_cannot_start_is_retried_and_the_others_keep_serving() {
     }
     assert_eq!(readyz.0, 503, "{}", readyz.1);
     assert!(readyz.1.contains("plugin gpu-core"), "{}", readyz.1);
-    let log = daemon.log_text();
-    assert!(log.contains("child ended; restarting"), "{log}");
+    // Unready after three failed starts in a row, each one restarted.
+    let restarts = "gpu_device_plugin_child_restarts_total{child=\"plugin gpu-core\"}";
+    let (_, m) = http_get(&addr, "/metrics");
+    assert!(sample(&m, restarts).is_some_and(|n| n >= 3.0), "{m}");
+    assert!(
+        !m.contains("child_restarts_total{child=\"plugin gpu-memory\"}"),
+        "{m}"
+    );
     // The other resources were never disturbed.
     expect(&kubelet, &daemon, &[(MEM, 1, 4096), (COUNT, 1, 2)]).await;
 
@@ -254,33 +265,41 @@ async fn twenty_reloads_in_a_row_each_re_register_the_changed_resource() {
     }
 }
 
-/// Seconds since midnight of a text log line's timestamp.
-fn logged_at(line: &str) -> f64 {
-    let time = line.split_whitespace().next().unwrap();
-    let (_, clock) = time.split_once('T').unwrap();
-    let mut parts = clock.trim_end_matches('Z').split(':');
-    let mut secs = 0.0;
-    for _ in 0..3 {
-        secs = secs * 60.0 + parts.next().unwrap().parse::<f64>().unwrap();
+/// A kubelet that refuses every registration, noting when each came.
+struct RefusingKubelet(Arc<Mutex<Vec<Instant>>>);
+
+#[tonic::async_trait]
+impl Registration for RefusingKubelet {
+    async fn register(&self, _: Request<RegisterRequest>) -> Result<Response<Empty>, Status> {
+        self.0.lock().unwrap().push(Instant::now());
+        Err(Status::unavailable("not ready yet"))
     }
-    secs
 }
 
-/// The number after `key=` in a text log line.
-fn logged_number(line: &str, key: &str) -> Option<u64> {
-    let at = line.find(&format!(" {key}="))? + key.len() + 2;
-    line[at..]
-        .split(|c: char| !c.is_ascii_digit())
-        .next()?
-        .parse()
-        .ok()
+/// Serves a [`RefusingKubelet`] on `<dir>/kubelet.sock`; returns the
+/// registration attempts it sees and its task.
+fn refusing_kubelet(
+    dir: &std::path::Path,
+) -> (Arc<Mutex<Vec<Instant>>>, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::UnixListener::bind(dir.join("kubelet.sock")).unwrap();
+    let attempts = Arc::new(Mutex::new(Vec::new()));
+    let server = RegistrationServer::new(RefusingKubelet(attempts.clone()));
+    let task = tokio::spawn(async move {
+        let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+        tonic::transport::Server::builder()
+            .add_service(server)
+            .serve_with_incoming(incoming)
+            .await
+            .unwrap();
+    });
+    (attempts, task)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kubelet_socket_nobody_answers_yet_is_retried_on_time_not_per_event() {
     let dir = tempfile::tempdir().unwrap();
-    // kubelet.sock is there, but no kubelet listens on it yet.
-    drop(std::os::unix::net::UnixListener::bind(dir.path().join("kubelet.sock")).unwrap());
+    // A kubelet is there, but refuses to register anything yet.
+    let (attempts, refusing) = refusing_kubelet(dir.path());
     let daemon = Daemon::start(&mock_config(
         dir.path(),
         "resources = [\"gpu-memory\"]",
@@ -296,34 +315,28 @@ async fn a_kubelet_socket_nobody_answers_yet_is_retried_on_time_not_per_event() 
         i += 1;
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    let log = daemon.log_text();
-    let attempts: Vec<&str> = log
-        .lines()
-        .filter(|l| l.contains("registration failed") || l.contains("early registration attempt"))
-        .collect();
-    let scheduled: Vec<(f64, u64)> = attempts
-        .iter()
-        .filter_map(|l| Some((logged_at(l), logged_number(l, "retry_in_ms")?)))
-        .collect();
-    assert!(scheduled.len() >= 3, "{log}");
-    for (n, pair) in scheduled.windows(2).enumerate() {
-        let ((then, delay), (now, next)) = (pair[0], pair[1]);
-        assert_eq!(next, (delay * 2).min(2000), "attempt {n}:\n{log}");
+    refusing.abort();
+    let attempts = attempts.lock().unwrap().clone();
+    assert!(attempts.len() >= 3, "{attempts:?}\n{}", daemon.log_text());
+    // The retries are scheduled 100, 200, 400, ... ms after each failure,
+    // so the k-th window opens no earlier than 100 * (2^k - 1) ms after the
+    // first attempt; events bring at most one early attempt per window.
+    // Attempts per event, or on a fixed period, come more often.
+    let first = attempts[0];
+    for (n, at) in attempts.iter().enumerate() {
+        let ms = at.duration_since(first).as_millis() as u64;
+        let windows = (0..11u32)
+            .take_while(|k| 100 * ((1 << k) - 1) <= ms)
+            .count();
         assert!(
-            (now - then) * 1000.0 >= delay as f64 - 2.0,
-            "attempt {n} came {:.1} ms after the one before, not {delay} ms:\n{log}",
-            (now - then) * 1000.0
+            n < 2 * windows,
+            "attempt {n} came {ms} ms after the first, in window {windows}: {:?}\n{}",
+            attempts
+                .iter()
+                .map(|a| a.duration_since(first).as_millis())
+                .collect::<Vec<_>>(),
+            daemon.log_text()
         );
-    }
-    // Between two scheduled attempts, events bring at most one early one.
-    let mut early = 0;
-    for line in &attempts {
-        if logged_number(line, "retry_in_ms").is_some() {
-            early = 0;
-        } else {
-            early += 1;
-            assert!(early <= 1, "{log}");
-        }
     }
 
     let kubelet = KubeletSim::start(dir.path()).unwrap();
@@ -333,63 +346,50 @@ async fn a_kubelet_socket_nobody_answers_yet_is_retried_on_time_not_per_event() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_changing_two_resources_settles_them_side_by_side() {
     let (dir, daemon, kubelet) = started("").await;
-    let before = daemon.log_text().len();
+    let before = kubelet.snapshot();
     let next = mock_config(dir.path(), "memory_unit_mib = 2\ncores_per_gpu = 50", GPUS);
-    reload(
-        &kubelet,
-        &daemon,
-        next,
-        &[(MEM, 2, 2048), (CORE, 2, 100), (COUNT, 1, 2)],
-    )
-    .await;
-    // From the old plugin's end on: the kubelet may count a registration
-    // before the plugin has logged it, so older lines can follow `before`,
-    // and the new plugin's line can come after the kubelet saw it.
-    fn after_stop(lines: &[&str], what: &str, resource: &str) -> Option<(usize, usize)> {
-        let of = |l: &&str| l.contains(&format!("resource={resource}"));
-        let from = lines.iter().position(|l| l.contains(" stopped") && of(l))?;
-        let at = lines[from..]
-            .iter()
-            .position(|l| l.contains(what) && of(l))?;
-        Some((from, from + at))
-    }
-    let deadline = std::time::Instant::now() + WAIT;
-    let log = loop {
-        let log = daemon.log_text();
-        let lines: Vec<&str> = log[before..].lines().collect();
-        if ["gpu-memory", "gpu-core"]
-            .iter()
-            .all(|r| after_stop(&lines, "registered with the kubelet", r).is_some())
-        {
-            break log;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no registration logged after the reload:\n{log}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    let reload: Vec<&str> = log[before..].lines().collect();
-    let after_stop = |what: &str, resource: &str| {
-        after_stop(&reload, what, resource)
-            .unwrap_or_else(|| panic!("no {what:?} for {resource} after it stopped:\n{log}"))
-    };
-    let resources = ["gpu-memory", "gpu-core"];
-    // Each new plugin waits out the settle pause (kubernetes#121994)...
+    std::fs::write(&daemon.config, next).unwrap();
+    let sent = Instant::now();
+    daemon.signal(libc::SIGHUP);
+    // When the kubelet saw each new registration. It may see one late,
+    // never early, so the pauses below are never taken for longer than
+    // they were.
+    let registered: Mutex<BTreeMap<&str, Instant>> = Mutex::default();
+    let want = [(MEM, 2, 2048), (CORE, 2, 100), (COUNT, 1, 2)];
+    let settled = registered_times(&want);
+    let resources = [MEM, CORE];
+    let ok = kubelet
+        .wait_until(WAIT, |s| {
+            for r in resources {
+                if s[r].registrations > before[r].registrations {
+                    registered
+                        .lock()
+                        .unwrap()
+                        .entry(r)
+                        .or_insert_with(Instant::now);
+                }
+            }
+            settled(s)
+        })
+        .await;
+    assert!(ok, "{:#?}\n{}", kubelet.snapshot(), daemon.log_text());
+    let registered = registered.into_inner().unwrap();
+    // Each new plugin waits out the settle pause (kubernetes#121994) after
+    // its old stream ended, which was after the reload began...
     for r in resources {
-        let (stopped, registered) = after_stop("registered with the kubelet", r);
-        let paused = logged_at(reload[registered]) - logged_at(reload[stopped]);
+        let paused = registered[r] - sent;
         assert!(
-            paused >= 0.2,
-            "{r} re-registered {paused:.3} s after it stopped:\n{log}"
+            paused >= Duration::from_millis(200),
+            "{r} re-registered {paused:?} after the reload began:\n{}",
+            daemon.log_text()
         );
     }
-    // ...but both pauses run at once: the second starts before the first
-    // has ended in a registration.
-    let settles = resources.map(|r| after_stop("settling before registering", r).1);
-    let registered = resources.map(|r| after_stop("registered with the kubelet", r).1);
+    // ...but both pauses run at once: one after the other, the second
+    // registration would come a whole pause after the first.
+    let apart = registered[MEM].max(registered[CORE]) - registered[MEM].min(registered[CORE]);
     assert!(
-        settles.iter().max() < registered.iter().min(),
-        "the settle pauses ran one after the other:\n{log}"
+        apart < Duration::from_millis(200),
+        "the settle pauses ran one after the other: registrations {apart:?} apart\n{}",
+        daemon.log_text()
     );
 }

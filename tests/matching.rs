@@ -443,14 +443,21 @@ async fn a_matcher_that_cannot_start_is_retried_and_allocate_says_why() {
     assert!(ok, "{}", daemon.log_text());
     let err = kubelet.admit(&[(RES[0], 8)]).await.unwrap_err();
     assert!(err.contains("the pod matcher is not running"), "{err}");
-    // Retried with backoff, the reason named each time.
-    let retried =
-        |log: &str| log.matches("matcher.kubeconfig").count() >= 2 && log.contains("restart_in_ms");
+    // Retried with backoff until it counts as failing: not ready, and why.
+    let addr = http_addr(&daemon);
+    let failing = |(code, body): &(u16, String)| {
+        *code == 503 && body.contains("pod matcher: failed") && body.contains("matcher.kubeconfig")
+    };
     let deadline = std::time::Instant::now() + WAIT;
-    while !retried(&daemon.log_text()) && std::time::Instant::now() < deadline {
+    let mut readyz = http_get(&addr, "/readyz");
+    while !failing(&readyz) && std::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(100)).await;
+        readyz = http_get(&addr, "/readyz");
     }
-    assert!(retried(&daemon.log_text()), "{}", daemon.log_text());
+    assert!(failing(&readyz), "{readyz:?}\n{}", daemon.log_text());
+    let restarts = "gpu_device_plugin_child_restarts_total{child=\"pod matcher\"}";
+    let (_, m) = http_get(&addr, "/metrics");
+    assert!(sample(&m, restarts).is_some_and(|n| n >= 2.0), "{m}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -461,19 +468,19 @@ async fn sighup_switches_pod_matching_off_and_on_without_re_registering() {
         RES.map(|r| s[r].registrations)
     };
     let before = registrations(&c);
-    // Done when every plugin took the new placement.
+    let addr = http_addr(&c.daemon);
+    // The per-GPU usage series come from the matcher, and go with it.
+    let usage = format!(
+        "gpu_device_plugin_gpu_mode{{gpu=\"{}\",mode=\"free\"}}",
+        uuid(0)
+    );
+    wait_for_sample(&addr, &usage, 1.0).await;
+    // Done when the supervisor applied it: every plugin took the new
+    // placement by then.
     let reload = async |c: &Cluster, toml: &str, reloads: usize| {
         std::fs::write(&c.daemon.config, toml).unwrap();
         c.daemon.signal(libc::SIGHUP);
-        let deadline = std::time::Instant::now() + WAIT;
-        while c.daemon.log_text().matches("placement changed").count() < 3 * reloads {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{}",
-                c.daemon.log_text()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        wait_for_sample(&addr, RELOADS_APPLIED, reloads as f64).await;
     };
     // No pod asks: with matching the Allocate is refused...
     let err = c.kubelet.admit(&[(RES[0], 4)]).await.unwrap_err();
@@ -487,11 +494,9 @@ async fn sighup_switches_pod_matching_off_and_on_without_re_registering() {
     let grants = c.kubelet.admit(&[(RES[0], 4)]).await.unwrap();
     assert_eq!(grants[0].response.envs["DOSLAB_IO_GPU_MEMORY"], "512");
     assert_eq!(c.api.requests().get("patch").copied(), patches);
-    let log = c.daemon.log_text();
-    assert!(
-        log.contains("stopping child=pod matcher reason=\"disabled by reload\""),
-        "{log}"
-    );
+    // The matcher was stopped, not just bypassed.
+    let (_, m) = http_get(&addr, "/metrics");
+    assert!(!m.contains("gpu_device_plugin_gpu_mode{"), "{m}");
     // And on again.
     reload(&c, &c.toml, 2).await;
     add_small_pod(&c.api, "p");
@@ -500,7 +505,8 @@ async fn sighup_switches_pod_matching_off_and_on_without_re_registering() {
     assert_eq!(annotation(&pod, "doslab.io/gpu-assigned"), Some("true"));
     // The plugins kept serving throughout: placement is pushed, not restarted.
     assert_eq!(registrations(&c), before);
-    assert_eq!(c.daemon.log_text().matches("placement changed").count(), 6);
+    wait_for_sample(&addr, &usage, 0.0).await;
+    assert_eq!(metric(&addr, RELOADS_APPLIED), Some(2.0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -515,8 +521,10 @@ async fn a_pod_deleted_before_the_cache_knows_is_skipped_for_the_next() {
     c.kubelet.admit(&[(RES[0], 4)]).await.unwrap();
     let second = c.api.pod("default", "second").unwrap();
     assert_eq!(annotation(&second, "doslab.io/gpu-assigned"), Some("true"));
-    let log = c.daemon.log_text();
-    assert!(log.contains("pod went away while being served"), "{log}");
+    // "first" was served first: its ledger write found it gone.
+    let patches = "gpu_device_plugin_api_requests_total{verb=\"patch\"}";
+    let addr = http_addr(&c.daemon);
+    assert_eq!(metric(&addr, patches), Some(2.0), "{}", c.daemon.log_text());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -21,33 +21,6 @@ fn edit(daemon: &Daemon, version: u32, text: &str) {
     swap_configmap(daemon.config.parent().unwrap(), version, text).unwrap();
 }
 
-/// How many log lines contain `needle`.
-fn lines_with(daemon: &Daemon, needle: &str) -> usize {
-    daemon.log_text().matches(needle).count()
-}
-
-/// Waits until the log has `n` lines with `needle`.
-async fn wait_for_lines(daemon: &Daemon, needle: &str, n: usize) {
-    let deadline = Instant::now() + WAIT;
-    while lines_with(daemon, needle) < n {
-        assert!(
-            Instant::now() < deadline,
-            "no {n} `{needle}` lines:\n{}",
-            daemon.log_text()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-fn config_sha(addr: &str) -> String {
-    let (_, m) = http_get(addr, "/metrics");
-    let line = m
-        .lines()
-        .find(|l| l.starts_with("gpu_device_plugin_config_info{"))
-        .unwrap_or_else(|| panic!("no config_info:\n{m}"));
-    line.split('"').nth(1).unwrap().to_owned()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_configmap_edit_rolls_out_and_a_broken_one_is_refused_once() {
     let dir = tempfile::tempdir().unwrap();
@@ -98,19 +71,18 @@ async fn a_configmap_edit_rolls_out_and_a_broken_one_is_refused_once() {
     // A broken edit: refused once, however long it stays, and the old
     // config keeps serving.
     edit(&daemon, 3, "memory_unit_mib = 0\n");
-    wait_for_lines(&daemon, "reload refused", 1).await;
-    assert!(
-        daemon.log_text().contains("memory_unit_mib"),
-        "{}",
-        daemon.log_text()
-    );
+    wait_for_sample(&addr, RELOADS_REFUSED, 1.0).await;
+    // Why is told only in the log.
+    let log = daemon.log_text();
+    assert!(log.contains("memory_unit_mib"), "{log}");
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(
-        lines_with(&daemon, "reload refused"),
-        1,
+        metric(&addr, RELOADS_REFUSED),
+        Some(1.0),
         "{}",
         daemon.log_text()
     );
+    assert_eq!(metric(&addr, RELOADS_APPLIED), Some(1.0));
     assert_eq!(config_sha(&addr), digest(halved.as_bytes()));
     let (_, m) = http_get(&addr, "/metrics");
     let refused_at = sample(
@@ -150,7 +122,8 @@ async fn http_listen_moves_on_reload_or_is_refused_when_it_cannot() {
         2,
         &with_listen(&format!("http_listen = \"{taken_addr}\"")),
     );
-    wait_for_lines(&daemon, "reload refused", 1).await;
+    wait_for_sample(&old, RELOADS_REFUSED, 1.0).await;
+    // Why is told only in the log.
     let log = daemon.log_text();
     assert!(
         log.contains("http_listen") && log.contains(&taken_addr),
@@ -178,7 +151,8 @@ async fn http_listen_moves_on_reload_or_is_refused_when_it_cannot() {
         assert!(Instant::now() < deadline, "{old} still listens");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(lines_with(&daemon, "reload refused"), 1);
+    assert_eq!(metric(&new, RELOADS_REFUSED), Some(1.0));
+    wait_for_sample(&new, RELOADS_APPLIED, 1.0).await;
     drop(taken);
 }
 

@@ -10,6 +10,8 @@
 //! filter and prioritize read a snapshot, binds run one at a time.
 
 mod cluster;
+#[cfg(test)]
+mod cluster_tests;
 pub(crate) mod config;
 mod index;
 mod plan;

@@ -9,7 +9,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Patch, PatchParams};
 use kube::{Api, Client};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::watch;
@@ -20,14 +19,13 @@ use super::api::{
 };
 use super::cache::PodCache;
 use super::events::Events;
-use super::matching::{Ask, Decision, MatchError, decide, decide_with, deleting, record, usage};
+use super::matching::{Ask, Decision, MatchError, decide, decide_with, deleting, usage};
 use super::pods::{PodKey, PodView};
 use super::report::Withdrawn;
+use super::write::{self, WriteError};
 use crate::metrics::{Hold, Metrics};
 use crate::usage::{Inventory, Keys, Ledger};
 
-/// Pause between attempts at an API server that failed.
-const RETRY: Duration = Duration::from_millis(200);
 
 pub(crate) struct PodMatcher;
 
@@ -117,13 +115,6 @@ struct Written {
     /// next patch's precondition holds without a conflict and a re-read.
     before: HashSet<String>,
     after: String,
-}
-
-/// Why a ledger write did not land.
-enum WriteError {
-    /// The pod was deleted (or replaced by one of the same name).
-    Gone,
-    Unreachable(String),
 }
 
 impl MatcherState {
@@ -237,78 +228,26 @@ impl MatcherState {
         }
     }
 
-    /// Writes `d` into the pod's ledger with its resourceVersion as the
-    /// precondition; on a conflict, reads the pod again and merges.
+    /// Writes `d` into the pod's ledger ([`write::ledger`]) and keeps
+    /// what was written until the watch shows it.
     async fn write(
         &mut self,
-        mut view: PodView,
+        view: PodView,
         ask: &Ask,
         d: &Decision,
         deadline: Instant,
     ) -> Result<(), WriteError> {
         let api = self.pods(&d.pod.namespace);
-        let keys = &self.args.keys;
-        loop {
-            let mut after = view.clone();
-            record(&mut after.ledger, &self.args.node, ask, d);
-            let mut annotations =
-                serde_json::json!({ keys.ledger.as_str(): after.ledger.to_json() });
-            if after.complete() {
-                annotations[keys.assigned.as_str()] = "true".into();
-            }
-            let patch = serde_json::json!({
-                "metadata": { "resourceVersion": view.resource_version, "annotations": annotations }
-            });
-            let (params, patch) = (PatchParams::default(), Patch::Merge(&patch));
-            let patching = api.patch(&d.pod.name, &params, &patch);
-            let result = within(deadline, patching).await?;
-            self.args.metrics.count_api_request("patch");
-            let retry = match result {
-                Ok(pod) => {
-                    let w = self.written.entry(d.uid.clone()).or_insert(Written {
-                        ledger: Ledger::default(),
-                        before: HashSet::new(),
-                        after: String::new(),
-                    });
-                    w.ledger = after.ledger;
-                    w.before.insert(view.resource_version);
-                    w.after = pod.metadata.resource_version.unwrap_or_default();
-                    return Ok(());
-                }
-                Err(kube::Error::Api(s)) if s.code == 404 => return Err(WriteError::Gone),
-                Err(kube::Error::Api(s)) if s.code == 409 => None,
-                Err(e) => Some(e.to_string()),
-            };
-            if let Some(e) = &retry {
-                if Instant::now() >= deadline {
-                    return Err(WriteError::Unreachable(e.clone()));
-                }
-                tracing::warn!(pod = %d.pod, error = %e, "ledger write failed; retrying");
-                tokio::time::sleep(RETRY).await;
-            }
-            // Someone else wrote (the kubelet's status, a label), or our
-            // own write may have landed before the error: read and merge.
-            match within(deadline, api.get(&d.pod.name)).await? {
-                Ok(pod) => {
-                    self.args.metrics.count_api_request("get");
-                    let (fresh, _) = PodView::from_pod(keys, &pod);
-                    if fresh.uid != d.uid || !fresh.admitting && !fresh.live {
-                        return Err(WriteError::Gone);
-                    }
-                    let mut merged = fresh;
-                    merged.ledger.merge(&view.ledger);
-                    view = merged;
-                }
-                Err(kube::Error::Api(s)) if s.code == 404 => return Err(WriteError::Gone),
-                Err(e) if Instant::now() >= deadline => {
-                    return Err(WriteError::Unreachable(e.to_string()));
-                }
-                Err(e) => {
-                    tracing::warn!(pod = %d.pod, error = %e, "cannot read pod; retrying");
-                    tokio::time::sleep(RETRY).await;
-                }
-            }
-        }
+        let landed = write::ledger(&api, &self.args, view, ask, d, deadline).await?;
+        let w = self.written.entry(d.uid.clone()).or_insert(Written {
+            ledger: Ledger::default(),
+            before: HashSet::new(),
+            after: String::new(),
+        });
+        w.ledger = landed.ledger;
+        w.before.insert(landed.replaced);
+        w.after = landed.resource_version;
+        Ok(())
     }
 
     async fn prefer(&mut self, ask: &Ask, caller: Instant) -> Steer {
@@ -376,17 +315,6 @@ impl MatcherState {
         }
         Some(live)
     }
-}
-
-/// The client retries 503s and 429s by itself, for longer than an Allocate
-/// may wait: every call ends at the deadline.
-async fn within<T>(
-    deadline: Instant,
-    call: impl Future<Output = Result<T, kube::Error>>,
-) -> Result<Result<T, kube::Error>, WriteError> {
-    tokio::time::timeout_at(deadline.into(), call)
-        .await
-        .map_err(|_| WriteError::Unreachable("no answer before the deadline".into()))
 }
 
 impl Actor for PodMatcher {

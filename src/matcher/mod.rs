@@ -3,8 +3,8 @@
 //! format is the usage model's, [`crate::usage::Ledger`]).
 //!
 //! `matching` and `pods` are pure; `actor` does the I/O (pod cache, ledger
-//! patches) behind the handle in `api`, and hands its Events to `events`,
-//! whose task posts them.
+//! patches through `write`) behind the handle in `api`, and hands its
+//! Events to `events`, whose task posts them.
 
 mod actor;
 mod api;
@@ -13,6 +13,7 @@ mod events;
 pub mod matching;
 pub mod pods;
 pub mod report;
+mod write;
 
 pub(crate) use actor::{MatcherArgs, PodMatcher, READY_NAME};
 pub(crate) use api::{LiveContainer, MatcherError, MatcherHandle, MatcherMsg, Prepare, Steer};
@@ -20,3 +21,5 @@ pub(crate) use matching::Decision;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod write_tests;

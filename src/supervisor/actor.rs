@@ -224,6 +224,7 @@ impl Supervisor {
         child: Child,
         reason: &str,
     ) {
+        state.metrics.count_restart(&child.to_string());
         let failures = state.failures.entry(child).or_default();
         *failures += 1;
         let delay = restart_delay(*failures);
@@ -311,6 +312,7 @@ impl Supervisor {
         }
         Self::push_placements(state, true).await;
         state.publish_inventory();
+        state.metrics.count_reload(true);
         tracing::info!(
             resources = ?state.plan.models().map(|m| m.resource().name()).collect::<Vec<_>>(),
             "config reloaded"

@@ -319,6 +319,25 @@ pub fn sample(body: &str, series: &str) -> Option<f64> {
         .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
 }
 
+/// The value of `series` on `/metrics` at `addr` now.
+pub fn metric(addr: &str, series: &str) -> Option<f64> {
+    sample(&http_get(addr, "/metrics").1, series)
+}
+
+/// Config reloads the daemon applied, and those it refused.
+pub const RELOADS_APPLIED: &str = "gpu_device_plugin_config_reloads_total{result=\"applied\"}";
+pub const RELOADS_REFUSED: &str = "gpu_device_plugin_config_reloads_total{result=\"refused\"}";
+
+/// The SHA-256 of the config file serving now, from `/metrics`.
+pub fn config_sha(addr: &str) -> String {
+    let (_, m) = http_get(addr, "/metrics");
+    let line = m
+        .lines()
+        .find(|l| l.starts_with("gpu_device_plugin_config_info{"))
+        .unwrap_or_else(|| panic!("no config_info:\n{m}"));
+    line.split('"').nth(1).unwrap().to_owned()
+}
+
 /// Polls `/metrics` until `series` reads `value`.
 pub async fn wait_for_sample(addr: &str, series: &str, value: f64) {
     let deadline = std::time::Instant::now() + WAIT;
