@@ -522,7 +522,7 @@ fn gauge(family: &mut MetricEncoder, labels: &impl EncodeLabelSet, value: u64) -
 }
 
 /// A per-resource series: name, help, type, the resource's metric.
-type PerResource = (
+type ResourceSeries = (
     &'static str,
     &'static str,
     MetricType,
@@ -539,7 +539,7 @@ impl Scraped {
         let label = |resource: &str| ResourceLabels {
             resource: resource.to_owned(),
         };
-        let series: [PerResource; 7] = [
+        let series: [ResourceSeries; 7] = [
             (
                 "devices",
                 "Devices advertised to the kubelet.",

@@ -14,7 +14,7 @@ use gpu_device_plugin::api::{
     PreferredAllocationRequest, RegisterRequest,
 };
 use gpu_device_plugin::plugin::codec::MAX_CONTAINERS;
-use gpu_sim::kubelet::{Grant, merged_envs};
+use gpu_sim::kubelet::{AllocatedResource, merged_envs};
 use support::*;
 use tonic::Code;
 
@@ -346,7 +346,7 @@ async fn the_kubelet_stand_in_refuses_a_plugin_that_is_not_serving() {
 }
 
 /// The GPU of every grant of one container.
-fn gpus_of(grants: &[Grant]) -> BTreeSet<String> {
+fn gpus_of(grants: &[AllocatedResource]) -> BTreeSet<String> {
     grants
         .iter()
         .map(|g| g.response.envs["NVIDIA_VISIBLE_DEVICES"].clone())

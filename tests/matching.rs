@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use gpu_sim::apiserver::{ApiServerSim, PodContainer, admission_order};
-use gpu_sim::kubelet::Grant;
+use gpu_sim::kubelet::AllocatedResource;
 use gpu_sim::scheduler::Outcome;
 use serde_json::Value;
 use support::*;
@@ -115,7 +115,7 @@ impl Cluster {
         name: &str,
         containers: &[PodContainer],
         rng: &mut Lcg,
-    ) -> Result<BTreeMap<String, Vec<Grant>>, String> {
+    ) -> Result<BTreeMap<String, Vec<AllocatedResource>>, String> {
         let mut out = BTreeMap::new();
         for c in admission_order(containers) {
             let mut asks = c.asks();
@@ -179,7 +179,10 @@ fn annotation<'a>(pod: &'a Value, key: &str) -> Option<&'a str> {
 
 /// Every pod complete and assigned; every container on one GPU per its
 /// ledger and the kubelet's envs; no GPU over capacity; whole GPUs alone.
-fn check_invariants(api: &ApiServerSim, admitted: &BTreeMap<String, BTreeMap<String, Vec<Grant>>>) {
+fn check_invariants(
+    api: &ApiServerSim,
+    admitted: &BTreeMap<String, BTreeMap<String, Vec<AllocatedResource>>>,
+) {
     let mut mem = [0u64; GPUS];
     let mut core = [0u64; GPUS];
     let mut whole = [0u32; GPUS];
@@ -256,7 +259,7 @@ async fn burst(
     pods: usize,
     seed: u64,
     mut between: impl AsyncFnMut(&mut Cluster, usize),
-) -> BTreeMap<String, BTreeMap<String, Vec<Grant>>> {
+) -> BTreeMap<String, BTreeMap<String, Vec<AllocatedResource>>> {
     let mut rng = Lcg(seed);
     let specs: Vec<Vec<PodContainer>> = (0..pods).map(|i| random_pod(i, &mut rng)).collect();
     for (i, spec) in specs.iter().enumerate() {
@@ -634,7 +637,7 @@ async fn reusing_the_grants_of_two_init_containers_takes_an_id_they_share_once()
         .await
         .unwrap();
     assert_eq!(init2[0].device_ids, init1[0].device_ids);
-    let both: Vec<Grant> = init1.iter().chain(&init2).cloned().collect();
+    let both: Vec<AllocatedResource> = init1.iter().chain(&init2).cloned().collect();
     let app = c
         .kubelet
         .admit_reusing(&[(RES[2], 2)], &both)
@@ -1053,7 +1056,7 @@ async fn a_forged_ledger_blocks_nothing_and_a_garbled_one_frees_nothing() {
     let big = [container("app", false, [250, 0, 0])];
     c.api.add_pod("default", "big", NODE, &big, &[]);
     let granted = c.admit("big", &big, &mut rng).await.unwrap();
-    let gpu_of = |grants: &BTreeMap<String, Vec<Grant>>| {
+    let gpu_of = |grants: &BTreeMap<String, Vec<AllocatedResource>>| {
         grants["app"][0].response.envs["NVIDIA_VISIBLE_DEVICES"].clone()
     };
     let big_gpu = gpu_of(&granted);

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use gpu_sim::apiserver::{ApiServerSim, PodContainer};
 use gpu_sim::gpu_node::GpuNode;
-use gpu_sim::kubelet::{Grant, merged_envs, pod_containers};
+use gpu_sim::kubelet::{AllocatedResource, merged_envs, pod_containers};
 use gpu_sim::scheduler::{Outcome, SchedulerSim};
 use serde_json::Value;
 use support::*;
@@ -54,7 +54,13 @@ struct World {
 
 /// What a pod got from its node's kubelet: the node and each container's
 /// grants, or why it was refused.
-type Admitted = BTreeMap<String, (String, Result<BTreeMap<String, Vec<Grant>>, String>)>;
+type Admitted = BTreeMap<
+    String,
+    (
+        String,
+        Result<BTreeMap<String, Vec<AllocatedResource>>, String>,
+    ),
+>;
 
 impl World {
     async fn start() -> World {

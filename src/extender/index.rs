@@ -34,21 +34,21 @@ pub(crate) enum Gpus {
 /// is logged and counted failing closed, as on the node
 /// ([`crate::usage::pod_holdings`]): it never frees room.
 #[derive(Debug)]
-struct Held {
+struct PodRecord {
     node: Option<String>,
     containers: Vec<ContainerAsk>,
     ledger: Ledger,
     assignment: Assignment,
 }
 
-impl Held {
-    fn of(keys: &Keys, pod: &Pod) -> Held {
+impl PodRecord {
+    fn of(keys: &Keys, pod: &Pod) -> PodRecord {
         let records = Records::read(keys, pod);
         for g in records.garbled() {
             let (namespace, name) = pod_name(pod);
             tracing::warn!(pod = %format!("{namespace}/{name}"), error = %g, "garbled GPU record");
         }
-        Held {
+        PodRecord {
             node: node_of(pod).map(str::to_owned),
             containers: PodAsks::from_pod(keys, pod).containers,
             ledger: records.ledger,
@@ -70,7 +70,7 @@ pub(crate) enum Stage {
 
 #[derive(Debug)]
 struct Reservation {
-    held: Held,
+    held: PodRecord,
     stage: Stage,
     /// Every reservation ends by this time at the latest.
     until: Instant,
@@ -80,7 +80,7 @@ struct Reservation {
 pub struct Index {
     keys: Keys,
     nodes: HashMap<String, Gpus>,
-    pods: HashMap<PodName, Held>,
+    pods: HashMap<PodName, PodRecord>,
     /// Pods by `spec.nodeName`.
     by_node: HashMap<String, HashSet<PodName>>,
     /// Placements not yet seen bound: the pod as its bind will leave it
@@ -123,7 +123,7 @@ impl Index {
 
     /// The pods that hold GPUs of `node`: those the reflector shows there
     /// and the binds in flight to it.
-    fn held_on<'a>(&'a self, node: &'a str) -> impl Iterator<Item = (&'a PodName, &'a Held)> {
+    fn held_on<'a>(&'a self, node: &'a str) -> impl Iterator<Item = (&'a PodName, &'a PodRecord)> {
         let stored = self
             .by_node
             .get(node)
@@ -240,7 +240,7 @@ impl Index {
                 .or_default()
                 .insert(key.clone());
         }
-        self.pods.insert(key, Held::of(&self.keys, pod));
+        self.pods.insert(key, PodRecord::of(&self.keys, pod));
     }
 
     pub fn delete_pod(&mut self, key: &PodName) {
@@ -282,7 +282,7 @@ impl Index {
     /// pod's earlier reservation.
     pub(crate) fn reserve(&mut self, pod: Pod, stage: Stage, until: Instant) {
         let key = pod_name(&pod);
-        let held = Held::of(&self.keys, &pod);
+        let held = PodRecord::of(&self.keys, &pod);
         self.changing(&key.clone(), |ix| {
             ix.reserved.insert(key, Reservation { held, stage, until });
         });

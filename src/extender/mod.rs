@@ -57,7 +57,7 @@ const CHECK_SHARE: u32 = 4;
 /// dropped (kube-scheduler hung up at its `httpTimeout`, and axum dropped
 /// the handler), the reservation ends at once if no Binding was sent, or
 /// becomes a nomination that expires if one may have landed.
-struct Held<'a> {
+struct BindReservation<'a> {
     index: &'a RwLock<Index>,
     key: &'a PodName,
     ttl: Duration,
@@ -65,7 +65,7 @@ struct Held<'a> {
     settled: bool,
 }
 
-impl Drop for Held<'_> {
+impl Drop for BindReservation<'_> {
     fn drop(&mut self) {
         if self.settled {
             return;
@@ -254,7 +254,7 @@ impl<B: Binder> Extender<B> {
         // The writes stop early enough to leave time to check and undo.
         let writes_end = deadline - self.bind_timeout / CHECK_SHARE;
         let node = args.node.as_str();
-        let mut held = Held {
+        let mut held = BindReservation {
             index: &self.index,
             key,
             ttl: self.reservation_ttl,

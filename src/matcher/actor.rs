@@ -26,7 +26,6 @@ use super::write::{self, WriteError};
 use crate::metrics::{Hold, Metrics};
 use crate::usage::{Inventory, Keys, Ledger};
 
-
 pub(crate) struct PodMatcher;
 
 #[derive(Debug, Clone)]

@@ -29,7 +29,7 @@ struct Node {
 impl Node {
     /// `gpus`, of which `healthy`, holding `held`: per GPU, whole or the
     /// memory devices and core percent of its shared work.
-    fn new(gpus: Vec<Gpu>, healthy: &[bool], held: &[Held]) -> Node {
+    fn new(gpus: Vec<Gpu>, healthy: &[bool], held: &[GpuWork]) -> Node {
         let offer = config(&Resource::ALL, UNIT_MIB);
         let mut inv = Inventory::new(&gpus, &offer);
         let plan = Plan::new(offer, gpus).unwrap();
@@ -38,9 +38,9 @@ impl Node {
         for (g, info) in inv.gpus.iter_mut().enumerate() {
             info.healthy = healthy[g];
             let (mem, core, whole) = match held[g] {
-                Held::Nothing => (0, 0, false),
-                Held::Whole => (0, 0, true),
-                Held::Shared(mem, core) => (mem, core, false),
+                GpuWork::Nothing => (0, 0, false),
+                GpuWork::Whole => (0, 0, true),
+                GpuWork::Shared(mem, core) => (mem, core, false),
             };
             holdings.push(Holding {
                 gpus: vec![info.uuid.clone()],
@@ -136,7 +136,7 @@ impl Node {
 }
 
 #[derive(Debug, Clone, Copy)]
-enum Held {
+enum GpuWork {
     Nothing,
     Whole,
     /// Memory devices and core percent of shared work.
@@ -163,12 +163,14 @@ async fn the_node_and_the_extender_pick_the_same_gpus() {
             })
             .collect();
         let healthy: Vec<bool> = (0..n).map(|_| rng.u8(..100) >= 10).collect();
-        let held: Vec<Held> = gpus
+        let held: Vec<GpuWork> = gpus
             .iter()
             .map(|g| match rng.u8(..100) {
-                0..20 => Held::Whole,
-                20..55 => Held::Shared(1 + rng.u64(..g.memory_mib / UNIT_MIB), rng.u64(..=10) * 10),
-                _ => Held::Nothing,
+                0..20 => GpuWork::Whole,
+                20..55 => {
+                    GpuWork::Shared(1 + rng.u64(..g.memory_mib / UNIT_MIB), rng.u64(..=10) * 10)
+                }
+                _ => GpuWork::Nothing,
             })
             .collect();
         let node = Node::new(gpus, &healthy, &held);
@@ -213,7 +215,7 @@ async fn whole_gpus_stay_on_one_numa_node_on_both_sides() {
     let gpus = (0..4)
         .map(|i| gpu(i, 8192, Some(numa[i as usize])))
         .collect();
-    let node = Node::new(gpus, &[true; 4], &[Held::Nothing; 4]);
+    let node = Node::new(gpus, &[true; 4], &[GpuWork::Nothing; 4]);
     assert_eq!(node.extender([0, 0, 2]), Some(vec![0, 3]));
     assert_eq!(node.node(Resource::GpuCount, 2, [0, 0, 2]), [0, 3]);
     assert_eq!(node.node_by_ids(2).await, [0, 3]);

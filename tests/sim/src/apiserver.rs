@@ -172,19 +172,19 @@ impl Inner {
 }
 
 #[derive(Clone)]
-struct Shared {
+struct ApiState {
     inner: Arc<Mutex<Inner>>,
     changes: broadcast::Sender<u64>,
 }
 
-impl Shared {
+impl ApiState {
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().expect("api sim lock poisoned")
     }
 }
 
 pub struct ApiServerSim {
-    shared: Shared,
+    shared: ApiState,
     addr: SocketAddr,
     task: JoinHandle<()>,
 }
@@ -374,7 +374,7 @@ fn in_collection(
         && selected(object, q.get("fieldSelector"))
 }
 
-async fn serve(shared: Shared, req: Request<Body>) -> Response<Body> {
+async fn serve(shared: ApiState, req: Request<Body>) -> Response<Body> {
     let path: Vec<String> = req
         .uri()
         .path()
@@ -570,7 +570,7 @@ fn invalid_event(name: &str, errors: &[String]) -> Response<Body> {
 
 /// `events.k8s.io/v1` create: validated, named from its generateName if it
 /// has no name, stored.
-fn create_event(shared: &Shared, ns: &str, mut event: Value) -> Response<Body> {
+fn create_event(shared: &ApiState, ns: &str, mut event: Value) -> Response<Body> {
     let meta_ns = &event["metadata"]["namespace"];
     if !meta_ns.is_null() && meta_ns != ns {
         return status(
@@ -610,7 +610,7 @@ fn create_event(shared: &Shared, ns: &str, mut event: Value) -> Response<Body> {
 /// `events.k8s.io/v1` merge patch (a repeat's series): what the Event says
 /// and whom it is about may not change.
 fn patch_event(
-    shared: &Shared,
+    shared: &ApiState,
     (ns, name): (&str, &str),
     content_type: &str,
     patch: &Value,
@@ -671,7 +671,7 @@ fn patch_event(
     json_response(StatusCode::OK, &event)
 }
 
-fn patch_object(shared: &Shared, key: Key, content_type: &str, patch: &Value) -> Response<Body> {
+fn patch_object(shared: &ApiState, key: Key, content_type: &str, patch: &Value) -> Response<Body> {
     let mut inner = shared.lock();
     if key.0 == Kind::Pod && inner.faults.conflicts > 0 && inner.objects.contains_key(&key) {
         // Someone else (the kubelet's status manager) writes first.
@@ -719,7 +719,7 @@ fn patch_object(shared: &Shared, key: Key, content_type: &str, patch: &Value) ->
 
 /// `pods/<name>/binding`: sets the pod's node once, as the API server
 /// does; a pod already bound, or a binding for another uid, is a conflict.
-fn bind(shared: &Shared, key: Key, binding: &Value) -> Response<Body> {
+fn bind(shared: &ApiState, key: Key, binding: &Value) -> Response<Body> {
     let mut inner = shared.lock();
     let Some(pod) = inner.get(&key).cloned() else {
         return status(
@@ -771,7 +771,7 @@ fn bind(shared: &Shared, key: Key, binding: &Value) -> Response<Body> {
 /// that comes into the selection is ADDED and one that leaves it DELETED,
 /// as a real API server reports it.
 async fn watch(
-    shared: Shared,
+    shared: ApiState,
     kind: Kind,
     ns: Option<String>,
     q: BTreeMap<String, String>,
@@ -914,7 +914,7 @@ fn pod_object(
 impl ApiServerSim {
     pub async fn start() -> std::io::Result<ApiServerSim> {
         let (changes, _) = broadcast::channel(1024);
-        let shared = Shared {
+        let shared = ApiState {
             inner: Arc::default(),
             changes,
         };

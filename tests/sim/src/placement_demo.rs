@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use crate::apiserver::{ApiServerSim, PodContainer};
 use crate::demo::{DemoError, InProcess};
 use crate::gpu_node::GpuNode;
-use crate::kubelet::{Grant, KubeletSim};
+use crate::kubelet::{AllocatedResource, KubeletSim};
 use crate::scheduler::{ExtenderConfig, Outcome, SchedulerConfig, SchedulerSim};
 use gpu_device_plugin::config::Config;
 use serde::Deserialize;
@@ -79,7 +79,7 @@ struct Node {
 /// its kubelet's admission (each container's grants, or the refusal).
 struct Placed {
     outcome: Outcome,
-    admitted: Option<Result<BTreeMap<String, Vec<Grant>>, String>>,
+    admitted: Option<Result<BTreeMap<String, Vec<AllocatedResource>>, String>>,
 }
 
 struct Cluster {

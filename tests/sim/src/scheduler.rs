@@ -198,7 +198,7 @@ type Http =
 
 /// What the scheduling loop and its background binds share.
 #[derive(Default)]
-struct Shared {
+struct LoopState {
     backoff: HashMap<String, Backoff>,
     outcomes: BTreeMap<String, Outcome>,
     /// Pods chosen a node whose bind has not been seen done: counted on
@@ -211,12 +211,12 @@ struct Scheduler {
     config: SchedulerConfig,
     client: Client,
     http: Http,
-    shared: Arc<Mutex<Shared>>,
+    shared: Arc<Mutex<LoopState>>,
     rng: u64,
 }
 
 pub struct SchedulerSim {
-    shared: Arc<Mutex<Shared>>,
+    shared: Arc<Mutex<LoopState>>,
     task: JoinHandle<()>,
 }
 
@@ -226,7 +226,7 @@ impl SchedulerSim {
         let client = gpu_device_plugin::kube_client::from_kubeconfig(kubeconfig, "kubeconfig")
             .await
             .map_err(|e| e.to_string())?;
-        let shared: Arc<Mutex<Shared>> = Arc::default();
+        let shared: Arc<Mutex<LoopState>> = Arc::default();
         let http =
             hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
                 .build_http();
@@ -258,14 +258,14 @@ impl SchedulerSim {
     }
 }
 
-fn lock(shared: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
+fn lock(shared: &Mutex<LoopState>) -> std::sync::MutexGuard<'_, LoopState> {
     shared.lock().expect("scheduler stand-in state poisoned")
 }
 
 /// Records the end of an attempt on `k`: bound to `node`, or failed (and
 /// backed off) with `error`.
 fn settle(
-    shared: &Mutex<Shared>,
+    shared: &Mutex<LoopState>,
     config: &SchedulerConfig,
     k: &str,
     result: Result<String, String>,

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use super::{Grant, KubeletSim, SimState};
+use super::{AllocatedResource, KubeletSim, SimState};
 use crate::apiserver::{ApiServerSim, PodContainer, admission_order};
 use gpu_device_plugin::device::Resource;
 use gpu_device_plugin::usage::quantity::parse_count;
@@ -26,7 +26,7 @@ pub struct Admission {
     pub(crate) namespace: String,
     pub name: String,
     /// Each container's grants, or why the pod was refused.
-    pub result: Result<BTreeMap<String, Vec<Grant>>, String>,
+    pub result: Result<BTreeMap<String, Vec<AllocatedResource>>, String>,
 }
 
 /// A pod's containers with their `doslab.io/…` limits, as the API server
@@ -69,7 +69,9 @@ fn finished(pod: &Value) -> bool {
 }
 
 /// Every device ID of `grants`, per resource.
-fn devices<'a>(grants: impl IntoIterator<Item = &'a Grant>) -> BTreeMap<String, BTreeSet<String>> {
+fn devices<'a>(
+    grants: impl IntoIterator<Item = &'a AllocatedResource>,
+) -> BTreeMap<String, BTreeSet<String>> {
     let mut out: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     for g in grants {
         out.entry(g.resource.clone())
@@ -155,13 +157,13 @@ impl KubeletSim {
     pub(crate) async fn admit_pod(
         &self,
         containers: &[PodContainer],
-    ) -> Result<BTreeMap<String, Vec<Grant>>, String> {
+    ) -> Result<BTreeMap<String, Vec<AllocatedResource>>, String> {
         let mut reusable: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-        let mut out: BTreeMap<String, Vec<Grant>> = BTreeMap::new();
+        let mut out: BTreeMap<String, Vec<AllocatedResource>> = BTreeMap::new();
         for c in admission_order(containers) {
-            let pool: Vec<Grant> = reusable
+            let pool: Vec<AllocatedResource> = reusable
                 .iter()
-                .map(|(resource, ids)| Grant {
+                .map(|(resource, ids)| AllocatedResource {
                     resource: resource.clone(),
                     device_ids: ids.iter().cloned().collect(),
                     response: Default::default(),

@@ -49,7 +49,7 @@ pub struct ResourceView {
 
 /// One resource's grant in an admitted container.
 #[derive(Debug, Clone)]
-pub struct Grant {
+pub struct AllocatedResource {
     pub resource: String,
     pub device_ids: Vec<String>,
     pub response: ContainerAllocateResponse,
@@ -81,13 +81,13 @@ struct SimState {
     generations: u64,
 }
 
-struct Shared {
+struct KubeletState {
     state: Mutex<SimState>,
     /// Bumped on every change, so waiters wake.
     version: watch::Sender<u64>,
 }
 
-impl Shared {
+impl KubeletState {
     fn update<T>(&self, f: impl FnOnce(&mut SimState) -> T) -> T {
         let out = f(&mut self.state.lock().expect("kubelet sim lock poisoned"));
         self.version.send_modify(|v| *v += 1);
@@ -102,7 +102,7 @@ pub(crate) const CHECKPOINT: &str = "kubelet_internal_checkpoint";
 
 pub struct KubeletSim {
     dir: PathBuf,
-    shared: Arc<Shared>,
+    shared: Arc<KubeletState>,
     server: Option<(oneshot::Sender<()>, JoinHandle<()>)>,
     order: Mutex<ResourceOrder>,
 }
@@ -141,7 +141,7 @@ impl ResourceOrder {
 impl KubeletSim {
     /// Starts serving `<dir>/kubelet.sock`.
     pub fn start(dir: &Path) -> std::io::Result<KubeletSim> {
-        let shared = Arc::new(Shared {
+        let shared = Arc::new(KubeletState {
             state: Mutex::new(SimState::default()),
             version: watch::channel(0).0,
         });
@@ -279,7 +279,10 @@ impl KubeletSim {
     /// Admits one container asking `amount` devices of each resource, in the
     /// order given, as the kubelet's device manager does. On any failure the
     /// container's devices are released and the error text returned.
-    pub async fn admit(&self, requests: &[(impl AsRef<str>, usize)]) -> Result<Vec<Grant>, String> {
+    pub async fn admit(
+        &self,
+        requests: &[(impl AsRef<str>, usize)],
+    ) -> Result<Vec<AllocatedResource>, String> {
         self.admit_reusing(requests, &[]).await
     }
 
@@ -291,9 +294,9 @@ impl KubeletSim {
     pub async fn admit_reusing(
         &self,
         requests: &[(impl AsRef<str>, usize)],
-        reusable: &[Grant],
-    ) -> Result<Vec<Grant>, String> {
-        let mut grants: Vec<Grant> = Vec::new();
+        reusable: &[AllocatedResource],
+    ) -> Result<Vec<AllocatedResource>, String> {
+        let mut grants: Vec<AllocatedResource> = Vec::new();
         // Only what this container took fresh goes back on a failure: reused
         // IDs stay with the init container.
         let mut fresh: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
@@ -331,7 +334,7 @@ impl KubeletSim {
         resource: &str,
         amount: usize,
         reused: Vec<String>,
-    ) -> Result<(Grant, Vec<String>), String> {
+    ) -> Result<(AllocatedResource, Vec<String>), String> {
         let (mut client, options) = {
             let state = self.shared.state.lock().expect("kubelet sim lock poisoned");
             let e = state
@@ -410,7 +413,7 @@ impl KubeletSim {
                 .extend(chosen.iter().cloned());
         });
         Ok((
-            Grant {
+            AllocatedResource {
                 resource: resource.to_owned(),
                 device_ids: chosen,
                 response,
@@ -428,7 +431,7 @@ impl KubeletSim {
 }
 
 /// The container's envs as the kubelet merges them: first value wins.
-pub fn merged_envs(grants: &[Grant]) -> BTreeMap<String, String> {
+pub fn merged_envs(grants: &[AllocatedResource]) -> BTreeMap<String, String> {
     let mut envs = BTreeMap::new();
     for g in grants {
         for (k, v) in &g.response.envs {

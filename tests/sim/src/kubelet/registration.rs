@@ -8,14 +8,14 @@ use std::time::Duration;
 use prost::Message;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::{Endpoint, MAX_MESSAGE_BYTES, Shared};
+use super::{Endpoint, KubeletState, MAX_MESSAGE_BYTES};
 use gpu_device_plugin::api::device_plugin_client::DevicePluginClient;
 use gpu_device_plugin::api::registration_server::Registration;
 use gpu_device_plugin::api::{Empty, ListAndWatchResponse, RegisterRequest};
 
 pub(crate) struct RegistrationService {
     pub(crate) dir: PathBuf,
-    pub(crate) shared: Arc<Shared>,
+    pub(crate) shared: Arc<KubeletState>,
 }
 
 /// The kubelet's rule for an extended resource name.
@@ -115,7 +115,7 @@ impl Registration for RegistrationService {
 }
 
 async fn read_stream(
-    shared: Arc<Shared>,
+    shared: Arc<KubeletState>,
     name: String,
     generation: u64,
     mut stream: Streaming<ListAndWatchResponse>,
