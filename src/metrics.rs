@@ -362,7 +362,9 @@ impl Default for Metrics {
         let config_reloads = Family::<ReloadLabels, Counter>::default();
         // Both outcomes from the start, so "none applied" reads 0, not absent.
         for result in ["applied", "refused"] {
-            config_reloads.get_or_create(&ReloadLabels { result });
+            config_reloads
+                .get_or_create(&ReloadLabels { result })
+                .inc_by(0);
         }
         let child_restarts = Family::default();
         let build = Family::<BuildLabels, Gauge>::default();

@@ -10,9 +10,9 @@ use kube::Api;
 use kube::api::{Patch, PatchParams};
 
 use super::actor::MatcherArgs;
-use super::ledger::Ledger;
 use super::matching::{Ask, Decision, record};
 use super::pods::PodView;
+use crate::usage::Ledger;
 
 /// Pause between attempts at an API server that failed.
 const RETRY: Duration = Duration::from_millis(200);

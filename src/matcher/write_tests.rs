@@ -11,13 +11,13 @@ use kube::Api;
 use serde_json::{Value, json};
 
 use super::actor::MatcherArgs;
-use super::ledger::ids_digest;
 use super::matching::{Ask, Decision};
 use super::pods::{PodKey, PodView};
 use super::write::{self, Landed, WriteError};
 use crate::device::{Gpu, Offer, Resource, Units};
 use crate::metrics::Metrics;
 use crate::mock_api::{self, MockApi, status};
+use crate::usage::ids_digest;
 use crate::usage::{Inventory, Keys};
 
 const POD: &str = "/api/v1/namespaces/default/pods/p";
