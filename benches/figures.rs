@@ -76,7 +76,7 @@ fn wire_figures() {
     println!("8 x 80 GB at 1 MiB: {err}");
 
     // The plugin's own work per call, without transport: protobuf decode
-    // of the request, ID decode, packing, and the response's encoding.
+    // of the request, ID decode, the GPU choice, and the response's encoding.
     let mut ids: Vec<String> = Vec::new();
     m.for_each_id(|_, id| ids.push(id.to_owned()));
     ids.sort(); // the kubelet lists them in string order

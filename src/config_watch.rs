@@ -43,7 +43,7 @@ fn current(path: &Path) -> Option<String> {
     std::fs::read(path).ok().map(|b| digest(&b))
 }
 
-struct State {
+struct FileWatch {
     path: PathBuf,
     last: Option<String>,
     events: mpsc::UnboundedReceiver<()>,
@@ -66,7 +66,7 @@ pub fn watch(path: &Path) -> notify::Result<impl Stream<Item = Control> + Unpin 
     watcher.watch(&dir, RecursiveMode::NonRecursive)?;
     let mut poll = tokio::time::interval(POLL);
     poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let state = State {
+    let state = FileWatch {
         last: current(path),
         path: path.to_path_buf(),
         events,
@@ -76,7 +76,7 @@ pub fn watch(path: &Path) -> notify::Result<impl Stream<Item = Control> + Unpin 
     Ok(Box::pin(futures::stream::unfold(state, next)))
 }
 
-async fn next(mut s: State) -> Option<(Control, State)> {
+async fn next(mut s: FileWatch) -> Option<(Control, FileWatch)> {
     loop {
         tokio::select! {
             event = s.events.recv() => {

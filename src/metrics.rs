@@ -35,8 +35,6 @@ use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-use crate::plugin::OpenStreams;
-
 /// Every series' name starts with it.
 const PREFIX: &str = "gpu_device_plugin";
 
@@ -182,9 +180,19 @@ pub(crate) struct ResourceMetrics {
     list_bytes: Level,
     allocate: RpcMetrics,
     preferred: RpcMetrics,
-    /// The running plugin's open ListAndWatch streams; it hands them over
-    /// at start ([`ResourceMetrics::read_streams`]).
-    streams: RwLock<OpenStreams>,
+    /// How many ListAndWatch streams the running plugin has open: the
+    /// plugin owns the count and hands over how to read it at start
+    /// ([`ResourceMetrics::read_streams`]); none open until then.
+    streams: RwLock<Option<StreamCount>>,
+}
+
+/// Reads a plugin's open-stream count (the plugin owns it).
+struct StreamCount(Box<dyn Fn() -> usize + Send + Sync>);
+
+impl fmt::Debug for StreamCount {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "StreamCount({})", (self.0)())
+    }
 }
 
 impl ResourceMetrics {
@@ -220,12 +228,16 @@ impl ResourceMetrics {
     }
 
     /// Reads the open streams of a plugin that just started from now on.
-    pub(crate) fn read_streams(&self, streams: OpenStreams) {
-        *self.streams.write().expect("metrics lock") = streams;
+    pub(crate) fn read_streams(&self, count: impl Fn() -> usize + Send + Sync + 'static) {
+        *self.streams.write().expect("metrics lock") = Some(StreamCount(Box::new(count)));
     }
 
     fn open_streams(&self) -> usize {
-        self.streams.read().expect("metrics lock").count()
+        self.streams
+            .read()
+            .expect("metrics lock")
+            .as_ref()
+            .map_or(0, |count| (count.0)())
     }
 
     /// Registered with the kubelet and streaming to it.
@@ -758,6 +770,7 @@ impl Collector for Scraped {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
     /// The sample lines' series names (the name up to its labels).
     fn series_names(text: &str) -> std::collections::BTreeSet<&str> {
@@ -900,18 +913,20 @@ mod tests {
     fn a_resource_is_ready_while_registered_with_a_stream_open() {
         let metrics = Metrics::default();
         let m = metrics.resource("doslab.io/gpu-memory");
-        let streams = OpenStreams::default();
-        m.read_streams(streams.clone());
+        assert!(!metrics.not_ready().is_empty(), "no plugin yet");
+        let streams = Arc::new(AtomicUsize::new(0));
+        let open = streams.clone();
+        m.read_streams(move || open.load(Ordering::SeqCst));
         m.set_registered(true);
         assert!(!metrics.not_ready().is_empty(), "no stream yet");
-        let stream = streams.guard();
+        streams.store(1, Ordering::SeqCst);
         assert!(metrics.not_ready().is_empty());
         assert!(
             metrics
                 .render()
                 .contains("gpu_device_plugin_list_streams{resource=\"doslab.io/gpu-memory\"} 1\n")
         );
-        drop(stream);
+        streams.store(0, Ordering::SeqCst);
         assert!(!metrics.not_ready().is_empty(), "the kubelet dropped it");
     }
 

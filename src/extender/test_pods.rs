@@ -1,8 +1,10 @@
 //! Pods and nodes as the API server stores them, for the extender's unit
 //! tests: a pod asking devices per container, a node publishing its GPUs'
 //! inventory as the node daemon does. (The integration tests build theirs
-//! with the stand-ins in gpu-sim; a unit test cannot link those without a
-//! second copy of this crate, whose types would not be these.)
+//! with the stand-ins in gpu-sim; a unit test that handed gpu-sim's pods to
+//! this crate's functions could not: gpu-sim links a second copy of this
+//! crate, whose types are not these. The few in-process tests that use
+//! gpu-sim only share a socket or a kubeconfig file with it.)
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde_json::{Value, json};

@@ -680,7 +680,8 @@ impl Actor for PluginActor {
             follower: None,
             streams: OpenStreams::default(),
         };
-        state.args.metrics.read_streams(state.streams.clone());
+        let streams = state.streams.clone();
+        state.args.metrics.read_streams(move || streams.count());
         state.follow(&myself);
         state.server = Some(Self::start_server(&state)?);
         Self::first_registration(&myself, &mut state, settle_until, held_by)?;

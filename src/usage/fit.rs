@@ -74,6 +74,10 @@ pub(crate) fn whole_gpus(
     first: &[usize],
     n: usize,
 ) -> Vec<usize> {
+    // Most pods ask no whole GPU: the filter runs this for every node.
+    if n == 0 {
+        return Vec::new();
+    }
     let mut free: Vec<usize> = Vec::new();
     for g in first.iter().copied().chain(0..inv.gpus.len()) {
         if free_of_work(inv, usage, g) && !free.contains(&g) {

@@ -177,8 +177,8 @@ impl Quantity {
     }
 
     /// Thousandths of the quantity, rounded up (apimachinery's
-    /// `MilliValue`); `None` past `i128`. Only the scheduler stand-in
-    /// weighs CPU and memory requests.
+    /// `MilliValue`, what kube-scheduler weighs CPU and memory requests
+    /// by); `None` past `i128`.
     pub fn milli(&self) -> Option<i128> {
         let e = self.exponent.checked_add(3)?;
         let m = i128::try_from(self.mantissa).ok()?;

@@ -19,7 +19,10 @@
 //!   node. The node's GetPreferredAllocation, the extender's fit and the
 //!   pod matcher (for a container whose share rides inside whole GPUs) all
 //!   choose whole GPUs by it (the last two through
-//!   [`super::whole_gpus`]), so they agree.
+//!   [`super::whole_gpus`]), so they agree. Only when that choice leaves a
+//!   pod's shared containers no room does the fit's bounded search go on to
+//!   the other sets of free GPUs (smallest first); the node then follows
+//!   the pod's assignment, so the two still agree.
 //!
 //! A preferred candidate (the pod's own GPU, the kubelet's must-include)
 //! comes first under every order; ties go to the lowest GPU index. The

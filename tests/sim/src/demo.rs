@@ -139,7 +139,7 @@ async fn one_node() -> Result<String, DemoError> {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "gpu-device-plugin demo: mock GPUs, simulated kubelet and API server, no cluster"
+        "gpu-sim demo: the daemon on mock GPUs, simulated kubelet and API server, no cluster"
     );
     let _ = writeln!(out, "device-plugin dir: {}\n", dir.path().display());
 
