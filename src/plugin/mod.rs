@@ -25,6 +25,6 @@ mod response;
 mod same_choice;
 pub(crate) mod service;
 
-pub(crate) use actor::{OpenStreams, PluginActor, PluginArgs, PluginMsg, SETTLE};
+pub(crate) use actor::{PluginActor, PluginArgs, PluginMsg, SETTLE};
 pub(crate) use pairing::PairingBook;
 pub(crate) use placement::Placement;
