@@ -28,6 +28,14 @@ pub(crate) struct Received {
     pub(crate) body: Value,
 }
 
+/// The body of a merge patch that sets `annotations` on an object whose
+/// resourceVersion must still be `resource_version`.
+pub(crate) fn annotations_patch(resource_version: &str, annotations: Value) -> Value {
+    serde_json::json!({
+        "metadata": { "annotations": annotations, "resourceVersion": resource_version },
+    })
+}
+
 /// A `Status` object as the API server answers a failure with `code`.
 pub(crate) fn status(code: u16, reason: &str) -> Value {
     serde_json::json!({
@@ -74,6 +82,22 @@ impl MockApi {
             .expect("a response");
         reply.send_response(response);
         Received { content_type, body }
+    }
+
+    /// Takes the next request, asserts it is a JSON merge patch of `uri`,
+    /// and answers `code` with `answer`.
+    pub(crate) async fn expect_merge_patch(
+        &mut self,
+        uri: &str,
+        code: u16,
+        answer: Value,
+    ) -> Received {
+        let patch = self.expect(Method::PATCH, uri, code, answer).await;
+        assert_eq!(
+            patch.content_type.as_deref(),
+            Some("application/merge-patch+json")
+        );
+        patch
     }
 
     /// Asserts that no further request comes.

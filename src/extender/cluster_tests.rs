@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 
 use super::wire::ExtenderBindingArgs;
 use super::{Extender, ExtenderConfig, Index, KubeBinder};
-use crate::mock_api::{self, MockApi, status};
+use crate::mock_api::{self, MockApi, annotations_patch, status};
 
 const POD: &str = "/api/v1/namespaces/ns/pods/p";
 const PATCH: &str = "/api/v1/namespaces/ns/pods/p?";
@@ -114,7 +114,7 @@ async fn expect_patch(
     code: u16,
     answer: Value,
 ) {
-    let mut patch = api.expect(Method::PATCH, PATCH, code, answer).await;
+    let mut patch = api.expect_merge_patch(PATCH, code, answer).await;
     let assumed = &mut patch.body["metadata"]["annotations"][ASSUME_TIME];
     if let Some(nanos) = assumed.as_str() {
         let nanos: u128 = nanos.parse().expect("nanoseconds");
@@ -123,14 +123,7 @@ async fn expect_patch(
         assert!(ago.is_some_and(|ns| ns < 60_000_000_000), "{nanos}");
         *assumed = "now".into();
     }
-    assert_eq!(
-        patch.content_type.as_deref(),
-        Some("application/merge-patch+json")
-    );
-    let want = json!({
-        "metadata": { "annotations": annotations, "resourceVersion": resource_version },
-    });
-    assert_eq!(patch.body, want);
+    assert_eq!(patch.body, annotations_patch(resource_version, annotations));
 }
 
 #[tokio::test]

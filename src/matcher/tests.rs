@@ -13,12 +13,20 @@ use crate::usage::{Assignment, ContainerAsk, Inventory, Keys, Ledger, ids_digest
 
 /// Two GPUs of 1000 MiB, 1 MiB and 1 % per device.
 fn node() -> Inventory {
-    let gpu = |uuid: &str, index| Gpu {
-        uuid: uuid.into(),
-        memory_mib: 1000,
-        index,
-        numa_node: None,
-    };
+    gpus_of_1000_mib(&["GPU-a", "GPU-b"])
+}
+
+/// GPUs `uuids` of 1000 MiB each, 1 MiB and 1 % per device.
+pub(super) fn gpus_of_1000_mib(uuids: &[&str]) -> Inventory {
+    let gpus: Vec<Gpu> = (0..)
+        .zip(uuids)
+        .map(|(index, uuid)| Gpu {
+            uuid: (*uuid).into(),
+            memory_mib: 1000,
+            index,
+            numa_node: None,
+        })
+        .collect();
     let offer = Offer {
         resources: Resource::ALL.to_vec(),
         units: Units {
@@ -26,7 +34,7 @@ fn node() -> Inventory {
             cores_per_gpu: 100,
         },
     };
-    Inventory::new(&[gpu("GPU-a", 0), gpu("GPU-b", 1)], &offer)
+    Inventory::new(&gpus, &offer)
 }
 
 fn container(name: &str, mem: u64, core: u64, count: u64) -> ContainerAsk {

@@ -13,12 +13,13 @@ use serde_json::{Value, json};
 use super::actor::MatcherArgs;
 use super::matching::{Ask, Decision};
 use super::pods::{PodKey, PodView};
+use super::tests::gpus_of_1000_mib;
 use super::write::{self, Landed, WriteError};
-use crate::device::{Gpu, Offer, Resource, Units};
+use crate::device::Resource;
 use crate::metrics::Metrics;
-use crate::mock_api::{self, MockApi, status};
+use crate::mock_api::{self, MockApi, annotations_patch, status};
+use crate::usage::Keys;
 use crate::usage::ids_digest;
-use crate::usage::{Inventory, Keys};
 
 const POD: &str = "/api/v1/namespaces/default/pods/p";
 const PATCH: &str = "/api/v1/namespaces/default/pods/p?";
@@ -26,22 +27,9 @@ const LEDGER: &str = "doslab.io/gpu-ledger";
 
 /// Node `n` with one GPU of 1000 MiB, 1 MiB a device.
 fn args() -> MatcherArgs {
-    let gpu = Gpu {
-        uuid: "GPU-a".into(),
-        memory_mib: 1000,
-        index: 0,
-        numa_node: None,
-    };
-    let offer = Offer {
-        resources: Resource::ALL.to_vec(),
-        units: Units {
-            memory_unit_mib: 1,
-            cores_per_gpu: 100,
-        },
-    };
     MatcherArgs {
         node_name: "n".into(),
-        node: Inventory::new(&[gpu], &offer),
+        node: gpus_of_1000_mib(&["GPU-a"]),
         keys: Keys::new("doslab.io"),
         wait: Duration::from_secs(1),
         kubeconfig: Default::default(),
@@ -128,15 +116,8 @@ async fn expect_patch(
     code: u16,
     answer: Value,
 ) {
-    let patch = api.expect(Method::PATCH, PATCH, code, answer).await;
-    assert_eq!(
-        patch.content_type.as_deref(),
-        Some("application/merge-patch+json")
-    );
-    let want = json!({
-        "metadata": { "resourceVersion": resource_version, "annotations": annotations },
-    });
-    assert_eq!(patch.body, want);
+    let patch = api.expect_merge_patch(PATCH, code, answer).await;
+    assert_eq!(patch.body, annotations_patch(resource_version, annotations));
 }
 
 /// Runs the write with `scenario` answering; returns its result.
