@@ -191,7 +191,6 @@ pub async fn run(
         }
         if let Err(e) = serving.reload(control, &supervisor).await {
             serving.metrics.config_refused();
-            serving.metrics.count_reload(false);
             tracing::error!(error = %e, "reload refused; still serving the previous config");
         }
     }

@@ -433,9 +433,12 @@ impl Metrics {
         self.api_requests.get_or_create(&VerbLabels { verb }).inc();
     }
 
-    /// A config reload was applied, or refused (the loaded one serves on).
-    pub(crate) fn count_reload(&self, applied: bool) {
-        let result = if applied { "applied" } else { "refused" };
+    /// A config reload was applied: every child runs on the new config.
+    pub(crate) fn config_applied(&self) {
+        self.count_reload("applied");
+    }
+
+    fn count_reload(&self, result: &'static str) {
         self.config_reloads
             .get_or_create(&ReloadLabels { result })
             .inc();
@@ -460,6 +463,7 @@ impl Metrics {
     /// A reload was refused; the loaded config keeps serving.
     pub(crate) fn config_refused(&self) {
         self.scraped.config.lock().expect("metrics lock").refused_at = now_unix();
+        self.count_reload("refused");
     }
 
     /// Every GPU's usage, replacing the last (empty: none known).
@@ -794,7 +798,7 @@ mod tests {
             .record(Duration::from_millis(1), Some("unknown_id"));
         metrics.set_pod_cache(2);
         metrics.count_api_request("patch");
-        metrics.count_reload(true);
+        metrics.config_applied();
         metrics.count_restart("pod matcher");
         metrics.config_loaded("abc".into());
         metrics.set_gpu_status(vec![GpuStatus {
@@ -933,9 +937,9 @@ mod tests {
     #[test]
     fn reloads_and_restarts_are_counted_by_result_and_child() {
         let metrics = Metrics::default();
-        metrics.count_reload(true);
-        metrics.count_reload(false);
-        metrics.count_reload(false);
+        metrics.config_applied();
+        metrics.config_refused();
+        metrics.config_refused();
         metrics.count_restart("pod matcher");
         let text = metrics.render();
         for line in [

@@ -312,7 +312,7 @@ impl Supervisor {
         }
         Self::push_placements(state, true).await;
         state.publish_inventory();
-        state.metrics.count_reload(true);
+        state.metrics.config_applied();
         tracing::info!(
             resources = ?state.plan.models().map(|m| m.resource().name()).collect::<Vec<_>>(),
             "config reloaded"
