@@ -189,6 +189,16 @@ pub struct ApiServerSim {
     task: JoinHandle<()>,
 }
 
+/// A request's JSON body (at most `limit` bytes), or the 400 the API
+/// server answers when it is not JSON.
+async fn json_body(req: Request<Body>, limit: usize) -> Result<Value, Response<Body>> {
+    let body = axum::body::to_bytes(req.into_body(), limit)
+        .await
+        .unwrap_or_default();
+    serde_json::from_slice(&body)
+        .map_err(|_| status(StatusCode::BAD_REQUEST, "BadRequest", "not JSON"))
+}
+
 fn status(code: StatusCode, reason: &str, message: &str) -> Response<Body> {
     let body = json!({
         "kind": "Status", "apiVersion": "v1", "metadata": {},
@@ -452,42 +462,22 @@ async fn serve(shared: ApiState, req: Request<Body>) -> Response<Body> {
             Some(o) => json_response(StatusCode::OK, o),
             None => status(StatusCode::NOT_FOUND, "NotFound", "not found"),
         },
-        Target::Object(key) => {
-            let body = axum::body::to_bytes(req.into_body(), 1 << 24)
-                .await
-                .unwrap_or_default();
-            let Ok(patch) = serde_json::from_slice::<Value>(&body) else {
-                return status(StatusCode::BAD_REQUEST, "BadRequest", "not JSON");
-            };
-            patch_object(&shared, key, &content_type, &patch)
-        }
-        Target::Binding(key) => {
-            let body = axum::body::to_bytes(req.into_body(), 1 << 20)
-                .await
-                .unwrap_or_default();
-            let Ok(binding) = serde_json::from_slice::<Value>(&body) else {
-                return status(StatusCode::BAD_REQUEST, "BadRequest", "not JSON");
-            };
-            bind(&shared, key, &binding)
-        }
-        Target::Events(ns) => {
-            let body = axum::body::to_bytes(req.into_body(), 1 << 20)
-                .await
-                .unwrap_or_default();
-            let Ok(event) = serde_json::from_slice::<Value>(&body) else {
-                return status(StatusCode::BAD_REQUEST, "BadRequest", "not JSON");
-            };
-            create_event(&shared, &ns, event)
-        }
-        Target::Event(ns, name) => {
-            let body = axum::body::to_bytes(req.into_body(), 1 << 20)
-                .await
-                .unwrap_or_default();
-            let Ok(patch) = serde_json::from_slice::<Value>(&body) else {
-                return status(StatusCode::BAD_REQUEST, "BadRequest", "not JSON");
-            };
-            patch_event(&shared, (&ns, &name), &content_type, &patch)
-        }
+        Target::Object(key) => match json_body(req, 1 << 24).await {
+            Ok(patch) => patch_object(&shared, key, &content_type, &patch),
+            Err(refused) => refused,
+        },
+        Target::Binding(key) => match json_body(req, 1 << 20).await {
+            Ok(binding) => bind(&shared, key, &binding),
+            Err(refused) => refused,
+        },
+        Target::Events(ns) => match json_body(req, 1 << 20).await {
+            Ok(event) => create_event(&shared, &ns, event),
+            Err(refused) => refused,
+        },
+        Target::Event(ns, name) => match json_body(req, 1 << 20).await {
+            Ok(patch) => patch_event(&shared, (&ns, &name), &content_type, &patch),
+            Err(refused) => refused,
+        },
     }
 }
 
