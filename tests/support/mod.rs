@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+pub mod kube;
+
 pub use gpu_sim::apiserver::PodContainer;
 pub use gpu_sim::kubelet::{KubeletSim, ResourceView, plugin_sockets};
 use gpu_sim::scheduler::{ExtenderConfig, SchedulerConfig, SchedulerSim};

@@ -1,0 +1,520 @@
+package main
+
+// kubelet: the parts of a kubelet that a device plugin meets, as upstream
+// ships them: the device manager (registration on kubelet.sock, ListAndWatch,
+// GetPreferredAllocation, Allocate, its checkpoint) behind the topology
+// manager, and the predicate admit handler (the node-total check), in the
+// kubelet's admission order. This main plays the rest: it registers the
+// Node, watches the pods bound to it, admits them one at a time in creation
+// order, records what each container gets under <root>/pods/, sets the
+// pod's phase, keeps the Node's capacity and allocatable from the device
+// manager, and does the final delete of a terminating pod.
+//
+// The device manager listens on the fixed /var/lib/kubelet/device-plugins;
+// so that several nodes share one machine, the process re-executes itself
+// in a mount namespace of its own with --device-plugins bound there.
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	cadvisorapi "github.com/google/cadvisor/lib/model"
+	v1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/sets"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/component-helpers/apimachinery/lease"
+	"k8s.io/klog/v2"
+	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
+	"k8s.io/kubernetes/pkg/kubelet/cm/containermap"
+	"k8s.io/kubernetes/pkg/kubelet/cm/devicemanager"
+	"k8s.io/kubernetes/pkg/kubelet/cm/topologymanager"
+	"k8s.io/kubernetes/pkg/kubelet/lifecycle"
+	kubeletutil "k8s.io/kubernetes/pkg/kubelet/util"
+	"k8s.io/utils/clock"
+)
+
+const namespacedEnv = "KUBE_PEERS_MOUNT_NS"
+
+type kubeletFlags struct {
+	kubeconfig, node, root, devicePlugins string
+	numaNodes                             int
+	cpu, memory, pods                     string
+	statusEvery                           time.Duration
+}
+
+func runKubelet(args []string) error {
+	var f kubeletFlags
+	fs := flag.NewFlagSet("kubelet", flag.ContinueOnError)
+	fs.StringVar(&f.kubeconfig, "kubeconfig", "", "kubeconfig of the node's identity")
+	fs.StringVar(&f.node, "node", "", "node name")
+	fs.StringVar(&f.root, "root", "", "state directory: pods/<namespace>_<name>.json records")
+	fs.StringVar(&f.devicePlugins, "device-plugins", "", "host directory served as /var/lib/kubelet/device-plugins")
+	fs.IntVar(&f.numaNodes, "numa-nodes", 2, "NUMA nodes of the machine")
+	fs.StringVar(&f.cpu, "cpu", "64", "the Node's cpu capacity")
+	fs.StringVar(&f.memory, "memory", "512Gi", "the Node's memory capacity")
+	fs.StringVar(&f.pods, "pods", "110", "the Node's pods capacity")
+	fs.DurationVar(&f.statusEvery, "node-status-update-frequency", time.Second, "the kubelet's nodeStatusUpdateFrequency")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if f.kubeconfig == "" || f.node == "" || f.root == "" || f.devicePlugins == "" {
+		return fmt.Errorf("kubelet: --kubeconfig, --node, --root and --device-plugins are required")
+	}
+	if os.Getenv(namespacedEnv) == "" {
+		return reexecInMountNamespace()
+	}
+	if err := syscall.Mount(f.devicePlugins, pluginapi.DevicePluginPath, "", syscall.MS_BIND, ""); err != nil {
+		return fmt.Errorf("bind %s on %s: %w", f.devicePlugins, pluginapi.DevicePluginPath, err)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	return newKubeletPeer(f).run(exitWithParent(ctx))
+}
+
+// reexecInMountNamespace runs this same command in a new mount namespace
+// (Go makes its mounts private) and waits for it, passing signals on.
+func reexecInMountNamespace() error {
+	if err := os.MkdirAll(pluginapi.DevicePluginPath, 0o750); err != nil {
+		return err
+	}
+	self, _ := os.Executable()
+	cmd := exec.Command(self, os.Args[1:]...)
+	cmd.Env = append(os.Environ(), namespacedEnv+"=1")
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Unshareflags: syscall.CLONE_NEWNS, Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("mount namespace: %w", err)
+	}
+	signals := make(chan os.Signal, 4)
+	signal.Notify(signals, syscall.SIGTERM, syscall.SIGINT)
+	go func() {
+		for s := range signals {
+			_ = cmd.Process.Signal(s)
+		}
+	}()
+	err := cmd.Wait()
+	if exit, ok := err.(*exec.ExitError); ok {
+		os.Exit(exit.ExitCode())
+	}
+	return err
+}
+
+// sourcesReady reports the kubelet's pod sources ready once the pods found
+// at start have been admitted again: until then the device manager treats
+// containers reported running as a kubelet restart and reallocates nothing.
+type sourcesReady struct{ ready atomic.Bool }
+
+func (s *sourcesReady) AddSource(string) {}
+func (s *sourcesReady) AllReady() bool   { return s.ready.Load() }
+
+type kubeletPeer struct {
+	flags   kubeletFlags
+	client  kubernetes.Interface
+	logger  klog.Logger
+	devices *devicemanager.ManagerImpl
+	admit   []lifecycle.PodAdmitHandler
+	sources sourcesReady
+
+	mu sync.Mutex
+	// admitted holds the pods this node runs or is admitting (the device
+	// manager's active pods); decided, every pod it admitted or rejected.
+	admitted map[types.UID]*v1.Pod
+	decided  sets.Set[types.UID]
+	pending  map[types.UID]*v1.Pod
+	wake     chan struct{}
+	node     *v1.Node
+}
+
+func newKubeletPeer(f kubeletFlags) *kubeletPeer {
+	return &kubeletPeer{
+		flags:    f,
+		logger:   klog.Background().WithValues("node", f.node),
+		admitted: map[types.UID]*v1.Pod{},
+		decided:  sets.New[types.UID](),
+		pending:  map[types.UID]*v1.Pod{},
+		wake:     make(chan struct{}, 1),
+	}
+}
+
+func (k *kubeletPeer) run(ctx context.Context) error {
+	config, err := clientcmd.BuildConfigFromFlags("", k.flags.kubeconfig)
+	if err != nil {
+		return err
+	}
+	config.QPS, config.Burst = 50, 100
+	if k.client, err = kubernetes.NewForConfig(config); err != nil {
+		return err
+	}
+	if err := os.MkdirAll(filepath.Join(k.flags.root, "pods"), 0o755); err != nil {
+		return err
+	}
+	if err := k.registerNode(ctx); err != nil {
+		return err
+	}
+	// The kubelet's heartbeat: the node lifecycle controller lifts the
+	// not-ready taint only from a node whose Lease is renewed.
+	leases := lease.NewController(clock.RealClock{}, k.client, k.flags.node, 40, nil, 10*time.Second,
+		k.flags.node, v1.NamespaceNodeLease, kubeletutil.SetNodeOwnerFunc(ctx, k.client, k.flags.node))
+	go leases.Run(ctx)
+	topology := make([]cadvisorapi.Node, k.flags.numaNodes)
+	for i := range topology {
+		topology[i].Id = i
+	}
+	topologyManager, err := topologymanager.NewManager(k.logger, topology, topologymanager.PolicyNone, topologymanager.ContainerTopologyScope, nil)
+	if err != nil {
+		return err
+	}
+	if k.devices, err = devicemanager.NewManagerImpl(k.logger, topology, topologyManager); err != nil {
+		return err
+	}
+	topologyManager.AddHintProvider(k.logger, k.devices)
+	// The kubelet's order: the resource allocator (topology manager), then
+	// the predicate handler with the device manager's node update.
+	k.admit = []lifecycle.PodAdmitHandler{
+		topologyManager,
+		lifecycle.NewPredicateAdmitHandler(k.cachedNode, lifecycle.NewAdmissionFailureHandlerStub(), k.devices.UpdatePluginResources),
+	}
+
+	factory := informers.NewSharedInformerFactoryWithOptions(k.client, 0, informers.WithTweakListOptions(func(o *metav1.ListOptions) {
+		o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", k.flags.node).String()
+	}))
+	pods := factory.Core().V1().Pods().Informer()
+	if _, err := pods.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(obj any) { k.observe(ctx, obj.(*v1.Pod)) },
+		UpdateFunc: func(_, obj any) { k.observe(ctx, obj.(*v1.Pod)) },
+		DeleteFunc: func(obj any) {
+			if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+				obj = tomb.Obj
+			}
+			if pod, ok := obj.(*v1.Pod); ok {
+				k.forget(pod.UID)
+			}
+		},
+	}); err != nil {
+		return err
+	}
+
+	// Pods running before a restart: their containers are in the runtime.
+	existing, err := k.client.CoreV1().Pods("").List(ctx, metav1.ListOptions{
+		FieldSelector: fields.OneTermEqualSelector("spec.nodeName", k.flags.node).String(),
+	})
+	if err != nil {
+		return err
+	}
+	containers, running := containermap.NewContainerMap(), sets.New[string]()
+	for i := range existing.Items {
+		pod := &existing.Items[i]
+		if pod.Status.Phase != v1.PodRunning {
+			continue
+		}
+		for _, c := range append(append([]v1.Container{}, pod.Spec.InitContainers...), pod.Spec.Containers...) {
+			id := string(pod.UID) + "/" + c.Name
+			containers.Add(string(pod.UID), c.Name, id)
+			running.Insert(id)
+		}
+	}
+	if err := k.devices.Start(k.logger, k.activePods, &k.sources, containers, running); err != nil {
+		return err
+	}
+	defer func() { _ = k.devices.Stop(k.logger) }()
+
+	go factory.Start(ctx.Done())
+	if !cache.WaitForCacheSync(ctx.Done(), pods.HasSynced) {
+		return ctx.Err()
+	}
+	go k.updateNodeStatus(ctx)
+	fmt.Println("kubelet ready:", k.flags.node)
+	k.admitLoop(ctx)
+	return nil
+}
+
+func (k *kubeletPeer) registerNode(ctx context.Context) error {
+	node := &v1.Node{
+		ObjectMeta: metav1.ObjectMeta{
+			Name:   k.flags.node,
+			Labels: map[string]string{v1.LabelHostname: k.flags.node, v1.LabelOSStable: "linux", v1.LabelArchStable: "amd64"},
+		},
+	}
+	created, err := k.client.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{})
+	if apierrors.IsAlreadyExists(err) {
+		created, err = k.client.CoreV1().Nodes().Get(ctx, k.flags.node, metav1.GetOptions{})
+	}
+	if err != nil {
+		return fmt.Errorf("register node: %w", err)
+	}
+	k.mu.Lock()
+	k.node = created
+	k.mu.Unlock()
+	return k.syncNodeStatus(ctx)
+}
+
+func (k *kubeletPeer) cachedNode(context.Context, bool) (*v1.Node, error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.node.DeepCopy(), nil
+}
+
+// activePods: admitted and not terminal, as the kubelet's GetActivePods.
+func (k *kubeletPeer) activePods() []*v1.Pod {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	out := make([]*v1.Pod, 0, len(k.admitted))
+	for _, pod := range k.admitted {
+		out = append(out, pod)
+	}
+	return out
+}
+
+func (k *kubeletPeer) observe(ctx context.Context, pod *v1.Pod) {
+	if pod.DeletionTimestamp != nil {
+		go k.finishDeletion(ctx, pod)
+		return
+	}
+	if pod.Status.Phase == v1.PodSucceeded || pod.Status.Phase == v1.PodFailed {
+		k.forget(pod.UID)
+		return
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.decided.Has(pod.UID) {
+		if _, ok := k.admitted[pod.UID]; ok {
+			k.admitted[pod.UID] = pod
+		}
+		return
+	}
+	k.pending[pod.UID] = pod
+	select {
+	case k.wake <- struct{}{}:
+	default:
+	}
+}
+
+// forget drops a pod that ended or is gone; the device manager frees its
+// devices at its next allocation, as in the kubelet.
+func (k *kubeletPeer) forget(uid types.UID) {
+	k.mu.Lock()
+	delete(k.admitted, uid)
+	delete(k.pending, uid)
+	k.mu.Unlock()
+}
+
+// finishDeletion stops the pod (there are no containers to stop) and
+// deletes it for good, as the kubelet's status manager does.
+func (k *kubeletPeer) finishDeletion(ctx context.Context, pod *v1.Pod) {
+	k.forget(pod.UID)
+	k.devices.UpdateAllocatedDevices(k.logger)
+	zero := int64(0)
+	err := k.client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{
+		GracePeriodSeconds: &zero,
+		Preconditions:      metav1.NewUIDPreconditions(string(pod.UID)),
+	})
+	if err != nil && !apierrors.IsNotFound(err) && !apierrors.IsConflict(err) {
+		k.logger.Error(err, "final delete", "pod", klog.KObj(pod))
+	}
+}
+
+// admitLoop admits pending pods one at a time, oldest first. The pods that
+// were running before a restart go first, before sources are ready.
+func (k *kubeletPeer) admitLoop(ctx context.Context) {
+	first := true
+	for {
+		k.mu.Lock()
+		batch := make([]*v1.Pod, 0, len(k.pending))
+		for _, pod := range k.pending {
+			batch = append(batch, pod)
+		}
+		k.pending = map[types.UID]*v1.Pod{}
+		k.mu.Unlock()
+		sort.Slice(batch, func(i, j int) bool {
+			a, b := batch[i].CreationTimestamp, batch[j].CreationTimestamp
+			if a.Equal(&b) {
+				return batch[i].Name < batch[j].Name
+			}
+			return a.Before(&b)
+		})
+		for _, pod := range batch {
+			k.admitOne(ctx, pod)
+		}
+		if first {
+			k.sources.ready.Store(true)
+			first = false
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-k.wake:
+		}
+	}
+}
+
+func (k *kubeletPeer) admitOne(ctx context.Context, pod *v1.Pod) {
+	attrs := &lifecycle.PodAdmitAttributes{Pod: pod, OtherPods: k.activePods(), Operation: lifecycle.AddOperation}
+	// The kubelet's pod manager holds a pod before admission: the device
+	// manager must see it active while its containers are allocated, or it
+	// frees the pod's first containers' devices at the next allocation.
+	k.mu.Lock()
+	k.decided.Insert(pod.UID)
+	k.admitted[pod.UID] = pod
+	k.mu.Unlock()
+	for _, handler := range k.admit {
+		if result := handler.Admit(ctx, attrs); !result.Admit {
+			k.forget(pod.UID)
+			k.record(pod, nil, result.Reason, result.Message)
+			k.setStatus(ctx, pod, v1.PodFailed, result.Reason, "Pod was rejected: "+result.Message)
+			return
+		}
+	}
+	grants := map[string]*devicemanager.DeviceRunContainerOptions{}
+	for _, c := range append(append([]v1.Container{}, pod.Spec.InitContainers...), pod.Spec.Containers...) {
+		opts, err := k.devices.GetDeviceRunContainerOptions(ctx, pod, &c)
+		if err != nil {
+			k.record(pod, grants, "UnexpectedAdmissionError", err.Error())
+			k.setStatus(ctx, pod, v1.PodFailed, "UnexpectedAdmissionError", err.Error())
+			k.forget(pod.UID)
+			return
+		}
+		grants[c.Name] = opts
+	}
+	k.record(pod, grants, "", "")
+	if pod.Status.Phase != v1.PodRunning {
+		k.setStatus(ctx, pod, v1.PodRunning, "", "")
+	}
+}
+
+// podRecord is what a test reads of a pod on this node.
+type podRecord struct {
+	UID        types.UID                                           `json:"uid"`
+	Namespace  string                                              `json:"namespace"`
+	Name       string                                              `json:"name"`
+	Admitted   bool                                                `json:"admitted"`
+	Reason     string                                              `json:"reason,omitempty"`
+	Message    string                                              `json:"message,omitempty"`
+	Containers map[string]*devicemanager.DeviceRunContainerOptions `json:"containers,omitempty"`
+}
+
+func (k *kubeletPeer) record(pod *v1.Pod, grants map[string]*devicemanager.DeviceRunContainerOptions, reason, message string) {
+	rec := podRecord{UID: pod.UID, Namespace: pod.Namespace, Name: pod.Name, Admitted: reason == "", Reason: reason, Message: message, Containers: grants}
+	data, err := json.MarshalIndent(rec, "", "  ")
+	if err != nil {
+		k.logger.Error(err, "record")
+		return
+	}
+	path := filepath.Join(k.flags.root, "pods", pod.Namespace+"_"+pod.Name+".json")
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, data, 0o644); err == nil {
+		_ = os.Rename(tmp, path)
+	}
+}
+
+func (k *kubeletPeer) setStatus(ctx context.Context, pod *v1.Pod, phase v1.PodPhase, reason, message string) {
+	for attempt := 0; attempt < 10; attempt++ {
+		current, err := k.client.CoreV1().Pods(pod.Namespace).Get(ctx, pod.Name, metav1.GetOptions{})
+		if err != nil || current.UID != pod.UID {
+			return
+		}
+		now := metav1.Now()
+		current.Status.Phase, current.Status.Reason, current.Status.Message = phase, reason, message
+		if current.Status.StartTime == nil {
+			current.Status.StartTime = &now
+		}
+		ready := v1.ConditionFalse
+		if phase == v1.PodRunning {
+			ready = v1.ConditionTrue
+		}
+		current.Status.Conditions = []v1.PodCondition{{Type: v1.PodReady, Status: ready, LastTransitionTime: now}}
+		_, err = k.client.CoreV1().Pods(pod.Namespace).UpdateStatus(ctx, current, metav1.UpdateOptions{})
+		if err == nil || !apierrors.IsConflict(err) {
+			return
+		}
+	}
+}
+
+// updateNodeStatus publishes the device manager's capacity and
+// allocatable whenever they change, checked every --node-status-update-frequency.
+func (k *kubeletPeer) updateNodeStatus(ctx context.Context) {
+	ticker := time.NewTicker(k.flags.statusEvery)
+	defer ticker.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-ticker.C:
+			if err := k.syncNodeStatus(ctx); err != nil {
+				k.logger.Error(err, "node status")
+			}
+		}
+	}
+}
+
+func (k *kubeletPeer) syncNodeStatus(ctx context.Context) error {
+	capacity := v1.ResourceList{
+		v1.ResourceCPU:    resource.MustParse(k.flags.cpu),
+		v1.ResourceMemory: resource.MustParse(k.flags.memory),
+		v1.ResourcePods:   resource.MustParse(k.flags.pods),
+	}
+	allocatable := capacity.DeepCopy()
+	if k.devices != nil {
+		devCapacity, devAllocatable, _ := k.devices.GetCapacity(k.logger)
+		for name, q := range devCapacity {
+			capacity[name] = q
+		}
+		for name, q := range devAllocatable {
+			allocatable[name] = q
+		}
+	}
+	k.mu.Lock()
+	node := k.node.DeepCopy()
+	k.mu.Unlock()
+	ready := []v1.NodeCondition{{Type: v1.NodeReady, Status: v1.ConditionTrue, Reason: "KubeletReady"}}
+	if equalResources(node.Status.Capacity, capacity) && equalResources(node.Status.Allocatable, allocatable) &&
+		len(node.Status.Conditions) == 1 && node.Status.Conditions[0].Status == v1.ConditionTrue {
+		return nil
+	}
+	node.Status.Capacity, node.Status.Allocatable = capacity, allocatable
+	now := metav1.Now()
+	ready[0].LastHeartbeatTime, ready[0].LastTransitionTime = now, now
+	node.Status.Conditions = ready
+	updated, err := k.client.CoreV1().Nodes().UpdateStatus(ctx, node, metav1.UpdateOptions{})
+	if apierrors.IsConflict(err) {
+		updated, err = k.client.CoreV1().Nodes().Get(ctx, k.flags.node, metav1.GetOptions{})
+	}
+	if err != nil {
+		return err
+	}
+	k.mu.Lock()
+	k.node = updated
+	k.mu.Unlock()
+	return nil
+}
+
+func equalResources(a, b v1.ResourceList) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for name, q := range a {
+		other, ok := b[name]
+		if !ok || q.Cmp(other) != 0 {
+			return false
+		}
+	}
+	return true
+}

@@ -1,0 +1,223 @@
+//! End to end on the real components (tests/kube): the unmodified
+//! kube-apiserver with deploy/ applied, kube-scheduler on the shipped
+//! profile with the real extender, and on each node the kubelet's device
+//! manager beside the real daemon. Each test has a control plane of its own.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Pod;
+use serde_json::Value;
+use support::kube::*;
+
+const NS: &str = "tenant";
+/// Pods ask gpu-memory in GiB.
+const UNIT: &str = "memory_unit_mib = 1024";
+
+fn uuid(node: usize, gpu: usize) -> String {
+    format!("GPU-{node:04x}{gpu:04x}-0000-4000-8000-000000000000")
+}
+
+/// `nodes[i]` GPUs of the given MiB each, one daemon per node.
+async fn cluster(cp: &ControlPlane, nodes: &[&[u64]]) -> Vec<KubeNode> {
+    let mut out = Vec::new();
+    for (n, gpus) in nodes.iter().enumerate() {
+        let ids: Vec<(String, u64)> = gpus
+            .iter()
+            .enumerate()
+            .map(|(g, mib)| (uuid(n, g), *mib))
+            .collect();
+        let ids: Vec<(&str, u64)> = ids.iter().map(|(u, m)| (u.as_str(), *m)).collect();
+        out.push(KubeNode::start(cp, &format!("node-{n}"), &ids, UNIT).await);
+    }
+    namespace(cp, NS);
+    out
+}
+
+/// Each container's envs as the kubelet's device manager hands them to
+/// the runtime.
+fn envs(record: &Value) -> BTreeMap<String, BTreeMap<String, String>> {
+    let mut out = BTreeMap::new();
+    for (name, opts) in record["containers"].as_object().into_iter().flatten() {
+        let envs = opts["Envs"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|e| {
+                (
+                    e["Name"].as_str().unwrap().to_owned(),
+                    e["Value"].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect();
+        out.insert(name.clone(), envs);
+    }
+    out
+}
+
+fn node_of(pod: &Pod) -> String {
+    pod.spec.as_ref().unwrap().node_name.clone().unwrap_or_default()
+}
+
+fn logs(cp: &ControlPlane, nodes: &[KubeNode], sched: &Scheduler) -> String {
+    let mut s = format!(
+        "--- scheduler\n{}\n--- extender\n{}\n",
+        tail(&sched.proc.log_text()),
+        tail(&sched.extender.log_text())
+    );
+    for n in nodes {
+        s += &format!(
+            "--- {} kubelet\n{}\n--- {} daemon\n{}\n",
+            n.name,
+            tail(&n.kubelet.log_text()),
+            n.name,
+            tail(&n.daemon.log_text())
+        );
+    }
+    s + &format!("--- control plane\n{}", tail(&cp.log_text()))
+}
+
+fn tail(s: &str) -> &str {
+    let at = s.len().saturating_sub(6000);
+    let at = (at..s.len()).find(|i| s.is_char_boundary(*i)).unwrap_or(0);
+    &s[at..]
+}
+
+/// A shared pod, a pod of several containers with an init container, and
+/// a whole GPU beside a memory share: each placed by the real scheduler
+/// and extender, admitted by the real device manager, each container's
+/// envs naming one GPU of its node with its own limits.
+#[tokio::test(flavor = "multi_thread")]
+async fn pods_run_with_their_grants() {
+    let cp = ControlPlane::start();
+    let nodes = cluster(&cp, &[&[16384, 16384], &[81920]]).await;
+    let sched = Scheduler::start(&cp);
+    let client = cp.admin_client().await;
+
+    // The whole GPU first: it needs a node with two GPUs free.
+    let pods = [
+        gpu_pod(NS, "whole", &[("w", [0, 0, 1]), ("m", [4, 0, 0])]),
+        gpu_pod(NS, "shared", &[("main", [8, 30, 0])]),
+        gpu_pod(
+            NS,
+            "several",
+            &[
+                ("init-setup", [4, 10, 0]),
+                ("a", [6, 20, 0]),
+                ("b", [2, 0, 0]),
+            ],
+        ),
+    ];
+    for pod in &pods {
+        create(&client, pod).await;
+    }
+    for pod in &pods {
+        let name = pod.metadata.name.as_deref().unwrap();
+        let ran = wait_pod(&client, NS, name, Duration::from_secs(60), |p| {
+            phase(p) == "Running" || phase(p) == "Failed"
+        })
+        .await
+        .unwrap_or_else(|p| panic!("{name} never ran: {p:#?}\n{}", logs(&cp, &nodes, &sched)));
+        assert_eq!(
+            phase(&ran),
+            "Running",
+            "{ran:#?}\n{}",
+            logs(&cp, &nodes, &sched)
+        );
+        let node = nodes.iter().find(|n| n.name == node_of(&ran)).unwrap();
+        let record = node.record(NS, name).unwrap();
+        let envs = envs(&record);
+        let spec = ran.spec.as_ref().unwrap();
+        for c in spec
+            .init_containers
+            .iter()
+            .flatten()
+            .chain(&spec.containers)
+        {
+            let limits = c.resources.as_ref().unwrap().limits.clone().unwrap();
+            let env = &envs[&c.name];
+            let visible = env
+                .get("NVIDIA_VISIBLE_DEVICES")
+                .unwrap_or_else(|| panic!("{name}/{}: {env:?}", c.name));
+            let ours = |u: &str| u.starts_with(&format!("GPU-{:04x}", node_index(&node.name)));
+            assert!(
+                visible.split(',').all(ours),
+                "{name}/{} sees {visible} on {}",
+                c.name,
+                node.name
+            );
+            if let Some(mem) = limits.get("doslab.io/gpu-memory") {
+                let gib: u64 = mem.0.parse().unwrap();
+                assert_eq!(
+                    env.get("CUDA_DEVICE_MEMORY_LIMIT_0"),
+                    Some(&format!("{}m", gib * 1024)),
+                    "{name}/{}: {env:?}",
+                    c.name
+                );
+            }
+            if let Some(core) = limits.get("doslab.io/gpu-core") {
+                assert_eq!(env.get("CUDA_DEVICE_SM_LIMIT"), Some(&core.0), "{name}/{}", c.name);
+            }
+            if limits.contains_key("doslab.io/gpu-count") {
+                assert_eq!(env.get("CUDA_DEVICE_MEMORY_LIMIT_0"), None, "whole GPU capped");
+            }
+        }
+    }
+    drop(sched);
+}
+
+fn node_index(name: &str) -> usize {
+    name.trim_start_matches("node-").parse().unwrap()
+}
+
+/// Bursts of 40 shared pods through the real scheduler: every pod bound
+/// and admitted (0 admission failures), create→bound p99 printed and
+/// bounded by the target.
+#[tokio::test(flavor = "multi_thread")]
+async fn bursts_bind_and_admit() {
+    let cp = ControlPlane::start();
+    let nodes = cluster(&cp, &[&[81920, 81920], &[40960, 40960], &[16384; 4]]).await;
+    let sched = Scheduler::start(&cp);
+    let client = cp.admin_client().await;
+    let mut rng = support::Lcg(7);
+    let binds = Bindings::watch(&client, NS);
+    let mut latencies = Vec::new();
+    let mut created = Vec::new();
+    for i in 0..40 {
+        let mem = [1, 2, 4, 6][rng.below(4) as usize];
+        let core = [0, 10, 20][rng.below(3) as usize];
+        let pod = gpu_pod(NS, &format!("burst-{i}"), &[("main", [mem, core, 0])]);
+        created.push((format!("burst-{i}"), create(&client, &pod).await));
+    }
+    for (name, at) in &created {
+        let bound = wait_pod(&client, NS, name, Duration::from_secs(60), |p| {
+            !node_of(p).is_empty()
+        })
+        .await
+        .unwrap_or_else(|p| panic!("{name} never bound: {p:#?}\n{}", logs(&cp, &nodes, &sched)));
+        let _ = bound;
+        latencies.push(binds.at(name).unwrap_or_else(Instant::now) - *at);
+    }
+    let mut failed = Vec::new();
+    for (name, _) in &created {
+        let p = wait_pod(&client, NS, name, Duration::from_secs(30), |p| {
+            phase(p) == "Running" || phase(p) == "Failed"
+        })
+        .await
+        .unwrap();
+        if phase(&p) != "Running" {
+            failed.push((name.clone(), p.status.clone()));
+        }
+    }
+    latencies.sort();
+    let p99 = latencies[(latencies.len() * 99).div_ceil(100) - 1];
+    eprintln!(
+        "burst of 40 (real scheduler): create→bound p50 {:?}, p99 {:?}, admission failures {}",
+        latencies[latencies.len() / 2],
+        p99,
+        failed.len()
+    );
+    assert!(failed.is_empty(), "{failed:#?}\n{}", logs(&cp, &nodes, &sched));
+}

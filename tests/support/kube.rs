@@ -1,0 +1,550 @@
+//! The real Kubernetes components as a test fixture: tests/kube's peers
+//! (the unmodified kube-apiserver, kube-controller-manager, kube-scheduler
+//! and the kubelet's device manager), built once into target/, with the
+//! real daemon on each node and the real extender beside the scheduler.
+//! The deploy/ manifests are applied as shipped, and each component runs
+//! as its own identity: the daemon with a token bound to its pod on its
+//! node, the scheduler and the extender as `doslab-gpu-scheduler`.
+
+use std::collections::hash_map::DefaultHasher;
+use std::hash::Hasher;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, PostParams};
+use serde_json::Value;
+
+use super::{Daemon, mock_config, start_extender};
+
+const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+/// How long a component may take to come up on a loaded 2-core machine.
+pub const START: Duration = Duration::from_secs(120);
+
+/// The peers binary, built when its Go sources or go.sum changed since the
+/// last build (a stamp beside it holds their hash). Panics naming the
+/// missing tool when `go` is not on PATH.
+pub fn peers() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let src = Path::new(ROOT).join("tests/kube");
+        let target = std::env::var_os("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| Path::new(ROOT).join("target"));
+        let out = target.join("kube-peers");
+        let bin = out.join("kube-peers");
+        let stamp = out.join("kube-peers.stamp");
+        let hash = source_hash(&src).to_string();
+        if bin.exists() && std::fs::read_to_string(&stamp).ok().as_deref() == Some(&hash) {
+            return bin;
+        }
+        std::fs::create_dir_all(&out).unwrap();
+        let started = Instant::now();
+        let status = Command::new("go")
+            .args(["build", "-o"])
+            .arg(&bin)
+            .arg(".")
+            .current_dir(&src)
+            .status()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "the real-Kubernetes tests need Go 1.26+ on PATH to build tests/kube \
+                     (`go build` could not start: {e})"
+                )
+            });
+        assert!(status.success(), "go build of tests/kube failed: {status}");
+        eprintln!(
+            "kube-peers built in {:.0} s",
+            started.elapsed().as_secs_f64()
+        );
+        std::fs::write(&stamp, hash).unwrap();
+        bin
+    })
+}
+
+fn source_hash(src: &Path) -> u64 {
+    let mut names: Vec<PathBuf> = std::fs::read_dir(src)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.extension().is_some_and(|e| e == "go")
+                || p.file_name().is_some_and(|n| n == "go.mod" || n == "go.sum")
+        })
+        .collect();
+    names.sort();
+    let mut h = DefaultHasher::new();
+    for name in names {
+        h.write(name.file_name().unwrap().as_encoded_bytes());
+        h.write(&std::fs::read(&name).unwrap());
+    }
+    h.finish()
+}
+
+/// A child process killed with its owner.
+pub struct Proc {
+    pub child: Child,
+    pub log: PathBuf,
+}
+
+impl Proc {
+    fn spawn(args: &[&std::ffi::OsStr], log: PathBuf) -> Proc {
+        let child = Command::new(peers())
+            .args(args)
+            .stdout(std::fs::File::create(&log).unwrap())
+            .stderr(std::fs::File::options().append(true).open(&log).unwrap())
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap();
+        Proc { child, log }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        // SIGTERM first, so the kubelet peer's namespace child and the
+        // control plane's children go with it.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// etcd, kube-apiserver and kube-controller-manager, with deploy/ applied.
+pub struct ControlPlane {
+    pub dir: tempfile::TempDir,
+    pub admin: PathBuf,
+    /// The scheduler's (and so the extender's) identity.
+    pub scheduler: PathBuf,
+    proc: Proc,
+}
+
+impl ControlPlane {
+    pub fn start() -> ControlPlane {
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().join("state");
+        let proc = Proc::spawn(
+            &["controlplane".as_ref(), "--dir".as_ref(), state.as_os_str()],
+            dir.path().join("controlplane.log"),
+        );
+        let deadline = Instant::now() + START;
+        while !state.join("ready").exists() {
+            assert!(
+                Instant::now() < deadline,
+                "control plane not ready:\n{}",
+                proc.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let admin = state.join("admin.kubeconfig");
+        let mut cp = ControlPlane {
+            scheduler: dir.path().join("scheduler.kubeconfig"),
+            dir,
+            admin,
+            proc,
+        };
+        for k in ["deploy", "deploy/scheduler", "deploy/scheduler/mutating"] {
+            cp.peers_ok(&[
+                "apply",
+                "--kubeconfig",
+                cp.admin.to_str().unwrap(),
+                "-k",
+                Path::new(ROOT).join(k).to_str().unwrap(),
+            ]);
+        }
+        cp.scheduler = cp.token("kube-system", "doslab-gpu-scheduler", None);
+        cp
+    }
+
+    /// Runs a peers subcommand to its end; panics with its output on failure.
+    pub fn peers_ok(&self, args: &[&str]) {
+        let out = Command::new(peers()).args(args).output().unwrap();
+        assert!(
+            out.status.success(),
+            "kube-peers {args:?}: {}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// A kubeconfig for service account `namespace/name`, its token bound to
+    /// `pod` when given.
+    pub fn token(&self, namespace: &str, name: &str, pod: Option<&str>) -> PathBuf {
+        let out = self
+            .dir
+            .path()
+            .join(format!("{namespace}-{name}-{}.kubeconfig", pod.unwrap_or("")));
+        let mut args = vec![
+            "token",
+            "--kubeconfig",
+            self.admin.to_str().unwrap(),
+            "--namespace",
+            namespace,
+            "--name",
+            name,
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        if let Some(pod) = pod {
+            args.extend(["--pod", pod]);
+        }
+        self.peers_ok(&args);
+        out
+    }
+
+    /// Applies YAML manifests as the admin.
+    pub fn apply(&self, yaml: &str) {
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), yaml).unwrap();
+        self.peers_ok(&[
+            "apply",
+            "--kubeconfig",
+            self.admin.to_str().unwrap(),
+            "-f",
+            file.path().to_str().unwrap(),
+        ]);
+    }
+
+    /// A client with the identity of `kubeconfig`.
+    pub async fn client_as(kubeconfig: &Path) -> kube::Client {
+        let kc = kube::config::Kubeconfig::read_from(kubeconfig).unwrap();
+        let config = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+            .await
+            .unwrap();
+        kube::Client::try_from(config).unwrap()
+    }
+
+    pub async fn admin_client(&self) -> kube::Client {
+        ControlPlane::client_as(&self.admin).await
+    }
+
+    /// Kills the API server; the control plane starts a new one on the same
+    /// port and etcd a second later. Returns when it answers `/readyz` again,
+    /// with the instant it did.
+    pub async fn restart_apiserver(&self) -> Instant {
+        let pid_file = self.dir.path().join("state/kube-apiserver.pid");
+        let pid: i32 = std::fs::read_to_string(&pid_file)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        let client = self.admin_client().await;
+        let deadline = Instant::now() + START;
+        loop {
+            let new_pid = std::fs::read_to_string(&pid_file).unwrap_or_default();
+            if new_pid.trim() != pid.to_string() {
+                let req = http::Request::get("/readyz").body(Vec::new()).unwrap();
+                if client.request_text(req).await.is_ok() {
+                    return Instant::now();
+                }
+            }
+            assert!(Instant::now() < deadline, "kube-apiserver never came back");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub fn apiserver_log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("state/kube-apiserver.log"))
+            .unwrap_or_default()
+    }
+
+    pub fn log_text(&self) -> String {
+        self.proc.log_text()
+    }
+}
+
+/// One node: the kubelet peer and the real daemon beside it.
+pub struct KubeNode {
+    pub name: String,
+    pub dir: tempfile::TempDir,
+    pub kubelet: Proc,
+    pub daemon: Daemon,
+    pub gpus: usize,
+}
+
+impl KubeNode {
+    /// Node `name` with mock `gpus` (uuid, MiB); `top` adds top-level keys
+    /// to the daemon's config (pod matching is on, enforcement off).
+    pub async fn start(cp: &ControlPlane, name: &str, gpus: &[(&str, u64)], top: &str) -> KubeNode {
+        let dir = tempfile::tempdir().unwrap();
+        let plugins = dir.path().join("device-plugins");
+        std::fs::create_dir_all(&plugins).unwrap();
+        let kubelet = KubeNode::spawn_kubelet(cp, name, dir.path());
+        // The daemon's own pod on this node, as its DaemonSet would make it:
+        // its token carries the node's name.
+        let pod = format!("gpu-device-plugin-{name}");
+        cp.apply(&format!(
+            "apiVersion: v1\nkind: Pod\nmetadata: {{name: {pod}, namespace: gpu-device-plugin}}\n\
+             spec:\n  nodeName: {name}\n  serviceAccountName: gpu-device-plugin\n  \
+             containers: [{{name: plugin, image: gpu-device-plugin}}]\n"
+        ));
+        let kubeconfig = cp.token("gpu-device-plugin", "gpu-device-plugin", Some(&pod));
+        let toml = mock_config(
+            &plugins,
+            &format!(
+                "pod_matching = true\nnode_name = \"{name}\"\n{top}\n\
+                 [matcher]\nkubeconfig = {:?}\n[enforcement]\nmode = \"none\"\n",
+                kubeconfig.display().to_string()
+            ),
+            gpus,
+        );
+        let node = KubeNode {
+            name: name.into(),
+            daemon: Daemon::start(&toml),
+            kubelet,
+            dir,
+            gpus: gpus.len(),
+        };
+        node.wait_allocatable(cp).await;
+        node
+    }
+
+    fn spawn_kubelet(cp: &ControlPlane, name: &str, dir: &Path) -> Proc {
+        Proc::spawn(
+            &[
+                "kubelet".as_ref(),
+                "--kubeconfig".as_ref(),
+                cp.admin.as_os_str(),
+                "--node".as_ref(),
+                name.as_ref(),
+                "--root".as_ref(),
+                dir.join("kubelet").as_os_str(),
+                "--device-plugins".as_ref(),
+                dir.join("device-plugins").as_os_str(),
+            ],
+            dir.join(format!(
+                "kubelet-{}.log",
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_millis()
+            )),
+        )
+    }
+
+    /// Waits until the Node's allocatable lists every GPU as gpu-count and
+    /// the node lifecycle controller has lifted the not-ready taint.
+    pub async fn wait_allocatable(&self, cp: &ControlPlane) {
+        let nodes: Api<Node> = Api::all(cp.admin_client().await);
+        let deadline = Instant::now() + START;
+        loop {
+            if let Ok(node) = nodes.get(&self.name).await {
+                let tainted = node
+                    .spec
+                    .as_ref()
+                    .is_some_and(|s| s.taints.as_ref().is_some_and(|t| !t.is_empty()));
+                let count = node
+                    .status
+                    .and_then(|s| s.allocatable)
+                    .and_then(|a| a.get("doslab.io/gpu-count").map(|q| q.0.clone()));
+                if !tainted && count == Some(self.gpus.to_string()) {
+                    return;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "node {} never listed its GPUs\nkubelet:\n{}\ndaemon:\n{}",
+                self.name,
+                self.kubelet.log_text(),
+                self.daemon.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Kills the kubelet and starts a new one, as a kubelet restart does:
+    /// the device-plugin directory is wiped but for the checkpoint, and a
+    /// new kubelet.sock appears.
+    pub async fn restart_kubelet(&mut self, cp: &ControlPlane) {
+        unsafe { libc::kill(self.kubelet.child.id() as i32, libc::SIGKILL) };
+        let _ = self.kubelet.child.wait();
+        self.kubelet = KubeNode::spawn_kubelet(cp, &self.name, self.dir.path());
+    }
+
+    /// What the kubelet recorded for pod `namespace/name`: admitted or not,
+    /// the reason, and each container's envs, mounts, devices.
+    pub fn record(&self, namespace: &str, name: &str) -> Option<Value> {
+        let path = self
+            .dir
+            .path()
+            .join("kubelet/pods")
+            .join(format!("{namespace}_{name}.json"));
+        std::fs::read(path)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+    }
+}
+
+/// The kube-scheduler on the shipped profile, with the real extender.
+pub struct Scheduler {
+    pub extender: Daemon,
+    pub url: String,
+    pub proc: Proc,
+}
+
+impl Scheduler {
+    /// The shipped `scheduler.yaml` with only the extender's URL and the
+    /// kubeconfig set.
+    pub fn start(cp: &ControlPlane) -> Scheduler {
+        let (extender, url) = start_extender(&cp.scheduler);
+        let config = cp.dir.path().join("scheduler.yaml");
+        std::fs::write(&config, shipped_profile(&url, &cp.scheduler)).unwrap();
+        let proc = Proc::spawn(
+            &[
+                "kube-scheduler".as_ref(),
+                "--config".as_ref(),
+                config.as_os_str(),
+                "--secure-port=0".as_ref(),
+            ],
+            cp.dir.path().join("kube-scheduler.log"),
+        );
+        Scheduler {
+            extender,
+            url,
+            proc,
+        }
+    }
+}
+
+/// deploy/scheduler/configmap.yaml's `scheduler.yaml`, its extender at
+/// `url` and its client on `kubeconfig`.
+pub fn shipped_profile(url: &str, kubeconfig: &Path) -> String {
+    let map: serde_yaml::Value = serde_yaml::from_str(
+        &std::fs::read_to_string(Path::new(ROOT).join("deploy/scheduler/configmap.yaml"))
+            .unwrap(),
+    )
+    .unwrap();
+    let mut profile: serde_yaml::Value =
+        serde_yaml::from_str(map["data"]["scheduler.yaml"].as_str().unwrap()).unwrap();
+    profile["extenders"][0]["urlPrefix"] = url.into();
+    if profile.get("clientConnection").is_none() {
+        profile["clientConnection"] = serde_yaml::Mapping::new().into();
+    }
+    profile["clientConnection"]["kubeconfig"] = kubeconfig.display().to_string().into();
+    serde_yaml::to_string(&profile).unwrap()
+}
+
+/// A pod of `namespace` asking, per container, (gpu-memory, gpu-core,
+/// gpu-count) devices; zero asks are left out. Init containers are named
+/// `init-*`.
+pub fn gpu_pod(namespace: &str, name: &str, containers: &[(&str, [u64; 3])]) -> Pod {
+    let spec = |(cname, wants): &(&str, [u64; 3])| {
+        let mut limits = serde_json::Map::new();
+        for (i, r) in ["gpu-memory", "gpu-core", "gpu-count"].iter().enumerate() {
+            if wants[i] > 0 {
+                limits.insert(format!("doslab.io/{r}"), wants[i].to_string().into());
+            }
+        }
+        serde_json::json!({"name": cname, "image": "app", "resources": {"limits": limits}})
+    };
+    let (init, app): (Vec<_>, Vec<_>) = containers.iter().partition(|c| c.0.starts_with("init-"));
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "initContainers": init.iter().map(|c| spec(c)).collect::<Vec<_>>(),
+            "containers": app.iter().map(|c| spec(c)).collect::<Vec<_>>(),
+        }
+    }))
+    .unwrap()
+}
+
+/// Creates a namespace as the admin.
+pub fn namespace(cp: &ControlPlane, name: &str) {
+    cp.apply(&format!("apiVersion: v1\nkind: Namespace\nmetadata: {{name: {name}}}\n"));
+}
+
+/// Creates `pod`; returns the instant it was created.
+pub async fn create(client: &kube::Client, pod: &Pod) -> Instant {
+    let ns = pod.metadata.namespace.as_deref().unwrap();
+    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+    api.create(&PostParams::default(), pod).await.unwrap();
+    Instant::now()
+}
+
+/// Waits until pod `namespace/name` satisfies `done`; returns it.
+pub async fn wait_pod(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    within: Duration,
+    done: impl Fn(&Pod) -> bool,
+) -> Result<Pod, Option<Pod>> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let deadline = Instant::now() + within;
+    loop {
+        let pod = api.get_opt(name).await.ok().flatten();
+        if let Some(p) = &pod
+            && done(p)
+        {
+            return Ok(p.clone());
+        }
+        if Instant::now() > deadline {
+            return Err(pod);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+pub fn phase(pod: &Pod) -> &str {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .unwrap_or("")
+}
+
+type SeenAt = std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, Instant>>>;
+
+/// When each pod of a namespace was first seen bound, from a watch (so a
+/// burst's latencies do not depend on the order the test polls in).
+pub struct Bindings {
+    seen: SeenAt,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Bindings {
+    pub fn watch(client: &kube::Client, namespace: &str) -> Bindings {
+        use futures::StreamExt;
+        use kube::runtime::WatchStreamExt;
+        let api: Api<Pod> = Api::namespaced(client.clone(), namespace);
+        let seen = SeenAt::default();
+        let map = std::sync::Arc::clone(&seen);
+        let task = tokio::spawn(async move {
+            let mut events = kube::runtime::watcher(api, Default::default())
+                .applied_objects()
+                .boxed();
+            while let Some(event) = events.next().await {
+                let Ok(pod) = event else { continue };
+                let bound = pod.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some();
+                if bound && let Some(name) = pod.metadata.name {
+                    map.lock().unwrap().entry(name).or_insert_with(Instant::now);
+                }
+            }
+        });
+        Bindings { seen, task }
+    }
+
+    /// When `name` was first seen bound.
+    pub fn at(&self, name: &str) -> Option<Instant> {
+        self.seen.lock().unwrap().get(name).copied()
+    }
+}
+
+impl Drop for Bindings {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
