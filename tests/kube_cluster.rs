@@ -57,8 +57,31 @@ fn envs(record: &Value) -> BTreeMap<String, BTreeMap<String, String>> {
     out
 }
 
+/// Containers whose resources' own Allocate responses name different GPUs
+/// (the kubelet merges envs first-wins, which would hide the split).
+fn splits(record: &Value) -> Vec<String> {
+    let mut out = Vec::new();
+    for (name, resources) in record["resources"].as_object().into_iter().flatten() {
+        let gpus: std::collections::BTreeSet<&str> = resources
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter_map(|(_, envs)| envs["NVIDIA_VISIBLE_DEVICES"].as_str())
+            .collect();
+        if gpus.len() > 1 {
+            out.push(format!("{name}: {gpus:?}"));
+        }
+    }
+    out
+}
+
 fn node_of(pod: &Pod) -> String {
-    pod.spec.as_ref().unwrap().node_name.clone().unwrap_or_default()
+    pod.spec
+        .as_ref()
+        .unwrap()
+        .node_name
+        .clone()
+        .unwrap_or_default()
 }
 
 fn logs(cp: &ControlPlane, nodes: &[KubeNode], sched: &Scheduler) -> String {
@@ -128,6 +151,7 @@ async fn pods_run_with_their_grants() {
         );
         let node = nodes.iter().find(|n| n.name == node_of(&ran)).unwrap();
         let record = node.record(NS, name).unwrap();
+        assert_eq!(splits(&record), Vec::<String>::new(), "{name}");
         let envs = envs(&record);
         let spec = ran.spec.as_ref().unwrap();
         for c in spec
@@ -137,6 +161,10 @@ async fn pods_run_with_their_grants() {
             .chain(&spec.containers)
         {
             let limits = c.resources.as_ref().unwrap().limits.clone().unwrap();
+            let checkpointed = record["resources"][&c.name]
+                .as_object()
+                .map_or(0, |r| r.len());
+            assert_eq!(checkpointed, limits.len(), "{name}/{}: {record:#}", c.name);
             let env = &envs[&c.name];
             let visible = env
                 .get("NVIDIA_VISIBLE_DEVICES")
@@ -158,10 +186,19 @@ async fn pods_run_with_their_grants() {
                 );
             }
             if let Some(core) = limits.get("doslab.io/gpu-core") {
-                assert_eq!(env.get("CUDA_DEVICE_SM_LIMIT"), Some(&core.0), "{name}/{}", c.name);
+                assert_eq!(
+                    env.get("CUDA_DEVICE_SM_LIMIT"),
+                    Some(&core.0),
+                    "{name}/{}",
+                    c.name
+                );
             }
             if limits.contains_key("doslab.io/gpu-count") {
-                assert_eq!(env.get("CUDA_DEVICE_MEMORY_LIMIT_0"), None, "whole GPU capped");
+                assert_eq!(
+                    env.get("CUDA_DEVICE_MEMORY_LIMIT_0"),
+                    None,
+                    "whole GPU capped"
+                );
             }
         }
     }
@@ -208,7 +245,13 @@ async fn bursts_bind_and_admit() {
         .await
         .unwrap();
         if phase(&p) != "Running" {
-            failed.push((name.clone(), p.status.clone()));
+            failed.push((name.clone(), format!("{:?}", p.status)));
+            continue;
+        }
+        let node = nodes.iter().find(|n| n.name == node_of(&p)).unwrap();
+        let split = splits(&node.record(NS, name).unwrap());
+        if !split.is_empty() {
+            failed.push((name.clone(), format!("split across GPUs: {split:?}")));
         }
     }
     latencies.sort();
@@ -219,5 +262,9 @@ async fn bursts_bind_and_admit() {
         p99,
         failed.len()
     );
-    assert!(failed.is_empty(), "{failed:#?}\n{}", logs(&cp, &nodes, &sched));
+    assert!(
+        failed.is_empty(),
+        "{failed:#?}\n{}",
+        logs(&cp, &nodes, &sched)
+    );
 }

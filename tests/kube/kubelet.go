@@ -23,6 +23,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -30,6 +31,7 @@ import (
 	"time"
 
 	cadvisorapi "github.com/google/cadvisor/lib/model"
+	"google.golang.org/protobuf/proto"
 	v1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -44,8 +46,10 @@ import (
 	"k8s.io/component-helpers/apimachinery/lease"
 	"k8s.io/klog/v2"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
+	"k8s.io/kubernetes/pkg/kubelet/checkpointmanager"
 	"k8s.io/kubernetes/pkg/kubelet/cm/containermap"
 	"k8s.io/kubernetes/pkg/kubelet/cm/devicemanager"
+	"k8s.io/kubernetes/pkg/kubelet/cm/devicemanager/checkpoint"
 	"k8s.io/kubernetes/pkg/kubelet/cm/topologymanager"
 	"k8s.io/kubernetes/pkg/kubelet/lifecycle"
 	kubeletutil "k8s.io/kubernetes/pkg/kubelet/util"
@@ -139,9 +143,12 @@ type kubeletPeer struct {
 	// manager's active pods); decided, every pod it admitted or rejected.
 	admitted map[types.UID]*v1.Pod
 	decided  sets.Set[types.UID]
-	pending  map[types.UID]*v1.Pod
-	wake     chan struct{}
-	node     *v1.Node
+	// queue holds the pods bound here and not yet decided, in the order
+	// they arrived (the kubelet's config source hands it one pod per
+	// watch event, so it admits in arrival order).
+	queue []*v1.Pod
+	wake  chan struct{}
+	node  *v1.Node
 }
 
 func newKubeletPeer(f kubeletFlags) *kubeletPeer {
@@ -150,7 +157,6 @@ func newKubeletPeer(f kubeletFlags) *kubeletPeer {
 		logger:   klog.Background().WithValues("node", f.node),
 		admitted: map[types.UID]*v1.Pod{},
 		decided:  sets.New[types.UID](),
-		pending:  map[types.UID]*v1.Pod{},
 		wake:     make(chan struct{}, 1),
 	}
 }
@@ -301,7 +307,13 @@ func (k *kubeletPeer) observe(ctx context.Context, pod *v1.Pod) {
 		}
 		return
 	}
-	k.pending[pod.UID] = pod
+	for i, queued := range k.queue {
+		if queued.UID == pod.UID {
+			k.queue[i] = pod
+			return
+		}
+	}
+	k.queue = append(k.queue, pod)
 	select {
 	case k.wake <- struct{}{}:
 	default:
@@ -313,7 +325,7 @@ func (k *kubeletPeer) observe(ctx context.Context, pod *v1.Pod) {
 func (k *kubeletPeer) forget(uid types.UID) {
 	k.mu.Lock()
 	delete(k.admitted, uid)
-	delete(k.pending, uid)
+	k.queue = slices.DeleteFunc(k.queue, func(p *v1.Pod) bool { return p.UID == uid })
 	k.mu.Unlock()
 }
 
@@ -332,31 +344,32 @@ func (k *kubeletPeer) finishDeletion(ctx context.Context, pod *v1.Pod) {
 	}
 }
 
-// admitLoop admits pending pods one at a time, oldest first. The pods that
-// were running before a restart go first, before sources are ready.
+// admitLoop admits pods one at a time. The pods found at start form one
+// batch, sorted by creation time as the kubelet sorts each batch (pods that
+// ran before a restart go first, before sources are ready); after that the
+// kubelet's batches are single watch events, so pods go in arrival order.
 func (k *kubeletPeer) admitLoop(ctx context.Context) {
-	first := true
+	k.mu.Lock()
+	batch := k.queue
+	k.queue = nil
+	k.mu.Unlock()
+	sort.SliceStable(batch, func(i, j int) bool {
+		return batch[i].CreationTimestamp.Before(&batch[j].CreationTimestamp)
+	})
+	for _, pod := range batch {
+		k.admitOne(ctx, pod)
+	}
+	k.sources.ready.Store(true)
 	for {
 		k.mu.Lock()
-		batch := make([]*v1.Pod, 0, len(k.pending))
-		for _, pod := range k.pending {
-			batch = append(batch, pod)
+		var next *v1.Pod
+		if len(k.queue) > 0 {
+			next, k.queue = k.queue[0], k.queue[1:]
 		}
-		k.pending = map[types.UID]*v1.Pod{}
 		k.mu.Unlock()
-		sort.Slice(batch, func(i, j int) bool {
-			a, b := batch[i].CreationTimestamp, batch[j].CreationTimestamp
-			if a.Equal(&b) {
-				return batch[i].Name < batch[j].Name
-			}
-			return a.Before(&b)
-		})
-		for _, pod := range batch {
-			k.admitOne(ctx, pod)
-		}
-		if first {
-			k.sources.ready.Store(true)
-			first = false
+		if next != nil {
+			k.admitOne(ctx, next)
+			continue
 		}
 		select {
 		case <-ctx.Done():
@@ -400,8 +413,12 @@ func (k *kubeletPeer) admitOne(ctx context.Context, pod *v1.Pod) {
 	}
 }
 
-// podRecord is what a test reads of a pod on this node.
+// podRecord is what a test reads of a pod on this node: the merged run
+// options per container, and each resource's own Allocate envs as the
+// device manager checkpointed them (so a test sees a container whose
+// resources point at different GPUs, which the merge hides).
 type podRecord struct {
+	Resources  map[string]map[string]map[string]string             `json:"resources,omitempty"`
 	UID        types.UID                                           `json:"uid"`
 	Namespace  string                                              `json:"namespace"`
 	Name       string                                              `json:"name"`
@@ -413,6 +430,7 @@ type podRecord struct {
 
 func (k *kubeletPeer) record(pod *v1.Pod, grants map[string]*devicemanager.DeviceRunContainerOptions, reason, message string) {
 	rec := podRecord{UID: pod.UID, Namespace: pod.Namespace, Name: pod.Name, Admitted: reason == "", Reason: reason, Message: message, Containers: grants}
+	rec.Resources = k.checkpointedEnvs(pod.UID)
 	data, err := json.MarshalIndent(rec, "", "  ")
 	if err != nil {
 		k.logger.Error(err, "record")
@@ -423,6 +441,36 @@ func (k *kubeletPeer) record(pod *v1.Pod, grants map[string]*devicemanager.Devic
 	if err := os.WriteFile(tmp, data, 0o644); err == nil {
 		_ = os.Rename(tmp, path)
 	}
+}
+
+// checkpointedEnvs reads the device manager's checkpoint: container →
+// resource → the envs of that resource's Allocate response.
+func (k *kubeletPeer) checkpointedEnvs(uid types.UID) map[string]map[string]map[string]string {
+	manager, err := checkpointmanager.NewCheckpointManager(pluginapi.DevicePluginPath)
+	if err != nil {
+		return nil
+	}
+	data := checkpoint.New(nil, nil)
+	if err := manager.GetCheckpoint("kubelet_internal_checkpoint", data); err != nil {
+		k.logger.Error(err, "read the device manager's checkpoint")
+		return nil
+	}
+	entries, _ := data.GetData()
+	out := map[string]map[string]map[string]string{}
+	for _, e := range entries {
+		if e.PodUID != string(uid) {
+			continue
+		}
+		var resp pluginapi.ContainerAllocateResponse
+		if err := proto.Unmarshal(e.AllocResp, &resp); err != nil {
+			continue
+		}
+		if out[e.ContainerName] == nil {
+			out[e.ContainerName] = map[string]map[string]string{}
+		}
+		out[e.ContainerName][e.ResourceName] = resp.Envs
+	}
+	return out
 }
 
 func (k *kubeletPeer) setStatus(ctx context.Context, pod *v1.Pod, phase v1.PodPhase, reason, message string) {

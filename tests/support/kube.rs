@@ -70,7 +70,8 @@ fn source_hash(src: &Path) -> u64 {
         .map(|e| e.unwrap().path())
         .filter(|p| {
             p.extension().is_some_and(|e| e == "go")
-                || p.file_name().is_some_and(|n| n == "go.mod" || n == "go.sum")
+                || p.file_name()
+                    .is_some_and(|n| n == "go.mod" || n == "go.sum")
         })
         .collect();
     names.sort();
@@ -182,10 +183,10 @@ impl ControlPlane {
     /// A kubeconfig for service account `namespace/name`, its token bound to
     /// `pod` when given.
     pub fn token(&self, namespace: &str, name: &str, pod: Option<&str>) -> PathBuf {
-        let out = self
-            .dir
-            .path()
-            .join(format!("{namespace}-{name}-{}.kubeconfig", pod.unwrap_or("")));
+        let out = self.dir.path().join(format!(
+            "{namespace}-{name}-{}.kubeconfig",
+            pod.unwrap_or("")
+        ));
         let mut args = vec![
             "token",
             "--kubeconfig",
@@ -423,8 +424,7 @@ impl Scheduler {
 /// `url` and its client on `kubeconfig`.
 pub fn shipped_profile(url: &str, kubeconfig: &Path) -> String {
     let map: serde_yaml::Value = serde_yaml::from_str(
-        &std::fs::read_to_string(Path::new(ROOT).join("deploy/scheduler/configmap.yaml"))
-            .unwrap(),
+        &std::fs::read_to_string(Path::new(ROOT).join("deploy/scheduler/configmap.yaml")).unwrap(),
     )
     .unwrap();
     let mut profile: serde_yaml::Value =
@@ -464,7 +464,9 @@ pub fn gpu_pod(namespace: &str, name: &str, containers: &[(&str, [u64; 3])]) -> 
 
 /// Creates a namespace as the admin.
 pub fn namespace(cp: &ControlPlane, name: &str) {
-    cp.apply(&format!("apiVersion: v1\nkind: Namespace\nmetadata: {{name: {name}}}\n"));
+    cp.apply(&format!(
+        "apiVersion: v1\nkind: Namespace\nmetadata: {{name: {name}}}\n"
+    ));
 }
 
 /// Creates `pod`; returns the instant it was created.
@@ -528,7 +530,11 @@ impl Bindings {
                 .boxed();
             while let Some(event) = events.next().await {
                 let Ok(pod) = event else { continue };
-                let bound = pod.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some();
+                let bound = pod
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.node_name.as_ref())
+                    .is_some();
                 if bound && let Some(name) = pod.metadata.name {
                     map.lock().unwrap().entry(name).or_insert_with(Instant::now);
                 }
