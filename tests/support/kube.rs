@@ -455,8 +455,8 @@ pub fn gpu_pod(namespace: &str, name: &str, containers: &[(&str, [u64; 3])]) -> 
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": name, "namespace": namespace},
         "spec": {
-            "initContainers": init.iter().map(|c| spec(c)).collect::<Vec<_>>(),
-            "containers": app.iter().map(|c| spec(c)).collect::<Vec<_>>(),
+            "initContainers": init.into_iter().map(spec).collect::<Vec<_>>(),
+            "containers": app.into_iter().map(spec).collect::<Vec<_>>(),
         }
     }))
     .unwrap()
