@@ -268,3 +268,73 @@ async fn bursts_bind_and_admit() {
         logs(&cp, &nodes, &sched)
     );
 }
+
+/// A kubelet restart (the device-plugin directory wiped but for the
+/// checkpoint, a new kubelet.sock): the daemon registers again, the
+/// running pod keeps its grant without a new Allocate, and a pod bound
+/// afterwards runs with its own.
+#[tokio::test(flavor = "multi_thread")]
+async fn kubelet_restart_keeps_grants_and_serves_new_pods() {
+    let cp = ControlPlane::start();
+    let mut nodes = cluster(&cp, &[&[16384, 16384]]).await;
+    let sched = Scheduler::start(&cp);
+    let client = cp.admin_client().await;
+    create(&client, &gpu_pod(NS, "before", &[("main", [6, 30, 0])])).await;
+    let running = |p: &Pod| phase(p) == "Running" || phase(p) == "Failed";
+    let before = wait_pod(&client, NS, "before", Duration::from_secs(60), running)
+        .await
+        .unwrap();
+    assert_eq!(phase(&before), "Running", "{}", logs(&cp, &nodes, &sched));
+    let granted = envs(&nodes[0].record(NS, "before").unwrap());
+
+    let node = &mut nodes[0];
+    let addr = support::http_addr(&node.daemon);
+    let registered = |r: &str| {
+        support::metric(
+            &addr,
+            &format!("gpu_device_plugin_registrations_total{{resource=\"doslab.io/{r}\"}}"),
+        )
+    };
+    assert_eq!(registered("gpu-memory"), Some(1.0));
+    node.restart_kubelet(&cp).await;
+    let restarted = Instant::now();
+    // Registered again with the new kubelet: every resource's count is 2.
+    support::poll_until(
+        restarted + START,
+        || {
+            ["gpu-memory", "gpu-core", "gpu-count"]
+                .iter()
+                .all(|r| registered(r) == Some(2.0))
+        },
+        || format!("not registered again\n{}", node.daemon.log_text()),
+    )
+    .await;
+    eprintln!(
+        "kubelet restart: every resource registered again after {:?}",
+        restarted.elapsed()
+    );
+    create(&client, &gpu_pod(NS, "after", &[("main", [8, 50, 0])])).await;
+    let after = wait_pod(&client, NS, "after", Duration::from_secs(60), running)
+        .await
+        .unwrap();
+    assert_eq!(
+        phase(&after),
+        "Running",
+        "{after:#?}\n{}",
+        logs(&cp, &nodes, &sched)
+    );
+    let node = &nodes[0];
+    // The restarted kubelet admitted `before` again from its checkpoint.
+    assert_eq!(envs(&node.record(NS, "before").unwrap()), granted);
+    let record = node.record(NS, "after").unwrap();
+    assert_eq!(splits(&record), Vec::<String>::new());
+    let env = &envs(&record)["main"];
+    assert_eq!(
+        env.get("CUDA_DEVICE_MEMORY_LIMIT_0").map(String::as_str),
+        Some("8192m")
+    );
+    assert_eq!(
+        env.get("CUDA_DEVICE_SM_LIMIT").map(String::as_str),
+        Some("50")
+    );
+}
