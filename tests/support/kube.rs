@@ -554,3 +554,13 @@ impl Drop for Bindings {
         self.task.abort();
     }
 }
+
+/// Waits until pod `namespace/name` is gone from the API server.
+pub async fn wait_gone(client: &kube::Client, namespace: &str, name: &str, within: Duration) {
+    let api: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let deadline = Instant::now() + within;
+    while api.get_opt(name).await.ok().flatten().is_some() {
+        assert!(Instant::now() < deadline, "{namespace}/{name} never went");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
