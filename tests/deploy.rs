@@ -487,7 +487,11 @@ fn the_chart_renders_what_its_values_say() {
     assert!(cel.contains("'doslab.io/'"));
     assert!(cel.contains("system:serviceaccount:gpu-device-plugin:gpu-device-plugin"));
     // Each policy has its binding.
-    for policy in ["gpu-device-plugin", "gpu-device-plugin-accounting"] {
+    for policy in [
+        "gpu-device-plugin",
+        "gpu-device-plugin-accounting",
+        "gpu-device-plugin-quantities",
+    ] {
         let binding: ValidatingAdmissionPolicyBinding =
             strict(named(&objs, "ValidatingAdmissionPolicyBinding", policy));
         assert_eq!(binding.spec.unwrap().policy_name.as_deref(), Some(policy));
@@ -565,6 +569,13 @@ fn the_chart_renders_what_its_values_say() {
         assert!(cel.contains("system:serviceaccount:gpus:gpu-device-plugin"));
         assert!(cel.contains("'example.com/'") && !cel.contains("doslab.io"));
     }
+    let cel = named(
+        &objs,
+        "ValidatingAdmissionPolicy",
+        "gpu-device-plugin-quantities",
+    )
+    .to_string();
+    assert!(cel.contains("'example.com/gpu-memory'") && !cel.contains("doslab.io"));
     let config =
         gpu_device_plugin::config::Config::from_toml(&config_toml(&objs), Some("n".into()))
             .unwrap();
