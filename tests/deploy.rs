@@ -487,7 +487,11 @@ fn the_chart_renders_what_its_values_say() {
     assert!(cel.contains("'doslab.io/'"));
     assert!(cel.contains("system:serviceaccount:gpu-device-plugin:gpu-device-plugin"));
     // Each policy has its binding.
-    for policy in ["gpu-device-plugin", "gpu-device-plugin-accounting"] {
+    for policy in [
+        "gpu-device-plugin",
+        "gpu-device-plugin-accounting",
+        "gpu-device-plugin-quantities",
+    ] {
         let binding: ValidatingAdmissionPolicyBinding =
             strict(named(&objs, "ValidatingAdmissionPolicyBinding", policy));
         assert_eq!(binding.spec.unwrap().policy_name.as_deref(), Some(policy));
@@ -565,6 +569,13 @@ fn the_chart_renders_what_its_values_say() {
         assert!(cel.contains("system:serviceaccount:gpus:gpu-device-plugin"));
         assert!(cel.contains("'example.com/'") && !cel.contains("doslab.io"));
     }
+    let cel = named(
+        &objs,
+        "ValidatingAdmissionPolicy",
+        "gpu-device-plugin-quantities",
+    )
+    .to_string();
+    assert!(cel.contains("'example.com/gpu-memory'") && !cel.contains("doslab.io"));
     let config =
         gpu_device_plugin::config::Config::from_toml(&config_toml(&objs), Some("n".into()))
             .unwrap();
@@ -703,12 +714,13 @@ fn admit(policy: &Value, request: &Value, old: &Value, new: &Value) -> Option<Ve
 
 /// Whether a resource rule of the policy's matchConstraints names the
 /// request's resource (with its subresource) and operation, as the API
-/// server matches them.
+/// server matches them: `pods/*` is every subresource of pods.
 fn in_match_constraints(policy: &Value, request: &Value) -> bool {
     let resource = request["resource"]["resource"].as_str().unwrap();
-    let resource = match request["subResource"].as_str().unwrap() {
-        "" => resource.to_owned(),
-        sub => format!("{resource}/{sub}"),
+    let sub = request["subResource"].as_str().unwrap_or_default();
+    let names = |rule: &Value| match rule.as_str().unwrap().split_once('/') {
+        None => rule == resource && sub.is_empty(),
+        Some((r, s)) => r == resource && !sub.is_empty() && (s == "*" || s == sub),
     };
     policy["spec"]["matchConstraints"]["resourceRules"]
         .as_array()
@@ -716,10 +728,7 @@ fn in_match_constraints(policy: &Value, request: &Value) -> bool {
         .iter()
         .any(|rule| {
             (rule["apiGroups"].as_array().unwrap()).contains(&request["resource"]["group"])
-                && rule["resources"]
-                    .as_array()
-                    .unwrap()
-                    .contains(&json!(resource))
+                && rule["resources"].as_array().unwrap().iter().any(names)
                 && rule["operations"]
                     .as_array()
                     .unwrap()
@@ -754,15 +763,18 @@ const GPU_SCHEDULER: &str = "system:serviceaccount:kube-system:doslab-gpu-schedu
 const TENANT: &str = "system:serviceaccount:team-a:default";
 
 /// An admission request: `user` (with the node its token is bound to, if
-/// any) doing `operation` on `resource` (`pods`, `pods/status`, ...).
+/// any) doing `operation` on `resource` (`pods`, `pods/status`, ...). As
+/// the API server does, it has no `subResource` key when there is none.
 fn admission_request(user: &str, node: Option<&str>, operation: &str, resource: &str) -> Value {
     let (resource, sub) = resource.split_once('/').unwrap_or((resource, ""));
     let mut r = json!({
         "operation": operation,
         "resource": {"group": "", "version": "v1", "resource": resource},
-        "subResource": sub,
         "userInfo": {"username": user}
     });
+    if !sub.is_empty() {
+        r["subResource"] = json!(sub);
+    }
     if let Some(node) = node {
         r["userInfo"]["extra"] = json!({"authentication.kubernetes.io/node-name": [node]});
     }
@@ -1775,11 +1787,39 @@ fn accounting_cases(domain: &str, daemon: &str, scheduler: &str) -> Vec<Case<'st
             Some(1),
         ),
         (
+            "a tenant's Binding through the bindings resource",
+            req(TENANT, "CREATE", "bindings"),
+            Value::Null,
+            binding(ledger.clone()),
+            Some(1),
+        ),
+        (
             "the GPU scheduler's Binding",
             req(scheduler, "CREATE", "pods/binding"),
             Value::Null,
             binding(json!({})),
             Some(0),
+        ),
+        (
+            "the GPU scheduler's Binding through the bindings resource",
+            req(scheduler, "CREATE", "bindings"),
+            Value::Null,
+            binding(assignment.clone()),
+            Some(0),
+        ),
+        (
+            "a tenant's ephemeral container",
+            req(TENANT, "UPDATE", "pods/ephemeralcontainers"),
+            on(Some(ledger.clone())),
+            on(Some(ledger.clone())),
+            Some(0),
+        ),
+        (
+            "a tenant's resize that adds a ledger",
+            req(TENANT, "UPDATE", "pods/resize"),
+            on(None),
+            on(Some(ledger.clone())),
+            Some(1),
         ),
         (
             "the daemon writes its ledger",
@@ -1885,7 +1925,10 @@ fn the_gpu_scheduler_may_patch_only_the_domain_annotations_of_unbound_pods() {
     relabelled["metadata"]["labels"]["app"] = json!("b");
     let mut finalized = unbound(Some(json!({"keep": "x"})));
     finalized["metadata"]["finalizers"] = json!(["example.com/hold"]);
-    let cases: [Case; 9] = [
+    let bound = |annotations| pod_on(Some("gpu-node-1"), annotations);
+    let mut victim = bound(Some(assigned.clone()));
+    victim["status"] = json!({"conditions": [{"type": "DisruptionTarget", "status": "True"}]});
+    let cases: [Case; 13] = [
         (
             "writes the assignment",
             ours.clone(),
@@ -1903,9 +1946,37 @@ fn the_gpu_scheduler_may_patch_only_the_domain_annotations_of_unbound_pods() {
         (
             "a bound pod's accounting",
             ours.clone(),
-            pod_on(Some("gpu-node-1"), Some(json!({"keep": "x"}))),
-            pod_on(Some("gpu-node-1"), Some(assigned)),
+            bound(Some(json!({"keep": "x"}))),
+            bound(Some(assigned.clone())),
+            Some(2),
+        ),
+        (
+            "a bound pod's accounting through pods/status",
+            request(GPU_SCHEDULER, "pods/status"),
+            bound(Some(assigned.clone())),
+            bound(Some(json!({"keep": "x"}))),
             Some(1),
+        ),
+        (
+            "a bound pod's accounting through pods/ephemeralcontainers",
+            request(GPU_SCHEDULER, "pods/ephemeralcontainers"),
+            bound(Some(json!({"keep": "x"}))),
+            bound(Some(assigned.clone())),
+            Some(1),
+        ),
+        (
+            "kube-scheduler's condition on a bound pod (a preemption's victim)",
+            request(GPU_SCHEDULER, "pods/status"),
+            bound(Some(assigned.clone())),
+            victim,
+            Some(0),
+        ),
+        (
+            "kube-scheduler's status update of an unbound pod",
+            request(GPU_SCHEDULER, "pods/status"),
+            unbound(Some(assigned.clone())),
+            unbound(Some(assigned.clone())),
+            Some(0),
         ),
         (
             "changes an image",
@@ -1936,10 +2007,10 @@ fn the_gpu_scheduler_may_patch_only_the_domain_annotations_of_unbound_pods() {
             Some(1),
         ),
         (
-            "kube-scheduler's status update is not the policy's business",
-            request(GPU_SCHEDULER, "pods/status"),
-            unbound(None),
-            unbound(None),
+            "its Binding is not the policy's business",
+            admission_request(GPU_SCHEDULER, None, "CREATE", "pods/binding"),
+            Value::Null,
+            json!({"metadata": {"name": "p"}, "target": {"kind": "Node", "name": "gpu-node-1"}}),
             None,
         ),
         (

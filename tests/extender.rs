@@ -482,6 +482,75 @@ async fn a_bind_whose_caller_hangs_up_keeps_nothing() {
     assert_eq!(passes(&s, &q, &["n2"]).await, json!(["n2"]));
 }
 
+/// What the extender logged, from a subscriber on the test's own thread
+/// (a current-thread runtime runs the server's handlers there too).
+#[derive(Clone, Default)]
+struct Logs(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Logs {
+    type Writer = Logs;
+    fn make_writer(&'a self) -> Logs {
+        self.clone()
+    }
+}
+
+impl Logs {
+    /// Everything logged since the last call.
+    fn take(&self) -> String {
+        String::from_utf8(std::mem::take(&mut *self.0.lock().unwrap())).unwrap()
+    }
+}
+
+#[tokio::test]
+async fn only_a_caller_that_hung_up_is_logged_as_abandoning_its_bind() {
+    let logs = Logs::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(logs.clone())
+        .with_max_level(tracing::Level::DEBUG)
+        .with_ansi(false)
+        .finish();
+    let _on_this_thread = tracing::subscriber::set_default(subscriber);
+    let s = setup("binpack").await;
+    s.cluster
+        .put_pod(gpu_pod("ns", "p", &[c("app", 24576, 0, 0)]));
+    // Refused (n2's GPU is too small), bound, then bound again (nothing
+    // to do): the caller waited for each.
+    s.cluster
+        .put_pod(gpu_pod("ns", "big", &[c("app", 40960, 0, 0)]));
+    let r = post_json(s.addr, "bind", &bind_args("big", "n2")).await;
+    assert!(r["Error"].as_str().unwrap().contains("40960 MiB"), "{r}");
+    for _ in 0..2 {
+        let r = post_json(s.addr, "bind", &bind_args("big", "n1")).await;
+        assert_eq!(r["Error"], "", "{r}");
+    }
+    let log = logs.take();
+    assert!(log.contains("bind refused"), "{log}");
+    assert!(!log.contains("abandoned"), "{log}");
+
+    s.cluster
+        .answer_late("patch", std::time::Duration::from_secs(2));
+    let hang_up = std::time::Duration::from_millis(200);
+    let args = bind_args("p", "n2").to_string();
+    let call = tokio::time::timeout(hang_up, post(s.addr, "bind", &args)).await;
+    assert!(call.is_err(), "the bind answered before the hang-up");
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let log = logs.take();
+    assert!(
+        log.contains("bind abandoned by its caller before its Binding"),
+        "{log}"
+    );
+}
+
 #[tokio::test]
 async fn a_binding_that_lands_late_counts_as_done_within_the_deadline() {
     let s = setup_with("binpack", "bind_timeout_ms = 400\n").await;

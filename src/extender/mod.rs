@@ -53,16 +53,21 @@ const BIND_ATTEMPTS: usize = 3;
 /// Binding without an answer landed, and undoing the assignment if not.
 const CHECK_SHARE: u32 = 4;
 
-/// A bind's reservation while the bind runs: if the bind's future is
+/// A bind's reservation while the bind runs. Unless the bind settled it,
+/// it ends at once if no Binding was sent, or becomes a nomination that
+/// expires if one may have landed: when the bind returns early (refused,
+/// nothing to do, or the Binding's fate unknown), and when its future is
 /// dropped (kube-scheduler hung up at its `httpTimeout`, and axum dropped
-/// the handler), the reservation ends at once if no Binding was sent, or
-/// becomes a nomination that expires if one may have landed.
+/// the handler).
 struct BindReservation<'a> {
     index: &'a RwLock<Index>,
     key: &'a PodName,
     ttl: Duration,
     binding_sent: bool,
     settled: bool,
+    /// Set once the bind returned: a guard dropped without it went with
+    /// the bind's future, so its caller is gone.
+    returned: bool,
 }
 
 impl Drop for BindReservation<'_> {
@@ -70,13 +75,24 @@ impl Drop for BindReservation<'_> {
         if self.settled {
             return;
         }
-        tracing::warn!(pod = ?self.key, binding_sent = self.binding_sent,
-            "bind abandoned by its caller; its GPU reservation ends");
+        let key = self.key;
+        match (self.returned, self.binding_sent) {
+            (false, false) => tracing::warn!(pod = ?key,
+                "bind abandoned by its caller before its Binding; its GPU reservation ends"),
+            (false, true) => tracing::warn!(pod = ?key,
+                "bind abandoned by its caller after its Binding was sent; its GPU reservation \
+                 stays until the pod is seen bound or the reservation expires"),
+            (true, true) => tracing::info!(pod = ?key,
+                "whether the Binding landed is unknown; the GPU reservation stays until the \
+                 pod is seen bound or the reservation expires"),
+            (true, false) => tracing::debug!(pod = ?key,
+                "bind ended without a Binding; its GPU reservation, if any, ends"),
+        }
         let mut ix = self.index.write().expect("index lock poisoned");
         if self.binding_sent {
-            ix.demote(self.key, Instant::now() + self.ttl);
+            ix.demote(key, Instant::now() + self.ttl);
         } else {
-            ix.release(self.key);
+            ix.release(key);
         }
     }
 }
@@ -251,16 +267,29 @@ impl<B: Binder> Extender<B> {
         args: &ExtenderBindingArgs,
         deadline: Instant,
     ) -> Result<(), String> {
-        // The writes stop early enough to leave time to check and undo.
-        let writes_end = deadline - self.bind_timeout / CHECK_SHARE;
-        let node = args.node.as_str();
         let mut held = BindReservation {
             index: &self.index,
             key,
             ttl: self.reservation_ttl,
             binding_sent: false,
             settled: false,
+            returned: false,
         };
+        let result = self.bind_held(&mut held, args, deadline).await;
+        held.returned = true;
+        result
+    }
+
+    async fn bind_held(
+        &self,
+        held: &mut BindReservation<'_>,
+        args: &ExtenderBindingArgs,
+        deadline: Instant,
+    ) -> Result<(), String> {
+        let key = held.key;
+        // The writes stop early enough to leave time to check and undo.
+        let writes_end = deadline - self.bind_timeout / CHECK_SHARE;
+        let node = args.node.as_str();
         let mut attempts = 0;
         let patched = loop {
             let pod = self
@@ -332,8 +361,8 @@ impl<B: Binder> Extender<B> {
             }
             Err(check) => {
                 // Unknown: neither undo (the pod may be bound) nor release
-                // (its GPUs may be in use); the nomination expires.
-                drop(held);
+                // (its GPUs may be in use); the guard leaves a nomination
+                // that expires.
                 return Err(format!(
                     "creating the Binding failed: {e}; whether it landed is unknown ({check})"
                 ));

@@ -1,0 +1,614 @@
+//! Who may do what, on the real kube-apiserver with deploy/ applied as
+//! shipped (RBAC and the admission policies): each identity of README's
+//! "What each service account can do" tries, with its own token, what the
+//! table says it may do (it succeeds) and what it may not (the API server
+//! refuses it, with RBAC's 403 or the policy's 422 and message). A tenant,
+//! the node daemon (its token bound to its pod on its node), and the GPU
+//! scheduler (kube-scheduler and the extender share its account), each on
+//! a control plane of its own.
+
+mod support;
+
+use std::future::Future;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+use support::kube::*;
+
+const NS: &str = "tenant";
+/// Pods ask gpu-memory in GiB.
+const UNIT: &str = "memory_unit_mib = 1024";
+
+/// The API server's answer to one call: Ok, or its HTTP code and message.
+async fn outcome<T>(call: impl Future<Output = kube::Result<T>>) -> Result<(), (u16, String)> {
+    match call.await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) => Err((s.code, s.message)),
+        Err(e) => panic!("no answer from the API server: {e}"),
+    }
+}
+
+/// Asserts that `what` succeeded.
+fn allowed(what: &str, got: Result<(), (u16, String)>) {
+    if let Err((code, message)) = got {
+        panic!("{what}: refused ({code}) but allowed by README: {message}");
+    }
+}
+
+/// Asserts that `what` was refused with `code` and a message containing
+/// `says`.
+fn refused(what: &str, got: Result<(), (u16, String)>, code: u16, says: &str) {
+    match got {
+        Ok(()) => panic!("{what}: allowed but refused by README"),
+        Err((c, message)) => {
+            assert_eq!(c, code, "{what}: {message}");
+            assert!(message.contains(says), "{what}: {message}\nwanted: {says}");
+        }
+    }
+}
+
+/// A one-container pod of `namespace` (bound to `node` when given) with
+/// these annotations and `doslab.io/` limits (resource, quantity as
+/// written).
+fn pod(
+    namespace: &str,
+    name: &str,
+    node: Option<&str>,
+    annotations: Value,
+    limits: &[(&str, &str)],
+) -> Pod {
+    let limits: serde_json::Map<String, Value> = limits
+        .iter()
+        .map(|(r, q)| (format!("doslab.io/{r}"), json!(q)))
+        .collect();
+    let mut p = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "annotations": annotations},
+        "spec": {"containers": [{"name": "main", "image": "app", "resources": {"limits": limits}}]}
+    });
+    if let Some(node) = node {
+        p["spec"]["nodeName"] = json!(node);
+    }
+    serde_json::from_value(p).unwrap()
+}
+
+/// A merge patch of pod `name`'s annotations (null removes one).
+fn annotations(annotations: Value) -> Patch<Value> {
+    Patch::Merge(json!({"metadata": {"annotations": annotations}}))
+}
+
+fn pp() -> PatchParams {
+    PatchParams::default()
+}
+
+/// A Binding of pod `name` to `node` carrying `annotations`.
+fn binding(name: &str, node: &str, annotations: Value) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Binding",
+        "metadata": {"name": name, "namespace": NS, "annotations": annotations},
+        "target": {"apiVersion": "v1", "kind": "Node", "name": node}
+    })
+}
+
+/// POSTs `body` to `path` as `client`.
+async fn post(client: &kube::Client, path: &str, body: &Value) -> kube::Result<Value> {
+    let req = http::Request::post(path)
+        .header("content-type", "application/json")
+        .body(serde_json::to_vec(body).unwrap())
+        .unwrap();
+    client.request::<Value>(req).await
+}
+
+/// A tenant's service account in namespace [`NS`], with every pod right a
+/// workload's account may plausibly hold (create, patch, update, status,
+/// Bindings): what stops it is the policy, not a missing grant.
+async fn tenant(cp: &ControlPlane) -> kube::Client {
+    namespace(cp, NS);
+    cp.apply(&format!(
+        "apiVersion: v1\nkind: ServiceAccount\nmetadata: {{name: app, namespace: {NS}}}\n---\n\
+         apiVersion: rbac.authorization.k8s.io/v1\nkind: Role\nmetadata: {{name: pods, namespace: {NS}}}\n\
+         rules:\n- apiGroups: [\"\"]\n  resources: [pods, pods/status]\n  verbs: [get, create, patch, update]\n\
+         - apiGroups: [\"\"]\n  resources: [pods/binding, bindings]\n  verbs: [create]\n---\n\
+         apiVersion: rbac.authorization.k8s.io/v1\nkind: RoleBinding\nmetadata: {{name: pods, namespace: {NS}}}\n\
+         roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: Role, name: pods}}\n\
+         subjects: [{{kind: ServiceAccount, name: app, namespace: {NS}}}]\n"
+    ));
+    ControlPlane::client_as(&cp.token(NS, "app", None)).await
+}
+
+const LEDGER: &str = "doslab.io/gpu-ledger";
+const ASSIGNMENT: &str = "doslab.io/gpu-assignment";
+const ACCOUNTING: &str = "only the node daemon and the GPU scheduler may add, change or remove";
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tenant_cannot_write_the_accounting() {
+    let cp = ControlPlane::start();
+    let client = tenant(&cp).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let pp = pp();
+
+    let forged = pod(NS, "forged", None, json!({ LEDGER: "{}" }), &[]);
+    refused(
+        "a tenant creates a pod with a ledger",
+        outcome(pods.create(&PostParams::default(), &forged)).await,
+        422,
+        "a pod cannot be created with doslab.io/ annotations",
+    );
+    let mine = pod(
+        NS,
+        "mine",
+        None,
+        json!({"keep": "x"}),
+        &[("gpu-memory", "8")],
+    );
+    allowed(
+        "a tenant creates a GPU pod",
+        outcome(pods.create(&PostParams::default(), &mine)).await,
+    );
+    allowed(
+        "a tenant changes its own annotation and a label",
+        outcome(pods.patch(
+            "mine",
+            &pp,
+            &Patch::Merge(
+                json!({"metadata": {"annotations": {"keep": "y"}, "labels": {"app": "b"}}}),
+            ),
+        ))
+        .await,
+    );
+    refused(
+        "a tenant adds an assignment",
+        outcome(pods.patch("mine", &pp, &annotations(json!({ ASSIGNMENT: "{}" })))).await,
+        422,
+        ACCOUNTING,
+    );
+    refused(
+        "a tenant adds a ledger through pods/status",
+        outcome(pods.patch_status("mine", &pp, &annotations(json!({ LEDGER: "{}" })))).await,
+        422,
+        ACCOUNTING,
+    );
+    for path in [
+        format!("/api/v1/namespaces/{NS}/pods/mine/binding"),
+        format!("/api/v1/namespaces/{NS}/bindings"),
+    ] {
+        refused(
+            &format!("a tenant's Binding carrying a ledger ({path})"),
+            outcome(post(
+                &client,
+                &path,
+                &binding("mine", "n", json!({ LEDGER: "{}" })),
+            ))
+            .await,
+            422,
+            ACCOUNTING,
+        );
+    }
+
+    // The GPU scheduler assigns the pod (not yet bound): the tenant may
+    // neither rewrite nor remove that.
+    let sched: Api<Pod> = Api::namespaced(ControlPlane::client_as(&cp.scheduler).await, NS);
+    allowed(
+        "the GPU scheduler assigns an unbound pod",
+        outcome(sched.patch(
+            "mine",
+            &pp,
+            &annotations(json!({ ASSIGNMENT: "{\"main\":[]}" })),
+        ))
+        .await,
+    );
+    for (what, change) in [
+        ("rewrites", json!({ ASSIGNMENT: "{}" })),
+        ("removes", json!({ ASSIGNMENT: null })),
+    ] {
+        refused(
+            &format!("a tenant {what} the assignment"),
+            outcome(pods.patch("mine", &pp, &annotations(change))).await,
+            422,
+            ACCOUNTING,
+        );
+    }
+    let kept = pods.get("mine").await.unwrap();
+    assert_eq!(
+        kept.metadata.annotations.unwrap()[ASSIGNMENT],
+        "{\"main\":[]}"
+    );
+}
+
+/// The limit of `resource` the API server stored for container `main`.
+fn stored(pod: &Pod, resource: &str) -> String {
+    let limits = pod.spec.as_ref().unwrap().containers[0]
+        .resources
+        .as_ref()
+        .unwrap()
+        .limits
+        .as_ref()
+        .unwrap();
+    limits[&format!("doslab.io/{resource}")].0.clone()
+}
+
+/// The quantity rule of deploy/quantitypolicy.yaml: a GPU resource is a
+/// whole count of devices below 2^32 without a binary suffix; decimal
+/// suffixes pass (the API server stores 8000 as 8k).
+#[tokio::test(flavor = "multi_thread")]
+async fn gpu_asks_are_counts_of_devices() {
+    let cp = ControlPlane::start();
+    let client = tenant(&cp).await;
+    let pods: Api<Pod> = Api::namespaced(client, NS);
+    let create = |name: &str, limits: &[(&str, &str)]| {
+        let p = pod(NS, name, None, json!({}), limits);
+        let pods = pods.clone();
+        async move { outcome(pods.create(&PostParams::default(), &p)).await }
+    };
+    for (i, (resource, written, stored_as)) in [
+        ("gpu-memory", "8", "8"),
+        ("gpu-memory", "8000", "8k"),
+        ("gpu-memory", "8k", "8k"),
+        ("gpu-memory", "1536", "1536"),
+        ("gpu-memory", "4294967295", "4294967295"),
+        ("gpu-memory", "4e9", "4e9"),
+        ("gpu-core", "100", "100"),
+        ("gpu-count", "2", "2"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let name = format!("ok-{i}");
+        allowed(
+            &format!("{resource}: {written}"),
+            create(&name, &[(resource, written)]).await,
+        );
+        assert_eq!(stored(&pods.get(&name).await.unwrap(), resource), stored_as);
+    }
+    for (i, (resource, written, shown)) in [
+        ("gpu-memory", "4Gi", "4Gi"),
+        ("gpu-memory", "3Gi", "3Gi"),
+        ("gpu-memory", "1024Ki", "1Mi"),
+        ("gpu-memory", "4294967296", "4294967296"),
+        ("gpu-memory", "5G", "5G"),
+        ("gpu-core", "1Ki", "1Ki"),
+        ("gpu-count", "1e10", "10e9"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        refused(
+            &format!("{resource}: {written}"),
+            create(&format!("wrong-{i}"), &[(resource, written)]).await,
+            422,
+            &format!("container main: doslab.io/{resource}: {shown} is no count of devices"),
+        );
+    }
+    // Any container, init containers too; another vendor's resources and
+    // the pod's own memory are not the policy's business.
+    let mut p = pod(NS, "init", None, json!({}), &[("gpu-memory", "8")]);
+    let spec = p.spec.as_mut().unwrap();
+    let mut init = spec.containers[0].clone();
+    init.name = "setup".into();
+    init.resources
+        .as_mut()
+        .unwrap()
+        .limits
+        .as_mut()
+        .unwrap()
+        .insert(
+            "doslab.io/gpu-memory".into(),
+            k8s_openapi::apimachinery::pkg::api::resource::Quantity("2Gi".into()),
+        );
+    spec.init_containers = Some(vec![init]);
+    refused(
+        "an init container's gpu-memory: 2Gi",
+        outcome(pods.create(&PostParams::default(), &p)).await,
+        422,
+        "container setup: doslab.io/gpu-memory: 2Gi",
+    );
+    let mut p = pod(NS, "others", None, json!({}), &[("gpu-memory", "8")]);
+    let limits = p.spec.as_mut().unwrap().containers[0]
+        .resources
+        .as_mut()
+        .unwrap()
+        .limits
+        .as_mut()
+        .unwrap();
+    for (r, q) in [("example.com/gpu-memory", "4Gi"), ("memory", "4Gi")] {
+        limits.insert(
+            r.into(),
+            k8s_openapi::apimachinery::pkg::api::resource::Quantity(q.into()),
+        );
+    }
+    allowed(
+        "other resources in binary suffixes",
+        outcome(pods.create(&PostParams::default(), &p)).await,
+    );
+}
+
+/// `name`'s PodScheduled condition: (status, reason).
+fn scheduled(pod: &Pod) -> Option<(String, String)> {
+    let conditions = pod.status.as_ref()?.conditions.as_ref()?;
+    let c = conditions.iter().find(|c| c.type_ == "PodScheduled")?;
+    Some((c.status.clone(), c.reason.clone().unwrap_or_default()))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_gpu_scheduler_writes_only_the_accounting_of_pods_not_yet_bound() {
+    let cp = ControlPlane::start();
+    let node = KubeNode::start(
+        &cp,
+        "node-0",
+        &[("GPU-0000-0000-4000-8000-000000000000", 16384)],
+        UNIT,
+    )
+    .await;
+    namespace(&cp, NS);
+    let admin = cp.admin_client().await;
+    let as_admin: Api<Pod> = Api::namespaced(admin.clone(), NS);
+    let sched: Api<Pod> = Api::namespaced(ControlPlane::client_as(&cp.scheduler).await, NS);
+    let pp = pp();
+    let post = PostParams::default();
+
+    // Left to no scheduler: stays unbound.
+    let mut waiting = pod(NS, "waiting", None, json!({"keep": "x"}), &[]);
+    waiting.spec.as_mut().unwrap().scheduler_name = Some("nobody".into());
+    as_admin.create(&post, &waiting).await.unwrap();
+    let placed = pod(NS, "placed", Some(&node.name), json!({"keep": "x"}), &[]);
+    as_admin.create(&post, &placed).await.unwrap();
+
+    // The extender's calls: the assignment of an unbound pod, and its undo.
+    for change in [json!({ ASSIGNMENT: "{}" }), json!({ ASSIGNMENT: null })] {
+        allowed(
+            &format!("the extender patches an unbound pod: {change}"),
+            outcome(sched.patch("waiting", &pp, &annotations(change))).await,
+        );
+    }
+    refused(
+        "the scheduler relabels an unbound pod",
+        outcome(sched.patch(
+            "waiting",
+            &pp,
+            &Patch::Merge(json!({"metadata": {"labels": {"app": "b"}}})),
+        ))
+        .await,
+        422,
+        "the GPU scheduler may change nothing of a pod but annotations",
+    );
+    refused(
+        "the scheduler drops a foreign annotation",
+        outcome(sched.patch("waiting", &pp, &annotations(json!({"keep": null})))).await,
+        422,
+        "the GPU scheduler may only change doslab.io/ annotations",
+    );
+    // A bound pod's accounting, through the pod and through its status.
+    let bound = "the GPU scheduler may not change the doslab.io/ annotations of a bound pod";
+    refused(
+        "the scheduler rewrites a bound pod's accounting",
+        outcome(sched.patch("placed", &pp, &annotations(json!({ LEDGER: "{}" })))).await,
+        422,
+        bound,
+    );
+    refused(
+        "the scheduler rewrites a bound pod's accounting through pods/status",
+        outcome(sched.patch_status("placed", &pp, &annotations(json!({ LEDGER: "{}" })))).await,
+        422,
+        bound,
+    );
+    // kube-scheduler's own status write (a condition, as on a victim of a
+    // preemption) passes on a bound pod.
+    allowed(
+        "the scheduler sets a condition on a bound pod",
+        outcome(sched.patch_status(
+            "placed",
+            &pp,
+            &Patch::Merge(json!({"status": {"conditions": [{
+                "type": "DisruptionTarget", "status": "True",
+                "reason": "PreemptionByScheduler", "message": "test"
+            }]}})),
+        ))
+        .await,
+    );
+    refused(
+        "the scheduler's account has no pods/ephemeralcontainers",
+        outcome(sched.patch_ephemeral_containers(
+            "placed",
+            &pp,
+            &Patch::Merge(json!({"spec": {"ephemeralContainers": []}})),
+        ))
+        .await,
+        403,
+        "forbidden",
+    );
+
+    // And the real scheduler still schedules under it: the extender's
+    // patch and Binding, and kube-scheduler's Unschedulable condition.
+    let sched_proc = Scheduler::start(&cp);
+    let gpu = gpu_pod(NS, "gpu", &[("main", [8, 30, 0])]);
+    let too_big = gpu_pod(NS, "too-big", &[("main", [64, 0, 0])]);
+    create(&admin, &gpu).await;
+    create(&admin, &too_big).await;
+    let ran = wait_pod(&admin, NS, "gpu", Duration::from_secs(60), |p| {
+        phase(p) == "Running"
+    })
+    .await
+    .unwrap_or_else(|p| {
+        panic!(
+            "gpu never ran: {p:#?}\n--- scheduler\n{}\n--- extender\n{}",
+            sched_proc.proc.log_text(),
+            sched_proc.extender.log_text()
+        )
+    });
+    assert!(
+        ran.metadata.annotations.unwrap().contains_key(ASSIGNMENT),
+        "the extender's assignment is missing"
+    );
+    wait_pod(&admin, NS, "too-big", Duration::from_secs(60), |p| {
+        scheduled(p).is_some_and(|(s, r)| s == "False" && r == "Unschedulable")
+    })
+    .await
+    .unwrap_or_else(|p| panic!("too-big has no Unschedulable condition: {p:#?}"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_daemon_writes_only_its_own_nodes_pods_and_node() {
+    let cp = ControlPlane::start();
+    let node = KubeNode::start(
+        &cp,
+        "node-0",
+        &[("GPU-0000-0000-4000-8000-000000000000", 16384)],
+        UNIT,
+    )
+    .await;
+    namespace(&cp, NS);
+    cp.apply("apiVersion: v1\nkind: Node\nmetadata: {name: elsewhere}\n");
+    let admin = cp.admin_client().await;
+    let as_admin: Api<Pod> = Api::namespaced(admin, NS);
+    let post = PostParams::default();
+    for (name, at) in [
+        ("mine", Some("node-0")),
+        ("theirs", Some("elsewhere")),
+        ("unbound", None),
+    ] {
+        let mut p = pod(NS, name, at, json!({"keep": "x"}), &[]);
+        p.spec.as_mut().unwrap().scheduler_name = Some("nobody".into());
+        as_admin.create(&post, &p).await.unwrap();
+    }
+    let kubeconfig = cp.token(
+        "gpu-device-plugin",
+        "gpu-device-plugin",
+        Some(&format!("gpu-device-plugin-{}", node.name)),
+    );
+    let client = ControlPlane::client_as(&kubeconfig).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let pp = pp();
+    let ledger = || annotations(json!({ LEDGER: "{}", "doslab.io/gpu-assigned": "true" }));
+
+    allowed(
+        "the daemon writes its ledger on its node's pod",
+        outcome(pods.patch("mine", &pp, &ledger())).await,
+    );
+    let own_node = "the GPU device plugin may only patch pods bound to its own node";
+    refused(
+        "the daemon writes a ledger on another node's pod",
+        outcome(pods.patch("theirs", &pp, &ledger())).await,
+        422,
+        own_node,
+    );
+    refused(
+        "the daemon writes a ledger on a pod not yet bound",
+        outcome(pods.patch("unbound", &pp, &ledger())).await,
+        422,
+        own_node,
+    );
+    refused(
+        "the daemon changes a foreign annotation",
+        outcome(pods.patch("mine", &pp, &annotations(json!({"keep": "y"})))).await,
+        422,
+        "the GPU device plugin may only change doslab.io/ annotations",
+    );
+    refused(
+        "the daemon relabels its node's pod",
+        outcome(pods.patch(
+            "mine",
+            &pp,
+            &Patch::Merge(json!({"metadata": {"labels": {"app": "b"}}})),
+        ))
+        .await,
+        422,
+        "may change nothing of a pod or Node but annotations",
+    );
+    refused(
+        "the daemon has no pods/status",
+        outcome(pods.patch_status("mine", &pp, &ledger())).await,
+        403,
+        "forbidden",
+    );
+    refused(
+        "the daemon creates no pod",
+        outcome(pods.create(&post, &pod(NS, "new", None, json!({}), &[]))).await,
+        403,
+        "forbidden",
+    );
+    // Reading every pod: RBAC cannot narrow a list by field (README).
+    allowed(
+        "the daemon lists pods",
+        outcome(Api::<Pod>::all(client.clone()).list(&Default::default())).await,
+    );
+
+    // Its Node: the inventory it published is there; nothing else.
+    let nodes: Api<Node> = Api::all(client.clone());
+    let own = nodes.get(&node.name).await.unwrap();
+    let inventory = own.metadata.annotations.unwrap_or_default();
+    assert!(
+        inventory.contains_key("doslab.io/gpu-inventory"),
+        "the daemon published no inventory: {inventory:?}\n{}",
+        node.daemon.log_text()
+    );
+    let only_inventory = "may only change the doslab.io/gpu-inventory annotation of its Node";
+    refused(
+        "the daemon annotates its Node otherwise",
+        outcome(nodes.patch(&node.name, &pp, &annotations(json!({"example.com/x": "y"})))).await,
+        422,
+        only_inventory,
+    );
+    refused(
+        "the daemon cordons its Node",
+        outcome(nodes.patch(
+            &node.name,
+            &pp,
+            &Patch::Merge(json!({"spec": {"unschedulable": true}})),
+        ))
+        .await,
+        422,
+        "may change nothing of a pod or Node but annotations",
+    );
+    refused(
+        "the daemon publishes another Node's inventory",
+        outcome(nodes.patch(
+            "elsewhere",
+            &pp,
+            &annotations(json!({"doslab.io/gpu-inventory": "{}"})),
+        ))
+        .await,
+        422,
+        "the GPU device plugin may only patch its own Node",
+    );
+
+    // Its Warning about a pod of its node, as itself; nothing else.
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), NS);
+    let event = |name: &str, kind: &str, instance: &str| {
+        serde_json::from_value::<k8s_openapi::api::events::v1::Event>(json!({
+            "metadata": {"name": name, "namespace": NS},
+            "eventTime": "2026-01-01T00:00:00.000000Z",
+            "reportingController": "gpu-device-plugin", "reportingInstance": instance,
+            "action": "Allocate", "reason": "GpuAllocateFailed", "note": "test", "type": kind,
+            "regarding": {"apiVersion": "v1", "kind": "Pod", "namespace": NS, "name": "mine"}
+        }))
+        .unwrap()
+    };
+    allowed(
+        "the daemon posts its Warning",
+        outcome(events.create(&post, &event("w", "Warning", "node-0"))).await,
+    );
+    let warnings = "may only post Warning Events about pods, reported by itself on its own node";
+    for (what, e) in [
+        ("a Normal event", event("n", "Normal", "node-0")),
+        ("another node's Warning", event("o", "Warning", "elsewhere")),
+    ] {
+        refused(
+            &format!("the daemon posts {what}"),
+            outcome(events.create(&post, &e)).await,
+            422,
+            warnings,
+        );
+    }
+    refused(
+        "the daemon reads no Secret",
+        outcome(
+            Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client, NS)
+                .list(&Default::default()),
+        )
+        .await,
+        403,
+        "forbidden",
+    );
+}
