@@ -21,14 +21,16 @@ const NS: &str = "fill";
 const UNIT: &str = "memory_unit_mib = 1024";
 const GIB: u64 = 1024;
 
-/// (node, GPU sizes in GiB): 13 GPUs, 464 GiB.
+/// (node, GPU sizes in GiB): 13 GPUs, 464 GiB. The big node first in name
+/// order: among equals a policy takes the first name, so an empty cluster
+/// does not steer small pods to the small GPUs by luck of the names.
 const NODES: [(&str, &[u64]); 6] = [
-    ("gpu-80", &[80, 80]),
-    ("gpu-40", &[40, 40]),
-    ("gpu-16a", &[16, 16, 16, 16]),
-    ("gpu-16b", &[16, 16, 16, 16]),
-    ("gpu-24", &[24, 24]),
-    ("gpu-48", &[48]),
+    ("node-0", &[80, 80]),
+    ("node-1", &[40, 40]),
+    ("node-2", &[16, 16, 16, 16]),
+    ("node-3", &[16, 16, 16, 16]),
+    ("node-4", &[24, 24]),
+    ("node-5", &[48]),
 ];
 
 const SEEDS: [u64; 3] = [1, 2, 3];
