@@ -14,7 +14,7 @@
 //! with the node's exclusive devices withdrawn (`matcher.withdraw_exclusive`,
 //! issue 17 item 9), less those the node's usage keeps from new work.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,6 +27,7 @@ use gpu_device_plugin::matcher::pods::PodView;
 use gpu_device_plugin::matcher::report::withdrawn;
 use gpu_device_plugin::usage::{Inventory, Keys, Ledger};
 use gpu_sim::apiserver::PodContainer;
+use gpu_sim::fill::StandIn;
 use gpu_sim::memory::{MemoryCluster, gpu_node, gpu_pod};
 use k8s_openapi::api::core::v1::Pod;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -833,126 +834,6 @@ fn burst_ask(rng: &mut Rng) -> u64 {
     rng.weighted(&[(1, 25), (2, 25), (4, 20), (8, 20), (20, 10)])
 }
 
-/// An API-server stand-in with [`BURST_NODES`] (GPU inventories published,
-/// and cpu and memory for the default score plugins), the real extender
-/// (reflectors and HTTP) under `policy`, and the scheduler stand-in under
-/// `config` pointed at it.
-struct BurstWorld {
-    api: gpu_sim::apiserver::ApiServerSim,
-    sim: Option<gpu_sim::scheduler::SchedulerSim>,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    _files: tempfile::TempDir,
-}
-
-impl BurstWorld {
-    async fn start(
-        policy: &str,
-        config: impl FnOnce(&str) -> gpu_sim::scheduler::SchedulerConfig,
-        seed: u64,
-    ) -> BurstWorld {
-        use gpu_sim::apiserver::ApiServerSim;
-        use gpu_sim::scheduler::SchedulerSim;
-        let files = tempfile::tempdir().unwrap();
-        let kubeconfig = files.path().join("kubeconfig");
-        let api = ApiServerSim::start().await.unwrap();
-        api.write_kubeconfig(&kubeconfig).unwrap();
-        let key = Keys::new(DOMAIN).inventory;
-        for (name, sizes) in BURST_NODES {
-            let gpus: Vec<(String, u64)> = sizes
-                .iter()
-                .enumerate()
-                .map(|(i, g)| (format!("GPU-{name}-{i}"), g * GIB))
-                .collect();
-            let refs: Vec<(&str, u64)> = gpus.iter().map(|(u, m)| (u.as_str(), *m)).collect();
-            let node = gpu_node(name, &refs);
-            let inventory = node.metadata.annotations.as_ref().unwrap()[&key].clone();
-            let memory: u64 = sizes.iter().map(|g| g * GIB).sum();
-            let n = sizes.len() as u64;
-            api.add_node(
-                name,
-                &[
-                    (&format!("{DOMAIN}/gpu-memory"), memory),
-                    (&format!("{DOMAIN}/gpu-core"), 100 * n),
-                    (&format!("{DOMAIN}/gpu-count"), n),
-                    // Small, so that each pod's default request (100m,
-                    // 200Mi) moves LeastAllocated as much as real requests
-                    // do on a real node: the default plugins spread.
-                    ("cpu", 4),
-                    ("memory", 8 << 30),
-                    ("pods", 110),
-                ],
-                &[(&key, &inventory)],
-            );
-        }
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let toml = format!(
-            "[extender]\nlisten = \"127.0.0.1:{port}\"\npolicy = \"{policy}\"\nkubeconfig = {:?}\n",
-            kubeconfig.display().to_string()
-        );
-        let extender = ExtenderConfig::from_toml(&toml).unwrap();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(gpu_device_plugin::extender::run(extender, async {
-            let _ = stopped.await;
-        }));
-        // Synced once a filter is answered without an error.
-        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        let probe = gpu_pod(NAMESPACE, "probe", &[container(1)]);
-        let body = serde_json::json!({"Pod": probe, "Nodes": null, "NodeNames": ["gpu-0"]});
-        loop {
-            if let Ok(stream) = TcpStream::connect(addr).await {
-                drop(stream);
-                let answer = Http::connect(addr)
-                    .await
-                    .post("filter", &body.to_string())
-                    .await;
-                if answer.contains(r#""Error":"""#) {
-                    break;
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let mut config = config(&format!("http://{addr}"));
-        config.seed = Some(seed);
-        config.initial_backoff = Duration::from_millis(100);
-        config.max_backoff = Duration::from_secs(1);
-        let sim = SchedulerSim::start(&kubeconfig, config).await.unwrap();
-        BurstWorld {
-            api,
-            sim: Some(sim),
-            stop: Some(stop),
-            _files: files,
-        }
-    }
-
-    fn outcomes(&self) -> BTreeMap<String, gpu_sim::scheduler::Outcome> {
-        self.sim.as_ref().map(|s| s.outcomes()).unwrap_or_default()
-    }
-
-    fn add(&self, name: &str, gib: u64) {
-        self.api.add_unscheduled_pod(
-            NAMESPACE,
-            name,
-            "doslab-gpu-scheduler",
-            &[container(gib * GIB)],
-        );
-    }
-}
-
-impl Drop for BurstWorld {
-    fn drop(&mut self) {
-        if let Some(sim) = self.sim.take() {
-            sim.stop();
-        }
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-    }
-}
-
 fn container(memory: u64) -> PodContainer {
     PodContainer {
         name: "main".into(),
@@ -968,14 +849,17 @@ async fn one_burst(
     config: impl FnOnce(&str) -> gpu_sim::scheduler::SchedulerConfig,
 ) -> String {
     const PODS: usize = 40;
-    let w = BurstWorld::start(policy, config, SEED).await;
+    let w = StandIn::start(&BURST_NODES, policy, config, SEED).await;
     let mut rng = Rng(SEED);
     let created = Instant::now();
     let names: Vec<String> = (0..PODS)
-        .map(|i| format!("{NAMESPACE}/burst-{i:02}"))
+        .map(|i| format!("{}/burst-{i:02}", gpu_sim::fill::NAMESPACE))
         .collect();
-    for (i, _) in names.iter().enumerate() {
-        w.add(&format!("burst-{i:02}"), burst_ask(&mut rng));
+    for i in 0..PODS {
+        w.add(
+            &format!("burst-{i:02}"),
+            &[container(burst_ask(&mut rng) * GIB)],
+        );
     }
     let deadline = Instant::now() + Duration::from_secs(120);
     let outcomes = loop {
@@ -1021,35 +905,14 @@ async fn fill(
     seed: u64,
 ) -> f64 {
     let total: u64 = BURST_NODES.iter().flat_map(|(_, g)| g.iter()).sum();
-    let w = BurstWorld::start(policy, config, seed).await;
+    let w = StandIn::start(&BURST_NODES, policy, config, seed).await;
     let mut rng = Rng(seed);
-    let mut held = 0;
-    for i in 0.. {
-        let gib = burst_ask(&mut rng);
-        let name = format!("fill-{i:03}");
-        w.add(&name, gib);
-        let key = format!("{NAMESPACE}/{name}");
-        let outcome = loop {
-            let o = w.outcomes().get(&key).cloned();
-            match o {
-                Some(o) if o.node.is_some() => break o,
-                // Unschedulable (a refused bind is tried again).
-                Some(o)
-                    if o.attempts > o.bind_failures
-                        && o.bound_at.is_none()
-                        && o.filtered.len() == BURST_NODES.len() =>
-                {
-                    break o;
-                }
-                _ => tokio::time::sleep(Duration::from_millis(2)).await,
-            }
-        };
-        if outcome.node.is_none() {
-            break;
-        }
-        held += gib;
-    }
-    held as f64 * 100.0 / total as f64
+    // More than the cluster holds: the run stops at the first refusal.
+    let pods: Vec<Vec<PodContainer>> = (0..1000)
+        .map(|_| vec![container(burst_ask(&mut rng) * GIB)])
+        .collect();
+    let (held, _) = w.fill(&pods).await;
+    held as f64 * 100.0 / (total * GIB) as f64
 }
 
 /// The real extender behind the scheduler stand-in: a 40-pod burst, then

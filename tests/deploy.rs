@@ -1288,6 +1288,9 @@ fn assert_gpu_scheduler(objs: &[Value], name: &str, domain: &str) {
         "delayCacheMutationForTesting",
     ];
     assert_eq!(unknown_keys(&config, &top), Vec::<String>::new());
+    // Every feasible node scored, not a sample: binpack's best fit is
+    // across the whole cluster.
+    assert_eq!(config["percentageOfNodesToScore"], 100);
     let le = &config["leaderElection"];
     let le_keys = [
         "leaderElect",
@@ -1328,7 +1331,8 @@ fn assert_gpu_scheduler(objs: &[Value], name: &str, domain: &str) {
         (&e["filterVerb"], &e["prioritizeVerb"], &e["bindVerb"]),
         (&json!("filter"), &json!("prioritize"), &json!("bind"))
     );
-    // One point of the extender's 0-10 outweighs every default score plugin.
+    // The extender's best node (10, the others at most 8) is 2,000 points
+    // ahead, more than the score plugins left on add together.
     assert_eq!(e["weight"], 100);
     assert_eq!(e["nodeCacheCapable"], true);
     assert_eq!(e["ignorable"], false);

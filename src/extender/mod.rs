@@ -46,6 +46,13 @@ pub struct Extender<B> {
     reservation_ttl: Duration,
 }
 
+/// The highest score of a node other than the best: two points below it,
+/// which at the shipped weight (100; the scheduler adds score × weight ×
+/// 10) is 2,000, more than the score plugins the shipped profile leaves on
+/// can add together (TaintToleration 3, NodeAffinity 2, PodTopologySpread
+/// 2, InterPodAffinity 2, ImageLocality 1, VolumeBinding 1: at most 1,100).
+const RUNNER_UP: i64 = wire::MAX_SCORE - 2;
+
 /// How often a bind re-reads and re-plans a pod that changed under it.
 const BIND_ATTEMPTS: usize = 3;
 
@@ -189,10 +196,10 @@ impl<B: Binder> Extender<B> {
         result
     }
 
-    /// Scores under the policy, with the one best node alone at the top
-    /// ([`wire::MAX_SCORE`], every other node at most one less), so that
-    /// with the shipped weight the scheduler takes the node the policy
-    /// chose and nominated, not one tied with it at random.
+    /// Ranks the nodes under the policy ([`Planner::rank`]) and answers
+    /// the best one [`wire::MAX_SCORE`] and every other node its policy
+    /// score capped at [`RUNNER_UP`], so that the scheduler takes the node
+    /// the policy chose and nominated, not one tied with it at random.
     pub fn prioritize(&self, args: &ExtenderArgs) -> Result<Vec<HostPriority>, String> {
         let pod = args
             .pod
@@ -204,27 +211,27 @@ impl<B: Binder> Extender<B> {
             return Ok(names.into_iter().map(zero).collect());
         };
         let mut ix = self.fresh(pod);
-        let scores: Vec<u8> = names
+        let ranks: Vec<_> = names
             .iter()
-            .map(|host| self.planner.score(&ix, host, &asks))
+            .map(|host| self.planner.rank(&ix, host, &asks))
             .collect();
-        // The first of the highest in name order: the same choice for the
-        // same state, so pods fill one node before the next under binpack.
+        // The first of the best in name order: the same choice for the
+        // same state.
         let best = (0..names.len())
-            .filter(|&i| self.planner.fits(&ix, &names[i], &asks).is_ok())
-            .max_by_key(|&i| (scores[i], std::cmp::Reverse(&names[i])));
+            .filter(|&i| ranks[i].is_some())
+            .max_by_key(|&i| (ranks[i], std::cmp::Reverse(&names[i])));
         if let Some(b) = best {
             self.nominate(&mut ix, pod, &names[b]);
         }
         Ok(names
             .into_iter()
-            .zip(scores)
+            .zip(ranks)
             .enumerate()
-            .map(|(i, (host, score))| {
+            .map(|(i, (host, rank))| {
                 let score = if Some(i) == best {
                     wire::MAX_SCORE
                 } else {
-                    i64::from(score).min(wire::MAX_SCORE - 1)
+                    rank.map_or(0, |r| i64::from(r.score).min(RUNNER_UP))
                 };
                 HostPriority { host, score }
             })

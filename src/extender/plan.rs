@@ -3,12 +3,13 @@
 //! usage model does the GPU arithmetic on the nodes' inventories and usage
 //! the [`Index`] keeps.
 
+use std::cmp::Reverse;
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::Pod;
 
 use super::index::{Gpus, Index};
-use crate::usage::{Assignment, Inventory, Keys, NodeUsage, PodAsks, Policy, fit, score};
+use crate::usage::{Assignment, Inventory, Keys, NodeUsage, PodAsks, Policy, fit, leftover, score};
 
 /// Why a node is filtered out.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,6 +26,17 @@ pub(crate) struct BindPlan {
     /// Set (`Some`) or removed (`None`).
     pub(crate) annotations: BTreeMap<String, Option<String>>,
     pub(crate) reserved: Pod,
+}
+
+/// How well a node suits a pod under the policy: the greater, the better.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct Rank {
+    /// Binpack: the MiB the pod leaves on the GPUs it takes, least first
+    /// ([`leftover`]). Spread: 0 everywhere, the score alone ranks.
+    left: Reverse<u64>,
+    /// The policy's 0..=10 ([`score`]): under binpack, the busier node
+    /// among those the pod leaves as much room on.
+    pub(crate) score: u8,
 }
 
 pub struct Planner {
@@ -102,10 +114,17 @@ impl Planner {
         self.place(ix, node, asks).map(drop)
     }
 
-    /// 0..=10 under the policy; 0 where the pod does not fit.
-    pub(crate) fn score(&self, ix: &Index, node: &str, asks: &PodAsks) -> u8 {
-        self.place(ix, node, asks).map_or(0, |f| {
-            score(f.inventory, f.usage, asks, &f.assignment, self.policy)
+    /// How `node` ranks for the pod under the policy; `None` where the pod
+    /// does not fit.
+    pub(crate) fn rank(&self, ix: &Index, node: &str, asks: &PodAsks) -> Option<Rank> {
+        let f = self.place(ix, node, asks).ok()?;
+        let left = match self.policy {
+            Policy::Binpack => leftover(f.inventory, f.usage, asks, &f.assignment),
+            Policy::Spread => 0,
+        };
+        Some(Rank {
+            left: Reverse(left),
+            score: score(f.inventory, f.usage, asks, &f.assignment, self.policy),
         })
     }
 
@@ -347,13 +366,55 @@ mod tests {
         let pod = gpu_pod("ns", "p", &[c("app", false, 10240, 0, 0)]);
         let asks = planner().asks(&pod).unwrap();
         let binpack = planner();
-        assert!(binpack.score(&ix, "busy", &asks) > binpack.score(&ix, "idle", &asks));
+        assert!(binpack.rank(&ix, "busy", &asks) > binpack.rank(&ix, "idle", &asks));
         let spread = Planner::new("doslab.io", Policy::Spread);
-        assert!(spread.score(&ix, "busy", &asks) < spread.score(&ix, "idle", &asks));
+        assert!(spread.rank(&ix, "busy", &asks) < spread.rank(&ix, "idle", &asks));
         let huge = gpu_pod("ns", "huge", &[c("app", false, 30000, 0, 0)]);
         assert_eq!(
-            spread.score(&ix, "busy", &planner().asks(&huge).unwrap()),
-            0
+            spread.rank(&ix, "busy", &planner().asks(&huge).unwrap()),
+            None
         );
+    }
+
+    /// Binpack is best fit across the cluster: a small pod takes the room
+    /// that fits it most tightly, on an emptier node if need be, so the
+    /// big GPUs stay open for big asks; a whole ask takes the smallest GPU.
+    #[test]
+    fn binpack_takes_the_tightest_room_anywhere() {
+        let mut ix = Index::new("doslab.io");
+        ix.apply_node(gpu_node("big", &[("GPU-a", 81920)]));
+        ix.apply_node(gpu_node("small", &[("GPU-s", 16384), ("GPU-t", 16384)]));
+        ix.apply_node(gpu_node("twin", &[("GPU-u", 16384), ("GPU-v", 16384)]));
+        // big is half full (a score of 5), small and twin empty (0 before).
+        let ledger = r#"{"app":{"gpus":["GPU-a"],"gpu-memory":40960}}"#;
+        let holder = gpu_pod("ns", "holder", &[c("app", false, 40960, 0, 0)]);
+        ix.apply_pod(bound(holder, "big", &[("doslab.io/gpu-ledger", ledger)]));
+        let p = planner();
+        let rank =
+            |ix: &Index, pod: &Pod, node: &str| p.rank(ix, node, &p.asks(pod).unwrap()).unwrap();
+        let small = gpu_pod("ns", "p", &[c("app", false, 4096, 0, 0)]);
+        assert!(rank(&ix, &small, "small") > rank(&ix, &small, "big"));
+        assert!(rank(&ix, &small, "small").score < rank(&ix, &small, "big").score);
+        // Two containers on one GPU leave it once: 16 - 4 - 4 GiB.
+        let two = gpu_pod(
+            "ns",
+            "two",
+            &[c("a", false, 4096, 0, 0), c("b", false, 4096, 0, 0)],
+        );
+        assert_eq!(rank(&ix, &two, "small").left, Reverse(8192));
+        // Equal room left (GPU-u is full, GPU-v takes it): the busier node.
+        let ledger = r#"{"app":{"gpus":["GPU-u"],"gpu-memory":16384}}"#;
+        let other = gpu_pod("ns", "other", &[c("app", false, 16384, 0, 0)]);
+        ix.apply_pod(bound(other, "twin", &[("doslab.io/gpu-ledger", ledger)]));
+        assert_eq!(
+            rank(&ix, &small, "twin").left,
+            rank(&ix, &small, "small").left
+        );
+        assert!(rank(&ix, &small, "twin") > rank(&ix, &small, "small"));
+        // A whole GPU counts its size: the 16 GiB one, not the 80.
+        ix.apply_node(gpu_node("wide", &[("GPU-w", 81920)]));
+        let whole = gpu_pod("ns", "w", &[c("w", false, 0, 0, 1)]);
+        assert_eq!(rank(&ix, &whole, "small").left, Reverse(16384));
+        assert!(rank(&ix, &whole, "small") > rank(&ix, &whole, "wide"));
     }
 }

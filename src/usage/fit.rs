@@ -26,7 +26,9 @@ pub(crate) struct FitError {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Policy {
-    /// Fill busy nodes first, keeping whole nodes free for big pods.
+    /// Put each pod where it leaves the least GPU memory on the GPUs it
+    /// takes, anywhere in the cluster, keeping the GPUs with the most room
+    /// (and whole nodes) free for big pods.
     #[default]
     Binpack,
     /// Spread pods over the emptiest nodes.
@@ -741,6 +743,52 @@ fn shortfall(inv: &Inventory, usage: &NodeUsage, need: &PerResource<u64>) -> Str
     }
 }
 
+/// `usage` with the pod on the GPUs of `assignment`.
+fn with_pod(
+    inv: &Inventory,
+    usage: &NodeUsage,
+    asks: &PodAsks,
+    assignment: &Assignment,
+) -> NodeUsage {
+    let mut after = usage.clone();
+    for h in pod_holdings(inv, &asks.containers, &Ledger::default(), assignment) {
+        after.add(inv, &h);
+    }
+    after
+}
+
+/// MiB of GPU memory left on the GPUs the pod lands on, once all of it is
+/// there: binpack's measure, least first (best fit across the cluster),
+/// so that a pod takes the tightest room anywhere and the GPUs with the
+/// most room stay open for the largest asks. A GPU the pod takes whole
+/// counts its whole memory, so whole asks take the smallest GPUs. Each GPU
+/// counts once, however many of the pod's containers share it.
+pub(crate) fn leftover(
+    inv: &Inventory,
+    usage: &NodeUsage,
+    asks: &PodAsks,
+    assignment: &Assignment,
+) -> u64 {
+    let after = with_pod(inv, usage, asks, assignment);
+    let mut gpus: Vec<usize> = assignment
+        .0
+        .values()
+        .flatten()
+        .filter_map(|u| inv.index(u))
+        .collect();
+    gpus.sort_unstable();
+    gpus.dedup();
+    gpus.into_iter()
+        .map(|g| {
+            if after.gpus[g].held_whole() {
+                inv.capacity(g).memory
+            } else {
+                after.free(inv, g, Resource::GpuMemory)
+            }
+        })
+        .fold(0, u64::saturating_add)
+}
+
 /// 0..=10: how much a node is worth to the pod under `policy`, from how
 /// busy its healthy GPUs are once the pod is on them (a GPU held whole is
 /// full; a shared one as full as its fuller resource).
@@ -751,10 +799,7 @@ pub(crate) fn score(
     assignment: &Assignment,
     policy: Policy,
 ) -> u8 {
-    let mut after = usage.clone();
-    for h in pod_holdings(inv, &asks.containers, &Ledger::default(), assignment) {
-        after.add(inv, &h);
-    }
+    let after = with_pod(inv, usage, asks, assignment);
     let permille: Vec<u64> = (0..inv.gpus.len())
         .filter(|&g| inv.gpus[g].healthy)
         .map(|g| {

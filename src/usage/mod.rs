@@ -4,7 +4,7 @@
 //! [`Ledger`] and [`Assignment`]), what pods ask ([`PodAsks`]) and hold
 //! ([`Holding`]), the usage that adds up to ([`NodeUsage`]), which GPU has
 //! room ([`choose`], for every caller alike), where a pod fits ([`fit`])
-//! and how well ([`score`]).
+//! and how well ([`score`], [`leftover`]).
 //!
 //! It sits at the bottom of the crate: it imports only the device
 //! vocabulary (`crate::device`), never the matcher, the extender or the
@@ -25,7 +25,7 @@ pub(crate) use annotations::{Assignment, InventoryError, Records, ids_digest};
 pub use annotations::{Inventory, Keys, Ledger};
 pub(crate) use asks::{ContainerAsk, PodAsks};
 pub use fit::Policy;
-pub(crate) use fit::{best_shared, fit, score, whole_gpus};
+pub(crate) use fit::{best_shared, fit, leftover, score, whole_gpus};
 pub(crate) use node::{Holding, NodeUsage, finished, pod_holdings};
 pub(crate) use select::{Candidate, Order, choose};
 

@@ -61,9 +61,10 @@ use tokio::task::JoinHandle;
 /// 0..=100: an extender's score is scaled by this on top of its weight.
 const EXTENDER_SCORE_SCALE: i64 = 10;
 
-/// The shipped config's extender `weight`: one point of the extender's
-/// 0..=10 score (× weight × 10) outweighs every default score plugin
-/// together, so the extender's policy decides.
+/// The shipped config's extender `weight`: the extender scores its best
+/// node 10 and every other at most 8, 2,000 points ahead (× weight × 10),
+/// more than the score plugins the shipped profile leaves on add together,
+/// so the extender's policy decides.
 pub const DOSLAB_WEIGHT: i64 = 100;
 /// The shipped config's extender `httpTimeout`.
 pub const DOSLAB_HTTP_TIMEOUT: Duration = Duration::from_secs(30);
