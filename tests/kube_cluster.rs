@@ -404,3 +404,81 @@ async fn pending_pods_bind_once_room_frees() {
     // The target, not a benchmark: a pod that fits waits ≤ 5 s.
     assert!(worst <= Duration::from_secs(5), "worst {worst:?}");
 }
+
+/// One MiB a device (the default unit): a pod written with `8000` is
+/// stored by the API server as `8k` and granted 8000 MiB; a pod placed on
+/// the node directly (no scheduler) that no GPU can hold is refused by
+/// the daemon at admission, Failed with the kubelet's reason, and its
+/// Warning Event lands through events.k8s.io with the daemon's identity.
+#[tokio::test(flavor = "multi_thread")]
+async fn quantities_as_stored_and_refusals_as_events() {
+    let cp = ControlPlane::start();
+    let (a, b) = (uuid(0, 0), uuid(0, 1));
+    let node = KubeNode::start(&cp, "node-0", &[(&a, 16384), (&b, 16384)], "").await;
+    namespace(&cp, NS);
+    let client = cp.admin_client().await;
+    let ended = |p: &Pod| phase(p) == "Running" || phase(p) == "Failed";
+
+    let mut pod = gpu_pod(NS, "eight-thousand", &[("main", [8000, 0, 0])]);
+    pod.spec.as_mut().unwrap().node_name = Some("node-0".into());
+    create(&client, &pod).await;
+    let ran = wait_pod(
+        &client,
+        NS,
+        "eight-thousand",
+        Duration::from_secs(60),
+        ended,
+    )
+    .await
+    .unwrap();
+    let stored = &ran.spec.as_ref().unwrap().containers[0]
+        .resources
+        .as_ref()
+        .unwrap()
+        .limits
+        .as_ref()
+        .unwrap()["doslab.io/gpu-memory"];
+    assert_eq!(stored.0, "8k", "the API server's canonical form");
+    assert_eq!(
+        phase(&ran),
+        "Running",
+        "{ran:#?}\n{}",
+        node.daemon.log_text()
+    );
+    let env = &envs(&node.record(NS, "eight-thousand").unwrap())["main"];
+    assert_eq!(env["CUDA_DEVICE_MEMORY_LIMIT_0"], "8000m");
+
+    let mut pod = gpu_pod(NS, "too-big", &[("main", [20000, 0, 0])]);
+    pod.spec.as_mut().unwrap().node_name = Some("node-0".into());
+    create(&client, &pod).await;
+    let refused = wait_pod(&client, NS, "too-big", Duration::from_secs(60), ended)
+        .await
+        .unwrap();
+    let status = refused.status.as_ref().unwrap();
+    assert_eq!(phase(&refused), "Failed");
+    assert_eq!(status.reason.as_deref(), Some("UnexpectedAdmissionError"));
+    let message = status.message.clone().unwrap_or_default();
+    assert!(message.contains("20000"), "{message}");
+    let events: kube::Api<k8s_openapi::api::events::v1::Event> =
+        kube::Api::namespaced(client.clone(), NS);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let list = events.list(&Default::default()).await.unwrap();
+        let found = list.items.iter().find(|e| {
+            e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("too-big")
+                && e.reason.as_deref() == Some("GpuAllocateFailed")
+        });
+        if let Some(e) = found {
+            assert_eq!(e.type_.as_deref(), Some("Warning"));
+            assert_eq!(e.reporting_instance.as_deref(), Some("node-0"));
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no GpuAllocateFailed Event: {:#?}\n{}",
+            list.items,
+            node.daemon.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
