@@ -46,6 +46,9 @@ pub struct Extender<B> {
     reservation_ttl: Duration,
 }
 
+/// What filter and bind answer while the index is stale.
+const NOT_SYNCED: &str = "not synced with the API server; try again shortly";
+
 /// How often a bind re-reads and re-plans a pod that changed under it.
 const BIND_ATTEMPTS: usize = 3;
 
@@ -131,9 +134,7 @@ impl<B: Binder> Extender<B> {
             Some(asks) => {
                 let mut ix = self.fresh(pod);
                 if !ix.synced() {
-                    return ExtenderFilterResult::error(
-                        "gpu extender: not yet synced with the API server; try again shortly",
-                    );
+                    return ExtenderFilterResult::error(format!("gpu extender: {NOT_SYNCED}"));
                 }
                 for name in names {
                     match self.planner.fits(&ix, &name, &asks) {
@@ -177,6 +178,13 @@ impl<B: Binder> Extender<B> {
     /// ([`wire::MAX_SCORE`], every other node at most one less), so that
     /// with the shipped weight the scheduler takes the node the policy
     /// chose and nominated, not one tied with it at random.
+    /// Why the extender cannot place GPU pods now (a kind not listed yet,
+    /// or listed again since its watch failed), each with why; empty when
+    /// it can: for `/readyz`.
+    pub fn stale(&self) -> Vec<String> {
+        self.index.read().expect("index lock poisoned").stale()
+    }
+
     pub fn prioritize(&self, args: &ExtenderArgs) -> Result<Vec<HostPriority>, String> {
         let pod = args
             .pod
@@ -251,6 +259,10 @@ impl<B: Binder> Extender<B> {
         args: &ExtenderBindingArgs,
         deadline: Instant,
     ) -> Result<(), String> {
+        // A stale index may count GPUs free that a pod bound meanwhile holds.
+        if !self.index.read().expect("index lock poisoned").synced() {
+            return Err(NOT_SYNCED.into());
+        }
         // The writes stop early enough to leave time to check and undo.
         let writes_end = deadline - self.bind_timeout / CHECK_SHARE;
         let node = args.node.as_str();
@@ -394,7 +406,7 @@ pub struct Started {
 
 impl Started {
     /// Whether the reflectors have listed nodes and pods once: until then
-    /// the filter refuses GPU pods with "not yet synced", so a caller that
+    /// the filter refuses GPU pods as "not synced", so a caller that
     /// schedules at once (the demo) waits for this first.
     pub fn synced(&self) -> bool {
         self.index.read().is_ok_and(|ix| ix.synced())

@@ -1,6 +1,8 @@
 //! The HTTP adapter kube-scheduler calls: `POST <urlPrefix>/filter`,
 //! `/prioritize`, `/bind`. Thin: it decodes the body, asks the
-//! [`Extender`], encodes the answer.
+//! [`Extender`], encodes the answer. Beside them `/healthz` (the process
+//! answers) and `/readyz` (503 with the reason while the index does not
+//! follow the API server, when a GPU pod's filter and bind are refused).
 //!
 //! kube-scheduler treats any non-200 status as a failure and then drops our
 //! message, so filter and bind answer every problem, malformed JSON
@@ -60,6 +62,15 @@ async fn bind<B: Binder>(State(x): State<Arc<Extender<B>>>, body: Bytes) -> Resp
     json(&ExtenderBindingResult { error })
 }
 
+async fn readyz<B: Binder>(State(x): State<Arc<Extender<B>>>) -> Response {
+    let stale = x.stale();
+    if stale.is_empty() {
+        return "ok\n".into_response();
+    }
+    let why = format!("gpu extender not ready: {}\n", stale.join("; "));
+    (StatusCode::SERVICE_UNAVAILABLE, why).into_response()
+}
+
 /// Binds `config.listen` and serves within `config.http`'s bounds until
 /// the runtime stops; returns the bound address (`:0` picks a free port).
 pub async fn start<B: Binder>(
@@ -73,6 +84,7 @@ pub async fn start<B: Binder>(
         .route("/prioritize", post(prioritize::<B>))
         .route("/bind", post(bind::<B>))
         .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz::<B>))
         .with_state(x);
     tokio::spawn(crate::http::serve_bounded(
         listener,
