@@ -29,7 +29,7 @@ pub use config::ExtenderConfig;
 use index::Stage;
 pub use index::{Index, PodName, pod_name};
 pub use plan::Planner;
-pub use server::start;
+pub use server::{ReadyError, ask_ready, start};
 
 use k8s_openapi::api::core::v1::Pod;
 use wire::{ExtenderArgs, ExtenderBindingArgs, ExtenderFilterResult, HostPriority, NodeList};
