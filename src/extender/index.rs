@@ -399,6 +399,27 @@ mod tests {
     }
 
     #[test]
+    fn each_kind_is_stale_until_listed_and_again_from_a_failed_watch() {
+        let mut ix = Index::new("doslab.io");
+        assert_eq!(
+            ix.stale(),
+            ["nodes: not listed yet", "pods: not listed yet"]
+        );
+        ix.replace_nodes(Vec::new());
+        ix.replace_pods(Vec::new());
+        assert!(ix.synced() && ix.stale().is_empty());
+        ix.unsync_nodes("gone".into());
+        ix.unsync_pods("expired".into());
+        ix.unsync_pods("refused".into());
+        assert!(!ix.synced());
+        assert_eq!(ix.stale(), ["nodes: gone", "pods: refused"]);
+        ix.replace_pods(Vec::new());
+        assert_eq!(ix.stale(), ["nodes: gone"]);
+        ix.replace_nodes(Vec::new());
+        assert!(ix.synced());
+    }
+
+    #[test]
     fn pods_move_finish_and_reservations_end_when_bound() {
         let mut ix = Index::new("doslab.io");
         ix.apply_pod(pod("a", Some("n1"), "Running"));

@@ -353,4 +353,56 @@ mod tests {
         assert_eq!(names(&cache), ["live-2", "live-3", "live-4"]);
         api.stop();
     }
+
+    /// From a failed watch until the list after it the cache is stale and
+    /// nothing waiting on it goes ahead; that list brings what changed
+    /// meanwhile.
+    #[tokio::test]
+    async fn the_cache_is_stale_from_a_failed_watch_until_it_lists_again() {
+        use gpu_sim::apiserver::{ApiServerSim, PodContainer};
+        let api = ApiServerSim::start().await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let kubeconfig = dir.path().join("kubeconfig");
+        api.write_kubeconfig(&kubeconfig).unwrap();
+        let app = [PodContainer {
+            name: "app".into(),
+            init: false,
+            restartable: false,
+            wants: [1, 0, 0],
+        }];
+        api.add_pod("ns", "a", "n", &app, &[]);
+        let client = crate::kube_client::from_kubeconfig(&kubeconfig, "kubeconfig")
+            .await
+            .unwrap();
+        let cache = PodCache::start(client, "n");
+        let deadline = Instant::now() + std::time::Duration::from_secs(30);
+        assert!(cache.ready(deadline).await);
+        let mut stale = cache.stale();
+        assert!(stale.borrow_and_update().is_none());
+
+        api.outage(true);
+        let why = tokio::time::timeout_at(deadline.into(), stale.wait_for(Option::is_some))
+            .await
+            .expect("the watch never failed")
+            .unwrap()
+            .clone();
+        assert!(why.is_some_and(|w| !w.is_empty()));
+        let soon = Instant::now() + std::time::Duration::from_millis(300);
+        assert!(!cache.ready(soon).await, "ready on a stale cache");
+        api.add_pod("ns", "b", "n", &app, &[]);
+
+        api.outage(false);
+        let back = Instant::now();
+        assert!(cache.ready(deadline).await);
+        // Within the target of the API server answering again.
+        assert!(back.elapsed() < std::time::Duration::from_secs(5));
+        let mut names: Vec<_> = cache
+            .pods()
+            .iter()
+            .filter_map(|p| p.metadata.name.clone())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["a", "b"]);
+        api.stop();
+    }
 }
