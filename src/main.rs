@@ -38,6 +38,11 @@ enum Command {
     /// Run the kube-scheduler extender (filter, prioritize, bind) on the
     /// config's `[extender]` section.
     SchedulerExtender,
+    /// Exit 0 when the extender the config's `[extender]` section describes
+    /// answers its `/readyz` with 200, else 1 with its reason: the extender
+    /// container's readiness probe (it listens on loopback, out of reach of
+    /// the kubelet's HTTP probes).
+    ExtenderReady,
     /// Install HAMi-core's libvgpu.so into the host's library directory
     /// (the init container's job): checked, then written aside and renamed
     /// into place, so running containers keep the copy they opened.
@@ -208,6 +213,14 @@ fn controls(
     ))
 }
 
+/// The extender's config from `path`, else its in-cluster default.
+fn extender_config(path: Option<&std::path::Path>) -> anyhow::Result<ExtenderConfig> {
+    Ok(match path {
+        Some(p) => ExtenderConfig::load(p).with_context(|| format!("config {}", p.display()))?,
+        None => ExtenderConfig::default(),
+    })
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
@@ -220,12 +233,7 @@ async fn main() -> anyhow::Result<()> {
             app::run(config, cli.config, controls).await?;
         }
         Command::SchedulerExtender => {
-            let config = match &cli.config {
-                Some(p) => {
-                    ExtenderConfig::load(p).with_context(|| format!("config {}", p.display()))?
-                }
-                None => ExtenderConfig::default(),
-            };
+            let config = extender_config(cli.config.as_deref())?;
             init_logging(LogFormat::Text, "info");
             let mut controls = controls(None)?;
             let stop = async move {
@@ -236,6 +244,15 @@ async fn main() -> anyhow::Result<()> {
                 }
             };
             gpu_device_plugin::extender::run(config, stop).await?;
+        }
+        Command::ExtenderReady => {
+            let config = extender_config(cli.config.as_deref())?;
+            let timeout = std::time::Duration::from_secs(2);
+            if let Err(e) = gpu_device_plugin::extender::ask_ready(&config, timeout).await {
+                eprintln!("{e}");
+                std::process::exit(1);
+            }
+            println!("ready");
         }
         Command::Inspect { dir } => {
             init_logging(LogFormat::Text, "warn");

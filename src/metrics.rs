@@ -253,9 +253,9 @@ pub(crate) enum Hold {
     Waiting,
     /// Restarted again and again.
     Failing,
-    /// Cannot reach the API server (the pod matcher's watch fails), so an
-    /// Allocate cannot succeed now.
-    Unreachable,
+    /// Behind the API server (the pod matcher's watch failed and the list
+    /// after it has not arrived), so an Allocate waits and may fail.
+    Stale,
 }
 
 /// Every series of the daemon, and the parts holding readiness back.

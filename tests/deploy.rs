@@ -1385,6 +1385,24 @@ fn assert_gpu_scheduler(objs: &[Value], name: &str, domain: &str) {
         Some(format!("127.0.0.1:{port}").as_str())
     );
     assert_eq!(section["resource_domain"].as_str(), Some(domain));
+    // Its readiness, asked inside the container (it listens on loopback,
+    // the kubelet's HTTP probes go to the pod's IP) of the extender that
+    // reads the same file.
+    let probe = extender
+        .readiness_probe
+        .as_ref()
+        .expect("no readiness probe");
+    let asked = probe.exec.as_ref().and_then(|e| e.command.clone());
+    assert_eq!(
+        asked,
+        Some(vec![
+            argv[0].clone(),
+            "extender-ready".into(),
+            "--config".into(),
+            argv[3].clone()
+        ]),
+        "{probe:?}"
+    );
 
     // RBAC: kube-scheduler's own roles, its lease, and the extender's needs.
     let bound_to = |kind: &str, role: &str| {

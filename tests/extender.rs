@@ -672,3 +672,72 @@ fn the_subcommand_refuses_a_bad_config_naming_the_key() {
     assert!(!status.success());
     assert!(err.contains("extender.listen"), "{err}");
 }
+
+/// The real binary's `/readyz` against the API-server stand-in: ready once
+/// nodes and pods are listed, 503 with each kind's reason from an outage
+/// until both are listed again; `extender-ready` (the container's
+/// readiness probe) exits 0 and 1 accordingly, with the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_follows_the_index_and_the_probe_subcommand_reports_it() {
+    use gpu_sim::apiserver::ApiServerSim;
+    use std::time::{Duration, Instant};
+    let sim = ApiServerSim::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    sim.write_kubeconfig(&kubeconfig).unwrap();
+    let (extender, url) = support::start_extender(&kubeconfig);
+    let addr = url.trim_start_matches("http://").to_owned();
+    let probe_config = dir.path().join("probe.toml");
+    std::fs::write(&probe_config, format!("[extender]\nlisten = \"{addr}\"\n")).unwrap();
+    /// What `/readyz` and the probe said.
+    #[derive(Debug)]
+    struct Seen {
+        code: u16,
+        body: String,
+        exit: Option<i32>,
+        said: String,
+    }
+    let ask = move || {
+        let (code, body) = support::http_get(&addr, "/readyz");
+        let config = probe_config.to_str().unwrap();
+        let (status, out, err) = support::run_to_end(&["extender-ready", "--config", config], &[]);
+        Seen {
+            code,
+            body,
+            exit: status.code(),
+            said: out + &err,
+        }
+    };
+    let until = |done: fn(&Seen) -> bool| {
+        let ask = ask.clone();
+        let log = extender.log_text();
+        tokio::task::spawn_blocking(move || {
+            let deadline = Instant::now() + support::WAIT;
+            loop {
+                let seen = ask();
+                if done(&seen) {
+                    return seen;
+                }
+                assert!(Instant::now() < deadline, "{seen:?}\n{log}");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        })
+    };
+    let ready = |s: &Seen| s.code == 200 && s.exit == Some(0);
+    assert_eq!(until(ready).await.unwrap().said.trim(), "ready");
+
+    sim.outage(true);
+    let down = until(|s| s.code == 503 && s.exit == Some(1)).await.unwrap();
+    for text in [&down.body, &down.said] {
+        assert!(
+            text.contains("not ready") && text.contains("nodes: ") && text.contains("pods: "),
+            "{text}"
+        );
+    }
+    assert!(down.said.contains("503"), "{}", down.said);
+
+    sim.outage(false);
+    let back = Instant::now();
+    until(ready).await.unwrap();
+    eprintln!("extender ready {:?} after the outage ended", back.elapsed());
+}

@@ -11,11 +11,11 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::watcher::{self, Event};
-use kube::runtime::{WatchStreamExt, watcher as watch};
 use kube::{Api, Client, Resource};
 use tokio::task::JoinHandle;
 
 use super::index::{Index, PodName, pod_name};
+use crate::kube_client::{relisting, status_code};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum BindError {
@@ -122,6 +122,8 @@ trait Reflect: Resource<DynamicType = ()> + Clone + Send + 'static {
     fn apply(index: &mut Index, obj: Self);
     fn delete(index: &mut Index, obj: &Self);
     fn replace(index: &mut Index, all: Vec<Self>);
+    /// The watch failed: stale until the next `replace`.
+    fn unsync(index: &mut Index, why: String);
 }
 
 impl Reflect for Node {
@@ -133,6 +135,9 @@ impl Reflect for Node {
     }
     fn replace(index: &mut Index, all: Vec<Self>) {
         index.replace_nodes(all);
+    }
+    fn unsync(index: &mut Index, why: String) {
+        index.unsync_nodes(why);
     }
 }
 
@@ -146,17 +151,21 @@ impl Reflect for Pod {
     fn replace(index: &mut Index, all: Vec<Self>) {
         index.replace_pods(all);
     }
+    fn unsync(index: &mut Index, why: String) {
+        index.unsync_pods(why);
+    }
 }
 
-/// Keeps `index` in step with the API server's objects of one kind; the
-/// watcher relists and rewatches by itself, with backoff, after errors.
+/// Keeps `index` in step with the API server's objects of one kind; after
+/// a failed watch the kind is stale until it has been listed again, which
+/// [`relisting`] does within about a second of the API server answering.
 fn reflect<K>(api: Api<K>, config: watcher::Config, index: Arc<RwLock<Index>>) -> JoinHandle<()>
 where
     K: Reflect + std::fmt::Debug + serde::de::DeserializeOwned + Sync,
 {
     let kind = K::kind(&()).into_owned();
     tokio::spawn(async move {
-        let stream = watch(api, config).default_backoff();
+        let stream = relisting(api, config);
         futures::pin_mut!(stream);
         // A relist replaces the whole set at its end, so a half-done one
         // never hides pods that still hold GPUs.
@@ -165,7 +174,12 @@ where
             let event = match event {
                 Ok(e) => e,
                 Err(e) => {
-                    tracing::warn!(%kind, error = %e, "watch failed; retrying");
+                    tracing::warn!(%kind, code = ?status_code(&e), error = %e,
+                        "watch failed; listing again");
+                    K::unsync(
+                        &mut index.write().expect("index lock poisoned"),
+                        e.to_string(),
+                    );
                     continue;
                 }
             };

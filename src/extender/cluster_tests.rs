@@ -1,6 +1,7 @@
 //! The extender's bind against a mocked API server: the exact requests
 //! [`KubeBinder`] makes for a bind that works, one whose assignment patch
-//! meets a conflict, and one whose Binding fails.
+//! meets a conflict, and one whose Binding fails; and none while the index
+//! is stale.
 
 use std::sync::{Arc, RwLock};
 
@@ -82,10 +83,12 @@ fn binding() -> Value {
     })
 }
 
-/// An extender whose index knows node `n`, and the API server it binds on.
+/// An extender whose index has listed node `n` and no pods, and the API
+/// server it binds on.
 fn extender() -> (Extender<KubeBinder>, MockApi) {
     let mut index = Index::new("doslab.io");
-    index.apply_node(node());
+    index.replace_nodes(vec![node()]);
+    index.replace_pods(Vec::new());
     let (client, api) = mock_api::client();
     let config = ExtenderConfig::default();
     let x = Extender::new(
@@ -186,6 +189,33 @@ async fn a_binding_that_landed_although_it_failed_keeps_the_assignment() {
         let failure = status(500, "InternalError");
         api.expect(Method::POST, BINDING, 500, failure).await;
         api.expect(Method::GET, POD, 200, pod("7", Some("n"))).await;
+        api.done().await;
+    });
+    x.bind(&args()).await.unwrap();
+    drop(x);
+    scenario.await.unwrap();
+}
+
+/// From a failed watch until the list after it, a pod bound meanwhile may
+/// hold GPUs the index counts free: the bind is refused before any request,
+/// and taken again once the kind is listed.
+#[tokio::test]
+async fn a_bind_on_a_stale_index_is_refused_without_a_request() {
+    let (x, mut api) = extender();
+    x.index
+        .write()
+        .unwrap()
+        .unsync_pods("watch stream failed".into());
+    assert_eq!(x.stale(), ["pods: watch stream failed"]);
+    let e = x.bind(&args()).await.unwrap_err();
+    assert!(e.contains("not synced with the API server"), "{e}");
+
+    x.index.write().unwrap().replace_pods(Vec::new());
+    assert!(x.stale().is_empty());
+    let scenario = tokio::spawn(async move {
+        api.expect(Method::GET, POD, 200, pod("5", None)).await;
+        expect_patch(&mut api, "5", assignment(), 200, pod("6", None)).await;
+        api.expect(Method::POST, BINDING, 201, json!({})).await;
         api.done().await;
     });
     x.bind(&args()).await.unwrap();

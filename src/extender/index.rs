@@ -3,7 +3,7 @@
 //! the reflectors (or a test) deliver an object, so that a filter over a
 //! thousand nodes only runs the fit. Pure: the watchers feed it events.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Instant;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -88,9 +88,14 @@ pub struct Index {
     /// the reflector shows it bound, or it is deleted, or the reservation
     /// is released or expires.
     reserved: HashMap<PodName, Reservation>,
-    /// Each reflector's first full list arrived (nodes, pods).
-    synced: (bool, bool),
+    /// Why a kind's objects may be behind the API server, by kind: not
+    /// listed yet, or its watch failed and the list after it has not
+    /// arrived. Empty while both follow it.
+    stale: BTreeMap<&'static str, String>,
 }
+
+/// What the index says of a kind before its first list.
+const UNLISTED: &str = "not listed yet";
 
 pub fn pod_name(pod: &Pod) -> PodName {
     (
@@ -112,7 +117,7 @@ impl Index {
             pods: HashMap::new(),
             by_node: HashMap::new(),
             reserved: HashMap::new(),
-            synced: (false, false),
+            stale: [("nodes", UNLISTED.into()), ("pods", UNLISTED.into())].into(),
         }
     }
 
@@ -205,14 +210,34 @@ impl Index {
         self.nodes.remove(name);
     }
 
-    /// Both reflectors have listed once: until then an unknown node or pod
-    /// may simply not have arrived.
+    /// Both kinds follow the API server: listed, and listed again since
+    /// their watch last failed. Until then an unknown node or pod may simply
+    /// not have arrived, and a pod bound meanwhile may hold GPUs the index
+    /// counts free.
     pub(crate) fn synced(&self) -> bool {
-        self.synced == (true, true)
+        self.stale.is_empty()
+    }
+
+    /// Each kind that does not follow the API server, with why.
+    pub(crate) fn stale(&self) -> Vec<String> {
+        self.stale
+            .iter()
+            .map(|(kind, why)| format!("{kind}: {why}"))
+            .collect()
+    }
+
+    /// The nodes' watch failed (`why`): stale until [`Index::replace_nodes`].
+    pub fn unsync_nodes(&mut self, why: String) {
+        self.stale.insert("nodes", why);
+    }
+
+    /// The pods' watch failed (`why`): stale until [`Index::replace_pods`].
+    pub fn unsync_pods(&mut self, why: String) {
+        self.stale.insert("pods", why);
     }
 
     pub fn replace_nodes(&mut self, nodes: Vec<Node>) {
-        self.synced.0 = true;
+        self.stale.remove("nodes");
         self.nodes.clear();
         for n in nodes {
             self.apply_node(n);
@@ -252,7 +277,7 @@ impl Index {
 
     /// A relist: pods the watch missed the deletion of are gone.
     pub fn replace_pods(&mut self, pods: Vec<Pod>) {
-        self.synced.1 = true;
+        self.stale.remove("pods");
         let live: HashSet<PodName> = pods.iter().map(pod_name).collect();
         self.pods.clear();
         self.by_node.clear();
@@ -371,6 +396,27 @@ mod tests {
         let mut v: Vec<String> = index.held_on(node).map(|(k, _)| k.1.clone()).collect();
         v.sort();
         v
+    }
+
+    #[test]
+    fn each_kind_is_stale_until_listed_and_again_from_a_failed_watch() {
+        let mut ix = Index::new("doslab.io");
+        assert_eq!(
+            ix.stale(),
+            ["nodes: not listed yet", "pods: not listed yet"]
+        );
+        ix.replace_nodes(Vec::new());
+        ix.replace_pods(Vec::new());
+        assert!(ix.synced() && ix.stale().is_empty());
+        ix.unsync_nodes("gone".into());
+        ix.unsync_pods("expired".into());
+        ix.unsync_pods("refused".into());
+        assert!(!ix.synced());
+        assert_eq!(ix.stale(), ["nodes: gone", "pods: refused"]);
+        ix.replace_pods(Vec::new());
+        assert_eq!(ix.stale(), ["nodes: gone"]);
+        ix.replace_nodes(Vec::new());
+        assert!(ix.synced());
     }
 
     #[test]

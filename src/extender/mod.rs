@@ -29,7 +29,7 @@ pub use config::ExtenderConfig;
 use index::Stage;
 pub use index::{Index, PodName, pod_name};
 pub use plan::Planner;
-pub use server::start;
+pub use server::{ReadyError, ask_ready, start};
 
 use k8s_openapi::api::core::v1::Pod;
 use wire::{ExtenderArgs, ExtenderBindingArgs, ExtenderFilterResult, HostPriority, NodeList};
@@ -52,6 +52,9 @@ pub struct Extender<B> {
 /// can add together (TaintToleration 3, NodeAffinity 2, PodTopologySpread
 /// 2, InterPodAffinity 2, ImageLocality 1, VolumeBinding 1: at most 1,100).
 const RUNNER_UP: i64 = wire::MAX_SCORE - 2;
+
+/// What filter and bind answer while the index is stale.
+const NOT_SYNCED: &str = "not synced with the API server; try again shortly";
 
 /// How often a bind re-reads and re-plans a pod that changed under it.
 const BIND_ATTEMPTS: usize = 3;
@@ -154,9 +157,7 @@ impl<B: Binder> Extender<B> {
             Some(asks) => {
                 let mut ix = self.fresh(pod);
                 if !ix.synced() {
-                    return ExtenderFilterResult::error(
-                        "gpu extender: not yet synced with the API server; try again shortly",
-                    );
+                    return ExtenderFilterResult::error(format!("gpu extender: {NOT_SYNCED}"));
                 }
                 for name in names {
                     match self.planner.fits(&ix, &name, &asks) {
@@ -194,6 +195,13 @@ impl<B: Binder> Extender<B> {
             _ => result.node_names = Some(passed),
         }
         result
+    }
+
+    /// Why the extender cannot place GPU pods now (a kind not listed yet,
+    /// or listed again since its watch failed), each with why; empty when
+    /// it can: for `/readyz`.
+    pub fn stale(&self) -> Vec<String> {
+        self.index.read().expect("index lock poisoned").stale()
     }
 
     /// Ranks the nodes under the policy ([`Planner::rank`]) and answers
@@ -274,6 +282,10 @@ impl<B: Binder> Extender<B> {
         args: &ExtenderBindingArgs,
         deadline: Instant,
     ) -> Result<(), String> {
+        // A stale index may count GPUs free that a pod bound meanwhile holds.
+        if !self.index.read().expect("index lock poisoned").synced() {
+            return Err(NOT_SYNCED.into());
+        }
         let mut held = BindReservation {
             index: &self.index,
             key,
@@ -430,7 +442,7 @@ pub struct Started {
 
 impl Started {
     /// Whether the reflectors have listed nodes and pods once: until then
-    /// the filter refuses GPU pods with "not yet synced", so a caller that
+    /// the filter refuses GPU pods as "not synced", so a caller that
     /// schedules at once (the demo) waits for this first.
     pub fn synced(&self) -> bool {
         self.index.read().is_ok_and(|ix| ix.synced())

@@ -1,6 +1,9 @@
 //! The HTTP adapter kube-scheduler calls: `POST <urlPrefix>/filter`,
 //! `/prioritize`, `/bind`. Thin: it decodes the body, asks the
-//! [`Extender`], encodes the answer.
+//! [`Extender`], encodes the answer. Beside them `/healthz` (the process
+//! answers) and `/readyz` (503 with the reason while the index does not
+//! follow the API server, when a GPU pod's filter and bind are refused),
+//! which [`ask_ready`] asks on loopback for the container's readiness probe.
 //!
 //! kube-scheduler treats any non-200 status as a failure and then drops our
 //! message, so filter and bind answer every problem, malformed JSON
@@ -14,6 +17,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::Router;
 use axum::body::Bytes;
@@ -21,6 +25,7 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::cluster::Binder;
 use super::wire::{ExtenderBindingResult, ExtenderFilterResult};
@@ -60,6 +65,15 @@ async fn bind<B: Binder>(State(x): State<Arc<Extender<B>>>, body: Bytes) -> Resp
     json(&ExtenderBindingResult { error })
 }
 
+async fn readyz<B: Binder>(State(x): State<Arc<Extender<B>>>) -> Response {
+    let stale = x.stale();
+    if stale.is_empty() {
+        return "ok\n".into_response();
+    }
+    let why = format!("gpu extender not ready: {}\n", stale.join("; "));
+    (StatusCode::SERVICE_UNAVAILABLE, why).into_response()
+}
+
 /// Binds `config.listen` and serves within `config.http`'s bounds until
 /// the runtime stops; returns the bound address (`:0` picks a free port).
 pub async fn start<B: Binder>(
@@ -73,6 +87,7 @@ pub async fn start<B: Binder>(
         .route("/prioritize", post(prioritize::<B>))
         .route("/bind", post(bind::<B>))
         .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz::<B>))
         .with_state(x);
     tokio::spawn(crate::http::serve_bounded(
         listener,
@@ -80,4 +95,70 @@ pub async fn start<B: Binder>(
         config.http.limits(&crate::http::EXTENDER_LIMITS),
     ));
     Ok(bound)
+}
+
+/// The most of `/readyz`'s answer [`ask_ready`] reads: the reasons of two
+/// kinds fit many times over, and whatever listens there is not trusted.
+const READY_ANSWER_BYTES: u64 = 16 * 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReadyError {
+    #[error("cannot ask {url} (config key `extender.listen`): {source}")]
+    Unreachable { url: String, source: std::io::Error },
+    #[error("{url} did not answer within {timeout:?}")]
+    Timeout { url: String, timeout: Duration },
+    #[error("{url} answered no HTTP status line: {head:?}")]
+    Garbled { url: String, head: String },
+    #[error("{url}: {status}: {body}")]
+    NotReady {
+        url: String,
+        status: String,
+        body: String,
+    },
+}
+
+/// Asks the extender listening at `config.listen` for its `/readyz`
+/// within `timeout`: Ok when it answers 200. The extender container's
+/// readiness probe (`gpu-device-plugin extender-ready`), since it listens
+/// on loopback where the kubelet's HTTP probes do not reach.
+pub async fn ask_ready(config: &ExtenderConfig, timeout: Duration) -> Result<(), ReadyError> {
+    let url = format!("http://{}/readyz", config.listen);
+    let asked = async {
+        let mut s = tokio::net::TcpStream::connect(&config.listen).await?;
+        let request = format!("GET /readyz HTTP/1.0\r\nHost: {}\r\n\r\n", config.listen);
+        s.write_all(request.as_bytes()).await?;
+        let mut answer = Vec::new();
+        s.take(READY_ANSWER_BYTES).read_to_end(&mut answer).await?;
+        Ok(answer)
+    };
+    let answer = tokio::time::timeout(timeout, asked)
+        .await
+        .map_err(|_| ReadyError::Timeout {
+            url: url.clone(),
+            timeout,
+        })?
+        .map_err(|source| ReadyError::Unreachable {
+            url: url.clone(),
+            source,
+        })?;
+    let text = String::from_utf8_lossy(&answer);
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status_line = head.lines().next().unwrap_or_default();
+    let status = match status_line.split_once(' ') {
+        Some((version, status)) if version.starts_with("HTTP/") => status.trim(),
+        _ => {
+            return Err(ReadyError::Garbled {
+                url,
+                head: status_line.chars().take(80).collect(),
+            });
+        }
+    };
+    if status.starts_with("200 ") || status == "200" {
+        return Ok(());
+    }
+    Err(ReadyError::NotReady {
+        url,
+        status: status.to_owned(),
+        body: body.trim().to_owned(),
+    })
 }

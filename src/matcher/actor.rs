@@ -336,7 +336,7 @@ impl Actor for PodMatcher {
             tracing::info!("pod cache synced with the API server");
             metrics.hold(READY_NAME, Hold::Waiting, None);
         });
-        let report = super::report::spawn(&cache, &client, &args);
+        let report = super::report::spawn(&cache, &args);
         let events = Events::start(client.clone(), &args.node_name);
         Ok(MatcherState {
             args,

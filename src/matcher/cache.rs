@@ -1,7 +1,9 @@
-//! The node-local pod cache: a watcher on pods with `spec.nodeName` = this
-//! node, reflected into a store, so an Allocate costs no LIST. The watcher
-//! re-lists and re-watches by itself (with backoff) when the API server
-//! goes away.
+//! The node-local pod cache: a watch on pods with `spec.nodeName` = this
+//! node, reflected into a store, so an Allocate costs no LIST. When the
+//! watch fails (the API server went away, or the resourceVersion it would
+//! resume on expired) it lists again within about a second of the API
+//! server answering ([`crate::kube_client::relisting`]), and until that
+//! list is in the cache is stale: nothing decides on it.
 //!
 //! It keeps only what placement needs, so its memory and every lookup over
 //! it stay flat in the number of finished pods (a node that ran thousands
@@ -17,19 +19,25 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, PodStatus, ResourceRequirements};
 use kube::api::ObjectMeta;
 use kube::runtime::reflector::{self, Store};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use kube::{Api, Client};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::kube_client::{relisting, status_code};
 use crate::usage::finished;
+
+/// What the cache says before its first list is in.
+const UNLISTED: &str = "the first list of this node's pods has not arrived";
 
 pub(crate) struct PodCache {
     store: Store<Pod>,
-    /// Bumped on every event the store applied.
+    /// Bumped on every change of the store.
     changes: watch::Receiver<u64>,
-    /// Why the watch last failed, until an event comes through again.
-    failing: watch::Receiver<Option<String>>,
+    /// Why the store may be behind the API server (not listed yet, or the
+    /// watch failed and the list after it has not arrived); None while it
+    /// follows the API server.
+    stale: watch::Receiver<Option<String>>,
     task: JoinHandle<()>,
 }
 
@@ -37,22 +45,30 @@ impl PodCache {
     pub(crate) fn start(client: Client, node: &str) -> PodCache {
         let api: Api<Pod> = Api::all(client);
         let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
-        let (store, writer) = reflector::store();
+        let (store, mut writer) = reflector::store();
         let (tx, changes) = watch::channel(0u64);
-        let (failed, failing) = watch::channel(None);
-        let events = watcher(api, config).filter_map(|e| std::future::ready(kept(e)));
-        let stream = reflector::reflector(writer, events).default_backoff();
+        let (mark, stale) = watch::channel(Some(UNLISTED.to_owned()));
+        let events = relisting(api, config).filter_map(|e| std::future::ready(kept(e)));
         let task = tokio::spawn(async move {
-            futures::pin_mut!(stream);
-            while let Some(event) = stream.next().await {
+            futures::pin_mut!(events);
+            while let Some(event) = events.next().await {
+                use watcher::Event::{Apply, Delete, InitDone};
                 match event {
-                    Ok(_) => {
-                        tx.send_modify(|n| *n += 1);
-                        failed.send_if_modified(|f| f.take().is_some());
+                    Ok(event) => {
+                        writer.apply_watcher_event(&event);
+                        if let InitDone = event
+                            && mark.send_replace(None).is_some_and(|was| was != UNLISTED)
+                        {
+                            tracing::info!("pod cache listed again after its watch failed");
+                        }
+                        if let Apply(_) | Delete(_) | InitDone = event {
+                            tx.send_modify(|n| *n += 1);
+                        }
                     }
                     Err(e) => {
-                        tracing::warn!(error = %e, "pod watch failed; retrying");
-                        failed.send_replace(Some(e.to_string()));
+                        tracing::warn!(code = ?status_code(&e), error = %e,
+                            "pod watch failed; listing again");
+                        mark.send_replace(Some(e.to_string()));
                     }
                 }
             }
@@ -60,7 +76,7 @@ impl PodCache {
         PodCache {
             store,
             changes,
-            failing,
+            stale,
             task,
         }
     }
@@ -69,9 +85,11 @@ impl PodCache {
         self.store.state()
     }
 
-    /// Waits for the first full list, until `deadline`.
+    /// Waits until the cache follows the API server (its first list, or
+    /// the list after a failed watch, is in), until `deadline`.
     pub(crate) async fn ready(&self, deadline: Instant) -> bool {
-        let wait = self.store.wait_until_ready();
+        let mut stale = self.stale.clone();
+        let wait = stale.wait_for(Option::is_none);
         tokio::time::timeout_at(deadline.into(), wait)
             .await
             .is_ok_and(|r| r.is_ok())
@@ -79,9 +97,9 @@ impl PodCache {
 
     /// Resolves once the first full list is in, however long that takes.
     pub(crate) fn synced(&self) -> impl Future<Output = ()> + Send + 'static {
-        let store = self.store.clone();
+        let mut stale = self.stale.clone();
         async move {
-            let _ = store.wait_until_ready().await;
+            let _ = stale.wait_for(Option::is_none).await;
         }
     }
 
@@ -91,10 +109,10 @@ impl PodCache {
         (self.store.clone(), self.changes.clone())
     }
 
-    /// Why the watch is failing now (the API server cannot be reached or
-    /// refuses it), None while it works: for readiness.
-    pub(crate) fn failing(&self) -> watch::Receiver<Option<String>> {
-        self.failing.clone()
+    /// Why the cache is stale now, None while it follows the API server:
+    /// for readiness. Its first value (not listed yet) counts as seen.
+    pub(crate) fn stale(&self) -> watch::Receiver<Option<String>> {
+        self.stale.clone()
     }
 
     /// Waits for the store to change, until `deadline`; false when it passed.
@@ -333,6 +351,58 @@ mod tests {
             assert!(cache.changed(deadline).await, "{:?}", names(&cache));
         }
         assert_eq!(names(&cache), ["live-2", "live-3", "live-4"]);
+        api.stop();
+    }
+
+    /// From a failed watch until the list after it the cache is stale and
+    /// nothing waiting on it goes ahead; that list brings what changed
+    /// meanwhile.
+    #[tokio::test]
+    async fn the_cache_is_stale_from_a_failed_watch_until_it_lists_again() {
+        use gpu_sim::apiserver::{ApiServerSim, PodContainer};
+        let api = ApiServerSim::start().await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let kubeconfig = dir.path().join("kubeconfig");
+        api.write_kubeconfig(&kubeconfig).unwrap();
+        let app = [PodContainer {
+            name: "app".into(),
+            init: false,
+            restartable: false,
+            wants: [1, 0, 0],
+        }];
+        api.add_pod("ns", "a", "n", &app, &[]);
+        let client = crate::kube_client::from_kubeconfig(&kubeconfig, "kubeconfig")
+            .await
+            .unwrap();
+        let cache = PodCache::start(client, "n");
+        let deadline = Instant::now() + std::time::Duration::from_secs(30);
+        assert!(cache.ready(deadline).await);
+        let mut stale = cache.stale();
+        assert!(stale.borrow_and_update().is_none());
+
+        api.outage(true);
+        let why = tokio::time::timeout_at(deadline.into(), stale.wait_for(Option::is_some))
+            .await
+            .expect("the watch never failed")
+            .unwrap()
+            .clone();
+        assert!(why.is_some_and(|w| !w.is_empty()));
+        let soon = Instant::now() + std::time::Duration::from_millis(300);
+        assert!(!cache.ready(soon).await, "ready on a stale cache");
+        api.add_pod("ns", "b", "n", &app, &[]);
+
+        api.outage(false);
+        let back = Instant::now();
+        assert!(cache.ready(deadline).await);
+        // Within the target of the API server answering again.
+        assert!(back.elapsed() < std::time::Duration::from_secs(5));
+        let mut names: Vec<_> = cache
+            .pods()
+            .iter()
+            .filter_map(|p| p.metadata.name.clone())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["a", "b"]);
         api.stop();
     }
 }

@@ -1,8 +1,9 @@
 //! Each GPU's usage for `/metrics`, recomputed from the pod cache whenever
 //! it changes: the same usage model matching decides on, and no API call,
 //! however often Prometheus scrapes. Also the cache's size, and readiness
-//! while the cache's watch cannot reach the API server (an Allocate then
-//! cannot write its pod's ledger, so it cannot succeed). From the same
+//! while the cache is stale (its watch failed and the list after it has
+//! not arrived: the API server is away, or the cache may miss pods bound
+//! since, so an Allocate waits and may fail). From the same
 //! usage, the devices the kubelet could not admit work to anyway
 //! ([`withdrawn`]), which the plugins list as unhealthy so node allocatable
 //! tells the truth about whole GPUs. The same pass logs, once per pod while
@@ -12,11 +13,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::ListParams;
-use kube::{Api, Client};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -28,30 +25,19 @@ use crate::device::{PerResource, Resource};
 use crate::metrics::{GpuMode, GpuSample, Hold};
 use crate::usage::{Inventory, NodeUsage};
 
-/// How often, while the watch fails, one small LIST checks whether the
-/// API server answers again: a watch that resumes sends nothing until a pod
-/// changes, so its silence cannot tell that it recovered.
-const PROBE: Duration = Duration::from_secs(2);
-
 /// Per resource, per GPU of the node: whether its devices are withdrawn
 /// from the kubelet's lists. Empty lists: nothing withdrawn.
 pub type Withdrawn = PerResource<Arc<[bool]>>;
 
 /// Publishes the usage, the pod count and (when `args.withdrawals` is set)
-/// the withdrawn devices after every change of `cache`,
-/// and holds readiness back while its watch fails (until the watch or a
-/// probe through `client` gets an answer), until the cache stops.
-pub(super) fn spawn(cache: &PodCache, client: &Client, args: &MatcherArgs) -> JoinHandle<()> {
+/// the withdrawn devices after every change of `cache`, and holds
+/// readiness back while it is stale, until the cache stops.
+pub(super) fn spawn(cache: &PodCache, args: &MatcherArgs) -> JoinHandle<()> {
     let (pods, mut changes) = cache.reader();
-    let mut failing = cache.failing();
+    let mut stale = cache.stale();
     let (node, keys, metrics) = (args.node.clone(), args.keys.clone(), args.metrics.clone());
     let withdrawals = args.withdrawals.clone();
-    let probe = ListParams::default()
-        .fields(&format!("spec.nodeName={}", args.node_name))
-        .limit(1);
-    let api: Api<Pod> = Api::all(client.clone());
     tokio::spawn(async move {
-        let mut unreachable = false;
         // (pod UID, warning) already logged.
         let mut named: HashSet<(String, String)> = HashSet::new();
         loop {
@@ -84,22 +70,14 @@ pub(super) fn spawn(cache: &PodCache, client: &Client, args: &MatcherArgs) -> Jo
                         publish(tx, withdrawn(&node, &views, &usage));
                     }
                 }
-                changed = failing.changed() => {
+                changed = stale.changed() => {
                     if changed.is_err() {
                         return;
                     }
-                    let why = failing.borrow_and_update().as_ref().map(|e| {
-                        format!("cannot watch pods through the API server: {e}")
+                    let why = stale.borrow_and_update().as_ref().map(|e| {
+                        format!("pod cache stale, listing again through the API server: {e}")
                     });
-                    unreachable = why.is_some();
-                    metrics.hold(READY_NAME, Hold::Unreachable, why);
-                }
-                () = tokio::time::sleep(PROBE), if unreachable => {
-                    metrics.count_api_request("list");
-                    if api.list(&probe).await.is_ok() {
-                        unreachable = false;
-                        metrics.hold(READY_NAME, Hold::Unreachable, None);
-                    }
+                    metrics.hold(READY_NAME, Hold::Stale, why);
                 }
             }
         }
