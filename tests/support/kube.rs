@@ -166,7 +166,39 @@ impl ControlPlane {
             ]);
         }
         cp.scheduler = cp.token("kube-system", "doslab-gpu-scheduler", None);
+        cp.wait_policies();
         cp
+    }
+
+    /// Waits until the API server enforces the applied admission policies:
+    /// their informers sync a moment after the apply returns. The probe is
+    /// a dry-run pod the shipped quantity policy refuses.
+    fn wait_policies(&self) {
+        let probe = serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "policy-probe", "namespace": "default"},
+            "spec": {"containers": [{"name": "c", "image": "x",
+                "resources": {"limits": {"doslab.io/gpu-memory": "4Gi"}}}]}
+        });
+        // start() is called from the tests' multi-threaded runtimes.
+        tokio::task::block_in_place(|| {
+            tokio::runtime::Handle::current().block_on(async {
+                let pods: Api<Pod> = Api::namespaced(self.admin_client().await, "default");
+                let probe: Pod = serde_json::from_value(probe).unwrap();
+                let dry = PostParams {
+                    dry_run: true,
+                    ..Default::default()
+                };
+                let deadline = Instant::now() + START;
+                while pods.create(&dry, &probe).await.is_ok() {
+                    assert!(
+                        Instant::now() < deadline,
+                        "admission policies never enforced"
+                    );
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            })
+        });
     }
 
     /// Runs a peers subcommand to its end; panics with its output on failure.
