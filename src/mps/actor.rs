@@ -46,8 +46,9 @@ impl MpsArgs {
 
 /// What the actor tells itself; nothing waits for a reply.
 pub(crate) enum MpsMsg {
-    /// Ask every control daemon; fail if one does not answer.
-    Check,
+    /// Ask every control daemon (first starting those that do not answer
+    /// when `start`); fail if one does not answer.
+    Check { start: bool },
 }
 
 pub(crate) struct MpsState {
@@ -60,8 +61,7 @@ async fn unanswered(controls: &[Control], start: bool) -> Option<String> {
     let controls = controls.to_vec();
     let found = tokio::task::spawn_blocking(move || {
         (controls.iter())
-            .filter_map(|c| check(c, start).err())
-            .map(|e| e.to_string())
+            .filter_map(|c| check(c, start).err().map(|e| format!("{}: {e}", c.uuid())))
             .collect::<Vec<_>>()
     })
     .await
@@ -106,16 +106,10 @@ impl Actor for MpsDaemons {
         args: MpsArgs,
     ) -> Result<MpsState, ActorProcessingErr> {
         let state = MpsState { args };
-        let why = unanswered(&state.args.controls, true).await;
-        state.report(why.clone());
-        if let Some(why) = why {
-            return Err(why.into());
-        }
-        tracing::info!(
-            gpus = state.args.controls.len(),
-            "MPS control daemons answer"
-        );
-        myself.send_after(state.args.tick, || MpsMsg::Check);
+        // Unready until the first check: starting them takes a while, off
+        // the supervisor's start.
+        state.report(Some("starting the control daemons".into()));
+        myself.send_message(MpsMsg::Check { start: true })?;
         Ok(state)
     }
 
@@ -126,14 +120,18 @@ impl Actor for MpsDaemons {
         state: &mut MpsState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            MpsMsg::Check => {
-                let why = unanswered(&state.args.controls, false).await;
+            MpsMsg::Check { start } => {
+                let why = unanswered(&state.args.controls, start).await;
                 state.report(why.clone());
                 if let Some(why) = why {
-                    tracing::error!(error = %why, "MPS control daemon gone: shared grants on its GPU are refused");
+                    tracing::error!(error = %why, "MPS control daemon not answering: shared grants on its GPU are refused");
                     return Err(why.into());
                 }
-                myself.send_after(state.args.tick, || MpsMsg::Check);
+                if start {
+                    let gpus = state.args.controls.len();
+                    tracing::info!(gpus, "MPS control daemons answer");
+                }
+                myself.send_after(state.args.tick, || MpsMsg::Check { start: false });
             }
         }
         Ok(())
