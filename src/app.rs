@@ -98,7 +98,17 @@ pub async fn check(config: &Config) -> Result<Checked, RunError> {
             )),
         other => other?,
     }
-    if let Some(enforcer) = Enforcer::new(&config.enforcement) {
+    let mps = &config.enforcement.mps;
+    if config.enforcement.compute() == crate::enforcement::Compute::Mps
+        && !mps.control_binary.exists()
+    {
+        notes.push(format!(
+            "enforcement.mps.control_binary {} does not exist here; on a node, shared grants \
+             are refused until its MPS control daemons answer",
+            mps.control_binary.display()
+        ));
+    }
+    if let Some(enforcer) = Enforcer::new(&config.enforcement).filter(Enforcer::preloads) {
         let dir = &config.enforcement.library_dir;
         if dir.exists() {
             enforcer.check().map_err(RunError::Enforcement)?;

@@ -22,6 +22,7 @@ pub mod matcher;
 pub(crate) mod metrics;
 #[cfg(test)]
 mod mock_api;
+pub(crate) mod mps;
 pub mod plugin;
 pub(crate) mod supervisor;
 pub mod uds;

@@ -91,6 +91,7 @@ fn check_config_names_a_bad_enforcement_path() {
 
 const MEMORY: &str = "doslab.io/gpu-memory";
 const COUNT: &str = "doslab.io/gpu-count";
+const CORE: &str = "doslab.io/gpu-core";
 const NODE: &str = "node-1";
 
 /// A node with enforcement on: the kubelet stand-in, the daemon, and the
@@ -139,7 +140,7 @@ impl Node {
         let ok = kubelet
             .wait_until(
                 support::WAIT,
-                support::all_listed(&[(MEMORY, 2048), (COUNT, 2)]),
+                support::all_listed(&[(MEMORY, 2048), (CORE, 200), (COUNT, 2)]),
             )
             .await;
         assert!(ok, "{}", daemon.log_text());
@@ -220,25 +221,25 @@ async fn a_shared_grant_preloads_the_library_and_a_whole_gpu_does_not() {
         Path::new(&lib.host_path),
         node.library_dir().join("libvgpu.so")
     );
-    let cache = mount(r, "/usr/local/vgpu/cache").expect("no cache mount");
-    assert!(!cache.read_only);
-    assert!(Path::new(&cache.host_path).is_dir());
     assert!(mount(r, "/tmp/vgpulock").is_some());
-    assert_eq!(
-        r.envs["CUDA_DEVICE_MEMORY_SHARED_CACHE"],
-        "/usr/local/vgpu/cache/vgpu.cache"
-    );
     assert_eq!(r.envs["CUDA_DEVICE_MEMORY_LIMIT_0"], "4m");
     // A gpu-core grant is a cap even alone on the GPU (the default policy).
     assert_eq!(r.envs["GPU_CORE_UTILIZATION_POLICY"], "force");
-    // Without pod matching the directory is the grant's, by its IDs.
-    let dirs = node.cache_dirs();
-    assert_eq!(dirs.len(), 1, "{dirs:?}");
-    assert!(dirs[0].starts_with("ids-"), "{dirs:?}");
-    assert_eq!(
-        Path::new(&cache.host_path),
-        node.containers().join(&dirs[0])
-    );
+    // Without pod matching no Allocate knows its container: the usage
+    // region stays in the container's /tmp, and nothing is made on the
+    // host to be left behind.
+    assert_eq!(r.envs["CUDA_DEVICE_MEMORY_SHARED_CACHE"], "/tmp/vgpu.cache");
+    assert!(mount(r, "/usr/local/vgpu/cache").is_none(), "{r:?}");
+    assert!(node.cache_dirs().is_empty(), "{:?}", node.cache_dirs());
+    // A container asking both: its two Allocates agree on every mount and
+    // on the region's path, so the kubelet's merge drops nothing that was
+    // made for it.
+    let pair = node.kubelet.admit(&[(MEMORY, 4), (CORE, 2)]).await.unwrap();
+    let (m, c) = (&pair[0].response, &pair[1].response);
+    let key = "CUDA_DEVICE_MEMORY_SHARED_CACHE";
+    assert_eq!(m.envs[key], c.envs[key]);
+    assert_eq!(m.mounts, c.mounts);
+    assert!(node.cache_dirs().is_empty(), "{:?}", node.cache_dirs());
 
     let whole = node.kubelet.admit(&[(COUNT, 1)]).await.unwrap();
     assert!(
@@ -255,11 +256,11 @@ async fn a_shared_grant_preloads_the_library_and_a_whole_gpu_does_not() {
     let (code, body) = node.readyz_until(|c, _| c == 200);
     assert_eq!(code, 200, "{body}");
     let metrics = node.metrics_until(|m| {
-        support::sample(m, "gpu_device_plugin_enforcement_cache_dirs") == Some(1.0)
+        support::sample(m, "gpu_device_plugin_enforcement_cache_dirs") == Some(0.0)
     });
     assert_eq!(
         support::sample(&metrics, "gpu_device_plugin_enforcement_cache_dirs"),
-        Some(1.0),
+        Some(0.0),
         "{metrics}"
     );
 }

@@ -1,6 +1,8 @@
 //! The `[enforcement]` config section: whether shared grants preload
-//! HAMi-core, where its library and the per-container state live on the
-//! host, and where they appear inside a container.
+//! HAMi-core, who limits a gpu-core grant (HAMi-core or MPS), where
+//! HAMi-core's library and per-container state and MPS's directories and
+//! control binary live on the host, and where they appear inside a
+//! container.
 
 use std::path::{Component, Path, PathBuf};
 
@@ -33,6 +35,58 @@ pub enum CorePolicy {
     /// The compute grant is not applied at all: bookkeeping only (memory
     /// limits still hold).
     Disable,
+}
+
+/// Who limits a gpu-core grant. Two keys rather than one backend name,
+/// because the two limits are separate choices: HAMi-core's memory cap and
+/// usage region are worth having under MPS too, while its compute limit does
+/// not hold for few-block kernels (see README, *Enforcement*).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Compute {
+    /// Bookkeeping only: the grant's envs are set, nothing limits them.
+    None,
+    /// HAMi-core throttles kernel launches (`CUDA_DEVICE_SM_LIMIT`, under
+    /// `core_policy`); needs `mode = "hami-core"`.
+    HamiCore,
+    /// Each shared grant is an MPS client of its GPU's control daemon, run
+    /// by this daemon: the driver caps its SMs
+    /// (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`) and its memory
+    /// (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`).
+    Mps,
+}
+
+/// The MPS control daemons this daemon runs, one per GPU, and what a
+/// shared grant's container mounts to reach its GPU's.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MpsConfig {
+    /// `nvidia-cuda-mps-control`, as the daemon sees it: it starts the
+    /// control daemons (`-d`) and talks to them (its client mode).
+    pub control_binary: PathBuf,
+    /// Host directory of the control daemons' pipes, one subdirectory per
+    /// GPU (its UUID); the daemon sees it at the same path.
+    pub pipe_dir: PathBuf,
+    /// Host directory of their logs, one subdirectory per GPU.
+    pub log_dir: PathBuf,
+    /// Host directory the daemon's pod has as its `/dev/shm`: MPS servers
+    /// and their clients share memory there, so a client mounts it too.
+    pub shm_dir: PathBuf,
+    /// Where a client's GPU pipe directory is mounted; its
+    /// `CUDA_MPS_PIPE_DIRECTORY`.
+    pub container_pipe_dir: PathBuf,
+}
+
+impl Default for MpsConfig {
+    fn default() -> Self {
+        MpsConfig {
+            control_binary: "/usr/bin/nvidia-cuda-mps-control".into(),
+            pipe_dir: "/var/run/gpu-device-plugin/mps/pipe".into(),
+            log_dir: "/var/log/gpu-device-plugin/mps".into(),
+            shm_dir: "/var/run/gpu-device-plugin/mps/shm".into(),
+            container_pipe_dir: "/var/run/nvidia-mps".into(),
+        }
+    }
 }
 
 impl CorePolicy {
@@ -71,6 +125,10 @@ pub struct EnforcementConfig {
     /// directories last made longer ago than this are removed (0: never).
     /// With pod matching, those of pods gone are removed instead.
     pub(crate) cache_max_age_s: u64,
+    /// Who limits a gpu-core grant; unset: HAMi-core when it is preloaded,
+    /// else nothing (see [`EnforcementConfig::compute`]).
+    pub(crate) compute: Option<Compute>,
+    pub mps: MpsConfig,
 }
 
 impl Default for EnforcementConfig {
@@ -83,6 +141,8 @@ impl Default for EnforcementConfig {
             container_library_path: "/usr/local/vgpu/libvgpu.so".into(),
             container_cache_dir: "/usr/local/vgpu/cache".into(),
             cache_max_age_s: 7 * 24 * 3600,
+            compute: None,
+            mps: MpsConfig::default(),
         }
     }
 }
@@ -133,15 +193,38 @@ pub(crate) fn check_path(path: &Path) -> Result<(), String> {
 }
 
 impl EnforcementConfig {
+    /// Who limits a gpu-core grant.
+    pub fn compute(&self) -> Compute {
+        match (self.compute, self.mode) {
+            (Some(c), _) => c,
+            (None, Mode::HamiCore) => Compute::HamiCore,
+            (None, Mode::None) => Compute::None,
+        }
+    }
+
     /// Every path checked, each error naming its `enforcement.*` key.
     pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        let mps = &self.mps;
         for (key, path) in [
             ("library_dir", &self.library_dir),
             ("state_dir", &self.state_dir),
             ("container_library_path", &self.container_library_path),
             ("container_cache_dir", &self.container_cache_dir),
+            ("mps.control_binary", &mps.control_binary),
+            ("mps.pipe_dir", &mps.pipe_dir),
+            ("mps.log_dir", &mps.log_dir),
+            ("mps.shm_dir", &mps.shm_dir),
+            ("mps.container_pipe_dir", &mps.container_pipe_dir),
         ] {
             check_path(path).map_err(|reason| invalid(key, reason))?;
+        }
+        if self.compute() == Compute::HamiCore && self.mode != Mode::HamiCore {
+            return Err(invalid(
+                "compute",
+                "\"hami-core\" limits compute through the preloaded library: it needs \
+                 mode = \"hami-core\""
+                    .into(),
+            ));
         }
         if self
             .container_library_path
@@ -187,6 +270,20 @@ mod tests {
     }
 
     #[test]
+    fn compute_follows_the_preload_unless_set() {
+        assert_eq!(parse("").unwrap().compute(), Compute::None);
+        let hami = "mode = \"hami-core\"";
+        assert_eq!(parse(hami).unwrap().compute(), Compute::HamiCore);
+        let both = parse(&format!("{hami}\ncompute = \"mps\"")).unwrap();
+        assert_eq!(both.compute(), Compute::Mps);
+        let mps = parse("compute = \"mps\"\n[mps]\npipe_dir = \"/run/mps\"").unwrap();
+        assert_eq!(mps.compute(), Compute::Mps);
+        assert_eq!(mps.mode, Mode::None);
+        assert_eq!(mps.mps.pipe_dir, Path::new("/run/mps"));
+        assert_eq!(mps.mps.log_dir, MpsConfig::default().log_dir);
+    }
+
+    #[test]
     fn bad_values_name_their_key() {
         for (text, key) in [
             ("mode = \"hami\"", "mode"),
@@ -217,6 +314,14 @@ mod tests {
                 "container_cache_dir = \"/usr/local/vgpu\"",
                 "enforcement.container_library_path",
             ),
+            ("compute = \"hami-core\"", "enforcement.compute"),
+            ("compute = \"mig\"", "compute"),
+            ("[mps]\npipe_dir = \"run/mps\"", "enforcement.mps.pipe_dir"),
+            (
+                "[mps]\ncontrol_binary = \"/bin/a b\"",
+                "enforcement.mps.control_binary",
+            ),
+            ("[mps]\npipes = \"/x\"", "pipes"),
         ] {
             let e = parse(text).unwrap_err();
             assert!(e.contains(key), "{text}: {e}");

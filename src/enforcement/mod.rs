@@ -1,8 +1,11 @@
 //! Enforcement: a shared grant is capped inside its container by HAMi-core
-//! (`libvgpu.so`, preloaded through a mounted `/etc/ld.so.preload`), and
-//! enforcement fails closed: with `mode = "hami-core"` and no loadable
-//! library on the host, a shared Allocate is refused rather than answered
-//! with a container that would run unlimited.
+//! (`libvgpu.so`, preloaded through a mounted `/etc/ld.so.preload`), by
+//! MPS (the container an MPS client of its GPU's control daemon, which the
+//! `mps` module runs), or both, and enforcement fails closed: with
+//! `mode = "hami-core"` and no loadable library on the host, or
+//! `compute = "mps"` and no control daemon answering for the grant's GPU,
+//! a shared Allocate is refused rather than answered with a container that
+//! would run unlimited.
 //!
 //! `config` and `plan` are pure; `library`, `state` and `region` do the
 //! file work; [`Enforcer`] ties them to one config for the plugin, and
@@ -21,7 +24,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::SystemTime;
 
 pub(crate) use config::EnforcementConfig;
-pub use config::{CorePolicy, Mode};
+pub use config::{Compute, CorePolicy, Mode, MpsConfig};
 pub use library::install_library;
 pub(crate) use library::{LibraryError, check_library};
 pub use plan::LIBRARY_FILE;
@@ -33,6 +36,8 @@ pub(crate) use state::{Keep, Swept};
 pub enum EnforcementError {
     #[error("enforcement library {path}: {reason}")]
     Library { path: PathBuf, reason: LibraryError },
+    #[error(transparent)]
+    Mps(#[from] crate::mps::MpsError),
     #[error("enforcement state: cannot {action} {path}: {source}")]
     Io {
         action: &'static str,
@@ -52,7 +57,7 @@ fn io(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> Enfor
 }
 
 /// Enforcement as one config says, for the plugin: `None` from
-/// [`Enforcer::new`] when the mode is `none`.
+/// [`Enforcer::new`] when nothing is enforced (no preload, no MPS).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Enforcer {
     config: EnforcementConfig,
@@ -61,10 +66,17 @@ pub(crate) struct Enforcer {
 
 impl Enforcer {
     pub(crate) fn new(config: &EnforcementConfig) -> Option<Enforcer> {
-        (config.mode == Mode::HamiCore).then(|| Enforcer {
+        let enforces = config.mode == Mode::HamiCore || config.compute() == Compute::Mps;
+        enforces.then(|| Enforcer {
             config: config.clone(),
             layout: plan::StateLayout::new(&config.state_dir),
         })
+    }
+
+    /// Whether shared grants preload HAMi-core: its library to check, its
+    /// state directory to sweep.
+    pub(crate) fn preloads(&self) -> bool {
+        self.config.mode == Mode::HamiCore
     }
 
     /// The library's host path.
@@ -130,13 +142,23 @@ pub(crate) struct AllocateEnforcement {
 }
 
 impl AllocateEnforcement {
-    /// What HAMi-core needs in the container of a shared grant owned by
-    /// `owner`, its cache directory made fresh on disk. An error means the
-    /// grant must be refused, and nothing is recorded for it.
-    pub(crate) fn prepare(&self, owner: CacheOwner<'_>) -> Result<Preload, EnforcementError> {
+    /// What enforcement needs in the container of a shared grant on the GPU
+    /// `uuid`, owned by `owner` when pod matching knows it: HAMi-core's
+    /// cache directory made fresh on disk, and MPS's control daemon for the
+    /// GPU answering (asked at every grant: a daemon gone since the last
+    /// would leave the container unlimited). An error means the grant must
+    /// be refused, and nothing is recorded for it.
+    pub(crate) fn prepare(
+        &self,
+        owner: Option<CacheOwner<'_>>,
+        uuid: &str,
+    ) -> Result<Preload, EnforcementError> {
         let e = &self.enforcer;
-        let preload = plan::plan(&e.config, owner);
-        if !self.node_ready.load(Ordering::Acquire) {
+        let preload = plan::plan(&e.config, owner, uuid);
+        if preload.mps {
+            crate::mps::Control::new(&e.config.mps, uuid).ping()?;
+        }
+        if e.preloads() && !self.node_ready.load(Ordering::Acquire) {
             e.check()?;
             state::ensure_state(
                 &e.config.state_dir,
@@ -145,7 +167,9 @@ impl AllocateEnforcement {
             )?;
             self.node_ready.store(true, Ordering::Release);
         }
-        state::fresh_cache_dir(&preload.cache_dir)?;
+        if let Some(dir) = &preload.cache_dir {
+            state::fresh_cache_dir(dir)?;
+        }
         Ok(preload)
     }
 }
@@ -156,10 +180,10 @@ mod tests {
 
     use super::*;
 
-    const POD: CacheOwner<'static> = CacheOwner::Container {
+    const POD: Option<CacheOwner<'static>> = Some(CacheOwner {
         pod_uid: "uid-1",
         container: "app",
-    };
+    });
 
     fn enforcer(root: &Path) -> Enforcer {
         Enforcer::new(&EnforcementConfig {
@@ -178,17 +202,18 @@ mod tests {
         let lib = tmp.path().join("lib");
         install_library(&library::tests::real_shared_object(), &lib).unwrap();
         let rpc = e.for_allocate();
-        rpc.prepare(POD).unwrap();
+        rpc.prepare(POD, "GPU-a").unwrap();
         // Gone after the RPC's first container: its second one is not
         // checked again (the clone is what a blocking task holds)...
         std::fs::remove_file(e.library_path()).unwrap();
-        let second = CacheOwner::Container {
+        let second = Some(CacheOwner {
             pod_uid: "uid-1",
             container: "sidecar",
-        };
-        assert!(rpc.clone().prepare(second).unwrap().cache_dir.is_dir());
+        });
+        let p = rpc.clone().prepare(second, "GPU-a").unwrap();
+        assert!(p.cache_dir.unwrap().is_dir());
         // ...but the next RPC is.
-        let err = e.for_allocate().prepare(second).unwrap_err();
+        let err = e.for_allocate().prepare(second, "GPU-a").unwrap_err();
         assert!(err.to_string().contains("does not exist"), "{err}");
     }
 
@@ -201,7 +226,7 @@ mod tests {
     fn prepare_fails_closed_without_the_library_and_works_with_it() {
         let tmp = tempfile::tempdir().unwrap();
         let e = enforcer(tmp.path());
-        let err = e.for_allocate().prepare(POD).unwrap_err();
+        let err = e.for_allocate().prepare(POD, "GPU-a").unwrap_err();
         let msg = err.to_string();
         assert!(msg.contains(&*e.library_path().to_string_lossy()), "{msg}");
         assert!(msg.contains("does not exist"), "{msg}");
@@ -216,20 +241,25 @@ mod tests {
         )
         .unwrap();
         e.check().unwrap();
-        let p = e.for_allocate().prepare(POD).unwrap();
-        assert!(p.cache_dir.is_dir());
+        let p = e.for_allocate().prepare(POD, "GPU-a").unwrap();
+        let cache_dir = p.cache_dir.clone().unwrap();
+        assert!(cache_dir.is_dir());
         for m in &p.mounts {
             assert!(Path::new(&m.host_path).exists(), "{} missing", m.host_path);
         }
         // A wiped state directory is made again on the next Allocate.
         std::fs::remove_dir_all(tmp.path().join("state")).unwrap();
-        let p = e.for_allocate().prepare(POD).unwrap();
-        assert!(p.cache_dir.is_dir());
+        let p = e.for_allocate().prepare(POD, "GPU-a").unwrap();
+        assert_eq!(p.cache_dir.as_ref(), Some(&cache_dir));
+        assert!(cache_dir.is_dir());
+        // Without pod matching nothing is made on the host.
+        let p = e.for_allocate().prepare(None, "GPU-a").unwrap();
+        assert_eq!(p.cache_dir, None);
 
         // Usage: the region HAMi-core writes into the cache directory.
-        let key = cache_key(POD);
+        let key = cache_key(POD.unwrap());
         std::fs::write(
-            p.cache_dir.join(plan::CACHE_FILE),
+            cache_dir.join(plan::CACHE_FILE),
             region::tests::region((1, 2), &[("GPU-a", 1 << 30)], &[(1, &[5 << 20])]),
         )
         .unwrap();
@@ -237,7 +267,7 @@ mod tests {
             e.usage(&key).unwrap().unwrap().devices[0].used_bytes,
             5 << 20
         );
-        assert_eq!(e.usage("ids-none").unwrap(), None);
+        assert_eq!(e.usage("uid-2_app").unwrap(), None);
 
         let keep = Keep::Live {
             keys: HashSet::new(),

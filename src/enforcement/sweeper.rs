@@ -187,7 +187,7 @@ fn scan(enforcer: &Enforcer, matching: bool, live: Option<Vec<LiveContainer>>) -
 }
 
 fn key_of(c: &LiveContainer) -> String {
-    cache_key(CacheOwner::Container {
+    cache_key(CacheOwner {
         pod_uid: &c.uid,
         container: &c.container,
     })
@@ -279,11 +279,12 @@ mod tests {
 
     /// Prepares `c`'s cache directory as an Allocate does; returns it.
     fn allocate(e: &Enforcer, c: &LiveContainer) -> std::path::PathBuf {
-        let owner = CacheOwner::Container {
+        let owner = CacheOwner {
             pod_uid: &c.uid,
             container: &c.container,
         };
-        e.for_allocate().prepare(owner).unwrap().cache_dir
+        let p = e.for_allocate().prepare(Some(owner), "GPU-a").unwrap();
+        p.cache_dir.unwrap()
     }
 
     fn state(e: &Enforcer) -> SweeperState {

@@ -17,7 +17,6 @@ use super::preferred;
 use crate::device::{DeviceModel, DeviceRef, Resource};
 use crate::enforcement::{AllocateEnforcement, CacheOwner, EnforcementError, Preload};
 use crate::matcher::{Decision, MatcherError, MatcherHandle, Prepare};
-use crate::usage::ids_digest;
 
 #[derive(Debug, Clone)]
 pub(crate) enum Placement {
@@ -93,14 +92,12 @@ impl Placement {
         enforcement: Option<&AllocateEnforcement>,
     ) -> Result<(ContainerGrant, Option<Preload>), PlaceError> {
         let enforcement = enforcement.filter(|_| model.resource() != Resource::GpuCount);
+        let uuids: Arc<[String]> = model.gpus().iter().map(|g| g.uuid.clone()).collect();
         match self {
             Placement::Ids(book) => {
                 let grant = ids_grant(model, devices)?;
                 let preload = match enforcement {
-                    Some(e) => {
-                        let owner = Owner::Grant(ids_digest(ids.iter().copied()));
-                        prepare(e, &grant, owner).await?
-                    }
+                    Some(e) => prepare(e, &uuids, &grant, None).await?,
                     None => None,
                 };
                 book.grant(model, devices)?;
@@ -108,11 +105,11 @@ impl Placement {
             }
             Placement::Matcher { handle, wait } => {
                 let prepare = enforcement.map(|e| {
-                    let e = e.clone();
+                    let (e, uuids) = (e.clone(), uuids.clone());
                     let hook: Prepare = Arc::new(move |d: &Decision| {
-                        let (e, grant) = (e.clone(), grant_of(d));
-                        let owner = Owner::Container(d.uid.clone(), d.container.clone());
-                        Box::pin(async move { prepare(&e, &grant, owner).await })
+                        let (e, uuids, grant) = (e.clone(), uuids.clone(), grant_of(d));
+                        let owner = Some((d.uid.clone(), d.container.clone()));
+                        Box::pin(async move { prepare(&e, &uuids, &grant, owner).await })
                     });
                     hook
                 });
@@ -135,33 +132,28 @@ fn grant_of(d: &Decision) -> ContainerGrant {
     }
 }
 
-/// Enforcement's cap for `grant`, readied off the async threads; a grant
-/// riding inside whole GPUs has nothing to cap.
+/// Enforcement's cap for `grant` (on GPUs whose UUIDs are `uuids`), owned by the
+/// container (pod UID, name) when pod matching knows it, readied off the
+/// async threads; a grant riding inside whole GPUs has nothing to cap (and
+/// no MPS client on it: a whole GPU is its container's alone).
 async fn prepare(
     e: &AllocateEnforcement,
+    uuids: &[String],
     grant: &ContainerGrant,
-    owner: Owner,
+    owner: Option<(String, String)>,
 ) -> Result<Option<Preload>, EnforcementError> {
-    if grant.whole {
+    // A shared grant is on one GPU.
+    let Some(&gpu) = grant.gpus.first().filter(|_| !grant.whole) else {
         return Ok(None);
-    }
-    let e = e.clone();
-    blocking(move || e.prepare(owner.as_cache_owner()).map(Some)).await
-}
-
-/// Whose cache directory a grant gets, owned for the blocking task.
-enum Owner {
-    Container(String, String),
-    Grant(String),
-}
-
-impl Owner {
-    fn as_cache_owner(&self) -> CacheOwner<'_> {
-        match self {
-            Owner::Container(pod_uid, container) => CacheOwner::Container { pod_uid, container },
-            Owner::Grant(ids_digest) => CacheOwner::Grant { ids_digest },
-        }
-    }
+    };
+    let (e, uuid) = (e.clone(), uuids[gpu].clone());
+    blocking(move || {
+        let owner = owner
+            .as_ref()
+            .map(|(pod_uid, container)| CacheOwner { pod_uid, container });
+        e.prepare(owner, &uuid).map(Some)
+    })
+    .await
 }
 
 /// Enforcement's file work, off the async threads.

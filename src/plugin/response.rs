@@ -8,13 +8,15 @@
 //! `getAllocateResponse`):
 //!
 //! 1. The grant: `NVIDIA_VISIBLE_DEVICES` with the GPUs' UUIDs, and for a
-//!    shared grant the amount in the domain's env and the limit HAMi-core
-//!    enforces (SPEC §4). First, so that nothing else can widen or move
-//!    what the kubelet granted (the config refuses these names too).
+//!    shared grant the amount in the domain's env, the limit HAMi-core
+//!    enforces (SPEC §4), and for an MPS client the limit the driver
+//!    enforces. First, so that nothing else can widen or move what the
+//!    kubelet granted (the config refuses these names too).
 //! 2. The operator's extras (config `[allocate]`): before the library's
 //!    envs and the defaults, so that an operator can override them.
-//! 3. HAMi-core's envs and mounts, for a shared grant under enforcement
-//!    (SPEC §8); its mounts after the operator's.
+//! 3. Enforcement's envs and mounts (HAMi-core's preload, MPS's pipe
+//!    directory), for a shared grant under enforcement (SPEC §8); its
+//!    mounts after the operator's.
 //! 4. The defaults: `NVIDIA_DRIVER_CAPABILITIES=compute,utility`.
 
 use std::collections::{BTreeMap, HashMap};
@@ -24,6 +26,11 @@ use crate::api::{ContainerAllocateResponse, Mount};
 use crate::config::Config;
 use crate::device::{DeviceModel, Resource};
 use crate::enforcement::Preload;
+
+/// The driver's cap on an MPS client's SMs, in percent of the GPU.
+const MPS_CORE_ENV: &str = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE";
+/// The driver's cap on an MPS client's device memory.
+const MPS_MEMORY_ENV: &str = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT";
 
 /// Composes one resource's Allocate responses; built from the config once.
 #[derive(Debug, Clone, PartialEq)]
@@ -56,6 +63,13 @@ impl ResponseComposer {
 
     /// The response for `grant` of `model`'s resource, with `preload` when
     /// enforcement caps it; the steps are the module's, in its order.
+    ///
+    /// MPS's limits, in NVIDIA's client env formats: a gpu-core grant's
+    /// share of the GPU as `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` (the amount
+    /// is already percent), a gpu-memory grant as
+    /// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<GPU UUID>=<MiB>M` (the variable
+    /// names devices as `CUDA_VISIBLE_DEVICES` does; by UUID, so the limit
+    /// names the granted GPU however the client enumerates it).
     pub(crate) fn compose(
         &self,
         model: &DeviceModel,
@@ -83,6 +97,12 @@ impl ResponseComposer {
         if let Some((key, value)) = limit {
             add(&self.amount_env, amount.to_string());
             add(key, value);
+            if preload.as_ref().is_some_and(|p| p.mps) {
+                match model.resource() {
+                    Resource::GpuMemory => add(MPS_MEMORY_ENV, format!("{}={amount}M", uuids[0])),
+                    _ => add(MPS_CORE_ENV, amount.to_string()),
+                }
+            }
         }
 
         // 2. The operator's extras.
@@ -91,7 +111,7 @@ impl ResponseComposer {
         }
         mounts.extend(self.extra_mounts.iter().cloned());
 
-        // 3. HAMi-core's.
+        // 3. Enforcement's.
         if let Some(preload) = preload {
             for (key, value) in preload.envs {
                 add(&key, value);
@@ -114,7 +134,7 @@ impl ResponseComposer {
 pub(super) mod tests {
     use super::*;
     use crate::device::{DeviceRef, Plan};
-    use crate::enforcement::{CacheOwner, EnforcementConfig, Mode, plan};
+    use crate::enforcement::{Compute, EnforcementConfig, Mode, plan};
     use crate::plugin::allocate::ids_grant;
 
     /// Two mock GPUs of 1024 MiB, 4 MiB and 5 % units, `extra` added.
@@ -227,7 +247,7 @@ pub(super) mod tests {
             mode: Mode::HamiCore,
             ..Default::default()
         };
-        let preload = plan::plan(&enforcement, CacheOwner::Grant { ids_digest: "d" });
+        let preload = plan::plan(&enforcement, None, "GPU-b");
         let library_mounts = preload.mounts.clone();
         let grant = ids_grant(m, &on(1, 2)).unwrap();
         let r = composer.compose(m, &grant, Some(preload));
@@ -246,5 +266,53 @@ pub(super) mod tests {
         let mut want = vec!["/operator"];
         want.extend(library_mounts.iter().map(|m| m.container_path.as_str()));
         assert_eq!(targets, want);
+    }
+
+    /// Under MPS a shared grant carries the driver's limit beside the
+    /// grant's own envs; the pipe directory and /dev/shm are mounted; a
+    /// grant riding whole GPUs is no MPS client.
+    #[test]
+    fn an_mps_client_gets_the_drivers_limits() {
+        let (c, p) = setup("");
+        let mps = EnforcementConfig {
+            compute: Some(Compute::Mps),
+            ..Default::default()
+        };
+        let compose = |resource, devices: &[DeviceRef]| {
+            let m = p.model(resource).unwrap();
+            let grant = ids_grant(m, devices).unwrap();
+            let uuid = &m.gpus()[grant.gpus[0]].uuid;
+            let preload = plan::plan(&mps, None, uuid);
+            ResponseComposer::new(&c, resource).compose(m, &grant, Some(preload))
+        };
+        let core = compose(Resource::GpuCore, &on(1, 6));
+        assert_eq!(core.envs[MPS_CORE_ENV], "30");
+        assert_eq!(core.envs["CUDA_DEVICE_SM_LIMIT"], "30");
+        assert!(!core.envs.contains_key(MPS_MEMORY_ENV));
+        assert_eq!(core.envs["CUDA_MPS_PIPE_DIRECTORY"], "/var/run/nvidia-mps");
+        let hosts: Vec<&str> = core.mounts.iter().map(|m| m.host_path.as_str()).collect();
+        assert_eq!(
+            hosts,
+            [
+                "/var/run/gpu-device-plugin/mps/pipe/GPU-b",
+                "/var/run/gpu-device-plugin/mps/shm"
+            ]
+        );
+        let memory = compose(Resource::GpuMemory, &on(0, 10));
+        assert_eq!(memory.envs[MPS_MEMORY_ENV], "GPU-a=40M");
+        assert!(!memory.envs.contains_key(MPS_CORE_ENV));
+        // Without MPS, neither.
+        let r = respond("", Resource::GpuCore, &on(0, 3));
+        assert!(!r.envs.contains_key(MPS_CORE_ENV));
+        // Riding whole GPUs: nothing to cap, whatever the preload says.
+        let m = p.model(Resource::GpuMemory).unwrap();
+        let whole = ContainerGrant {
+            gpus: vec![0],
+            amount: 40,
+            whole: true,
+        };
+        let preload = plan::plan(&mps, None, "GPU-a");
+        let r = ResponseComposer::new(&c, Resource::GpuMemory).compose(m, &whole, Some(preload));
+        assert!(!r.envs.contains_key(MPS_MEMORY_ENV));
     }
 }

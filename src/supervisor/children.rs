@@ -11,13 +11,14 @@ use tracing::Instrument;
 
 use crate::config::Config;
 use crate::device::{Plan, Resource};
-use crate::enforcement::Enforcer;
 use crate::enforcement::sweeper::{Sweeper, SweeperArgs};
+use crate::enforcement::{Compute, Enforcer};
 use crate::health::{HealthArgs, HealthMonitor, HealthReport, ProbeSpec};
 use crate::inventory::{InventoryArgs, InventoryMsg, InventoryPublisher, Published};
 use crate::kubelet_watch::{CheckPlugins, KubeletWatcher, WatcherArgs};
 use crate::matcher::{MatcherArgs, MatcherMsg, PodMatcher};
 use crate::metrics::Metrics;
+use crate::mps::{Control, MpsArgs, MpsDaemons};
 use crate::plugin::{Placement, PluginActor, PluginArgs, PluginMsg};
 
 /// The watcher's periodic check, for filesystem events that never came.
@@ -31,6 +32,7 @@ pub(crate) enum Child {
     Watcher,
     Health,
     Enforcement,
+    Mps,
 }
 
 impl std::fmt::Display for Child {
@@ -42,6 +44,7 @@ impl std::fmt::Display for Child {
             Child::Watcher => f.write_str("kubelet watcher"),
             Child::Health => f.write_str("health monitor"),
             Child::Enforcement => f.write_str("enforcement sweeper"),
+            Child::Mps => f.write_str(crate::mps::actor::READY_NAME),
         }
     }
 }
@@ -60,8 +63,11 @@ pub(crate) fn wanted(config: &Config, plan: &Plan) -> Vec<Child> {
         children.push(Child::Inventory);
     }
     children.extend([Child::Watcher, Child::Health]);
-    if Enforcer::new(&config.enforcement).is_some() {
+    if Enforcer::new(&config.enforcement).is_some_and(|e| e.preloads()) {
         children.push(Child::Enforcement);
+    }
+    if config.enforcement.compute() == Compute::Mps {
+        children.push(Child::Mps);
     }
     children
 }
@@ -85,6 +91,7 @@ pub(crate) enum Args {
     Watcher(WatcherArgs),
     Health(HealthArgs),
     Enforcement(SweeperArgs),
+    Mps(MpsArgs),
 }
 
 /// A spawned child, by its typed address where the supervisor talks to it.
@@ -162,6 +169,14 @@ impl Args {
                 tick: Duration::from_millis(config.health.poll_ms),
                 metrics: context.metrics.clone(),
             }),
+            Child::Mps => Args::Mps(MpsArgs {
+                controls: (plan.gpus().iter())
+                    .map(|g| Control::new(&config.enforcement.mps, &g.uuid))
+                    .collect(),
+                // Asked as often as the GPUs' health is.
+                tick: Duration::from_millis(config.health.poll_ms),
+                metrics: context.metrics.clone(),
+            }),
         })
     }
 
@@ -187,6 +202,9 @@ impl Args {
             }
             Args::Enforcement(a) => {
                 Spawned::Other(spawn(Sweeper, a, span, supervisor).await?.get_cell())
+            }
+            Args::Mps(a) => {
+                Spawned::Other(spawn(MpsDaemons, a, span, supervisor).await?.get_cell())
             }
         })
     }

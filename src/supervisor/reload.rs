@@ -26,14 +26,17 @@ pub(crate) fn restart(old: &Args, new: Option<&Args>) -> Option<&'static str> {
         (Args::Watcher(a), Args::Watcher(b)) => a.restart_key() == b.restart_key(),
         (Args::Health(a), Args::Health(b)) => a.restart_key() == b.restart_key(),
         (Args::Enforcement(a), Args::Enforcement(b)) => a.restart_key() == b.restart_key(),
+        (Args::Mps(a), Args::Mps(b)) => a.restart_key() == b.restart_key(),
         _ => false,
     };
     (!same).then_some(match new {
         Args::Watcher(_) => "directory changed",
         Args::Health(_) => "health settings changed",
-        Args::Matcher(_) | Args::Plugin(_) | Args::Inventory(_) | Args::Enforcement(_) => {
-            "changed by reload"
-        }
+        Args::Matcher(_)
+        | Args::Plugin(_)
+        | Args::Inventory(_)
+        | Args::Enforcement(_)
+        | Args::Mps(_) => "changed by reload",
     })
 }
 
@@ -226,6 +229,28 @@ mod tests {
             restarts(&on, "pod_matching = false")[&Child::Enforcement],
             "disabled by reload"
         );
+    }
+
+    #[test]
+    fn mps_runs_with_its_backend_only_and_restarts_with_its_directories() {
+        const HAMI: &str = "pod_matching = false\n[enforcement]\nmode = \"hami-core\"";
+        let mps = format!("{HAMI}\ncompute = \"mps\"");
+        assert!(!children(HAMI).contains_key(&Child::Mps));
+        // HAMi-core for memory beside MPS: both run.
+        let both = children(&mps);
+        assert!(both.contains_key(&Child::Mps) && both.contains_key(&Child::Enforcement));
+        // Switching back stops it; the plugins take the new enforcement
+        // (as any enforcement change) by a restart.
+        let back = restarts(&mps, HAMI);
+        assert_eq!(back[&Child::Mps], "disabled by reload");
+        assert_eq!(back[&MEMORY], "changed by reload");
+        assert!(!back.contains_key(&Child::Health), "{back:?}");
+        assert_eq!(restarts(&mps, &mps), BTreeMap::new());
+        let moved = format!("{mps}\n[enforcement.mps]\npipe_dir = \"/run/elsewhere\"");
+        assert_eq!(restarts(&mps, &moved)[&Child::Mps], "changed by reload");
+        // MPS alone: no library to check, no sweeper.
+        let alone = children("pod_matching = false\n[enforcement]\ncompute = \"mps\"");
+        assert!(alone.contains_key(&Child::Mps) && !alone.contains_key(&Child::Enforcement));
     }
 
     #[test]

@@ -14,5 +14,6 @@ pub mod fill;
 pub mod gpu_node;
 pub mod kubelet;
 pub mod memory;
+pub mod mps_control;
 mod placement_demo;
 pub mod scheduler;
