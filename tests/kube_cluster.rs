@@ -133,10 +133,9 @@ async fn pods_run_with_their_grants() {
             ],
         ),
     ];
+    // One at a time: the scheduler pops pods created together in any order.
     for pod in &pods {
         create(&client, pod).await;
-    }
-    for pod in &pods {
         let name = pod.metadata.name.as_deref().unwrap();
         let ran = wait_pod(&client, NS, name, Duration::from_secs(60), |p| {
             phase(p) == "Running" || phase(p) == "Failed"
