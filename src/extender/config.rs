@@ -32,6 +32,12 @@ pub struct ExtenderConfig {
     /// or whose Binding's fate is unknown, or a bind done that the watch
     /// has not shown yet (from the end of its `bind_timeout_ms`).
     pub(crate) reservation_ttl_ms: u64,
+    /// Binds running at once, each making one API request at a time; one
+    /// more is refused at once, and kube-scheduler retries its pod after a
+    /// backoff. Below `http.max_connections`, so that a filter always finds
+    /// a connection while the binds hold theirs; absent, the least of
+    /// [`MAX_BINDS_IN_FLIGHT`] and half the connections.
+    max_binds_in_flight: Option<usize>,
     /// The HTTP server's bounds (`crate::http::EXTENDER_LIMITS` by default).
     pub(crate) http: crate::http::HttpConfig,
 }
@@ -45,10 +51,16 @@ impl Default for ExtenderConfig {
             kubeconfig: PathBuf::new(),
             bind_timeout_ms: 10_000,
             reservation_ttl_ms: 10_000,
+            max_binds_in_flight: None,
             http: crate::http::HttpConfig::default(),
         }
     }
 }
+
+/// The default bound on binds in flight: at the ~60 ms two API writes take
+/// on a busy API server, 32 binds at once carry about 500 binds a second,
+/// several times what one kube-scheduler sends.
+pub(crate) const MAX_BINDS_IN_FLIGHT: usize = 32;
 
 fn invalid(key: &str, reason: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
@@ -81,6 +93,18 @@ impl ExtenderConfig {
         Ok(config)
     }
 
+    fn connections(&self) -> usize {
+        self.http
+            .limits(&crate::http::EXTENDER_LIMITS)
+            .max_connections
+    }
+
+    /// The binds that may run at once (`max_binds_in_flight`, or its default).
+    pub(crate) fn binds_in_flight(&self) -> usize {
+        self.max_binds_in_flight
+            .unwrap_or_else(|| MAX_BINDS_IN_FLIGHT.min(self.connections() / 2).max(1))
+    }
+
     pub(crate) fn validate(&self) -> Result<(), ConfigError> {
         // The daemon's own check of the domain, reported under our key.
         if let Err(ConfigError::Invalid { key, reason }) =
@@ -110,7 +134,20 @@ impl ExtenderConfig {
             ));
         }
         self.http
-            .validate("extender.http", &crate::http::EXTENDER_LIMITS)
+            .validate("extender.http", &crate::http::EXTENDER_LIMITS)?;
+        let connections = self.connections();
+        if let Some(n) = self.max_binds_in_flight
+            && !(1..connections).contains(&n)
+        {
+            return Err(invalid(
+                "max_binds_in_flight",
+                format!(
+                    "must be at least 1 and below extender.http.max_connections ({connections}), \
+                     which must leave the scheduler a connection for filters"
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -154,6 +191,21 @@ mod tests {
         assert_eq!(limits.max_connections, 8);
         // An absent key keeps the extender's own default, not the daemon's.
         assert_eq!(limits.max_body_bytes, 4 << 20);
+        let e = err("[extender]\nmax_binds_in_flight = 0\n");
+        assert!(e.contains("`extender.max_binds_in_flight`"), "{e}");
+        let e = err("[extender]\nmax_binds_in_flight = 8\n[extender.http]\nmax_connections = 8\n");
+        assert!(e.contains("below extender.http.max_connections (8)"), "{e}");
+        let c = ExtenderConfig::from_toml(
+            "[extender]\nmax_binds_in_flight = 7\n[extender.http]\nmax_connections = 8\n",
+        )
+        .unwrap();
+        assert_eq!(c.binds_in_flight(), 7);
+        // Absent: half the connections, at most the default.
+        let binds = |t: &str| ExtenderConfig::from_toml(t).unwrap().binds_in_flight();
+        assert_eq!(binds(""), MAX_BINDS_IN_FLIGHT);
+        assert_eq!(binds("[extender.http]\nmax_connections = 16\n"), 8);
+        assert_eq!(binds("[extender.http]\nmax_connections = 1\n"), 1);
+        assert_eq!(binds("[extender.http]\nmax_connections = 4096\n"), 32);
         let e = err("[extender.http]\nmax_header_bytes = 100\n");
         assert!(e.contains("`extender.http.max_header_bytes`"), "{e}");
         let e = err("[extender.http]\nheader_timeout = 100\n");

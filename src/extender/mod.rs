@@ -7,7 +7,10 @@
 //! `index` (the cluster as the reflectors see it) and `plan` (the
 //! decisions) are pure; `cluster` does the API-server I/O behind the
 //! [`Binder`] trait; `server` is the HTTP adapter. [`Extender`] ties them:
-//! filter and prioritize read a snapshot, binds run one at a time.
+//! filter and prioritize read a snapshot; binds run concurrently, each
+//! planning and reserving its GPUs in one step under the index's lock, so
+//! the next plan, on any node, counts what the binds before it took while
+//! their API calls are still on the way.
 
 mod cluster;
 #[cfg(test)]
@@ -38,8 +41,7 @@ pub struct Extender<B> {
     planner: Planner,
     index: Arc<RwLock<Index>>,
     binder: B,
-    /// One bind at a time: each plans against the state the previous left.
-    bind_lock: tokio::sync::Mutex<()>,
+    in_flight: InFlight,
     bind_timeout: Duration,
     /// How long a placement not yet seen bound counts: a nomination, or a
     /// bind that ended without knowing whether its Binding landed.
@@ -62,6 +64,57 @@ const BIND_ATTEMPTS: usize = 3;
 /// The share of `bind_timeout` a bind keeps for finding out whether a
 /// Binding without an answer landed, and undoing the assignment if not.
 const CHECK_SHARE: u32 = 4;
+
+/// The binds running: at most `max` at once (`extender.max_binds_in_flight`),
+/// one per pod. A bind past either is refused at once rather than queued:
+/// kube-scheduler sends a refused pod back to its queue with a backoff of
+/// about a second (an extender's bind error is a scheduling error, not
+/// Unschedulable), while a queued bind would hold one of its connections.
+struct InFlight {
+    max: usize,
+    pods: std::sync::Mutex<HashSet<PodName>>,
+}
+
+#[derive(Debug, thiserror::Error)]
+enum Busy {
+    #[error(
+        "{0} binds are in flight, the most extender.max_binds_in_flight allows; \
+         the scheduler tries again after its backoff"
+    )]
+    Full(usize),
+    #[error("another bind of this pod is in flight")]
+    Pod,
+}
+
+/// A bind's place among those in flight; freed when dropped.
+struct Admitted<'a> {
+    in_flight: &'a InFlight,
+    key: PodName,
+}
+
+impl InFlight {
+    fn admit(&self, key: &PodName) -> Result<Admitted<'_>, Busy> {
+        let mut pods = self.pods.lock().expect("in-flight lock poisoned");
+        if pods.contains(key) {
+            return Err(Busy::Pod);
+        }
+        if pods.len() >= self.max {
+            return Err(Busy::Full(pods.len()));
+        }
+        pods.insert(key.clone());
+        Ok(Admitted {
+            in_flight: self,
+            key: key.clone(),
+        })
+    }
+}
+
+impl Drop for Admitted<'_> {
+    fn drop(&mut self) {
+        let mut pods = self.in_flight.pods.lock().expect("in-flight lock poisoned");
+        pods.remove(&self.key);
+    }
+}
 
 /// A bind's reservation while the bind runs. Unless the bind settled it,
 /// it ends at once if no Binding was sent, or becomes a nomination that
@@ -113,7 +166,10 @@ impl<B: Binder> Extender<B> {
             planner: Planner::new(&config.resource_domain, config.policy),
             index,
             binder,
-            bind_lock: tokio::sync::Mutex::new(()),
+            in_flight: InFlight {
+                max: config.binds_in_flight(),
+                pods: Default::default(),
+            },
             bind_timeout: Duration::from_millis(config.bind_timeout_ms),
             reservation_ttl: Duration::from_millis(config.reservation_ttl_ms),
         }
@@ -255,9 +311,9 @@ impl<B: Binder> Extender<B> {
         let deadline = Instant::now() + self.bind_timeout;
         let key: PodName = (args.pod_namespace.clone(), args.pod_name.clone());
         let who = format!("pod {}/{}", key.0, key.1);
-        let result = match tokio::time::timeout_at(deadline.into(), self.bind_lock.lock()).await {
-            Ok(_one) => self.bind_locked(&key, args, deadline).await,
-            Err(_) => Err("the binds before it took all of bind_timeout_ms".into()),
+        let result = match self.in_flight.admit(&key) {
+            Ok(_admitted) => self.bind_admitted(&key, args, deadline).await,
+            Err(busy) => Err(busy.to_string()),
         };
         match &result {
             Ok(()) => tracing::info!(pod = %who, node = %args.node, "bound"),
@@ -276,7 +332,7 @@ impl<B: Binder> Extender<B> {
             .unwrap_or_else(|_| Err(BindError::Api("no answer in time".into())))
     }
 
-    async fn bind_locked(
+    async fn bind_admitted(
         &self,
         key: &PodName,
         args: &ExtenderBindingArgs,
@@ -311,11 +367,29 @@ impl<B: Binder> Extender<B> {
         let node = args.node.as_str();
         let mut attempts = 0;
         let patched = loop {
-            let pod = self
-                .within(writes_end, self.binder.get_pod(key))
-                .await
-                .map_err(|e| e.to_string())?
-                .ok_or("the pod does not exist")?;
+            // The first try writes on the pod as the reflector showed it;
+            // if that is behind, the write's precondition fails and the
+            // next try reads it.
+            let cached = (attempts == 0)
+                .then(|| {
+                    self.index
+                        .read()
+                        .expect("index lock poisoned")
+                        .unbound_pod(key)
+                })
+                .flatten()
+                .filter(|p| {
+                    args.pod_uid.is_empty() || p.metadata.uid.as_ref() == Some(&args.pod_uid)
+                });
+            let pod = match cached {
+                Some(pod) => pod,
+                None => self
+                    .within(writes_end, self.binder.get_pod(key))
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .ok_or("the pod does not exist")
+                    .map(Arc::new)?,
+            };
             let uid = pod.metadata.uid.as_deref().unwrap_or_default();
             if !args.pod_uid.is_empty() && uid != args.pod_uid {
                 return Err(format!(
