@@ -436,12 +436,12 @@ async fn a_concurrent_burst_never_puts_a_gpu_over_its_capacity() {
     assert_eq!(bound, patched, "only the binds that wrote are bound");
 }
 
-/// `max_binds_in_flight` binds run; one more, and a second bind of a pod
-/// in flight, are refused at once without a request; a place freed is
+/// `max_binds_queued` binds are admitted; one more, and a second bind of a
+/// pod in flight, are refused at once without a request; a place freed is
 /// taken again.
 #[tokio::test]
 async fn binds_past_the_bound_are_refused_at_once() {
-    let config = ExtenderConfig::from_toml("[extender]\nmax_binds_in_flight = 2\n").unwrap();
+    let config = ExtenderConfig::from_toml("[extender]\nmax_binds_queued = 2\n").unwrap();
     let pods = ["p", "q", "r"].map(|n| pod_of(n, "5", None, 256));
     let (x, mut api) = extender_with(&config, vec![node()], pods.into());
     let api_side = async {
@@ -452,7 +452,7 @@ async fn binds_past_the_bound_are_refused_at_once() {
             .await
             .expect("refused at once")
             .unwrap_err();
-        assert!(e.contains("extender.max_binds_in_flight"), "{e}");
+        assert!(e.contains("extender.max_binds_queued"), "{e}");
         let e = tokio::time::timeout(at_once, x.bind(&p))
             .await
             .expect("refused at once")
@@ -480,4 +480,37 @@ async fn binds_past_the_bound_are_refused_at_once() {
     x.bind(&args_of("r", "n")).await.unwrap();
     drop(x);
     scenario.await.unwrap();
+}
+
+/// Past `max_binds_in_flight` an admitted bind waits for a running one to
+/// end: one request at a time with one running.
+#[tokio::test]
+async fn binds_past_those_running_wait_their_turn() {
+    let config = ExtenderConfig::from_toml("[extender]\nmax_binds_in_flight = 1\n").unwrap();
+    let pods = ["p", "q"].map(|n| pod_of(n, "5", None, 256));
+    let (x, mut api) = extender_with(&config, vec![node()], pods.into());
+    let api_side = async {
+        let mut order = Vec::new();
+        for _ in 0..2 {
+            let patch = api.take("a patch").await;
+            let name = pod_in(&patch.uri);
+            let nothing = api.take_within(Duration::from_millis(300)).await;
+            assert!(nothing.is_none(), "a second bind ran beside {name}");
+            patch.answer(200, &pod_of(&name, "6", None, 256));
+            let binding = api.take("its Binding").await;
+            assert_eq!(
+                (binding.method.clone(), pod_in(&binding.uri)),
+                (Method::POST, name.clone())
+            );
+            binding.answer(201, &json!({}));
+            order.push(name);
+        }
+        order.sort();
+        assert_eq!(order, ["p", "q"]);
+    };
+    let (p, q) = (args_of("p", "n"), args_of("q", "n"));
+    let (p, q, ()) = tokio::join!(x.bind(&p), x.bind(&q), api_side);
+    p.unwrap();
+    q.unwrap();
+    api.done().await;
 }

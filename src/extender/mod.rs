@@ -65,20 +65,23 @@ const BIND_ATTEMPTS: usize = 3;
 /// Binding without an answer landed, and undoing the assignment if not.
 const CHECK_SHARE: u32 = 4;
 
-/// The binds running: at most `max` at once (`extender.max_binds_in_flight`),
-/// one per pod. A bind past either is refused at once rather than queued:
-/// kube-scheduler sends a refused pod back to its queue with a backoff of
-/// about a second (an extender's bind error is a scheduling error, not
-/// Unschedulable), while a queued bind would hold one of its connections.
+/// The binds admitted: at most `max` at once (`extender.max_binds_queued`),
+/// one per pod, of which `running` (`extender.max_binds_in_flight`) make
+/// their API requests and the rest wait. A bind past either bound is
+/// refused at once rather than held: kube-scheduler sends a refused pod
+/// back to its queue with a backoff of about a second (an extender's bind
+/// error is a scheduling error, not Unschedulable), while a held bind keeps
+/// one of its connections.
 struct InFlight {
     max: usize,
     pods: std::sync::Mutex<HashSet<PodName>>,
+    running: tokio::sync::Semaphore,
 }
 
 #[derive(Debug, thiserror::Error)]
 enum Busy {
     #[error(
-        "{0} binds are in flight, the most extender.max_binds_in_flight allows; \
+        "{0} binds are admitted, the most extender.max_binds_queued allows; \
          the scheduler tries again after its backoff"
     )]
     Full(usize),
@@ -167,8 +170,9 @@ impl<B: Binder> Extender<B> {
             index,
             binder,
             in_flight: InFlight {
-                max: config.binds_in_flight(),
+                max: config.binds_queued(),
                 pods: Default::default(),
+                running: tokio::sync::Semaphore::new(config.max_binds_in_flight),
             },
             bind_timeout: Duration::from_millis(config.bind_timeout_ms),
             reservation_ttl: Duration::from_millis(config.reservation_ttl_ms),
@@ -322,6 +326,12 @@ impl<B: Binder> Extender<B> {
         result.map_err(|e| format!("gpu extender: cannot bind {who} to node {}: {e}", args.node))
     }
 
+    /// When a bind's writes stop: early enough to leave time to check and
+    /// undo.
+    fn writes_end(&self, deadline: Instant) -> Instant {
+        deadline - self.bind_timeout / CHECK_SHARE
+    }
+
     async fn within<T>(
         &self,
         deadline: Instant,
@@ -342,6 +352,13 @@ impl<B: Binder> Extender<B> {
         if !self.index.read().expect("index lock poisoned").synced() {
             return Err(NOT_SYNCED.into());
         }
+        // A bind that waited for its turn past its writes' time has none
+        // left to write and undo.
+        let turn = self.in_flight.running.acquire();
+        let writes_end = self.writes_end(deadline);
+        let Ok(Ok(_turn)) = tokio::time::timeout_at(writes_end.into(), turn).await else {
+            return Err("the binds before it in extender.max_binds_in_flight took too long".into());
+        };
         let mut held = BindReservation {
             index: &self.index,
             key,
@@ -362,8 +379,7 @@ impl<B: Binder> Extender<B> {
         deadline: Instant,
     ) -> Result<(), String> {
         let key = held.key;
-        // The writes stop early enough to leave time to check and undo.
-        let writes_end = deadline - self.bind_timeout / CHECK_SHARE;
+        let writes_end = self.writes_end(deadline);
         let node = args.node.as_str();
         let mut attempts = 0;
         let patched = loop {
