@@ -1,9 +1,9 @@
 //! The extender's bind against a mocked API server: the exact requests
 //! [`KubeBinder`] makes for a bind that works (with the pod in the index's
 //! cache, and without), one whose assignment patch meets a conflict, and
-//! one whose Binding fails; none while the index is stale; and binds that
-//! run at once, on one node and on several, within their GPUs and within
-//! `max_binds_in_flight`.
+//! one whose Binding fails; none while the index is stale; binds on
+//! several nodes at once and on one node in turn, within their GPUs, and
+//! the bounds on binds admitted and running.
 
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -349,44 +349,45 @@ async fn binds_on_different_nodes_run_at_once() {
     q.unwrap();
 }
 
-/// Binds on one node plan one after the other: while two binds' writes are
-/// in flight, each has its GPUs reserved, so a third pod finds the GPU full
-/// and is refused without a request, and the two never share more than
-/// the GPU holds.
+/// Binds on one node run one after the other, so that its Bindings land
+/// in the order of their assume times (the node's matcher serves the
+/// kubelet in that order): the second's patch comes only once the first's
+/// Binding is answered, and it plans around the first's GPUs.
 #[tokio::test]
-async fn binds_on_one_node_count_each_others_gpus_while_in_flight() {
-    let pods = ["p", "q", "r"].map(|n| pod_of(n, "5", None, 512));
-    let (x, mut api) = extender_with(&ExtenderConfig::default(), vec![node()], pods.into());
+async fn binds_on_one_node_run_one_after_the_other() {
+    let pods = ["p", "q"].map(|n| pod_of(n, "5", None, 768));
+    let nodes = vec![node_of("n", &["GPU-a", "GPU-b"])];
+    let (x, mut api) = extender_with(&ExtenderConfig::default(), nodes, pods.into());
     let api_side = async {
-        let first = api.take("a patch").await;
-        let second = api
-            .take("the other bind's patch, the first unanswered")
-            .await;
-        let r = args_of("r", "n");
-        let e = tokio::time::timeout(Duration::from_secs(2), x.bind(&r))
-            .await
-            .expect("refused at once")
-            .unwrap_err();
-        assert!(e.contains("ns/r") && e.contains("GPU-a"), "{e}");
-        for t in [first, second] {
-            assert_eq!(t.method, Method::PATCH, "{}", t.uri);
-            let answer = pod_of(&pod_in(&t.uri), "6", None, 512);
-            assert_eq!(patched_gpus(&t.answer(200, &answer).body), ["GPU-a"]);
-        }
+        let mut gpus = Vec::new();
         for _ in 0..2 {
-            api.take("a Binding").await.answer(201, &json!({}));
+            let patch = api.take("a patch").await;
+            let name = pod_in(&patch.uri);
+            let beside = api.take_within(Duration::from_millis(300)).await;
+            assert!(beside.is_none(), "a second bind ran beside {name}'s");
+            let answer = pod_of(&name, "6", None, 768);
+            gpus.extend(patched_gpus(&patch.answer(200, &answer).body));
+            let binding = api.take("its Binding").await;
+            assert_eq!(pod_in(&binding.uri), name);
+            binding.answer(201, &json!({}));
         }
+        gpus.sort();
+        assert_eq!(gpus, ["GPU-a", "GPU-b"], "768 MiB twice fits no one GPU");
     };
     let (p, q) = (args_of("p", "n"), args_of("q", "n"));
     let (p, q, ()) = tokio::join!(x.bind(&p), x.bind(&q), api_side);
     p.unwrap();
     q.unwrap();
     api.done().await;
+    assert!(
+        x.in_flight.nodes.lock().unwrap().is_empty(),
+        "idle entries go"
+    );
 }
 
 /// Ten binds at once on one node of two 1024 MiB GPUs, 400 MiB each, the
-/// API server answering in batches so that they overlap: four bind, two
-/// per GPU, and the six refused wrote nothing.
+/// API server answering whatever has come in batches: four bind, two per
+/// GPU, and the six refused wrote nothing.
 #[tokio::test]
 async fn a_concurrent_burst_never_puts_a_gpu_over_its_capacity() {
     let names: Vec<String> = (0..10).map(|i| format!("p{i}")).collect();
@@ -443,7 +444,8 @@ async fn a_concurrent_burst_never_puts_a_gpu_over_its_capacity() {
 async fn binds_past_the_bound_are_refused_at_once() {
     let config = ExtenderConfig::from_toml("[extender]\nmax_binds_queued = 2\n").unwrap();
     let pods = ["p", "q", "r"].map(|n| pod_of(n, "5", None, 256));
-    let (x, mut api) = extender_with(&config, vec![node()], pods.into());
+    let nodes = vec![node(), node_of("m", &["GPU-b"])];
+    let (x, mut api) = extender_with(&config, nodes, pods.into());
     let api_side = async {
         let held = [api.take("a patch").await, api.take("a second patch").await];
         let at_once = Duration::from_millis(500);
@@ -466,7 +468,7 @@ async fn binds_past_the_bound_are_refused_at_once() {
             api.take("a Binding").await.answer(201, &json!({}));
         }
     };
-    let (p, q) = (args_of("p", "n"), args_of("q", "n"));
+    let (p, q) = (args_of("p", "n"), args_of("q", "m"));
     let (p, q, ()) = tokio::join!(x.bind(&p), x.bind(&q), api_side);
     p.unwrap();
     q.unwrap();
@@ -483,12 +485,13 @@ async fn binds_past_the_bound_are_refused_at_once() {
 }
 
 /// Past `max_binds_in_flight` an admitted bind waits for a running one to
-/// end: one request at a time with one running.
+/// end, on any node: one request at a time with one running.
 #[tokio::test]
 async fn binds_past_those_running_wait_their_turn() {
     let config = ExtenderConfig::from_toml("[extender]\nmax_binds_in_flight = 1\n").unwrap();
     let pods = ["p", "q"].map(|n| pod_of(n, "5", None, 256));
-    let (x, mut api) = extender_with(&config, vec![node()], pods.into());
+    let nodes = vec![node(), node_of("m", &["GPU-b"])];
+    let (x, mut api) = extender_with(&config, nodes, pods.into());
     let api_side = async {
         let mut order = Vec::new();
         for _ in 0..2 {
@@ -508,7 +511,7 @@ async fn binds_past_those_running_wait_their_turn() {
         order.sort();
         assert_eq!(order, ["p", "q"]);
     };
-    let (p, q) = (args_of("p", "n"), args_of("q", "n"));
+    let (p, q) = (args_of("p", "n"), args_of("q", "m"));
     let (p, q, ()) = tokio::join!(x.bind(&p), x.bind(&q), api_side);
     p.unwrap();
     q.unwrap();

@@ -7,10 +7,9 @@
 //! `index` (the cluster as the reflectors see it) and `plan` (the
 //! decisions) are pure; `cluster` does the API-server I/O behind the
 //! [`Binder`] trait; `server` is the HTTP adapter. [`Extender`] ties them:
-//! filter and prioritize read a snapshot; binds run concurrently, each
-//! planning and reserving its GPUs in one step under the index's lock, so
-//! the next plan, on any node, counts what the binds before it took while
-//! their API calls are still on the way.
+//! filter and prioritize read a snapshot; binds on different nodes run
+//! concurrently, binds on one node one after the other, each planning and
+//! reserving its GPUs in one step under the index's lock.
 
 mod cluster;
 #[cfg(test)]
@@ -23,7 +22,7 @@ mod server;
 mod test_pods;
 pub mod wire;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -76,6 +75,33 @@ struct InFlight {
     max: usize,
     pods: std::sync::Mutex<HashSet<PodName>>,
     running: tokio::sync::Semaphore,
+    /// One bind at a time per node, so that a node's Bindings land in the
+    /// order of the assume times their binds wrote: the node's matcher
+    /// serves the kubelet's Allocates in that order, and the kubelet admits
+    /// pods in the order they were bound there. An entry lives while a bind
+    /// holds or waits for it, so there are at most `max`.
+    nodes: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+/// A bind's turn on its node; the node's entry goes when no bind holds or
+/// waits for it.
+struct NodeTurn<'a> {
+    in_flight: &'a InFlight,
+    node: &'a str,
+    guard: Option<tokio::sync::OwnedMutexGuard<()>>,
+}
+
+impl Drop for NodeTurn<'_> {
+    fn drop(&mut self) {
+        drop(self.guard.take());
+        let mut nodes = self.in_flight.nodes.lock().expect("nodes lock poisoned");
+        if nodes
+            .get(self.node)
+            .is_some_and(|m| Arc::strong_count(m) == 1)
+        {
+            nodes.remove(self.node);
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -96,6 +122,26 @@ struct Admitted<'a> {
 }
 
 impl InFlight {
+    /// Waits until `until` for `node`'s turn.
+    async fn node_turn<'a>(&'a self, node: &'a str, until: Instant) -> Option<NodeTurn<'a>> {
+        let lock = {
+            let mut nodes = self.nodes.lock().expect("nodes lock poisoned");
+            nodes.entry(node.to_owned()).or_default().clone()
+        };
+        // Made before waiting, so a wait cut short still clears the entry.
+        let mut turn = NodeTurn {
+            in_flight: self,
+            node,
+            guard: None,
+        };
+        turn.guard = Some(
+            tokio::time::timeout_at(until.into(), lock.lock_owned())
+                .await
+                .ok()?,
+        );
+        Some(turn)
+    }
+
     fn admit(&self, key: &PodName) -> Result<Admitted<'_>, Busy> {
         let mut pods = self.pods.lock().expect("in-flight lock poisoned");
         if pods.contains(key) {
@@ -173,6 +219,7 @@ impl<B: Binder> Extender<B> {
                 max: config.binds_queued(),
                 pods: Default::default(),
                 running: tokio::sync::Semaphore::new(config.max_binds_in_flight),
+                nodes: Default::default(),
             },
             bind_timeout: Duration::from_millis(config.bind_timeout_ms),
             reservation_ttl: Duration::from_millis(config.reservation_ttl_ms),
@@ -354,8 +401,11 @@ impl<B: Binder> Extender<B> {
         }
         // A bind that waited for its turn past its writes' time has none
         // left to write and undo.
-        let turn = self.in_flight.running.acquire();
         let writes_end = self.writes_end(deadline);
+        let Some(_node) = self.in_flight.node_turn(&args.node, writes_end).await else {
+            return Err("the binds before it on this node took too long".into());
+        };
+        let turn = self.in_flight.running.acquire();
         let Ok(Ok(_turn)) = tokio::time::timeout_at(writes_end.into(), turn).await else {
             return Err("the binds before it in extender.max_binds_in_flight took too long".into());
         };
