@@ -45,26 +45,37 @@ pub(crate) fn status(code: u16, reason: &str) -> Value {
     })
 }
 
+/// A request taken and not answered yet: the client waits until
+/// [`Taken::answer`].
+pub(crate) struct Taken {
+    pub(crate) method: Method,
+    /// Path and query.
+    pub(crate) uri: String,
+    pub(crate) received: Received,
+    reply: mock::SendResponse<Response<Body>>,
+}
+
+impl Taken {
+    /// Answers `code` with `answer`; gives the request as received.
+    pub(crate) fn answer(self, code: u16, answer: &Value) -> Received {
+        let response = Response::builder()
+            .status(code)
+            .header("content-type", "application/json")
+            .body(Body::from(serde_json::to_vec(answer).expect("JSON")))
+            .expect("a response");
+        self.reply.send_response(response);
+        self.received
+    }
+}
+
 impl MockApi {
-    /// Takes the next request, asserts it is `method` on `uri` (path and
-    /// query), and answers `code` with `answer`.
-    pub(crate) async fn expect(
-        &mut self,
-        method: Method,
-        uri: &str,
-        code: u16,
-        answer: Value,
-    ) -> Received {
-        let next = tokio::time::timeout(Duration::from_secs(5), self.0.next_request());
-        let (request, reply) = next
+    /// Takes the next request if one comes `within`, without answering it.
+    pub(crate) async fn take_within(&mut self, within: Duration) -> Option<Taken> {
+        let (request, reply) = tokio::time::timeout(within, self.0.next_request())
             .await
-            .unwrap_or_else(|_| panic!("no request came; expected {method} {uri}"))
-            .unwrap_or_else(|| panic!("the client is gone; expected {method} {uri}"));
-        assert_eq!(
-            (request.method(), request.uri().to_string().as_str()),
-            (&method, uri),
-            "the request in this place of the sequence"
-        );
+            .ok()??;
+        let method = request.method().clone();
+        let uri = request.uri().to_string();
         let content_type = request
             .headers()
             .get("content-type")
@@ -75,13 +86,38 @@ impl MockApi {
         } else {
             serde_json::from_slice(&bytes).expect("a JSON body")
         };
-        let response = Response::builder()
-            .status(code)
-            .header("content-type", "application/json")
-            .body(Body::from(serde_json::to_vec(&answer).expect("JSON")))
-            .expect("a response");
-        reply.send_response(response);
-        Received { content_type, body }
+        Some(Taken {
+            method,
+            uri,
+            received: Received { content_type, body },
+            reply,
+        })
+    }
+
+    /// Takes the next request (within 5 s; `expected` says what in the
+    /// panic) without answering it.
+    pub(crate) async fn take(&mut self, expected: &str) -> Taken {
+        self.take_within(Duration::from_secs(5))
+            .await
+            .unwrap_or_else(|| panic!("no request came; expected {expected}"))
+    }
+
+    /// Takes the next request, asserts it is `method` on `uri` (path and
+    /// query), and answers `code` with `answer`.
+    pub(crate) async fn expect(
+        &mut self,
+        method: Method,
+        uri: &str,
+        code: u16,
+        answer: Value,
+    ) -> Received {
+        let taken = self.take(&format!("{method} {uri}")).await;
+        assert_eq!(
+            (&taken.method, taken.uri.as_str()),
+            (&method, uri),
+            "the request in this place of the sequence"
+        );
+        taken.answer(code, &answer)
     }
 
     /// Takes the next request, asserts it is a JSON merge patch of `uri`,
@@ -102,13 +138,8 @@ impl MockApi {
 
     /// Asserts that no further request comes.
     pub(crate) async fn done(mut self) {
-        let next = tokio::time::timeout(Duration::from_millis(300), self.0.next_request());
-        if let Ok(Some((request, _))) = next.await {
-            panic!(
-                "an unexpected request: {} {}",
-                request.method(),
-                request.uri()
-            );
+        if let Some(t) = self.take_within(Duration::from_millis(300)).await {
+            panic!("an unexpected request: {} {}", t.method, t.uri);
         }
     }
 }

@@ -1291,6 +1291,13 @@ fn assert_gpu_scheduler(objs: &[Value], name: &str, domain: &str) {
     // Every feasible node scored, not a sample: binpack's best fit is
     // across the whole cluster.
     assert_eq!(config["percentageOfNodesToScore"], 100);
+    // The scheduler's client above its default 50/s, so that it does not
+    // cap the pods/s of the extender's path (README, Scale).
+    let client = &config["clientConnection"];
+    assert_eq!(
+        (&client["qps"], &client["burst"]),
+        (&json!(200), &json!(400))
+    );
     let le = &config["leaderElection"];
     let le_keys = [
         "leaderElect",

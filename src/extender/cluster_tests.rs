@@ -1,9 +1,12 @@
 //! The extender's bind against a mocked API server: the exact requests
-//! [`KubeBinder`] makes for a bind that works, one whose assignment patch
-//! meets a conflict, and one whose Binding fails; and none while the index
-//! is stale.
+//! [`KubeBinder`] makes for a bind that works (with the pod in the index's
+//! cache, and without), one whose assignment patch meets a conflict, and
+//! one whose Binding fails; none while the index is stale; binds on
+//! several nodes at once and on one node in turn, within their GPUs, and
+//! the bounds on binds admitted and running.
 
 use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 use hyper::Method;
 use k8s_openapi::api::core::v1::Node;
@@ -17,30 +20,46 @@ const POD: &str = "/api/v1/namespaces/ns/pods/p";
 const PATCH: &str = "/api/v1/namespaces/ns/pods/p?";
 const BINDING: &str = "/api/v1/namespaces/ns/pods/p/binding?";
 
-/// Node `n` with one GPU of 1024 MiB, as its daemon publishes it.
-fn node() -> Node {
+/// Node `name` with GPUs of 1024 MiB named `uuids`, as its daemon
+/// publishes them.
+fn node_of(name: &str, uuids: &[&str]) -> Node {
+    let gpus: Vec<Value> = uuids
+        .iter()
+        .map(|uuid| json!({ "uuid": uuid, "memoryMiB": 1024, "healthy": true }))
+        .collect();
     let inventory = json!({
         "version": 1, "memoryUnitMiB": 1, "coresPerGpu": 100,
         "resources": ["gpu-memory", "gpu-core", "gpu-count"],
-        "gpus": [{ "uuid": "GPU-a", "memoryMiB": 1024, "healthy": true }],
+        "gpus": gpus,
     });
     serde_json::from_value(json!({
         "metadata": {
-            "name": "n",
+            "name": name,
             "annotations": { "doslab.io/gpu-inventory": inventory.to_string() },
         },
     }))
     .expect("a valid Node")
 }
 
+/// Node `n` with one GPU of 1024 MiB.
+fn node() -> Node {
+    node_of("n", &["GPU-a"])
+}
+
 /// Pod ns/p at `resource_version`, its one container asking 512 MiB;
 /// bound to `node` when given.
 fn pod(resource_version: &str, node: Option<&str>) -> Value {
-    let limits = json!({ "doslab.io/gpu-memory": "512" });
+    pod_of("p", resource_version, node, 512)
+}
+
+/// Pod ns/`name` (UID `uid-<name>`) at `resource_version`, its one
+/// container asking `mib`; bound to `node` when given.
+fn pod_of(name: &str, resource_version: &str, node: Option<&str>, mib: u64) -> Value {
+    let limits = json!({ "doslab.io/gpu-memory": mib.to_string() });
     json!({
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {
-            "namespace": "ns", "name": "p", "uid": "uid-p",
+            "namespace": "ns", "name": name, "uid": format!("uid-{name}"),
             "resourceVersion": resource_version,
         },
         "spec": {
@@ -86,13 +105,24 @@ fn binding() -> Value {
 /// An extender whose index has listed node `n` and no pods, and the API
 /// server it binds on.
 fn extender() -> (Extender<KubeBinder>, MockApi) {
+    extender_with(&ExtenderConfig::default(), vec![node()], Vec::new())
+}
+
+/// An extender on `config` whose index has listed `nodes` and `pods`.
+fn extender_with(
+    config: &ExtenderConfig,
+    nodes: Vec<Node>,
+    pods: Vec<Value>,
+) -> (Extender<KubeBinder>, MockApi) {
     let mut index = Index::new("doslab.io");
-    index.replace_nodes(vec![node()]);
-    index.replace_pods(Vec::new());
+    index.replace_nodes(nodes);
+    let pods = pods
+        .into_iter()
+        .map(|p| serde_json::from_value(p).expect("a valid Pod"));
+    index.replace_pods(pods.collect());
     let (client, api) = mock_api::client();
-    let config = ExtenderConfig::default();
     let x = Extender::new(
-        &config,
+        config,
         Arc::new(RwLock::new(index)),
         KubeBinder::new(client),
     );
@@ -100,11 +130,16 @@ fn extender() -> (Extender<KubeBinder>, MockApi) {
 }
 
 fn args() -> ExtenderBindingArgs {
+    args_of("p", "n")
+}
+
+/// The scheduler's bind of pod ns/`name` to `node`.
+fn args_of(name: &str, node: &str) -> ExtenderBindingArgs {
     ExtenderBindingArgs {
-        pod_name: "p".into(),
+        pod_name: name.into(),
         pod_namespace: "ns".into(),
-        pod_uid: "uid-p".into(),
-        node: "n".into(),
+        pod_uid: format!("uid-{name}"),
+        node: node.into(),
     }
 }
 
@@ -221,4 +256,264 @@ async fn a_bind_on_a_stale_index_is_refused_without_a_request() {
     x.bind(&args()).await.unwrap();
     drop(x);
     scenario.await.unwrap();
+}
+
+/// The pod as the reflector showed it is written on at once: the patch's
+/// precondition is that version, and no GET comes first.
+#[tokio::test]
+async fn a_bind_of_a_pod_the_index_holds_writes_without_reading_it_first() {
+    let config = ExtenderConfig::default();
+    let (x, mut api) = extender_with(&config, vec![node()], vec![pod("5", None)]);
+    let scenario = tokio::spawn(async move {
+        expect_patch(&mut api, "5", assignment(), 200, pod("6", None)).await;
+        api.expect(Method::POST, BINDING, 201, json!({})).await;
+        api.done().await;
+    });
+    x.bind(&args()).await.unwrap();
+    drop(x);
+    scenario.await.unwrap();
+}
+
+/// A cache behind the API server costs one failed precondition, then the
+/// pod is read and written on its new version.
+#[tokio::test]
+async fn a_cached_pod_that_moved_on_is_read_and_patched_again() {
+    let config = ExtenderConfig::default();
+    let (x, mut api) = extender_with(&config, vec![node()], vec![pod("5", None)]);
+    let scenario = tokio::spawn(async move {
+        let conflict = status(409, "Conflict");
+        expect_patch(&mut api, "5", assignment(), 409, conflict).await;
+        api.expect(Method::GET, POD, 200, pod("9", None)).await;
+        expect_patch(&mut api, "9", assignment(), 200, pod("10", None)).await;
+        api.expect(Method::POST, BINDING, 201, json!({})).await;
+        api.done().await;
+    });
+    x.bind(&args()).await.unwrap();
+    drop(x);
+    scenario.await.unwrap();
+}
+
+/// The GPU UUIDs a taken assignment patch writes for its pod.
+fn patched_gpus(patch: &Value) -> Vec<String> {
+    let text = patch["metadata"]["annotations"]["doslab.io/gpu-assignment"]
+        .as_str()
+        .expect("an assignment");
+    let by_container: std::collections::BTreeMap<String, Vec<String>> =
+        serde_json::from_str(text).expect("assignment JSON");
+    by_container.into_values().flatten().collect()
+}
+
+/// The pod a request is about: `…/pods/<name>?…` or `…/pods/<name>/binding?…`.
+fn pod_in(uri: &str) -> String {
+    let rest = uri.split("/pods/").nth(1).expect("a pod's URI");
+    rest.split(['/', '?']).next().unwrap_or_default().to_owned()
+}
+
+/// Binds on two nodes: both assignment patches reach the API server before
+/// either is answered, so neither bind waits for the other.
+#[tokio::test]
+async fn binds_on_different_nodes_run_at_once() {
+    let nodes = vec![node_of("n", &["GPU-a"]), node_of("m", &["GPU-b"])];
+    let pods = vec![pod_of("p", "5", None, 512), pod_of("q", "5", None, 512)];
+    let (x, mut api) = extender_with(&ExtenderConfig::default(), nodes, pods);
+    let api_side = async move {
+        let first = api.take("a patch").await;
+        let second = api
+            .take("the other bind's patch, the first unanswered")
+            .await;
+        let mut patched = Vec::new();
+        for t in [first, second] {
+            assert_eq!(t.method, Method::PATCH, "{}", t.uri);
+            let name = pod_in(&t.uri);
+            let answer = pod_of(&name, "6", None, 512);
+            patched.push((name, patched_gpus(&t.answer(200, &answer).body)));
+        }
+        patched.sort();
+        assert_eq!(
+            patched,
+            [
+                ("p".into(), vec!["GPU-a".into()]),
+                ("q".into(), vec!["GPU-b".into()])
+            ]
+        );
+        for _ in 0..2 {
+            let t = api.take("a Binding").await;
+            assert_eq!(t.method, Method::POST, "{}", t.uri);
+            t.answer(201, &json!({}));
+        }
+        api.done().await;
+    };
+    let (p, q) = (args_of("p", "n"), args_of("q", "m"));
+    let (p, q, ()) = tokio::join!(x.bind(&p), x.bind(&q), api_side);
+    p.unwrap();
+    q.unwrap();
+}
+
+/// Binds on one node run one after the other, so that its Bindings land
+/// in the order of their assume times (the node's matcher serves the
+/// kubelet in that order): the second's patch comes only once the first's
+/// Binding is answered, and it plans around the first's GPUs.
+#[tokio::test]
+async fn binds_on_one_node_run_one_after_the_other() {
+    let pods = ["p", "q"].map(|n| pod_of(n, "5", None, 768));
+    let nodes = vec![node_of("n", &["GPU-a", "GPU-b"])];
+    let (x, mut api) = extender_with(&ExtenderConfig::default(), nodes, pods.into());
+    let api_side = async {
+        let mut gpus = Vec::new();
+        for _ in 0..2 {
+            let patch = api.take("a patch").await;
+            let name = pod_in(&patch.uri);
+            let beside = api.take_within(Duration::from_millis(300)).await;
+            assert!(beside.is_none(), "a second bind ran beside {name}'s");
+            let answer = pod_of(&name, "6", None, 768);
+            gpus.extend(patched_gpus(&patch.answer(200, &answer).body));
+            let binding = api.take("its Binding").await;
+            assert_eq!(pod_in(&binding.uri), name);
+            binding.answer(201, &json!({}));
+        }
+        gpus.sort();
+        assert_eq!(gpus, ["GPU-a", "GPU-b"], "768 MiB twice fits no one GPU");
+    };
+    let (p, q) = (args_of("p", "n"), args_of("q", "n"));
+    let (p, q, ()) = tokio::join!(x.bind(&p), x.bind(&q), api_side);
+    p.unwrap();
+    q.unwrap();
+    api.done().await;
+    assert!(
+        x.in_flight.nodes.lock().unwrap().is_empty(),
+        "idle entries go"
+    );
+}
+
+/// Ten binds at once on one node of two 1024 MiB GPUs, 400 MiB each, the
+/// API server answering whatever has come in batches: four bind, two per
+/// GPU, and the six refused wrote nothing.
+#[tokio::test]
+async fn a_concurrent_burst_never_puts_a_gpu_over_its_capacity() {
+    let names: Vec<String> = (0..10).map(|i| format!("p{i}")).collect();
+    let pods = names.iter().map(|n| pod_of(n, "5", None, 400)).collect();
+    let nodes = vec![node_of("n", &["GPU-a", "GPU-b"])];
+    let (x, mut api) = extender_with(&ExtenderConfig::default(), nodes, pods);
+    let api_side = async move {
+        let mut per_gpu: std::collections::BTreeMap<String, u64> = Default::default();
+        let mut patched = Vec::new();
+        while let Some(first) = api.take_within(Duration::from_secs(1)).await {
+            let mut batch = vec![first];
+            while let Some(t) = api.take_within(Duration::from_millis(50)).await {
+                batch.push(t);
+            }
+            for t in batch {
+                let name = pod_in(&t.uri);
+                if t.method == Method::PATCH {
+                    let answer = pod_of(&name, "6", None, 400);
+                    for gpu in patched_gpus(&t.answer(200, &answer).body) {
+                        *per_gpu.entry(gpu).or_default() += 400;
+                    }
+                    patched.push(name);
+                } else {
+                    assert_eq!(t.method, Method::POST, "{}", t.uri);
+                    t.answer(201, &json!({}));
+                }
+            }
+        }
+        (per_gpu, patched)
+    };
+    let all: Vec<_> = names.iter().map(|n| args_of(n, "n")).collect();
+    let binds = futures::future::join_all(all.iter().map(|a| x.bind(a)));
+    let (results, (per_gpu, mut patched)) = tokio::join!(binds, api_side);
+    let mut bound: Vec<String> = names
+        .iter()
+        .zip(&results)
+        .filter(|(_, r)| r.is_ok())
+        .map(|(n, _)| n.clone())
+        .collect();
+    assert_eq!(
+        per_gpu,
+        [("GPU-a".into(), 800), ("GPU-b".into(), 800)].into(),
+        "{results:?}"
+    );
+    bound.sort();
+    patched.sort();
+    assert_eq!(bound, patched, "only the binds that wrote are bound");
+}
+
+/// `max_binds_queued` binds are admitted; one more, and a second bind of a
+/// pod in flight, are refused at once without a request; a place freed is
+/// taken again.
+#[tokio::test]
+async fn binds_past_the_bound_are_refused_at_once() {
+    let config = ExtenderConfig::from_toml("[extender]\nmax_binds_queued = 2\n").unwrap();
+    let pods = ["p", "q", "r"].map(|n| pod_of(n, "5", None, 256));
+    let nodes = vec![node(), node_of("m", &["GPU-b"])];
+    let (x, mut api) = extender_with(&config, nodes, pods.into());
+    let api_side = async {
+        let held = [api.take("a patch").await, api.take("a second patch").await];
+        let at_once = Duration::from_millis(500);
+        let (r, p) = (args_of("r", "n"), args_of("p", "n"));
+        let e = tokio::time::timeout(at_once, x.bind(&r))
+            .await
+            .expect("refused at once")
+            .unwrap_err();
+        assert!(e.contains("extender.max_binds_queued"), "{e}");
+        let e = tokio::time::timeout(at_once, x.bind(&p))
+            .await
+            .expect("refused at once")
+            .unwrap_err();
+        assert!(e.contains("another bind of this pod"), "{e}");
+        for t in held {
+            let answer = pod_of(&pod_in(&t.uri), "6", None, 256);
+            t.answer(200, &answer);
+        }
+        for _ in 0..2 {
+            api.take("a Binding").await.answer(201, &json!({}));
+        }
+    };
+    let (p, q) = (args_of("p", "n"), args_of("q", "m"));
+    let (p, q, ()) = tokio::join!(x.bind(&p), x.bind(&q), api_side);
+    p.unwrap();
+    q.unwrap();
+    let scenario = tokio::spawn(async move {
+        let t = api.take("r's patch").await;
+        assert_eq!(pod_in(&t.uri), "r");
+        t.answer(200, &pod_of("r", "6", None, 256));
+        api.take("r's Binding").await.answer(201, &json!({}));
+        api.done().await;
+    });
+    x.bind(&args_of("r", "n")).await.unwrap();
+    drop(x);
+    scenario.await.unwrap();
+}
+
+/// Past `max_binds_in_flight` an admitted bind waits for a running one to
+/// end, on any node: one request at a time with one running.
+#[tokio::test]
+async fn binds_past_those_running_wait_their_turn() {
+    let config = ExtenderConfig::from_toml("[extender]\nmax_binds_in_flight = 1\n").unwrap();
+    let pods = ["p", "q"].map(|n| pod_of(n, "5", None, 256));
+    let nodes = vec![node(), node_of("m", &["GPU-b"])];
+    let (x, mut api) = extender_with(&config, nodes, pods.into());
+    let api_side = async {
+        let mut order = Vec::new();
+        for _ in 0..2 {
+            let patch = api.take("a patch").await;
+            let name = pod_in(&patch.uri);
+            let nothing = api.take_within(Duration::from_millis(300)).await;
+            assert!(nothing.is_none(), "a second bind ran beside {name}");
+            patch.answer(200, &pod_of(&name, "6", None, 256));
+            let binding = api.take("its Binding").await;
+            assert_eq!(
+                (binding.method.clone(), pod_in(&binding.uri)),
+                (Method::POST, name.clone())
+            );
+            binding.answer(201, &json!({}));
+            order.push(name);
+        }
+        order.sort();
+        assert_eq!(order, ["p", "q"]);
+    };
+    let (p, q) = (args_of("p", "n"), args_of("q", "m"));
+    let (p, q, ()) = tokio::join!(x.bind(&p), x.bind(&q), api_side);
+    p.unwrap();
+    q.unwrap();
+    api.done().await;
 }

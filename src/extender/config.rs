@@ -32,6 +32,15 @@ pub struct ExtenderConfig {
     /// or whose Binding's fate is unknown, or a bind done that the watch
     /// has not shown yet (from the end of its `bind_timeout_ms`).
     pub(crate) reservation_ttl_ms: u64,
+    /// Binds running their API requests at once (each one request at a
+    /// time); more wait, in the queue `max_binds_queued` bounds.
+    pub(crate) max_binds_in_flight: usize,
+    /// Binds admitted at once, running or waiting to; one more is refused
+    /// at once, and kube-scheduler retries its pod after a backoff. Below
+    /// `http.max_connections`, since each holds a connection, so that a
+    /// filter always finds one; absent, the least of [`MAX_BINDS_QUEUED`]
+    /// and the connections less one.
+    max_binds_queued: Option<usize>,
     /// The HTTP server's bounds (`crate::http::EXTENDER_LIMITS` by default).
     pub(crate) http: crate::http::HttpConfig,
 }
@@ -45,10 +54,18 @@ impl Default for ExtenderConfig {
             kubeconfig: PathBuf::new(),
             bind_timeout_ms: 10_000,
             reservation_ttl_ms: 10_000,
+            max_binds_in_flight: 32,
+            max_binds_queued: None,
             http: crate::http::HttpConfig::default(),
         }
     }
 }
+
+/// The default bound on binds admitted: a bind running or waiting holds
+/// one of the scheduler's connections, and at the default 32 binds in
+/// flight (about 500 binds a second at the ~60 ms two API writes take)
+/// 256 wait at most half a second.
+pub(crate) const MAX_BINDS_QUEUED: usize = 256;
 
 fn invalid(key: &str, reason: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
@@ -81,6 +98,19 @@ impl ExtenderConfig {
         Ok(config)
     }
 
+    fn connections(&self) -> usize {
+        self.http
+            .limits(&crate::http::EXTENDER_LIMITS)
+            .max_connections
+    }
+
+    /// The binds that may be admitted at once (`max_binds_queued`, or its
+    /// default).
+    pub(crate) fn binds_queued(&self) -> usize {
+        self.max_binds_queued
+            .unwrap_or_else(|| MAX_BINDS_QUEUED.min(self.connections() - 1).max(1))
+    }
+
     pub(crate) fn validate(&self) -> Result<(), ConfigError> {
         // The daemon's own check of the domain, reported under our key.
         if let Err(ConfigError::Invalid { key, reason }) =
@@ -110,7 +140,26 @@ impl ExtenderConfig {
             ));
         }
         self.http
-            .validate("extender.http", &crate::http::EXTENDER_LIMITS)
+            .validate("extender.http", &crate::http::EXTENDER_LIMITS)?;
+        let connections = self.connections();
+        if let Some(n) = self.max_binds_queued
+            && !(1..connections).contains(&n)
+        {
+            return Err(invalid(
+                "max_binds_queued",
+                format!(
+                    "must be at least 1 and below extender.http.max_connections ({connections}), \
+                     which must leave the scheduler a connection for filters"
+                ),
+            ));
+        }
+        if !(1..=100_000).contains(&self.max_binds_in_flight) {
+            return Err(invalid(
+                "max_binds_in_flight",
+                "must be between 1 and 100000",
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -154,6 +203,23 @@ mod tests {
         assert_eq!(limits.max_connections, 8);
         // An absent key keeps the extender's own default, not the daemon's.
         assert_eq!(limits.max_body_bytes, 4 << 20);
+        let e = err("[extender]\nmax_binds_in_flight = 0\n");
+        assert!(e.contains("`extender.max_binds_in_flight`"), "{e}");
+        let e = err("[extender]\nmax_binds_queued = 8\n[extender.http]\nmax_connections = 8\n");
+        assert!(e.contains("below extender.http.max_connections (8)"), "{e}");
+        let queued = |t: &str| ExtenderConfig::from_toml(t).unwrap().binds_queued();
+        assert_eq!(
+            queued("[extender]\nmax_binds_queued = 7\n[extender.http]\nmax_connections = 8\n"),
+            7
+        );
+        // Absent: the connections less one, at most the default.
+        assert_eq!(queued(""), 63);
+        assert_eq!(queued("[extender.http]\nmax_connections = 16\n"), 15);
+        assert_eq!(queued("[extender.http]\nmax_connections = 1\n"), 1);
+        assert_eq!(
+            queued("[extender.http]\nmax_connections = 4096\n"),
+            MAX_BINDS_QUEUED
+        );
         let e = err("[extender.http]\nmax_header_bytes = 100\n");
         assert!(e.contains("`extender.http.max_header_bytes`"), "{e}");
         let e = err("[extender.http]\nheader_timeout = 100\n");

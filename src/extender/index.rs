@@ -4,6 +4,7 @@
 //! thousand nodes only runs the fit. Pure: the watchers feed it events.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Instant;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -39,6 +40,9 @@ struct PodRecord {
     containers: Vec<ContainerAsk>,
     ledger: Ledger,
     assignment: Assignment,
+    /// The pod itself while it is not bound: a bind plans and writes
+    /// against it without reading it from the API server first.
+    unbound: Option<Arc<Pod>>,
 }
 
 impl PodRecord {
@@ -48,8 +52,10 @@ impl PodRecord {
             let (namespace, name) = pod_name(pod);
             tracing::warn!(pod = %format!("{namespace}/{name}"), error = %g, "garbled GPU record");
         }
+        let node = node_of(pod).map(str::to_owned);
         PodRecord {
-            node: node_of(pod).map(str::to_owned),
+            unbound: node.is_none().then(|| Arc::new(pod.clone())),
+            node,
             containers: PodAsks::from_pod(keys, pod).containers,
             ledger: records.ledger,
             assignment: records.assignment,
@@ -334,6 +340,12 @@ impl Index {
             r.stage = Stage::Nominated;
             r.until = r.until.min(until);
         }
+    }
+
+    /// The pod `key` as the reflector last showed it, while unbound; `None`
+    /// when it is bound, finished, or not seen (yet).
+    pub(crate) fn unbound_pod(&self, key: &PodName) -> Option<Arc<Pod>> {
+        self.pods.get(key)?.unbound.clone()
     }
 
     pub(crate) fn stage(&self, key: &PodName) -> Option<Stage> {

@@ -7,7 +7,9 @@
 //! `index` (the cluster as the reflectors see it) and `plan` (the
 //! decisions) are pure; `cluster` does the API-server I/O behind the
 //! [`Binder`] trait; `server` is the HTTP adapter. [`Extender`] ties them:
-//! filter and prioritize read a snapshot, binds run one at a time.
+//! filter and prioritize read a snapshot; binds on different nodes run
+//! concurrently, binds on one node one after the other, each planning and
+//! reserving its GPUs in one step under the index's lock.
 
 mod cluster;
 #[cfg(test)]
@@ -20,7 +22,7 @@ mod server;
 mod test_pods;
 pub mod wire;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -38,8 +40,7 @@ pub struct Extender<B> {
     planner: Planner,
     index: Arc<RwLock<Index>>,
     binder: B,
-    /// One bind at a time: each plans against the state the previous left.
-    bind_lock: tokio::sync::Mutex<()>,
+    in_flight: InFlight,
     bind_timeout: Duration,
     /// How long a placement not yet seen bound counts: a nomination, or a
     /// bind that ended without knowing whether its Binding landed.
@@ -62,6 +63,107 @@ const BIND_ATTEMPTS: usize = 3;
 /// The share of `bind_timeout` a bind keeps for finding out whether a
 /// Binding without an answer landed, and undoing the assignment if not.
 const CHECK_SHARE: u32 = 4;
+
+/// The binds admitted: at most `max` at once (`extender.max_binds_queued`),
+/// one per pod, of which `running` (`extender.max_binds_in_flight`) make
+/// their API requests and the rest wait. A bind past either bound is
+/// refused at once rather than held: kube-scheduler sends a refused pod
+/// back to its queue with a backoff of about a second (an extender's bind
+/// error is a scheduling error, not Unschedulable), while a held bind keeps
+/// one of its connections.
+struct InFlight {
+    max: usize,
+    pods: std::sync::Mutex<HashSet<PodName>>,
+    running: tokio::sync::Semaphore,
+    /// One bind at a time per node, so that a node's Bindings land in the
+    /// order of the assume times their binds wrote: the node's matcher
+    /// serves the kubelet's Allocates in that order, and the kubelet admits
+    /// pods in the order they were bound there. An entry lives while a bind
+    /// holds or waits for it, so there are at most `max`.
+    nodes: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+/// A bind's turn on its node; the node's entry goes when no bind holds or
+/// waits for it.
+struct NodeTurn<'a> {
+    in_flight: &'a InFlight,
+    node: &'a str,
+    guard: Option<tokio::sync::OwnedMutexGuard<()>>,
+}
+
+impl Drop for NodeTurn<'_> {
+    fn drop(&mut self) {
+        drop(self.guard.take());
+        let mut nodes = self.in_flight.nodes.lock().expect("nodes lock poisoned");
+        if nodes
+            .get(self.node)
+            .is_some_and(|m| Arc::strong_count(m) == 1)
+        {
+            nodes.remove(self.node);
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum Busy {
+    #[error(
+        "{0} binds are admitted, the most extender.max_binds_queued allows; \
+         the scheduler tries again after its backoff"
+    )]
+    Full(usize),
+    #[error("another bind of this pod is in flight")]
+    Pod,
+}
+
+/// A bind's place among those in flight; freed when dropped.
+struct Admitted<'a> {
+    in_flight: &'a InFlight,
+    key: PodName,
+}
+
+impl InFlight {
+    /// Waits until `until` for `node`'s turn.
+    async fn node_turn<'a>(&'a self, node: &'a str, until: Instant) -> Option<NodeTurn<'a>> {
+        let lock = {
+            let mut nodes = self.nodes.lock().expect("nodes lock poisoned");
+            nodes.entry(node.to_owned()).or_default().clone()
+        };
+        // Made before waiting, so a wait cut short still clears the entry.
+        let mut turn = NodeTurn {
+            in_flight: self,
+            node,
+            guard: None,
+        };
+        turn.guard = Some(
+            tokio::time::timeout_at(until.into(), lock.lock_owned())
+                .await
+                .ok()?,
+        );
+        Some(turn)
+    }
+
+    fn admit(&self, key: &PodName) -> Result<Admitted<'_>, Busy> {
+        let mut pods = self.pods.lock().expect("in-flight lock poisoned");
+        if pods.contains(key) {
+            return Err(Busy::Pod);
+        }
+        if pods.len() >= self.max {
+            return Err(Busy::Full(pods.len()));
+        }
+        pods.insert(key.clone());
+        Ok(Admitted {
+            in_flight: self,
+            key: key.clone(),
+        })
+    }
+}
+
+impl Drop for Admitted<'_> {
+    fn drop(&mut self) {
+        let mut pods = self.in_flight.pods.lock().expect("in-flight lock poisoned");
+        pods.remove(&self.key);
+    }
+}
 
 /// A bind's reservation while the bind runs. Unless the bind settled it,
 /// it ends at once if no Binding was sent, or becomes a nomination that
@@ -113,7 +215,12 @@ impl<B: Binder> Extender<B> {
             planner: Planner::new(&config.resource_domain, config.policy),
             index,
             binder,
-            bind_lock: tokio::sync::Mutex::new(()),
+            in_flight: InFlight {
+                max: config.binds_queued(),
+                pods: Default::default(),
+                running: tokio::sync::Semaphore::new(config.max_binds_in_flight),
+                nodes: Default::default(),
+            },
             bind_timeout: Duration::from_millis(config.bind_timeout_ms),
             reservation_ttl: Duration::from_millis(config.reservation_ttl_ms),
         }
@@ -255,15 +362,21 @@ impl<B: Binder> Extender<B> {
         let deadline = Instant::now() + self.bind_timeout;
         let key: PodName = (args.pod_namespace.clone(), args.pod_name.clone());
         let who = format!("pod {}/{}", key.0, key.1);
-        let result = match tokio::time::timeout_at(deadline.into(), self.bind_lock.lock()).await {
-            Ok(_one) => self.bind_locked(&key, args, deadline).await,
-            Err(_) => Err("the binds before it took all of bind_timeout_ms".into()),
+        let result = match self.in_flight.admit(&key) {
+            Ok(_admitted) => self.bind_admitted(&key, args, deadline).await,
+            Err(busy) => Err(busy.to_string()),
         };
         match &result {
             Ok(()) => tracing::info!(pod = %who, node = %args.node, "bound"),
             Err(e) => tracing::warn!(pod = %who, node = %args.node, error = %e, "bind refused"),
         }
         result.map_err(|e| format!("gpu extender: cannot bind {who} to node {}: {e}", args.node))
+    }
+
+    /// When a bind's writes stop: early enough to leave time to check and
+    /// undo.
+    fn writes_end(&self, deadline: Instant) -> Instant {
+        deadline - self.bind_timeout / CHECK_SHARE
     }
 
     async fn within<T>(
@@ -276,7 +389,7 @@ impl<B: Binder> Extender<B> {
             .unwrap_or_else(|_| Err(BindError::Api("no answer in time".into())))
     }
 
-    async fn bind_locked(
+    async fn bind_admitted(
         &self,
         key: &PodName,
         args: &ExtenderBindingArgs,
@@ -286,6 +399,16 @@ impl<B: Binder> Extender<B> {
         if !self.index.read().expect("index lock poisoned").synced() {
             return Err(NOT_SYNCED.into());
         }
+        // A bind that waited for its turn past its writes' time has none
+        // left to write and undo.
+        let writes_end = self.writes_end(deadline);
+        let Some(_node) = self.in_flight.node_turn(&args.node, writes_end).await else {
+            return Err("the binds before it on this node took too long".into());
+        };
+        let turn = self.in_flight.running.acquire();
+        let Ok(Ok(_turn)) = tokio::time::timeout_at(writes_end.into(), turn).await else {
+            return Err("the binds before it in extender.max_binds_in_flight took too long".into());
+        };
         let mut held = BindReservation {
             index: &self.index,
             key,
@@ -306,16 +429,33 @@ impl<B: Binder> Extender<B> {
         deadline: Instant,
     ) -> Result<(), String> {
         let key = held.key;
-        // The writes stop early enough to leave time to check and undo.
-        let writes_end = deadline - self.bind_timeout / CHECK_SHARE;
+        let writes_end = self.writes_end(deadline);
         let node = args.node.as_str();
         let mut attempts = 0;
         let patched = loop {
-            let pod = self
-                .within(writes_end, self.binder.get_pod(key))
-                .await
-                .map_err(|e| e.to_string())?
-                .ok_or("the pod does not exist")?;
+            // The first try writes on the pod as the reflector showed it;
+            // if that is behind, the write's precondition fails and the
+            // next try reads it.
+            let cached = (attempts == 0)
+                .then(|| {
+                    self.index
+                        .read()
+                        .expect("index lock poisoned")
+                        .unbound_pod(key)
+                })
+                .flatten()
+                .filter(|p| {
+                    args.pod_uid.is_empty() || p.metadata.uid.as_ref() == Some(&args.pod_uid)
+                });
+            let pod = match cached {
+                Some(pod) => pod,
+                None => self
+                    .within(writes_end, self.binder.get_pod(key))
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .ok_or("the pod does not exist")
+                    .map(Arc::new)?,
+            };
             let uid = pod.metadata.uid.as_deref().unwrap_or_default();
             if !args.pod_uid.is_empty() && uid != args.pod_uid {
                 return Err(format!(
