@@ -296,23 +296,33 @@ mod tests {
         assert_eq!(kept.status.unwrap().phase.as_deref(), Some("Running"));
     }
 
-    /// Thousands of finished Job pods on the node: the cache holds the
-    /// live ones only, whether they finished before it listed or after.
-    #[tokio::test]
-    async fn finished_pods_leave_the_cache() {
-        // The API-server stand-in is reached through a kubeconfig file, so
-        // no type of this crate crosses to the copy of it gpu-sim links.
-        use gpu_sim::apiserver::{ApiServerSim, PodContainer};
-        let api = ApiServerSim::start().await.unwrap();
+    /// The API-server stand-in, reached through a kubeconfig file (so no
+    /// type of this crate crosses to the copy of it gpu-sim links), and a
+    /// one-container pod spec asking one gpu-memory device.
+    async fn stand_in() -> (
+        gpu_sim::apiserver::ApiServerSim,
+        tempfile::TempDir,
+        std::path::PathBuf,
+        [gpu_sim::apiserver::PodContainer; 1],
+    ) {
+        let api = gpu_sim::apiserver::ApiServerSim::start().await.unwrap();
         let dir = tempfile::tempdir().unwrap();
         let kubeconfig = dir.path().join("kubeconfig");
         api.write_kubeconfig(&kubeconfig).unwrap();
-        let app = [PodContainer {
+        let app = [gpu_sim::apiserver::PodContainer {
             name: "app".into(),
             init: false,
             restartable: false,
             wants: [1, 0, 0],
         }];
+        (api, dir, kubeconfig, app)
+    }
+
+    /// Thousands of finished Job pods on the node: the cache holds the
+    /// live ones only, whether they finished before it listed or after.
+    #[tokio::test]
+    async fn finished_pods_leave_the_cache() {
+        let (api, _dir, kubeconfig, app) = stand_in().await;
         const DONE: usize = 3000;
         for i in 0..DONE {
             api.add_pod("jobs", &format!("done-{i}"), "n", &app, &[]);
@@ -359,17 +369,7 @@ mod tests {
     /// meanwhile.
     #[tokio::test]
     async fn the_cache_is_stale_from_a_failed_watch_until_it_lists_again() {
-        use gpu_sim::apiserver::{ApiServerSim, PodContainer};
-        let api = ApiServerSim::start().await.unwrap();
-        let dir = tempfile::tempdir().unwrap();
-        let kubeconfig = dir.path().join("kubeconfig");
-        api.write_kubeconfig(&kubeconfig).unwrap();
-        let app = [PodContainer {
-            name: "app".into(),
-            init: false,
-            restartable: false,
-            wants: [1, 0, 0],
-        }];
+        let (api, _dir, kubeconfig, app) = stand_in().await;
         api.add_pod("ns", "a", "n", &app, &[]);
         let client = crate::kube_client::from_kubeconfig(&kubeconfig, "kubeconfig")
             .await
