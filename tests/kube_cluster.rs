@@ -313,7 +313,7 @@ async fn kubelet_restart_keeps_grants_and_serves_new_pods() {
         )
     };
     assert_eq!(registered("gpu-memory"), Some(1.0));
-    node.restart_kubelet(&cp).await;
+    node.restart_kubelet().await;
     let restarted = Instant::now();
     // Registered again with the new kubelet: every resource's count is 2.
     support::poll_until(

@@ -63,6 +63,9 @@ func runControlPlane(args []string) error {
 		"--tls-cert-file=" + files.servingCert,
 		"--tls-private-key-file=" + files.servingKey,
 		"--token-auth-file=" + files.tokens,
+		"--client-ca-file=" + files.clientCA,
+		// A kubelet's own limits: kubelet peers run as system:node:<name>.
+		"--enable-admission-plugins=NodeRestriction",
 		"--authorization-mode=Node,RBAC",
 		"--service-account-issuer=https://kubernetes.default.svc.cluster.local",
 		"--service-account-key-file=" + files.saKey,
@@ -97,6 +100,7 @@ type controlPlaneFiles struct {
 	port                                       int
 	server                                     string
 	servingCert, servingKey, saKey, tokens, ca string
+	clientCA                                   string
 	adminKubeconfig, adminToken                string
 }
 
@@ -128,6 +132,9 @@ func writeControlPlaneFiles(dir string) (controlPlaneFiles, error) {
 	f.ca = f.servingCert
 	saKey, err := keyutil.MakeEllipticPrivateKeyPEM()
 	if err != nil {
+		return f, err
+	}
+	if f.clientCA, err = writeClientCA(dir); err != nil {
 		return f, err
 	}
 	f.adminToken = randomToken()

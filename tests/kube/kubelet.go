@@ -537,14 +537,17 @@ func (k *kubeletPeer) syncNodeStatus(ctx context.Context) error {
 		len(node.Status.Conditions) == 1 && node.Status.Conditions[0].Status == v1.ConditionTrue {
 		return nil
 	}
-	node.Status.Capacity, node.Status.Allocatable = capacity, allocatable
 	now := metav1.Now()
 	ready[0].LastHeartbeatTime, ready[0].LastTransitionTime = now, now
-	node.Status.Conditions = ready
-	updated, err := k.client.CoreV1().Nodes().UpdateStatus(ctx, node, metav1.UpdateOptions{})
-	if apierrors.IsConflict(err) {
-		updated, err = k.client.CoreV1().Nodes().Get(ctx, k.flags.node, metav1.GetOptions{})
+	// A patch of the status alone, as the kubelet sends it: NodeRestriction
+	// refuses a node's update that carries (stale) taints.
+	patch, err := json.Marshal(map[string]any{"status": map[string]any{
+		"capacity": capacity, "allocatable": allocatable, "conditions": ready,
+	}})
+	if err != nil {
+		return err
 	}
+	updated, err := k.client.CoreV1().Nodes().PatchStatus(ctx, k.flags.node, patch)
 	if err != nil {
 		return err
 	}

@@ -39,6 +39,8 @@ func main() {
 		err = runApply(args)
 	case "token":
 		err = runToken(args)
+	case "node-kubeconfig":
+		err = runNodeKubeconfig(args)
 	default:
 		err = fmt.Errorf("unknown subcommand %q\n%s", name, usage)
 	}
@@ -55,7 +57,8 @@ const usage = `usage: kube-peers SUBCOMMAND [flags]
   kube-scheduler          the upstream command, unmodified
   kubelet                 the kubelet's device manager and admission for one node
   apply                   server-side apply of manifests or a kustomization
-  token                   a kubeconfig for a service account, from a TokenRequest`
+  token                   a kubeconfig for a service account, from a TokenRequest
+  node-kubeconfig         a kubeconfig for system:node:<name>, signed by the control plane's client CA`
 
 // runUpstream runs an upstream cobra command on args, as its own binary would.
 // It ends with its parent process, so no test run leaves one behind.

@@ -315,7 +315,18 @@ impl KubeNode {
         let dir = tempfile::tempdir().unwrap();
         let plugins = dir.path().join("device-plugins");
         std::fs::create_dir_all(&plugins).unwrap();
-        let kubelet = KubeNode::spawn_kubelet(cp, name, dir.path());
+        // The kubelet's own identity, system:node:<name>: the Node
+        // authorizer and NodeRestriction judge what it does.
+        cp.peers_ok(&[
+            "node-kubeconfig",
+            "--dir",
+            cp.dir.path().join("state").to_str().unwrap(),
+            "--node",
+            name,
+            "--out",
+            dir.path().join("kubelet.kubeconfig").to_str().unwrap(),
+        ]);
+        let kubelet = KubeNode::spawn_kubelet(name, dir.path());
         // The daemon's own pod on this node, as its DaemonSet would make it:
         // its token carries the node's name.
         let pod = format!("gpu-device-plugin-{name}");
@@ -345,12 +356,12 @@ impl KubeNode {
         node
     }
 
-    fn spawn_kubelet(cp: &ControlPlane, name: &str, dir: &Path) -> Proc {
+    fn spawn_kubelet(name: &str, dir: &Path) -> Proc {
         Proc::spawn(
             &[
                 "kubelet".as_ref(),
                 "--kubeconfig".as_ref(),
-                cp.admin.as_os_str(),
+                dir.join("kubelet.kubeconfig").as_os_str(),
                 "--node".as_ref(),
                 name.as_ref(),
                 "--root".as_ref(),
@@ -401,10 +412,10 @@ impl KubeNode {
     /// Kills the kubelet and starts a new one, as a kubelet restart does:
     /// the device-plugin directory is wiped but for the checkpoint, and a
     /// new kubelet.sock appears.
-    pub async fn restart_kubelet(&mut self, cp: &ControlPlane) {
+    pub async fn restart_kubelet(&mut self) {
         unsafe { libc::kill(self.kubelet.child.id() as i32, libc::SIGKILL) };
         let _ = self.kubelet.child.wait();
-        self.kubelet = KubeNode::spawn_kubelet(cp, &self.name, self.dir.path());
+        self.kubelet = KubeNode::spawn_kubelet(&self.name, self.dir.path());
     }
 
     /// What the kubelet recorded for pod `namespace/name`: admitted or not,
