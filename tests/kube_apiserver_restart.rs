@@ -15,7 +15,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
 use support::kube::*;
 
 const NS: &str = "tenant";
@@ -88,21 +87,6 @@ impl Drop for ReadyzPoll {
     }
 }
 
-fn envs(record: &Value, container: &str) -> Value {
-    let mut out = serde_json::Map::new();
-    for e in record["containers"][container]["Envs"]
-        .as_array()
-        .into_iter()
-        .flatten()
-    {
-        out.insert(
-            e["Name"].as_str().unwrap_or_default().to_owned(),
-            e["Value"].clone(),
-        );
-    }
-    out.into()
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn allocate_filter_and_readiness_recover_within_5s_of_an_apiserver_restart() {
     let cp = ControlPlane::start();
@@ -146,7 +130,7 @@ async fn allocate_filter_and_readiness_recover_within_5s_of_an_apiserver_restart
     let ran_at = Instant::now();
     assert_eq!(phase(&ran), "Running", "{ran:#?}\n{}", logs());
     let record = node.record(NS, "after").expect("the kubelet admitted it");
-    let env = envs(&record, "main");
+    let env = &container_envs(&record)["main"];
     assert_eq!(env["NVIDIA_VISIBLE_DEVICES"], GPU, "{record:#}");
     assert_eq!(env["CUDA_DEVICE_MEMORY_LIMIT_0"], "6144m", "{record:#}");
     assert_eq!(env["CUDA_DEVICE_SM_LIMIT"], "30", "{record:#}");

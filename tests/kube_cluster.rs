@@ -5,7 +5,6 @@
 
 mod support;
 
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
@@ -16,10 +15,6 @@ const NS: &str = "tenant";
 /// Pods ask gpu-memory in GiB.
 const UNIT: &str = "memory_unit_mib = 1024";
 
-fn uuid(node: usize, gpu: usize) -> String {
-    format!("GPU-{node:04x}{gpu:04x}-0000-4000-8000-000000000000")
-}
-
 /// `nodes[i]` GPUs of the given MiB each, one daemon per node.
 async fn cluster(cp: &ControlPlane, nodes: &[&[u64]]) -> Vec<KubeNode> {
     let mut out = Vec::new();
@@ -27,33 +22,12 @@ async fn cluster(cp: &ControlPlane, nodes: &[&[u64]]) -> Vec<KubeNode> {
         let ids: Vec<(String, u64)> = gpus
             .iter()
             .enumerate()
-            .map(|(g, mib)| (uuid(n, g), *mib))
+            .map(|(g, mib)| (gpu_uuid(n, g), *mib))
             .collect();
         let ids: Vec<(&str, u64)> = ids.iter().map(|(u, m)| (u.as_str(), *m)).collect();
         out.push(KubeNode::start(cp, &format!("node-{n}"), &ids, UNIT).await);
     }
     namespace(cp, NS);
-    out
-}
-
-/// Each container's envs as the kubelet's device manager hands them to
-/// the runtime.
-fn envs(record: &Value) -> BTreeMap<String, BTreeMap<String, String>> {
-    let mut out = BTreeMap::new();
-    for (name, opts) in record["containers"].as_object().into_iter().flatten() {
-        let envs = opts["Envs"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|e| {
-                (
-                    e["Name"].as_str().unwrap().to_owned(),
-                    e["Value"].as_str().unwrap().to_owned(),
-                )
-            })
-            .collect();
-        out.insert(name.clone(), envs);
-    }
     out
 }
 
@@ -87,15 +61,6 @@ async fn refused_binds(client: &kube::Client) -> Vec<String> {
         .filter_map(|e| e.note.clone())
         .filter(|note| !note.starts_with("0/"))
         .collect()
-}
-
-fn node_of(pod: &Pod) -> String {
-    pod.spec
-        .as_ref()
-        .unwrap()
-        .node_name
-        .clone()
-        .unwrap_or_default()
 }
 
 fn logs(cp: &ControlPlane, nodes: &[KubeNode], sched: &Scheduler) -> String {
@@ -165,7 +130,7 @@ async fn pods_run_with_their_grants() {
         let node = nodes.iter().find(|n| n.name == node_of(&ran)).unwrap();
         let record = node.record(NS, name).unwrap();
         assert_eq!(splits(&record), Vec::<String>::new(), "{name}");
-        let envs = envs(&record);
+        let envs = container_envs(&record);
         let spec = ran.spec.as_ref().unwrap();
         for c in spec
             .init_containers
@@ -242,12 +207,11 @@ async fn bursts_bind_and_admit() {
         created.push((format!("burst-{i}"), create(&client, &pod).await));
     }
     for (name, at) in &created {
-        let bound = wait_pod(&client, NS, name, Duration::from_secs(60), |p| {
+        wait_pod(&client, NS, name, Duration::from_secs(60), |p| {
             !node_of(p).is_empty()
         })
         .await
         .unwrap_or_else(|p| panic!("{name} never bound: {p:#?}\n{}", logs(&cp, &nodes, &sched)));
-        let _ = bound;
         latencies.push(binds.at(name).unwrap_or_else(Instant::now) - *at);
     }
     let mut failed = Vec::new();
@@ -302,7 +266,7 @@ async fn kubelet_restart_keeps_grants_and_serves_new_pods() {
         .await
         .unwrap();
     assert_eq!(phase(&before), "Running", "{}", logs(&cp, &nodes, &sched));
-    let granted = envs(&nodes[0].record(NS, "before").unwrap());
+    let granted = container_envs(&nodes[0].record(NS, "before").unwrap());
 
     let node = &mut nodes[0];
     let addr = support::http_addr(&node.daemon);
@@ -342,10 +306,10 @@ async fn kubelet_restart_keeps_grants_and_serves_new_pods() {
     );
     let node = &nodes[0];
     // The restarted kubelet admitted `before` again from its checkpoint.
-    assert_eq!(envs(&node.record(NS, "before").unwrap()), granted);
+    assert_eq!(container_envs(&node.record(NS, "before").unwrap()), granted);
     let record = node.record(NS, "after").unwrap();
     assert_eq!(splits(&record), Vec::<String>::new());
-    let env = &envs(&record)["main"];
+    let env = &container_envs(&record)["main"];
     assert_eq!(
         env.get("CUDA_DEVICE_MEMORY_LIMIT_0").map(String::as_str),
         Some("8192m")
@@ -430,7 +394,7 @@ async fn pending_pods_bind_once_room_frees() {
 #[tokio::test(flavor = "multi_thread")]
 async fn quantities_as_stored_and_refusals_as_events() {
     let cp = ControlPlane::start();
-    let (a, b) = (uuid(0, 0), uuid(0, 1));
+    let (a, b) = (gpu_uuid(0, 0), gpu_uuid(0, 1));
     let node = KubeNode::start(&cp, "node-0", &[(&a, 16384), (&b, 16384)], "").await;
     namespace(&cp, NS);
     let client = cp.admin_client().await;
@@ -462,7 +426,7 @@ async fn quantities_as_stored_and_refusals_as_events() {
         "{ran:#?}\n{}",
         node.daemon.log_text()
     );
-    let env = &envs(&node.record(NS, "eight-thousand").unwrap())["main"];
+    let env = &container_envs(&node.record(NS, "eight-thousand").unwrap())["main"];
     assert_eq!(env["CUDA_DEVICE_MEMORY_LIMIT_0"], "8000m");
 
     let mut pod = gpu_pod(NS, "too-big", &[("main", [20000, 0, 0])]);

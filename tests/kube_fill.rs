@@ -121,10 +121,6 @@ fn unschedulable(pod: &Pod) -> Option<String> {
         .map(|c| c.message.clone().unwrap_or_default())
 }
 
-fn uuid(node: usize, gpu: usize) -> String {
-    format!("GPU-{node:04x}{gpu:04x}-0000-4000-8000-000000000000")
-}
-
 /// Waits until every node carries its daemon's GPU inventory: until then
 /// the extender refuses the node for good, and a pod would be called
 /// unschedulable for it.
@@ -158,7 +154,7 @@ async fn real_fill(pods: &[(u64, u64)]) -> Fill {
         let ids: Vec<(String, u64)> = sizes
             .iter()
             .enumerate()
-            .map(|(g, gib)| (uuid(n, g), gib * GIB))
+            .map(|(g, gib)| (gpu_uuid(n, g), gib * GIB))
             .collect();
         let ids: Vec<(&str, u64)> = ids.iter().map(|(u, m)| (u.as_str(), *m)).collect();
         nodes.push(KubeNode::start(&cp, name, &ids, UNIT).await);

@@ -19,7 +19,6 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Api;
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
-use support::Daemon;
 use support::kube::*;
 
 const NS: &str = "tenant";
@@ -34,10 +33,6 @@ fn env_or(key: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
-fn uuid(node: usize, gpu: u64) -> String {
-    format!("GPU-{node:04x}{gpu:04x}-0000-4000-8000-000000000000")
-}
-
 /// Creates `count` Nodes of [`GPUS_PER_NODE`] GPUs of [`GPU_GIB`], each
 /// with the inventory annotation and the allocatable its daemon would
 /// publish, and Ready (no kubelet renews it; the pods tolerate the taints
@@ -47,7 +42,7 @@ async fn gpu_nodes(client: &kube::Client, count: usize) {
     for n in 0..count {
         let name = format!("node-{n}");
         let gpus: Vec<_> = (0..GPUS_PER_NODE)
-            .map(|g| json!({ "uuid": uuid(n, g), "memoryMiB": GPU_GIB * 1024, "healthy": true }))
+            .map(|g| json!({ "uuid": gpu_uuid(n, g as usize), "memoryMiB": GPU_GIB * 1024, "healthy": true }))
             .collect();
         let inventory = json!({
             "version": 1, "memoryUnitMiB": 1024, "coresPerGpu": 100,
@@ -89,37 +84,6 @@ fn ours(mut pod: Pod) -> Pod {
         serde_json::from_value(json!({"operator": "Exists"})).unwrap(),
     ]);
     pod
-}
-
-/// The extender on a config of our own and kube-scheduler on the shipped
-/// profile calling it (`Scheduler::start` takes the extender's defaults).
-fn scheduler(cp: &ControlPlane, extender_toml: &str) -> Scheduler {
-    let toml = format!(
-        "[extender]\nlisten = \"127.0.0.1:0\"\nkubeconfig = {:?}\n{extender_toml}",
-        cp.scheduler.display().to_string()
-    );
-    let extender = Daemon::start_command(&["scheduler-extender"], &toml, &[]);
-    let url = format!(
-        "http://{}",
-        support::logged_addr(&extender, "scheduler extender listening")
-    );
-    let config = cp.dir.path().join("scheduler.yaml");
-    std::fs::write(&config, shipped_profile(&url, &cp.scheduler)).unwrap();
-    let log = cp.dir.path().join("kube-scheduler.log");
-    let child = std::process::Command::new(peers())
-        .args(["kube-scheduler", "--config"])
-        .arg(&config)
-        .arg("--secure-port=0")
-        .stdout(std::fs::File::create(&log).unwrap())
-        .stderr(std::fs::File::options().append(true).open(&log).unwrap())
-        .stdin(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    Scheduler {
-        extender,
-        url,
-        proc: Proc { child, log },
-    }
 }
 
 /// What one burst measured.
@@ -204,7 +168,7 @@ async fn held_per_gpu(client: &kube::Client) -> BTreeMap<String, (u64, u64)> {
             for gpu in by_container.get(&c.name).into_iter().flatten() {
                 let n: usize = node.trim_start_matches("node-").parse().unwrap();
                 assert!(
-                    (0..GPUS_PER_NODE).any(|g| uuid(n, g) == *gpu),
+                    (0..GPUS_PER_NODE).any(|g| gpu_uuid(n, g as usize) == *gpu),
                     "{gpu} is not on {node}"
                 );
                 let e = held.entry(gpu.clone()).or_default();
@@ -214,13 +178,6 @@ async fn held_per_gpu(client: &kube::Client) -> BTreeMap<String, (u64, u64)> {
         }
     }
     held
-}
-
-fn node_of(pod: &Pod) -> &str {
-    pod.spec
-        .as_ref()
-        .and_then(|s| s.node_name.as_deref())
-        .unwrap_or_default()
 }
 
 fn rss_kib(pid: u32) -> u64 {
@@ -254,7 +211,8 @@ async fn bursts_bind_at_every_connection_cap() {
         let client = cp.admin_client().await;
         gpu_nodes(&client, nodes).await;
         namespace(&cp, NS);
-        let sched = scheduler(&cp, &format!("[extender.http]\nmax_connections = {cap}\n"));
+        let sched =
+            Scheduler::start_with(&cp, &format!("[extender.http]\nmax_connections = {cap}\n"));
         let logs = || {
             format!(
                 "--- extender\n{}\n--- kube-scheduler\n{}",

@@ -203,14 +203,16 @@ func runToken(args []string) error {
 	if len(config.TLSClientConfig.CAData) > 0 {
 		ca = config.TLSClientConfig.CAData
 	}
-	return writeKubeconfig(*out, config.Host, ca, token.Status.Token)
+	return writeKubeconfig(*out, &clientcmdapi.Cluster{Server: config.Host, CertificateAuthorityData: ca},
+		&clientcmdapi.AuthInfo{Token: token.Status.Token})
 }
 
-// writeKubeconfig writes a one-context kubeconfig with a bearer token.
-func writeKubeconfig(path, server string, ca []byte, token string) error {
+// writeKubeconfig writes a one-context kubeconfig: this cluster, these
+// credentials.
+func writeKubeconfig(path string, cluster *clientcmdapi.Cluster, auth *clientcmdapi.AuthInfo) error {
 	cfg := clientcmdapi.NewConfig()
-	cfg.Clusters["peers"] = &clientcmdapi.Cluster{Server: server, CertificateAuthorityData: ca}
-	cfg.AuthInfos["peers"] = &clientcmdapi.AuthInfo{Token: token}
+	cfg.Clusters["peers"] = cluster
+	cfg.AuthInfos["peers"] = auth
 	cfg.Contexts["peers"] = &clientcmdapi.Context{Cluster: "peers", AuthInfo: "peers"}
 	cfg.CurrentContext = "peers"
 	return clientcmd.WriteToFile(*cfg, path)

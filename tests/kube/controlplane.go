@@ -26,6 +26,7 @@ import (
 	"time"
 
 	"go.etcd.io/etcd/server/v3/embed"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	certutil "k8s.io/client-go/util/cert"
 	"k8s.io/client-go/util/keyutil"
 )
@@ -148,7 +149,8 @@ func writeControlPlaneFiles(dir string) (controlPlaneFiles, error) {
 			return f, err
 		}
 	}
-	return f, writeKubeconfig(f.adminKubeconfig, f.server, cert, f.adminToken)
+	return f, writeKubeconfig(f.adminKubeconfig, &clientcmdapi.Cluster{Server: f.server, CertificateAuthorityData: cert},
+		&clientcmdapi.AuthInfo{Token: f.adminToken})
 }
 
 func randomToken() string {

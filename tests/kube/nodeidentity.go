@@ -100,14 +100,8 @@ func runNodeKubeconfig(args []string) error {
 	if err != nil {
 		return err
 	}
-	cluster := admin.Clusters[admin.Contexts[admin.CurrentContext].Cluster]
-	cfg := clientcmdapi.NewConfig()
-	cfg.Clusters["peers"] = cluster
-	cfg.AuthInfos["peers"] = &clientcmdapi.AuthInfo{
+	return writeKubeconfig(*out, admin.Clusters[admin.Contexts[admin.CurrentContext].Cluster], &clientcmdapi.AuthInfo{
 		ClientCertificateData: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
 		ClientKeyData:         keyPEM,
-	}
-	cfg.Contexts["peers"] = &clientcmdapi.Context{Cluster: "peers", AuthInfo: "peers"}
-	cfg.CurrentContext = "peers"
-	return clientcmd.WriteToFile(*cfg, *out)
+	})
 }

@@ -17,7 +17,7 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, PostParams};
 use serde_json::Value;
 
-use super::{Daemon, mock_config, start_extender};
+use super::{Daemon, mock_config, start_extender_with};
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 /// How long a component may take to come up on a loaded 2-core machine.
@@ -441,9 +441,14 @@ pub struct Scheduler {
 
 impl Scheduler {
     /// The shipped `scheduler.yaml` with only the extender's URL and the
-    /// kubeconfig set.
+    /// kubeconfig set, the extender on its defaults.
     pub fn start(cp: &ControlPlane) -> Scheduler {
-        let (extender, url) = start_extender(&cp.scheduler);
+        Scheduler::start_with(cp, "")
+    }
+
+    /// [`Scheduler::start`], `extender_toml` added to the extender's config.
+    pub fn start_with(cp: &ControlPlane, extender_toml: &str) -> Scheduler {
+        let (extender, url) = start_extender_with(&cp.scheduler, extender_toml);
         let config = cp.dir.path().join("scheduler.yaml");
         std::fs::write(&config, shipped_profile(&url, &cp.scheduler)).unwrap();
         let proc = Proc::spawn(
@@ -542,6 +547,42 @@ pub async fn wait_pod(
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// The mock GPU `gpu` of node `node`, its UUID telling both apart.
+pub fn gpu_uuid(node: usize, gpu: usize) -> String {
+    format!("GPU-{node:04x}{gpu:04x}-0000-4000-8000-000000000000")
+}
+
+/// The node a pod is bound to; empty while it is not.
+pub fn node_of(pod: &Pod) -> &str {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.node_name.as_deref())
+        .unwrap_or_default()
+}
+
+/// Each container's envs in a kubelet record ([`KubeNode::record`]), as
+/// the device manager hands them to the runtime.
+pub fn container_envs(
+    record: &Value,
+) -> std::collections::BTreeMap<String, std::collections::BTreeMap<String, String>> {
+    let mut out = std::collections::BTreeMap::new();
+    for (name, opts) in record["containers"].as_object().into_iter().flatten() {
+        let envs = opts["Envs"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|e| {
+                (
+                    e["Name"].as_str().unwrap().to_owned(),
+                    e["Value"].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect();
+        out.insert(name.clone(), envs);
+    }
+    out
 }
 
 pub fn phase(pod: &Pod) -> &str {

@@ -254,10 +254,15 @@ pub fn logged_addr(daemon: &Daemon, message: &str) -> String {
 /// The scheduler extender (the binary's subcommand) on the API server
 /// `kubeconfig` reaches, and its URL.
 pub fn start_extender(kubeconfig: &Path) -> (Daemon, String) {
+    start_extender_with(kubeconfig, "")
+}
+
+/// [`start_extender`], `extra` added to its config.
+pub fn start_extender_with(kubeconfig: &Path, extra: &str) -> (Daemon, String) {
     let extender = Daemon::start_command(
         &["scheduler-extender"],
         &format!(
-            "[extender]\nlisten = \"127.0.0.1:0\"\nkubeconfig = {:?}\n",
+            "[extender]\nlisten = \"127.0.0.1:0\"\nkubeconfig = {:?}\n{extra}",
             kubeconfig.display().to_string()
         ),
         &[],
