@@ -633,6 +633,8 @@ fn helm_lints_the_chart_and_its_schema_refuses_bad_values() {
         ("enforcement.mode=on", "mode"),
         ("enforcement.libraryDir=usr/local/vgpu", "libraryDir"),
         ("enforcement.stateDir=/var/lib/a b", "stateDir"),
+        ("enforcement.compute=gpu", "compute"),
+        ("enforcement.mps.pipeDir=run/mps", "pipeDir"),
         ("extender.replicas=two", "/extender/replicas"),
         ("extender.port=8888", "/extender/port"),
         (
@@ -1687,6 +1689,75 @@ fn enforcement_installs_the_library_and_mounts_the_host_directories() {
         gpu_device_plugin::enforcement::Mode::None
     );
     assert_enforcement_dirs_follow_config(&objs);
+}
+
+/// With MPS limiting gpu-core grants the daemon runs the control daemons:
+/// their pipe and log directories at their host paths (a client's Allocate
+/// mounts its GPU's pipe directory from there), the shm directory as the
+/// pod's `/dev/shm`, the runtime's MPS binaries ("compute"), and the
+/// capabilities to start a server as its client's user. Off, none of it.
+#[test]
+fn mps_mounts_the_control_daemons_directories_as_the_config_says() {
+    use gpu_device_plugin::enforcement::Compute;
+    let objs = chart(&[
+        "--set",
+        "enforcement.compute=mps",
+        "--set",
+        "enforcement.mps.pipeDir=/run/mps/pipe",
+        "--set",
+        "enforcement.mps.shmDir=/run/mps/shm",
+    ]);
+    parse_all(&objs);
+    let config =
+        gpu_device_plugin::config::Config::from_toml(&config_toml(&objs), Some("n".into()))
+            .unwrap();
+    let e = &config.enforcement;
+    assert_eq!(e.compute(), Compute::Mps);
+    assert_eq!(e.mps.pipe_dir, Path::new("/run/mps/pipe"));
+    assert_eq!(e.mps.log_dir, Path::new("/var/log/gpu-device-plugin/mps"));
+    let pod = pod_spec(&objs);
+    let c = &pod.containers[0];
+    let host_of = |at: &Path| {
+        c.volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| Path::new(&m.mount_path) == at)
+            .and_then(|m| host_path(&objs, &m.name))
+    };
+    for dir in [&e.mps.pipe_dir, &e.mps.log_dir, &e.mps.shm_dir] {
+        assert_eq!(host_of(dir).as_deref(), dir.to_str(), "{dir:?}");
+    }
+    assert_eq!(
+        host_of(Path::new("/dev/shm")).as_deref(),
+        e.mps.shm_dir.to_str()
+    );
+    let env = |name: &str| {
+        c.env
+            .iter()
+            .flatten()
+            .find(|v| v.name == name)
+            .and_then(|v| v.value.clone())
+    };
+    assert_eq!(
+        env("NVIDIA_DRIVER_CAPABILITIES").as_deref(),
+        Some("compute,utility")
+    );
+    let caps = c.security_context.clone().unwrap().capabilities.unwrap();
+    assert_eq!(caps.drop.unwrap(), ["ALL"]);
+    assert_eq!(caps.add.unwrap(), ["SETUID", "SETGID"]);
+
+    for objs in [chart(&[]), kustomize(&["deploy"])] {
+        let pod = pod_spec(&objs);
+        let c = &pod.containers[0];
+        assert!(
+            !c.volume_mounts
+                .iter()
+                .flatten()
+                .any(|m| m.mount_path == "/dev/shm" || m.name.starts_with("mps-"))
+        );
+        let caps = c.security_context.clone().unwrap().capabilities.unwrap();
+        assert_eq!(caps.add, None);
+    }
 }
 
 /// The accounting policy on pods of every kind of writer: nobody creates a

@@ -27,7 +27,7 @@ then the user's config, which must not set them again.
 {{- end }}
 {{- end -}}
 {{- if regexMatch "(?m)^\\s*\\[\\s*[\"']?enforcement[\"']?\\s*\\]|^\\s*[\"']?enforcement[\"']?\\s*[.=]" .Values.config }}
-{{- fail "config sets [enforcement]: the chart sets it from enforcement.mode, enforcement.libraryDir and enforcement.stateDir; set those values instead" }}
+{{- fail "config sets [enforcement]: the chart sets it from enforcement.mode, enforcement.libraryDir, enforcement.stateDir, enforcement.compute and enforcement.mps; set those values instead" }}
 {{- end -}}
 # Set by the chart from resourceDomain, kubeletRootDir and metricsPort.
 resource_domain = {{ .Values.resourceDomain | quote }}
@@ -39,6 +39,20 @@ http_listen = {{ printf "0.0.0.0:%d" (int .Values.metricsPort) | quote }}
 mode = {{ .Values.enforcement.mode | quote }}
 library_dir = {{ .Values.enforcement.libraryDir | quote }}
 state_dir = {{ .Values.enforcement.stateDir | quote }}
+{{- with .Values.enforcement.compute }}
+compute = {{ . | quote }}
+{{- end }}
+{{- if include "gpu-device-plugin.mps" . }}
+[enforcement.mps]
+pipe_dir = {{ .Values.enforcement.mps.pipeDir | quote }}
+log_dir = {{ .Values.enforcement.mps.logDir | quote }}
+shm_dir = {{ .Values.enforcement.mps.shmDir | quote }}
+{{- end }}
+{{- end }}
+
+{{/* Whether the daemon runs MPS control daemons (their host directories). */}}
+{{- define "gpu-device-plugin.mps" -}}
+{{- if eq .Values.enforcement.compute "mps" }}true{{ end }}
 {{- end }}
 
 {{/* Whether the DaemonSet mounts the enforcement host directories. */}}
