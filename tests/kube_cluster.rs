@@ -8,84 +8,11 @@ mod support;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
-use serde_json::Value;
 use support::kube::*;
 
 const NS: &str = "tenant";
 /// Pods ask gpu-memory in GiB.
 const UNIT: &str = "memory_unit_mib = 1024";
-
-/// `nodes[i]` GPUs of the given MiB each, one daemon per node.
-async fn cluster(cp: &ControlPlane, nodes: &[&[u64]]) -> Vec<KubeNode> {
-    let mut out = Vec::new();
-    for (n, gpus) in nodes.iter().enumerate() {
-        let ids: Vec<(String, u64)> = gpus
-            .iter()
-            .enumerate()
-            .map(|(g, mib)| (gpu_uuid(n, g), *mib))
-            .collect();
-        let ids: Vec<(&str, u64)> = ids.iter().map(|(u, m)| (u.as_str(), *m)).collect();
-        out.push(KubeNode::start(cp, &format!("node-{n}"), &ids, UNIT).await);
-    }
-    namespace(cp, NS);
-    out
-}
-
-/// Containers whose resources' own Allocate responses name different GPUs
-/// (the kubelet merges envs first-wins, which would hide the split).
-fn splits(record: &Value) -> Vec<String> {
-    let mut out = Vec::new();
-    for (name, resources) in record["resources"].as_object().into_iter().flatten() {
-        let gpus: std::collections::BTreeSet<&str> = resources
-            .as_object()
-            .into_iter()
-            .flatten()
-            .filter_map(|(_, envs)| envs["NVIDIA_VISIBLE_DEVICES"].as_str())
-            .collect();
-        if gpus.len() > 1 {
-            out.push(format!("{name}: {gpus:?}"));
-        }
-    }
-    out
-}
-
-/// kube-scheduler's FailedScheduling Events of the namespace that report a
-/// failed bind (its filter failures read "0/N nodes are available").
-async fn refused_binds(client: &kube::Client) -> Vec<String> {
-    let events: kube::Api<k8s_openapi::api::events::v1::Event> =
-        kube::Api::namespaced(client.clone(), NS);
-    let list = events.list(&Default::default()).await.unwrap();
-    list.items
-        .iter()
-        .filter(|e| e.reason.as_deref() == Some("FailedScheduling"))
-        .filter_map(|e| e.note.clone())
-        .filter(|note| !note.starts_with("0/"))
-        .collect()
-}
-
-fn logs(cp: &ControlPlane, nodes: &[KubeNode], sched: &Scheduler) -> String {
-    let mut s = format!(
-        "--- scheduler\n{}\n--- extender\n{}\n",
-        tail(&sched.proc.log_text()),
-        tail(&sched.extender.log_text())
-    );
-    for n in nodes {
-        s += &format!(
-            "--- {} kubelet\n{}\n--- {} daemon\n{}\n",
-            n.name,
-            tail(&n.kubelet.log_text()),
-            n.name,
-            tail(&n.daemon.log_text())
-        );
-    }
-    s + &format!("--- control plane\n{}", tail(&cp.log_text()))
-}
-
-fn tail(s: &str) -> &str {
-    let at = s.len().saturating_sub(6000);
-    let at = (at..s.len()).find(|i| s.is_char_boundary(*i)).unwrap_or(0);
-    &s[at..]
-}
 
 /// A shared pod, a pod of several containers with an init container, and
 /// a whole GPU beside a memory share: each placed by the real scheduler
@@ -94,7 +21,7 @@ fn tail(s: &str) -> &str {
 #[tokio::test(flavor = "multi_thread")]
 async fn pods_run_with_their_grants() {
     let cp = ControlPlane::start();
-    let nodes = cluster(&cp, &[&[16384, 16384], &[81920]]).await;
+    let nodes = cluster(&cp, NS, &[&[16384, 16384], &[81920]], UNIT).await;
     let sched = Scheduler::start(&cp);
     let client = cp.admin_client().await;
 
@@ -193,7 +120,13 @@ fn node_index(name: &str) -> usize {
 #[tokio::test(flavor = "multi_thread")]
 async fn bursts_bind_and_admit() {
     let cp = ControlPlane::start();
-    let nodes = cluster(&cp, &[&[81920, 81920], &[40960, 40960], &[16384; 4]]).await;
+    let nodes = cluster(
+        &cp,
+        NS,
+        &[&[81920, 81920], &[40960, 40960], &[16384; 4]],
+        UNIT,
+    )
+    .await;
     let sched = Scheduler::start(&cp);
     let client = cp.admin_client().await;
     let mut rng = support::Lcg(7);
@@ -233,7 +166,7 @@ async fn bursts_bind_and_admit() {
     }
     latencies.sort();
     let p99 = latencies[(latencies.len() * 99).div_ceil(100) - 1];
-    let refused = refused_binds(&client).await;
+    let refused = refused_binds(&client, NS).await;
     eprintln!(
         "burst of 40 (real scheduler): create→bound p50 {:?}, p99 {:?}, admission failures {}, binds refused {}",
         latencies[latencies.len() / 2],
@@ -257,7 +190,7 @@ async fn bursts_bind_and_admit() {
 #[tokio::test(flavor = "multi_thread")]
 async fn kubelet_restart_keeps_grants_and_serves_new_pods() {
     let cp = ControlPlane::start();
-    let mut nodes = cluster(&cp, &[&[16384, 16384]]).await;
+    let mut nodes = cluster(&cp, NS, &[&[16384, 16384]], UNIT).await;
     let sched = Scheduler::start(&cp);
     let client = cp.admin_client().await;
     create(&client, &gpu_pod(NS, "before", &[("main", [6, 30, 0])])).await;
@@ -326,7 +259,7 @@ async fn kubelet_restart_keeps_grants_and_serves_new_pods() {
 #[tokio::test(flavor = "multi_thread")]
 async fn pending_pods_bind_once_room_frees() {
     let cp = ControlPlane::start();
-    let nodes = cluster(&cp, &[&[16384, 16384], &[16384, 16384]]).await;
+    let nodes = cluster(&cp, NS, &[&[16384, 16384], &[16384, 16384]], UNIT).await;
     let sched = Scheduler::start(&cp);
     let client = cp.admin_client().await;
     let api: kube::Api<Pod> = kube::Api::namespaced(client.clone(), NS);

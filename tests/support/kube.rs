@@ -648,3 +648,78 @@ pub async fn wait_gone(client: &kube::Client, namespace: &str, name: &str, withi
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// Nodes `node-<i>` with `nodes[i]` GPUs of the given MiB each
+/// ([`gpu_uuid`]), one daemon per node with `top` in its config, and the
+/// tenants' namespace `ns`.
+pub async fn cluster(cp: &ControlPlane, ns: &str, nodes: &[&[u64]], top: &str) -> Vec<KubeNode> {
+    let mut out = Vec::new();
+    for (n, gpus) in nodes.iter().enumerate() {
+        let ids: Vec<(String, u64)> = gpus
+            .iter()
+            .enumerate()
+            .map(|(g, mib)| (gpu_uuid(n, g), *mib))
+            .collect();
+        let ids: Vec<(&str, u64)> = ids.iter().map(|(u, m)| (u.as_str(), *m)).collect();
+        out.push(KubeNode::start(cp, &format!("node-{n}"), &ids, top).await);
+    }
+    namespace(cp, ns);
+    out
+}
+
+/// Containers whose resources' own Allocate responses name different GPUs
+/// (the kubelet merges envs first-wins, which would hide the split).
+pub fn splits(record: &Value) -> Vec<String> {
+    let mut out = Vec::new();
+    for (name, resources) in record["resources"].as_object().into_iter().flatten() {
+        let gpus: std::collections::BTreeSet<&str> = resources
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter_map(|(_, envs)| envs["NVIDIA_VISIBLE_DEVICES"].as_str())
+            .collect();
+        if gpus.len() > 1 {
+            out.push(format!("{name}: {gpus:?}"));
+        }
+    }
+    out
+}
+
+/// kube-scheduler's FailedScheduling Events of namespace `ns` that report
+/// a failed bind (its filter failures read "0/N nodes are available").
+pub async fn refused_binds(client: &kube::Client, ns: &str) -> Vec<String> {
+    let events: kube::Api<k8s_openapi::api::events::v1::Event> =
+        kube::Api::namespaced(client.clone(), ns);
+    let list = events.list(&Default::default()).await.unwrap();
+    list.items
+        .iter()
+        .filter(|e| e.reason.as_deref() == Some("FailedScheduling"))
+        .filter_map(|e| e.note.clone())
+        .filter(|note| !note.starts_with("0/"))
+        .collect()
+}
+
+/// The tails of every component's log, for a failing assertion.
+pub fn logs(cp: &ControlPlane, nodes: &[KubeNode], sched: &Scheduler) -> String {
+    let mut s = format!(
+        "--- scheduler\n{}\n--- extender\n{}\n",
+        tail(&sched.proc.log_text()),
+        tail(&sched.extender.log_text())
+    );
+    for n in nodes {
+        s += &format!(
+            "--- {} kubelet\n{}\n--- {} daemon\n{}\n",
+            n.name,
+            tail(&n.kubelet.log_text()),
+            n.name,
+            tail(&n.daemon.log_text())
+        );
+    }
+    s + &format!("--- control plane\n{}", tail(&cp.log_text()))
+}
+
+pub fn tail(s: &str) -> &str {
+    let at = s.len().saturating_sub(6000);
+    let at = (at..s.len()).find(|i| s.is_char_boundary(*i)).unwrap_or(0);
+    &s[at..]
+}
