@@ -41,9 +41,9 @@ struct Host {
 
 impl Host {
     fn new() -> Host {
-        Host {
-            dir: tempfile::tempdir().unwrap(),
-        }
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("device-plugins")).unwrap();
+        Host { dir }
     }
 
     fn path(&self, p: &str) -> PathBuf {
@@ -252,7 +252,11 @@ async fn claims_are_prepared_into_cdi_specs_from_the_device_plugins_composer() {
         .into_inner();
     assert_eq!(answer.claims.len(), ask.len(), "{answer:?}");
     let error = |uid: &str| answer.claims[uid].error.clone();
-    assert!(error(&pending).contains("not allocated"), "{}", error(&pending));
+    assert!(
+        error(&pending).contains("not allocated"),
+        "{}",
+        error(&pending)
+    );
     assert!(error(&elsewhere).contains("gpu-9"), "{}", error(&elsewhere));
     assert!(
         error("0d7c4b6e-0000-4000-8000-000000000000").contains("does not exist"),
@@ -329,7 +333,10 @@ async fn claims_are_prepared_into_cdi_specs_from_the_device_plugins_composer() {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(b.claims[&whole].devices[0].cdi_device_ids, w.devices[0].cdi_device_ids);
+    assert_eq!(
+        b.claims[&whole].devices[0].cdi_device_ids,
+        w.devices[0].cdi_device_ids
+    );
 
     // The node's slice: both GPUs, shareable by memory and cores, owned by
     // the Node.
@@ -339,11 +346,18 @@ async fn claims_are_prepared_into_cdi_specs_from_the_device_plugins_composer() {
         if let Some(s) = slices.get_opt(&format!("{NODE}-{DRIVER}")).await.unwrap() {
             break s;
         }
-        assert!(Instant::now() < deadline, "no slice:\n{}", daemon.log_text());
+        assert!(
+            Instant::now() < deadline,
+            "no slice:\n{}",
+            daemon.log_text()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     let owner = &slice.metadata.owner_references.as_ref().unwrap()[0];
-    assert_eq!((owner.kind.as_str(), owner.uid.as_str()), ("Node", node_uid.as_str()));
+    assert_eq!(
+        (owner.kind.as_str(), owner.uid.as_str()),
+        ("Node", node_uid.as_str())
+    );
     assert_eq!(slice.spec.driver, DRIVER);
     assert_eq!(slice.spec.pool.name, NODE);
     let devices = slice.spec.devices.as_ref().unwrap();

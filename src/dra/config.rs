@@ -278,7 +278,7 @@ mod tests {
         assert!(with("gpus = [\"0\", \"0\"]").contains("twice"));
         assert!(with("gpus = [\"all\", \"0\"]").contains("alone"));
         assert!(with("plugins = \"/x\"").contains("plugins"));
-        let long = format!("plugins_dir = \"/{}\"", "p".repeat(80));
+        let long = format!("plugins_dir = \"/{}\"", "p".repeat(90));
         assert!(with(&long).contains("dra.plugins_dir"), "{}", with(&long));
         // A node without device-plugin resources must serve DRA.
         assert!(err_of("resources = []").contains("resources"));

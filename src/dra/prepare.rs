@@ -186,12 +186,6 @@ impl Preparer {
         v1::NodeUnprepareResourcesResponse { claims }
     }
 
-    /// The claims prepared now, by UID.
-    #[cfg(test)]
-    pub(crate) async fn prepared(&self) -> Vec<String> {
-        self.prepared.lock().await.claims.keys().cloned().collect()
-    }
-
     async fn read(&self, c: &v1::Claim) -> Result<ResourceClaim, String> {
         let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &c.namespace);
         let what = format!("claim {}/{}", c.namespace, c.name);
