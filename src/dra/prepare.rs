@@ -149,13 +149,17 @@ impl Preparer {
             let answer = match book.claims.remove(&c.uid) {
                 None => Ok(()),
                 Some(p) => {
-                    let undone = blocking(move || undo(&p).map_err(|e| (p, e))).await;
+                    let (p, undone) = blocking(move || {
+                        let undone = undo(&p);
+                        (p, undone)
+                    })
+                    .await;
                     match undone {
                         Ok(()) => {
                             removed.push(c.uid.clone());
                             Ok(())
                         }
-                        Err((p, e)) => {
+                        Err(e) => {
                             book.claims.insert(c.uid.clone(), p);
                             Err(e)
                         }

@@ -264,7 +264,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            e.usage(&key).unwrap().unwrap().devices[0].used_bytes,
+            e.usage(key).unwrap().unwrap().devices[0].used_bytes,
             5 << 20
         );
         assert_eq!(e.usage("uid-2_app").unwrap(), None);

@@ -98,7 +98,7 @@ pub(crate) enum Args {
     Health(HealthArgs),
     Enforcement(SweeperArgs),
     Mps(MpsArgs),
-    Dra(DraArgs),
+    Dra(Box<DraArgs>),
 }
 
 /// A spawned child, by its typed address where the supervisor talks to it.
@@ -184,7 +184,7 @@ impl Args {
                 tick: Duration::from_millis(config.health.poll_ms),
                 metrics: context.metrics.clone(),
             }),
-            Child::Dra => Args::Dra(DraArgs::new(config, plan.dra_gpus().to_vec())),
+            Child::Dra => Args::Dra(Box::new(DraArgs::new(config, plan.dra_gpus().to_vec()))),
         })
     }
 
@@ -214,7 +214,7 @@ impl Args {
             Args::Mps(a) => {
                 Spawned::Other(spawn(MpsDaemons, a, span, supervisor).await?.get_cell())
             }
-            Args::Dra(a) => Spawned::Other(spawn(DraActor, a, span, supervisor).await?.get_cell()),
+            Args::Dra(a) => Spawned::Other(spawn(DraActor, *a, span, supervisor).await?.get_cell()),
         })
     }
 }
