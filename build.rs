@@ -1,8 +1,15 @@
 //! Stamps the build with its git revision (`GIT_REVISION`, "unknown"
-//! outside a git checkout) and compiles the kubelet's v1beta1 device-plugin API with protox (pure Rust),
-//! so a fresh machine needs no system `protoc`.
+//! outside a git checkout) and compiles the kubelet's APIs with protox (pure
+//! Rust), so a fresh machine needs no system `protoc`: the v1beta1
+//! device-plugin API, and for DRA the plugin registration API and the DRA
+//! plugin API v1 and v1beta1.
 //!
-//! Two passes over the same file:
+//! The DRA protos are compiled once, clients and servers (`wire/`), except
+//! v1beta1's service (`dra_v1beta1/`): it is built over v1's messages, which
+//! are v1beta1's plus `Device.share_id` (field 5, which a v1beta1 kubelet
+//! skips as unknown), so one implementation serves both versions.
+//!
+//! Two passes over the device-plugin file:
 //! - `wire/`: every message, both clients and servers. The kubelet side (the
 //!   simulator, `inspect`, tests) and the plugin's registration client use it.
 //! - `plugin/`: only the DevicePlugin server, with every message taken from
@@ -41,10 +48,50 @@ fn git_revision() -> String {
     git(&["rev-parse", "--short", "HEAD"]).unwrap_or_else(|| "unknown".into())
 }
 
+/// Every proto file under `proto/`.
+const PROTOS: [&str; 4] = [
+    "api.proto",
+    "pluginregistration.proto",
+    "dra_v1.proto",
+    "dra_v1beta1.proto",
+];
+
+/// The DRA protos: everything into `wire/`, v1beta1's service over v1's
+/// messages into `dra_v1beta1/`.
+fn dra(out: &Path) -> Result<(), Box<dyn std::error::Error>> {
+    let wire = out.join("wire");
+    std::fs::create_dir_all(&wire)?;
+    let fds = protox::compile(
+        [
+            "pluginregistration.proto",
+            "dra_v1.proto",
+            "dra_v1beta1.proto",
+        ],
+        ["proto"],
+    )?;
+    tonic_prost_build::configure()
+        .out_dir(&wire)
+        .compile_fds(fds)?;
+    let beta = out.join("dra_v1beta1");
+    std::fs::create_dir_all(&beta)?;
+    tonic_prost_build::configure()
+        .out_dir(&beta)
+        .build_client(false)
+        .extern_path(
+            ".k8s.io.kubelet.pkg.apis.dra.v1beta1",
+            "crate::dra::proto::v1",
+        )
+        .compile_fds(protox::compile(["dra_v1beta1.proto"], ["proto"])?)?;
+    Ok(())
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    println!("cargo:rerun-if-changed=proto/api.proto");
+    for proto in PROTOS {
+        println!("cargo:rerun-if-changed=proto/{proto}");
+    }
     println!("cargo:rustc-env=GIT_REVISION={}", git_revision());
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
+    dra(&out)?;
     let fds = protox::compile(["proto/api.proto"], ["proto"])?;
 
     let wire = out.join("wire");

@@ -48,8 +48,10 @@ pub enum RunError {
 /// and plans every enabled resource's devices: what start-up and every
 /// reload must pass before anything is served.
 pub async fn plan(config: &Config) -> Result<Plan, RunError> {
-    socket_dir(config)?;
-    Ok(Plan::new(config, gpus(config).await?)?)
+    if !config.resources.is_empty() {
+        socket_dir(config)?;
+    }
+    Ok(Plan::split(config, gpus(config).await?)?)
 }
 
 /// GPU discovery, off the async threads: NVML blocks.
@@ -128,7 +130,7 @@ pub async fn check(config: &Config) -> Result<Checked, RunError> {
             ));
             None
         }
-        found => Some(Plan::new(config, found?)?),
+        found => Some(Plan::split(config, found?)?),
     };
     Ok(Checked { plan, notes })
 }

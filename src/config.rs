@@ -62,6 +62,7 @@ pub struct Config {
     pub matcher: Matcher,
     pub allocate: AllocateExtras,
     pub enforcement: crate::enforcement::EnforcementConfig,
+    pub dra: crate::dra::DraConfig,
 }
 
 impl Default for Config {
@@ -83,6 +84,7 @@ impl Default for Config {
             matcher: Matcher::default(),
             allocate: AllocateExtras::default(),
             enforcement: Default::default(),
+            dra: Default::default(),
         }
     }
 }
@@ -257,13 +259,21 @@ impl Config {
         Ok(config)
     }
 
-    /// Pod matching watches this node's pods, so it needs the node's name.
+    /// Pod matching watches this node's pods, and DRA publishes the node's
+    /// pool, so either needs the node's name.
     pub fn require_node_name(&self) -> Result<(), ConfigError> {
         if self.pod_matching && self.node_name.is_empty() {
             return Err(invalid(
                 "node_name",
                 "is empty and $NODE_NAME is not set; pod_matching needs the node's name \
                  (set NODE_NAME from the downward API, or pod_matching = false)",
+            ));
+        }
+        if self.dra.enabled && self.node_name.is_empty() {
+            return Err(invalid(
+                "node_name",
+                "is empty and $NODE_NAME is not set; DRA publishes the node's ResourceSlices \
+                 under its name (set NODE_NAME from the downward API)",
             ));
         }
         Ok(())
@@ -276,6 +286,8 @@ impl Config {
         self.validate_resources()?;
         self.validate_socket_paths()?;
         self.enforcement.validate()?;
+        self.dra
+            .validate(&self.resource_domain, self.resources.is_empty())?;
         self.units().check().map_err(|e| match e {
             UnitsError::MemoryUnitZero => invalid(
                 "memory_unit_mib",
@@ -351,10 +363,11 @@ impl Config {
     }
 
     fn validate_resources(&self) -> Result<(), ConfigError> {
-        if self.resources.is_empty() {
+        if self.resources.is_empty() && !self.dra.enabled {
             return Err(invalid(
                 "resources",
-                "is empty; enable at least one of \"gpu-memory\", \"gpu-core\", \"gpu-count\"",
+                "is empty; enable at least one of \"gpu-memory\", \"gpu-core\", \"gpu-count\" \
+                 (or serve the GPUs through DRA: [dra] enabled = true)",
             ));
         }
         for (i, r) in self.resources.iter().enumerate() {

@@ -10,6 +10,7 @@ pub mod app;
 pub mod config;
 pub mod config_watch;
 pub mod device;
+pub mod dra;
 pub mod enforcement;
 pub mod extender;
 pub(crate) mod health;

@@ -62,6 +62,33 @@ fn discover_nvml() -> Result<Vec<Gpu>, DiscoverError> {
         .collect()
 }
 
+/// What NVML says of the node beyond the GPU list, for DRA's device
+/// attributes: product names by UUID, the driver's version and the CUDA
+/// version it supports. Best effort: a call that fails leaves its fact out
+/// (the mock backend has none).
+pub(crate) fn facts(source: impl Into<GpuSource>) -> crate::dra::Facts {
+    let mut facts = crate::dra::Facts::default();
+    if source.into() != GpuSource::Nvml {
+        return facts;
+    }
+    let Ok(nvml) = Nvml::init() else {
+        return facts;
+    };
+    facts.driver_version = nvml.sys_driver_version().ok();
+    facts.cuda_version = nvml.sys_cuda_driver_version().ok().map(|v| {
+        // NVML's form: 1000 * major + 10 * minor.
+        format!("{}.{}", v / 1000, (v % 1000) / 10)
+    });
+    for i in 0..nvml.device_count().unwrap_or(0) {
+        if let Ok(d) = nvml.device_by_index(i)
+            && let (Ok(uuid), Ok(name)) = (d.uuid(), d.name())
+        {
+            facts.products.insert(uuid, name);
+        }
+    }
+    facts
+}
+
 /// NVML's bus ID has an 8-digit domain; sysfs uses 4 (`0000:3b:00.0`).
 fn sysfs_numa_node(nvml_bus_id: &str) -> Option<u32> {
     let short = nvml_bus_id.get(4..)?;

@@ -224,6 +224,13 @@ pub(crate) fn device_entry_len(id_len: usize, health: &str, numa: Option<u32>) -
 pub enum PlanError {
     #[error("no GPU found on this node")]
     NoGpus,
+    #[error(
+        "every GPU of this node is DRA's (config key `dra.gpus`), and `resources` asks for \
+         device-plugin resources on the others; set resources = [] or leave GPUs to them"
+    )]
+    NoneLeft,
+    #[error(transparent)]
+    Dra(#[from] crate::dra::UnknownGpu),
     #[error("GPU UUID {0:?} is reported twice")]
     DuplicateUuid(String),
     #[error(
@@ -255,6 +262,8 @@ pub enum PlanError {
 #[derive(Debug, Clone)]
 pub struct Plan {
     models: BTreeMap<Resource, Arc<DeviceModel>>,
+    /// The GPUs DRA serves, none of the models'.
+    dra: Vec<Gpu>,
 }
 
 impl Plan {
@@ -305,7 +314,35 @@ impl Plan {
             }
             models.insert(resource, Arc::new(model));
         }
-        Ok(Plan { models })
+        Ok(Plan {
+            models,
+            dra: Vec::new(),
+        })
+    }
+
+    /// The node's plan: DRA's GPUs as `[dra]` selects them, the
+    /// device-plugin resources' models over the others.
+    pub fn split(config: &crate::config::Config, gpus: Vec<Gpu>) -> Result<Plan, PlanError> {
+        let (dra, rest) = if config.dra.enabled {
+            config.dra.selection().split(gpus)?
+        } else {
+            (Vec::new(), gpus)
+        };
+        let mut plan = match config.resources.is_empty() {
+            true => Plan {
+                models: BTreeMap::new(),
+                dra: Vec::new(),
+            },
+            false if rest.is_empty() && !dra.is_empty() => return Err(PlanError::NoneLeft),
+            false => Plan::new(config, rest)?,
+        };
+        plan.dra = dra;
+        Ok(plan)
+    }
+
+    /// The GPUs DRA serves.
+    pub(crate) fn dra_gpus(&self) -> &[Gpu] {
+        &self.dra
     }
 
     pub fn model(&self, r: Resource) -> Option<&Arc<DeviceModel>> {

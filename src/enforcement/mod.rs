@@ -26,9 +26,9 @@ use std::time::SystemTime;
 pub(crate) use config::EnforcementConfig;
 pub use config::{Compute, CorePolicy, Mode, MpsConfig};
 pub use library::install_library;
-pub(crate) use library::{LibraryError, check_library};
+pub(crate) use library::{LibraryError, check_library, write_atomically};
 pub use plan::LIBRARY_FILE;
-pub(crate) use plan::{CacheOwner, Preload, cache_key};
+pub(crate) use plan::{CacheOwner, Owner, Preload, cache_key};
 pub(crate) use region::{Region, RegionError};
 pub(crate) use state::{Keep, Swept};
 
@@ -143,14 +143,14 @@ pub(crate) struct AllocateEnforcement {
 
 impl AllocateEnforcement {
     /// What enforcement needs in the container of a shared grant on the GPU
-    /// `uuid`, owned by `owner` when pod matching knows it: HAMi-core's
+    /// `uuid`, owned by `owner` when it is known (pod matching, a claim): HAMi-core's
     /// cache directory made fresh on disk, and MPS's control daemon for the
     /// GPU answering (asked at every grant: a daemon gone since the last
     /// would leave the container unlimited). An error means the grant must
     /// be refused, and nothing is recorded for it.
     pub(crate) fn prepare(
         &self,
-        owner: Option<CacheOwner<'_>>,
+        owner: Option<Owner<'_>>,
         uuid: &str,
     ) -> Result<Preload, EnforcementError> {
         let e = &self.enforcer;
@@ -180,10 +180,10 @@ mod tests {
 
     use super::*;
 
-    const POD: Option<CacheOwner<'static>> = Some(CacheOwner {
+    const POD: Option<Owner<'static>> = Some(Owner::Container(CacheOwner {
         pod_uid: "uid-1",
         container: "app",
-    });
+    }));
 
     fn enforcer(root: &Path) -> Enforcer {
         Enforcer::new(&EnforcementConfig {
@@ -206,10 +206,10 @@ mod tests {
         // Gone after the RPC's first container: its second one is not
         // checked again (the clone is what a blocking task holds)...
         std::fs::remove_file(e.library_path()).unwrap();
-        let second = Some(CacheOwner {
+        let second = Some(Owner::Container(CacheOwner {
             pod_uid: "uid-1",
             container: "sidecar",
-        });
+        }));
         let p = rpc.clone().prepare(second, "GPU-a").unwrap();
         assert!(p.cache_dir.unwrap().is_dir());
         // ...but the next RPC is.
@@ -257,14 +257,14 @@ mod tests {
         assert_eq!(p.cache_dir, None);
 
         // Usage: the region HAMi-core writes into the cache directory.
-        let key = cache_key(POD.unwrap());
+        let key = "uid-1_app";
         std::fs::write(
             cache_dir.join(plan::CACHE_FILE),
             region::tests::region((1, 2), &[("GPU-a", 1 << 30)], &[(1, &[5 << 20])]),
         )
         .unwrap();
         assert_eq!(
-            e.usage(&key).unwrap().unwrap().devices[0].used_bytes,
+            e.usage(key).unwrap().unwrap().devices[0].used_bytes,
             5 << 20
         );
         assert_eq!(e.usage("uid-2_app").unwrap(), None);

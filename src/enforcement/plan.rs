@@ -81,6 +81,32 @@ pub(crate) fn cache_key(owner: CacheOwner<'_>) -> String {
     )
 }
 
+/// Whose usage region a shared grant's cache directory holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Owner<'a> {
+    /// A device-plugin grant's container, as pod matching knows it: under
+    /// `containers/`, swept when its pod is gone.
+    Container(CacheOwner<'a>),
+    /// A DRA claim's share (every container using the claim shares its
+    /// limit, so they share the region): under `claims/`, which the pod
+    /// sweeper never touches; NodeUnprepareResources removes it.
+    Claim { uid: &'a str, share: &'a str },
+}
+
+impl Owner<'_> {
+    /// The owner's cache directory in `layout`.
+    pub(crate) fn cache_dir(&self, layout: &StateLayout) -> PathBuf {
+        match *self {
+            Owner::Container(c) => layout.containers_dir.join(cache_key(c)),
+            Owner::Claim { uid, share } => {
+                layout
+                    .claims_dir
+                    .join(format!("{}_{}", safe_part(uid), safe_part(share)))
+            }
+        }
+    }
+}
+
 /// One GPU's directory under an MPS root (pipes or logs): the control
 /// daemon of each GPU has its own.
 pub(crate) fn gpu_dir(root: &Path, uuid: &str) -> PathBuf {
@@ -92,6 +118,7 @@ pub(crate) fn gpu_dir(root: &Path, uuid: &str) -> PathBuf {
 pub(crate) struct StateLayout {
     pub(crate) preload_file: PathBuf,
     pub(crate) containers_dir: PathBuf,
+    pub(crate) claims_dir: PathBuf,
     pub(crate) lock_dir: PathBuf,
 }
 
@@ -100,6 +127,7 @@ impl StateLayout {
         StateLayout {
             preload_file: state_dir.join("ld.so.preload"),
             containers_dir: state_dir.join("containers"),
+            claims_dir: state_dir.join("claims"),
             lock_dir: state_dir.join("vgpulock"),
         }
     }
@@ -130,14 +158,10 @@ fn mount(host: &Path, container: &Path, read_only: bool) -> Mount {
 }
 
 /// The mounts and envs of a shared grant on the GPU `uuid`, owned by
-/// `owner` when pod matching knows it (a whole GPU has nothing to limit,
+/// `owner` when it is known (pod matching, a DRA claim) (a whole GPU has nothing to limit,
 /// so it never asks). HAMi-core's part when it is preloaded, MPS's when it
 /// limits compute.
-pub(crate) fn plan(
-    config: &EnforcementConfig,
-    owner: Option<CacheOwner<'_>>,
-    uuid: &str,
-) -> Preload {
+pub(crate) fn plan(config: &EnforcementConfig, owner: Option<Owner<'_>>, uuid: &str) -> Preload {
     let mut p = Preload {
         cache_dir: None,
         mounts: Vec::new(),
@@ -168,7 +192,7 @@ pub(crate) fn plan(
 /// the usage region in the owner's cache directory (or, with no owner
 /// known, in the container's own /tmp, which exists because the lock
 /// directory is mounted in it).
-fn hami_core(config: &EnforcementConfig, owner: Option<CacheOwner<'_>>, p: &mut Preload) {
+fn hami_core(config: &EnforcementConfig, owner: Option<Owner<'_>>, p: &mut Preload) {
     let layout = StateLayout::new(&config.state_dir);
     p.mounts.extend([
         mount(
@@ -180,7 +204,7 @@ fn hami_core(config: &EnforcementConfig, owner: Option<CacheOwner<'_>>, p: &mut 
     ]);
     let region = match owner {
         Some(owner) => {
-            let cache_dir = layout.containers_dir.join(cache_key(owner));
+            let cache_dir = owner.cache_dir(&layout);
             p.mounts
                 .push(mount(&cache_dir, &config.container_cache_dir, false));
             p.cache_dir = Some(cache_dir);
@@ -244,7 +268,7 @@ mod tests {
 
     #[test]
     fn a_shared_grant_preloads_the_library_with_a_cache_of_its_own() {
-        let p = plan(&config(), Some(POD), "GPU-a");
+        let p = plan(&config(), Some(Owner::Container(POD)), "GPU-a");
         assert_eq!(
             targets(&p),
             [
@@ -285,7 +309,7 @@ mod tests {
             core_policy: crate::enforcement::CorePolicy::Default,
             ..config()
         };
-        let p = plan(&lax, Some(POD), "GPU-a");
+        let p = plan(&lax, Some(Owner::Container(POD)), "GPU-a");
         assert_eq!(env(&p, CORE_POLICY_ENV), Some("default"));
         assert_eq!(
             p.cache_dir.as_deref(),
@@ -318,7 +342,7 @@ mod tests {
             compute: Some(Compute::Mps),
             ..Default::default()
         };
-        let p = plan(&mps_only, Some(POD), "GPU-a");
+        let p = plan(&mps_only, Some(Owner::Container(POD)), "GPU-a");
         assert!(p.mps);
         assert_eq!(p.cache_dir, None);
         assert_eq!(
@@ -342,7 +366,7 @@ mod tests {
             compute: Some(Compute::Mps),
             ..config()
         };
-        let p = plan(&both, Some(POD), "GPU-b");
+        let p = plan(&both, Some(Owner::Container(POD)), "GPU-b");
         assert!(p.mps && p.cache_dir.is_some());
         assert_eq!(p.mounts.len(), 6);
         assert_eq!(env(&p, CORE_POLICY_ENV), Some("disable"));

@@ -43,7 +43,7 @@ fn make_dir(path: &Path, mode: u32) -> Result<(), EnforcementError> {
 }
 
 /// The state directory's shared parts, made if missing: the directory, the
-/// containers' parent, the lock directory and `ld.so.preload` with
+/// containers' and claims' parents, the lock directory and `ld.so.preload` with
 /// `preload` as its text (rewritten atomically only when it differs).
 pub(crate) fn ensure_state(
     state_dir: &Path,
@@ -52,6 +52,7 @@ pub(crate) fn ensure_state(
 ) -> Result<(), EnforcementError> {
     std::fs::create_dir_all(state_dir).map_err(io("create directory", state_dir))?;
     make_dir(&layout.containers_dir, 0o755)?;
+    make_dir(&layout.claims_dir, 0o755)?;
     make_dir(&layout.lock_dir, LOCK_DIR_MODE)?;
     if std::fs::read(&layout.preload_file).ok().as_deref() != Some(preload.as_bytes()) {
         write_atomically(&layout.preload_file, preload.as_bytes(), 0o644)?;

@@ -283,7 +283,10 @@ mod tests {
             pod_uid: &c.uid,
             container: &c.container,
         };
-        let p = e.for_allocate().prepare(Some(owner), "GPU-a").unwrap();
+        let p = e
+            .for_allocate()
+            .prepare(Some(crate::enforcement::Owner::Container(owner)), "GPU-a")
+            .unwrap();
         p.cache_dir.unwrap()
     }
 

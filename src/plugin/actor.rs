@@ -82,7 +82,7 @@ impl PluginArgs {
             socket: config.device_plugin_dir.join(&endpoint),
             endpoint,
             kubelet_socket: config.kubelet_socket(),
-            composer: Arc::new(ResponseComposer::new(config, r)),
+            composer: Arc::new(ResponseComposer::new(config)),
             model,
             placement,
             enforcer: Enforcer::new(&config.enforcement),

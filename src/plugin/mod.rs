@@ -9,7 +9,8 @@
 //!   model's one GPU selection.
 //! - `allocate`: what a container is granted (from the IDs alone without
 //!   pod matching).
-//! - `response`: the one composer of a container's Allocate response.
+//! - `response`: the one composer of a container's envs and mounts (an
+//!   Allocate response, a DRA claim's CDI edits).
 //! - `codec`: the hand-written prost types for the large messages.
 //! - `registration`: the Register call to the kubelet.
 
@@ -27,4 +28,5 @@ pub(crate) mod service;
 
 pub(crate) use actor::{PluginActor, PluginArgs, PluginMsg, SETTLE};
 pub(crate) use pairing::PairingBook;
-pub(crate) use placement::Placement;
+pub(crate) use placement::{OwnedBy, Placement, prepare_grant};
+pub(crate) use response::{ContainerEdits, Limits, ResponseComposer};

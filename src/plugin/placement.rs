@@ -15,7 +15,7 @@ use super::allocate::{AllocateError, ContainerGrant, ids_grant};
 use super::pairing::{PairingBook, SplitError};
 use super::preferred;
 use crate::device::{DeviceModel, DeviceRef, Resource};
-use crate::enforcement::{AllocateEnforcement, CacheOwner, EnforcementError, Preload};
+use crate::enforcement::{AllocateEnforcement, CacheOwner, EnforcementError, Owner, Preload};
 use crate::matcher::{Decision, MatcherError, MatcherHandle, Prepare};
 
 #[derive(Debug, Clone)]
@@ -133,9 +133,9 @@ fn grant_of(d: &Decision) -> ContainerGrant {
 }
 
 /// Enforcement's cap for `grant` (on GPUs whose UUIDs are `uuids`), owned by the
-/// container (pod UID, name) when pod matching knows it, readied off the
-/// async threads; a grant riding inside whole GPUs has nothing to cap (and
-/// no MPS client on it: a whole GPU is its container's alone).
+/// container (pod UID, name) when pod matching knows it; a grant riding
+/// inside whole GPUs has nothing to cap (and no MPS client on it: a whole
+/// GPU is its container's alone).
 async fn prepare(
     e: &AllocateEnforcement,
     uuids: &[String],
@@ -146,12 +146,35 @@ async fn prepare(
     let Some(&gpu) = grant.gpus.first().filter(|_| !grant.whole) else {
         return Ok(None);
     };
-    let (e, uuid) = (e.clone(), uuids[gpu].clone());
+    let owner = owner.map(|(pod_uid, container)| OwnedBy::Container { pod_uid, container });
+    prepare_grant(e, uuids[gpu].clone(), owner).await.map(Some)
+}
+
+/// Who owns a grant's cache directory, owned so it can go to the blocking
+/// pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum OwnedBy {
+    Container { pod_uid: String, container: String },
+    Claim { uid: String, share: String },
+}
+
+/// The one prepare step of a shared grant on the GPU `uuid`, whichever API
+/// granted it (an Allocate, a DRA claim): enforcement's file work and MPS
+/// check, off the async threads.
+pub(crate) async fn prepare_grant(
+    e: &AllocateEnforcement,
+    uuid: String,
+    owner: Option<OwnedBy>,
+) -> Result<Preload, EnforcementError> {
+    let e = e.clone();
     blocking(move || {
-        let owner = owner
-            .as_ref()
-            .map(|(pod_uid, container)| CacheOwner { pod_uid, container });
-        e.prepare(owner, &uuid).map(Some)
+        let owner = owner.as_ref().map(|o| match o {
+            OwnedBy::Container { pod_uid, container } => {
+                Owner::Container(CacheOwner { pod_uid, container })
+            }
+            OwnedBy::Claim { uid, share } => Owner::Claim { uid, share },
+        });
+        e.prepare(owner, &uuid)
     })
     .await
 }

@@ -1,6 +1,8 @@
-//! The one place a container's Allocate response is composed:
-//! [`ResponseComposer::compose`], from the grant, HAMi-core's preload and
-//! the config. A new env or mount is added here, as a step of its own.
+//! The one place a container's envs and mounts are composed, for a
+//! device-plugin Allocate ([`ResponseComposer::compose`]) and a DRA claim's
+//! CDI spec alike ([`ResponseComposer::edits`]), from the grant, HAMi-core's
+//! preload and the config. A new env or mount is added here, as a step of
+//! its own.
 //!
 //! The steps run in a fixed order, and each adds only the envs no earlier
 //! step has set, so the order is the precedence when two name the same env
@@ -32,18 +34,60 @@ const MPS_CORE_ENV: &str = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE";
 /// The driver's cap on an MPS client's device memory.
 const MPS_MEMORY_ENV: &str = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT";
 
-/// Composes one resource's Allocate responses; built from the config once.
+/// What a shared grant caps, whichever API granted it: a device-plugin
+/// Allocate carries one of the two (its resource's), a DRA share both.
+/// Neither: whole GPUs, nothing to cap.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Limits {
+    pub(crate) memory_mib: Option<u64>,
+    pub(crate) core_percent: Option<u64>,
+}
+
+impl Limits {
+    /// A device-plugin grant's limit: its resource's amount, unless it
+    /// rides inside whole GPUs.
+    pub(crate) fn of(resource: Resource, grant: &ContainerGrant) -> Limits {
+        let amount = Some(grant.amount).filter(|_| !grant.whole);
+        match resource {
+            Resource::GpuMemory => Limits {
+                memory_mib: amount,
+                core_percent: None,
+            },
+            Resource::GpuCore => Limits {
+                memory_mib: None,
+                core_percent: amount,
+            },
+            Resource::GpuCount => Limits::default(),
+        }
+    }
+
+    pub(crate) fn shared(&self) -> bool {
+        self.memory_mib.is_some() || self.core_percent.is_some()
+    }
+}
+
+/// A container's envs and mounts, before they become an Allocate response
+/// or a CDI spec's container edits.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct ContainerEdits {
+    pub(crate) envs: HashMap<String, String>,
+    pub(crate) mounts: Vec<Mount>,
+}
+
+/// Composes containers' envs and mounts; built from the config once.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct ResponseComposer {
-    /// The env carrying a shared grant's amount, e.g. `DOSLAB_IO_GPU_MEMORY`.
-    amount_env: String,
+    /// The envs carrying a shared grant's amount, e.g.
+    /// `DOSLAB_IO_GPU_MEMORY` (MiB) and `DOSLAB_IO_GPU_CORE` (percent).
+    memory_env: String,
+    core_env: String,
     /// The operator's envs and mounts for every container.
     extra_envs: BTreeMap<String, String>,
     extra_mounts: Vec<Mount>,
 }
 
 impl ResponseComposer {
-    pub(crate) fn new(config: &Config, resource: Resource) -> Self {
+    pub(crate) fn new(config: &Config) -> Self {
         let extra_mounts = config
             .allocate
             .mounts
@@ -55,27 +99,46 @@ impl ResponseComposer {
             })
             .collect();
         ResponseComposer {
-            amount_env: config.amount_env(resource),
+            memory_env: config.amount_env(Resource::GpuMemory),
+            core_env: config.amount_env(Resource::GpuCore),
             extra_envs: config.allocate.envs.clone(),
             extra_mounts,
         }
     }
 
-    /// The response for `grant` of `model`'s resource, with `preload` when
-    /// enforcement caps it; the steps are the module's, in its order.
-    ///
-    /// MPS's limits, in NVIDIA's client env formats: a gpu-core grant's
-    /// share of the GPU as `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` (the amount
-    /// is already percent), a gpu-memory grant as
-    /// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<GPU UUID>=<MiB>M` (the variable
-    /// names devices as `CUDA_VISIBLE_DEVICES` does; by UUID, so the limit
-    /// names the granted GPU however the client enumerates it).
+    /// The Allocate response for `grant` of `model`'s resource, with
+    /// `preload` when enforcement caps it: [`ResponseComposer::edits`].
     pub(crate) fn compose(
         &self,
         model: &DeviceModel,
         grant: &ContainerGrant,
         preload: Option<Preload>,
     ) -> ContainerAllocateResponse {
+        let gpus = model.gpus();
+        let uuids: Vec<&str> = grant.gpus.iter().map(|&g| gpus[g].uuid.as_str()).collect();
+        let edits = self.edits(&uuids, Limits::of(model.resource(), grant), preload);
+        ContainerAllocateResponse {
+            envs: edits.envs,
+            mounts: edits.mounts,
+            ..Default::default()
+        }
+    }
+
+    /// The envs and mounts of a container granted the GPUs `uuids` (one
+    /// for a shared grant) with `limits`, and `preload` when enforcement
+    /// caps it; the steps are the module's, in its order.
+    ///
+    /// MPS's limits, in NVIDIA's client env formats: a core limit as
+    /// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` (already percent), a memory
+    /// limit as `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<GPU UUID>=<MiB>M` (the
+    /// variable names devices as `CUDA_VISIBLE_DEVICES` does; by UUID, so
+    /// the limit names the granted GPU however the client enumerates it).
+    pub(crate) fn edits(
+        &self,
+        uuids: &[&str],
+        limits: Limits,
+        preload: Option<Preload>,
+    ) -> ContainerEdits {
         let mut envs = HashMap::new();
         let mut add = |key: &str, value: String| {
             envs.entry(key.to_owned()).or_insert(value);
@@ -83,25 +146,20 @@ impl ResponseComposer {
         let mut mounts = Vec::new();
 
         // 1. The grant.
-        let gpus = model.gpus();
-        let uuids: Vec<&str> = grant.gpus.iter().map(|&g| gpus[g].uuid.as_str()).collect();
         add("NVIDIA_VISIBLE_DEVICES", uuids.join(","));
-        let amount = grant.amount;
-        let limit = match model.resource() {
-            // Riding inside whole GPUs: nothing to cap.
-            _ if grant.whole => None,
-            Resource::GpuCount => None,
-            Resource::GpuMemory => Some(("CUDA_DEVICE_MEMORY_LIMIT_0", format!("{amount}m"))),
-            Resource::GpuCore => Some(("CUDA_DEVICE_SM_LIMIT", amount.to_string())),
-        };
-        if let Some((key, value)) = limit {
-            add(&self.amount_env, amount.to_string());
-            add(key, value);
-            if preload.as_ref().is_some_and(|p| p.mps) {
-                match model.resource() {
-                    Resource::GpuMemory => add(MPS_MEMORY_ENV, format!("{}={amount}M", uuids[0])),
-                    _ => add(MPS_CORE_ENV, amount.to_string()),
-                }
+        let mps = preload.as_ref().is_some_and(|p| p.mps);
+        if let Some(mib) = limits.memory_mib {
+            add(&self.memory_env, mib.to_string());
+            add("CUDA_DEVICE_MEMORY_LIMIT_0", format!("{mib}m"));
+            if mps {
+                add(MPS_MEMORY_ENV, format!("{}={mib}M", uuids[0]));
+            }
+        }
+        if let Some(percent) = limits.core_percent {
+            add(&self.core_env, percent.to_string());
+            add("CUDA_DEVICE_SM_LIMIT", percent.to_string());
+            if mps {
+                add(MPS_CORE_ENV, percent.to_string());
             }
         }
 
@@ -122,11 +180,7 @@ impl ResponseComposer {
         // 4. The defaults.
         add("NVIDIA_DRIVER_CAPABILITIES", "compute,utility".to_owned());
 
-        ContainerAllocateResponse {
-            envs,
-            mounts,
-            ..Default::default()
-        }
+        ContainerEdits { envs, mounts }
     }
 }
 
@@ -161,7 +215,7 @@ pub(super) mod tests {
     ) -> ContainerAllocateResponse {
         let (c, p) = setup(extra);
         let m = p.model(resource).unwrap();
-        ResponseComposer::new(&c, resource).compose(m, &ids_grant(m, devices).unwrap(), None)
+        ResponseComposer::new(&c).compose(m, &ids_grant(m, devices).unwrap(), None)
     }
 
     #[test]
@@ -202,7 +256,7 @@ pub(super) mod tests {
             amount: 40,
             whole: true,
         };
-        let r = ResponseComposer::new(&c, Resource::GpuMemory).compose(m, &grant, None);
+        let r = ResponseComposer::new(&c).compose(m, &grant, None);
         assert_eq!(r.envs["NVIDIA_VISIBLE_DEVICES"], "GPU-a,GPU-b");
         assert!(!r.envs.contains_key("DOSLAB_IO_GPU_MEMORY"));
         assert!(!r.envs.contains_key("CUDA_DEVICE_MEMORY_LIMIT_0"));
@@ -241,7 +295,7 @@ pub(super) mod tests {
                 host_path: "/h".into(),
                 read_only: true,
             }],
-            ..ResponseComposer::new(&c, Resource::GpuMemory)
+            ..ResponseComposer::new(&c)
         };
         let enforcement = EnforcementConfig {
             mode: Mode::HamiCore,
@@ -283,7 +337,7 @@ pub(super) mod tests {
             let grant = ids_grant(m, devices).unwrap();
             let uuid = &m.gpus()[grant.gpus[0]].uuid;
             let preload = plan::plan(&mps, None, uuid);
-            ResponseComposer::new(&c, resource).compose(m, &grant, Some(preload))
+            ResponseComposer::new(&c).compose(m, &grant, Some(preload))
         };
         let core = compose(Resource::GpuCore, &on(1, 6));
         assert_eq!(core.envs[MPS_CORE_ENV], "30");
@@ -312,7 +366,7 @@ pub(super) mod tests {
             whole: true,
         };
         let preload = plan::plan(&mps, None, "GPU-a");
-        let r = ResponseComposer::new(&c, Resource::GpuMemory).compose(m, &whole, Some(preload));
+        let r = ResponseComposer::new(&c).compose(m, &whole, Some(preload));
         assert!(!r.envs.contains_key(MPS_MEMORY_ENV));
     }
 }

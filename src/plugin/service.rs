@@ -290,7 +290,7 @@ mod tests {
         });
         let service = DevicePluginService::new(
             model.clone(),
-            Arc::new(ResponseComposer::new(&config, Resource::GpuMemory)),
+            Arc::new(ResponseComposer::new(&config)),
             lists,
             placement,
             None,

@@ -11,6 +11,7 @@ use tracing::Instrument;
 
 use crate::config::Config;
 use crate::device::{Plan, Resource};
+use crate::dra::{DraActor, DraArgs};
 use crate::enforcement::sweeper::{Sweeper, SweeperArgs};
 use crate::enforcement::{Compute, Enforcer};
 use crate::health::{HealthArgs, HealthMonitor, HealthReport, ProbeSpec};
@@ -33,6 +34,7 @@ pub(crate) enum Child {
     Health,
     Enforcement,
     Mps,
+    Dra,
 }
 
 impl std::fmt::Display for Child {
@@ -45,6 +47,7 @@ impl std::fmt::Display for Child {
             Child::Health => f.write_str("health monitor"),
             Child::Enforcement => f.write_str("enforcement sweeper"),
             Child::Mps => f.write_str(crate::mps::actor::READY_NAME),
+            Child::Dra => f.write_str("DRA plugin"),
         }
     }
 }
@@ -69,6 +72,9 @@ pub(crate) fn wanted(config: &Config, plan: &Plan) -> Vec<Child> {
     if config.enforcement.compute() == Compute::Mps {
         children.push(Child::Mps);
     }
+    if config.dra.enabled {
+        children.push(Child::Dra);
+    }
     children
 }
 
@@ -92,6 +98,7 @@ pub(crate) enum Args {
     Health(HealthArgs),
     Enforcement(SweeperArgs),
     Mps(MpsArgs),
+    Dra(Box<DraArgs>),
 }
 
 /// A spawned child, by its typed address where the supervisor talks to it.
@@ -177,6 +184,7 @@ impl Args {
                 tick: Duration::from_millis(config.health.poll_ms),
                 metrics: context.metrics.clone(),
             }),
+            Child::Dra => Args::Dra(Box::new(DraArgs::new(config, plan.dra_gpus().to_vec()))),
         })
     }
 
@@ -206,6 +214,7 @@ impl Args {
             Args::Mps(a) => {
                 Spawned::Other(spawn(MpsDaemons, a, span, supervisor).await?.get_cell())
             }
+            Args::Dra(a) => Spawned::Other(spawn(DraActor, *a, span, supervisor).await?.get_cell()),
         })
     }
 }

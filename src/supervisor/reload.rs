@@ -27,6 +27,7 @@ pub(crate) fn restart(old: &Args, new: Option<&Args>) -> Option<&'static str> {
         (Args::Health(a), Args::Health(b)) => a.restart_key() == b.restart_key(),
         (Args::Enforcement(a), Args::Enforcement(b)) => a.restart_key() == b.restart_key(),
         (Args::Mps(a), Args::Mps(b)) => a.restart_key() == b.restart_key(),
+        (Args::Dra(a), Args::Dra(b)) => a.restart_key() == b.restart_key(),
         _ => false,
     };
     (!same).then_some(match new {
@@ -36,7 +37,8 @@ pub(crate) fn restart(old: &Args, new: Option<&Args>) -> Option<&'static str> {
         | Args::Plugin(_)
         | Args::Inventory(_)
         | Args::Enforcement(_)
-        | Args::Mps(_) => "changed by reload",
+        | Args::Mps(_)
+        | Args::Dra(_) => "changed by reload",
     })
 }
 

@@ -1,0 +1,28 @@
+//! DRA: the daemon as a Dynamic Resource Allocation kubelet plugin
+//! (`[dra]` in the config), beside or instead of the device-plugin
+//! resources, on GPUs of its own.
+//!
+//! - `config`: the `[dra]` section and which GPUs DRA serves.
+//! - `proto`: the kubelet's registration and DRA plugin APIs.
+//! - `grant`: what an allocated claim grants on this node (pure).
+//! - `cdi`: a claim's CDI spec.
+//! - `checkpoint`: what is prepared, on disk.
+//! - `prepare`: NodePrepareResources / NodeUnprepareResources, through the
+//!   device plugin's own prepare step and composer.
+//! - `slices`: the node's ResourceSlice.
+//! - `service`: the gRPC adapters; `actor`: the supervised actor.
+
+mod actor;
+mod cdi;
+mod checkpoint;
+mod config;
+mod grant;
+mod prepare;
+pub mod proto;
+mod service;
+mod slices;
+
+pub(crate) use actor::{DraActor, DraArgs};
+pub use checkpoint::CheckpointError;
+pub use config::{DraConfig, UnknownGpu};
+pub(crate) use slices::Facts;

@@ -1,0 +1,473 @@
+//! DRA through the real binary against the real kube-apiserver: the test
+//! plays the kubelet's plugin watcher and DRA manager over the daemon's unix
+//! sockets (registration, then NodePrepareResources and
+//! NodeUnprepareResources, v1 and v1beta1), with ResourceClaims the admin
+//! creates and allocates by hand (no scheduler runs here). Checked: the
+//! CDI spec each claim gets (HAMi-core's and MPS's envs and mounts, from
+//! the device plugin's own composer), an answer and an error per claim,
+//! idempotency, the checkpoint across a daemon restart, unprepare removing
+//! the spec and the cache directory, and the node's ResourceSlice.
+
+mod support;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use gpu_device_plugin::dra::proto::registration::registration_client::RegistrationClient;
+use gpu_device_plugin::dra::proto::registration::{InfoRequest, RegistrationStatus};
+use gpu_device_plugin::dra::proto::v1::dra_plugin_client::DraPluginClient;
+use gpu_device_plugin::dra::proto::v1::{
+    Claim, NodePrepareResourcesRequest, NodeUnprepareResourcesRequest,
+};
+use gpu_device_plugin::dra::proto::v1beta1;
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+use support::kube::{ControlPlane, namespace};
+use support::{Daemon, WAIT, mock_config, real_shared_object};
+use tonic::transport::Channel;
+
+const NS: &str = "dra";
+const NODE: &str = "node-a";
+const DRIVER: &str = "gpu.doslab.io";
+const GPUS: &[(&str, u64)] = &[("GPU-a", 16384), ("GPU-b", 16384)];
+
+/// The host directories one daemon uses.
+struct Host {
+    dir: tempfile::TempDir,
+}
+
+impl Host {
+    fn new() -> Host {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("device-plugins")).unwrap();
+        Host { dir }
+    }
+
+    fn path(&self, p: &str) -> PathBuf {
+        self.dir.path().join(p)
+    }
+
+    /// A DRA-only mock node's config, `enforcement` its `[enforcement]`.
+    fn config(&self, cp: &ControlPlane, enforcement: &str) -> String {
+        let extra = format!(
+            "resources = []\nnode_name = \"{NODE}\"\n[matcher]\nkubeconfig = {:?}\n\
+             [enforcement]\nlibrary_dir = {:?}\nstate_dir = {:?}\n{enforcement}\n\
+             [dra]\nenabled = true\nplugins_registry_dir = {:?}\nplugins_dir = {:?}\n\
+             cdi_dir = {:?}\nstate_dir = {:?}\n",
+            cp.admin,
+            self.path("lib"),
+            self.path("state"),
+            self.path("registry"),
+            self.path("plugins"),
+            self.path("cdi"),
+            self.path("dra"),
+        );
+        mock_config(&self.path("device-plugins"), &extra, GPUS)
+    }
+
+    fn registration_socket(&self) -> PathBuf {
+        self.path(&format!("registry/{DRIVER}-reg.sock"))
+    }
+}
+
+async fn channel(path: &Path) -> Channel {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if path.exists()
+            && let Ok(c) = gpu_device_plugin::uds::connect(path, Duration::from_secs(5)).await
+        {
+            return c;
+        }
+        assert!(Instant::now() < deadline, "{} never served", path.display());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Registers as the kubelet's plugin watcher does; the DRA endpoint.
+async fn register(host: &Host) -> PathBuf {
+    let mut reg = RegistrationClient::new(channel(&host.registration_socket()).await);
+    let info = reg.get_info(InfoRequest {}).await.unwrap().into_inner();
+    assert_eq!(info.r#type, "DRAPlugin");
+    assert_eq!(info.name, DRIVER);
+    assert_eq!(
+        info.supported_versions,
+        ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+    );
+    let endpoint = PathBuf::from(&info.endpoint);
+    assert_eq!(endpoint, host.path(&format!("plugins/{DRIVER}/dra.sock")));
+    reg.notify_registration_status(RegistrationStatus {
+        plugin_registered: true,
+        error: String::new(),
+    })
+    .await
+    .unwrap();
+    endpoint
+}
+
+/// Creates claim `name` and, with `results`, allocates it as the scheduler
+/// would (status subresource, as the admin); its UID.
+async fn claim(client: &kube::Client, name: &str, results: Option<Value>) -> String {
+    let api: Api<ResourceClaim> = Api::namespaced(client.clone(), NS);
+    let c: ResourceClaim = serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {"devices": {"requests": [
+            {"name": "gpu", "exactly": {"deviceClassName": DRIVER}}
+        ]}}
+    }))
+    .unwrap();
+    let created = api.create(&PostParams::default(), &c).await.unwrap();
+    if let Some(results) = results {
+        let status = json!({"status": {"allocation": {"devices": {"results": results}}}});
+        api.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+            .await
+            .unwrap();
+    }
+    created.metadata.uid.unwrap()
+}
+
+fn result(device: &str, capacity: Option<Value>, share: Option<&str>) -> Value {
+    let mut r = json!({"request": "gpu", "driver": DRIVER, "pool": NODE, "device": device});
+    if let Some(c) = capacity {
+        r["consumedCapacity"] = c;
+    }
+    if let Some(s) = share {
+        r["shareID"] = json!(s);
+    }
+    r
+}
+
+fn claim_ref(name: &str, uid: &str) -> Claim {
+    Claim {
+        namespace: NS.into(),
+        uid: uid.into(),
+        name: name.into(),
+    }
+}
+
+/// A CDI spec's one device's envs and mounts' (container path, host path).
+fn spec(path: &str) -> (HashMap<String, String>, Vec<(String, String)>) {
+    let v: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    assert_eq!(v["kind"], format!("{DRIVER}/claim"));
+    let devices = v["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 1, "{v}");
+    let edits = &devices[0]["containerEdits"];
+    let envs = edits["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            let (k, v) = e.as_str().unwrap().split_once('=').unwrap();
+            (k.to_owned(), v.to_owned())
+        })
+        .collect();
+    let mounts = edits["mounts"]
+        .as_array()
+        .map(|m| {
+            m.iter()
+                .map(|m| {
+                    let s = |k: &str| m[k].as_str().unwrap().to_owned();
+                    (s("containerPath"), s("hostPath"))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    (envs, mounts)
+}
+
+/// The CDI spec file a CDI device ID names, in `cdi_dir`.
+fn spec_file(host: &Host, uid: &str) -> String {
+    host.path(&format!("cdi/{DRIVER}-{uid}.json"))
+        .display()
+        .to_string()
+}
+
+async fn node(client: &kube::Client) -> String {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let n: Node = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}
+    }))
+    .unwrap();
+    nodes
+        .create(&PostParams::default(), &n)
+        .await
+        .unwrap()
+        .metadata
+        .uid
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn claims_are_prepared_into_cdi_specs_from_the_device_plugins_composer() {
+    let cp = ControlPlane::start();
+    namespace(&cp, NS);
+    let admin = cp.admin_client().await;
+    let node_uid = node(&admin).await;
+
+    let host = Host::new();
+    std::fs::create_dir_all(host.path("lib")).unwrap();
+    std::fs::copy(real_shared_object(), host.path("lib/libvgpu.so")).unwrap();
+    let toml = host.config(&cp, "mode = \"hami-core\"");
+    let mut daemon = Daemon::start(&toml);
+    let endpoint = register(&host).await;
+    let mut dra = DraPluginClient::new(channel(&endpoint).await);
+
+    let share_id = "6f1c2a52-8d5e-4c1a-9a57-0f6f5d1d1c11";
+    let share = claim(
+        &admin,
+        "share",
+        Some(json!([result(
+            "gpu-1",
+            Some(json!({"memory": "8Gi", "cores": "30"})),
+            Some(share_id)
+        )])),
+    )
+    .await;
+    let whole = claim(&admin, "whole", Some(json!([result("gpu-0", None, None)]))).await;
+    let pending = claim(&admin, "pending", None).await;
+    let elsewhere = claim(
+        &admin,
+        "elsewhere",
+        Some(json!([result("gpu-9", None, None)])),
+    )
+    .await;
+    let ask = vec![
+        claim_ref("share", &share),
+        claim_ref("whole", &whole),
+        claim_ref("pending", &pending),
+        claim_ref("elsewhere", &elsewhere),
+        claim_ref("missing", "0d7c4b6e-0000-4000-8000-000000000000"),
+        // The name of a claim whose UID is not the one asked for.
+        claim_ref("whole", "0d7c4b6e-0000-4000-8000-000000000001"),
+    ];
+    let answer = dra
+        .node_prepare_resources(NodePrepareResourcesRequest {
+            claims: ask.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(answer.claims.len(), ask.len(), "{answer:?}");
+    let error = |uid: &str| answer.claims[uid].error.clone();
+    assert!(
+        error(&pending).contains("not allocated"),
+        "{}",
+        error(&pending)
+    );
+    assert!(error(&elsewhere).contains("gpu-9"), "{}", error(&elsewhere));
+    assert!(
+        error("0d7c4b6e-0000-4000-8000-000000000000").contains("does not exist"),
+        "{answer:?}"
+    );
+    assert!(
+        error("0d7c4b6e-0000-4000-8000-000000000001").contains(&whole),
+        "{answer:?}"
+    );
+
+    // The share: its GPU by UUID, its limits as HAMi-core reads them, the
+    // library preloaded, a cache directory of its own.
+    let s = &answer.claims[&share];
+    assert_eq!(s.error, "");
+    assert_eq!(s.devices.len(), 1);
+    let d = &s.devices[0];
+    assert_eq!(
+        (d.pool_name.as_str(), d.device_name.as_str()),
+        (NODE, "gpu-1")
+    );
+    assert_eq!(d.share_id.as_deref(), Some(share_id));
+    assert_eq!(d.request_names, ["gpu"]);
+    assert_eq!(
+        d.cdi_device_ids,
+        [format!("{DRIVER}/claim=claim-{share}-gpu-{share_id}")]
+    );
+    let (envs, mounts) = spec(&spec_file(&host, &share));
+    assert_eq!(envs["NVIDIA_VISIBLE_DEVICES"], "GPU-b");
+    assert_eq!(envs["CUDA_DEVICE_MEMORY_LIMIT_0"], "8192m");
+    assert_eq!(envs["CUDA_DEVICE_SM_LIMIT"], "30");
+    assert_eq!(envs["DOSLAB_IO_GPU_MEMORY"], "8192");
+    assert_eq!(envs["DOSLAB_IO_GPU_CORE"], "30");
+    assert_eq!(envs["GPU_CORE_UTILIZATION_POLICY"], "force");
+    assert_eq!(
+        envs["CUDA_DEVICE_MEMORY_SHARED_CACHE"],
+        "/usr/local/vgpu/cache/vgpu.cache"
+    );
+    let cache = mounts
+        .iter()
+        .find(|(c, _)| c == "/usr/local/vgpu/cache")
+        .map(|(_, h)| PathBuf::from(h))
+        .expect("no cache directory mounted");
+    assert!(cache.starts_with(host.path("state/claims")), "{cache:?}");
+    assert!(cache.is_dir());
+    assert!(mounts.iter().any(|(c, _)| c == "/etc/ld.so.preload"));
+
+    // The whole GPU: its UUID, nothing to cap.
+    let w = &answer.claims[&whole];
+    assert_eq!(w.error, "");
+    let (envs, mounts) = spec(&spec_file(&host, &whole));
+    assert_eq!(envs["NVIDIA_VISIBLE_DEVICES"], "GPU-a");
+    assert!(!envs.contains_key("CUDA_DEVICE_MEMORY_LIMIT_0"), "{envs:?}");
+    assert!(!envs.contains_key("CUDA_DEVICE_SM_LIMIT"), "{envs:?}");
+    assert!(mounts.is_empty(), "{mounts:?}");
+
+    // Idempotent, and v1beta1 answers alike (without the share ID).
+    let again = dra
+        .node_prepare_resources(NodePrepareResourcesRequest {
+            claims: vec![claim_ref("share", &share)],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(again.claims[&share], answer.claims[&share]);
+    let mut beta = v1beta1::wire::dra_plugin_client::DraPluginClient::new(channel(&endpoint).await);
+    let b = beta
+        .node_prepare_resources(v1beta1::wire::NodePrepareResourcesRequest {
+            claims: vec![v1beta1::wire::Claim {
+                namespace: NS.into(),
+                uid: whole.clone(),
+                name: "whole".into(),
+            }],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        b.claims[&whole].devices[0].cdi_device_ids,
+        w.devices[0].cdi_device_ids
+    );
+
+    // The node's slice: both GPUs, shareable by memory and cores, owned by
+    // the Node.
+    let slices: Api<ResourceSlice> = Api::all(admin.clone());
+    let deadline = Instant::now() + WAIT;
+    let slice = loop {
+        if let Some(s) = slices.get_opt(&format!("{NODE}-{DRIVER}")).await.unwrap() {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no slice:\n{}",
+            daemon.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let owner = &slice.metadata.owner_references.as_ref().unwrap()[0];
+    assert_eq!(
+        (owner.kind.as_str(), owner.uid.as_str()),
+        ("Node", node_uid.as_str())
+    );
+    assert_eq!(slice.spec.driver, DRIVER);
+    assert_eq!(slice.spec.pool.name, NODE);
+    let devices = slice.spec.devices.as_ref().unwrap();
+    assert_eq!(devices.len(), 2);
+    for d in devices {
+        assert_eq!(d.allow_multiple_allocations, Some(true), "{d:?}");
+        let cap = d.capacity.as_ref().unwrap();
+        assert_eq!(cap["memory"].value.0, "16Gi");
+        assert_eq!(cap["cores"].value.0, "100");
+    }
+    let first = slice.spec.pool.generation;
+
+    // A restart keeps what was prepared: the checkpoint answers, and
+    // unprepare removes the spec and the cache directory.
+    daemon.signal(libc::SIGTERM);
+    assert!(daemon.wait_exit(WAIT).is_some(), "{}", daemon.log_text());
+    drop(daemon);
+    let daemon = Daemon::start(&toml);
+    let endpoint = register(&host).await;
+    let mut dra = DraPluginClient::new(channel(&endpoint).await);
+    let after = dra
+        .node_prepare_resources(NodePrepareResourcesRequest {
+            claims: vec![claim_ref("whole", &whole)],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(after.claims[&whole], answer.claims[&whole]);
+    let gone = dra
+        .node_unprepare_resources(NodeUnprepareResourcesRequest {
+            claims: vec![claim_ref("share", &share), claim_ref("pending", &pending)],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(gone.claims.len(), 2);
+    assert!(gone.claims.values().all(|c| c.error.is_empty()), "{gone:?}");
+    assert!(!Path::new(&spec_file(&host, &share)).exists());
+    assert!(!cache.exists());
+    assert!(Path::new(&spec_file(&host, &whole)).exists());
+    // Again: nothing left to do, and still an answer.
+    let twice = dra
+        .node_unprepare_resources(NodeUnprepareResourcesRequest {
+            claims: vec![claim_ref("share", &share)],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(twice.claims[&share].error, "");
+    // The restarted daemon published again, one generation on.
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let s = slices.get(&format!("{NODE}-{DRIVER}")).await.unwrap();
+        if s.spec.pool.generation > first {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{}", daemon.log_text());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(daemon);
+
+    // Under MPS a share is an MPS client of its GPU's control daemon
+    // (played by a script that answers as one does).
+    let mps_host = Host::new();
+    let control = mps_host.path("nvidia-cuda-mps-control");
+    std::fs::write(&control, "#!/bin/sh\ncat >/dev/null\necho 100\n").unwrap();
+    std::fs::set_permissions(
+        &control,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let mps = format!(
+        "compute = \"mps\"\n[enforcement.mps]\ncontrol_binary = {:?}\npipe_dir = {:?}\n\
+         log_dir = {:?}\nshm_dir = {:?}\n",
+        control,
+        mps_host.path("pipe"),
+        mps_host.path("log"),
+        mps_host.path("shm")
+    );
+    let _daemon = Daemon::start(&mps_host.config(&cp, &mps));
+    let endpoint = register(&mps_host).await;
+    let mut dra = DraPluginClient::new(channel(&endpoint).await);
+    let mps_share = claim(
+        &admin,
+        "mps",
+        Some(json!([result(
+            "gpu-0",
+            Some(json!({"memory": "4Gi", "cores": "25"})),
+            Some("2b7e1e0a-3c4f-4c1e-9a63-2f7f0c1d2e3f")
+        )])),
+    )
+    .await;
+    let answer = dra
+        .node_prepare_resources(NodePrepareResourcesRequest {
+            claims: vec![claim_ref("mps", &mps_share)],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(answer.claims[&mps_share].error, "", "{answer:?}");
+    let (envs, mounts) = spec(&spec_file(&mps_host, &mps_share));
+    assert_eq!(envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "25");
+    assert_eq!(envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "GPU-a=4096M");
+    assert_eq!(envs["CUDA_MPS_PIPE_DIRECTORY"], "/var/run/nvidia-mps");
+    assert!(
+        mounts
+            .iter()
+            .any(|(c, h)| c == "/var/run/nvidia-mps"
+                && Path::new(h) == mps_host.path("pipe/GPU-a")),
+        "{mounts:?}"
+    );
+    assert!(mounts.iter().any(|(c, _)| c == "/dev/shm"), "{mounts:?}");
+}
