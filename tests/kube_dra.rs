@@ -78,12 +78,7 @@ async fn a_claim_is_allocated_by_the_scheduler_prepared_by_the_kubelet_and_unpre
         START,
         "no ResourceSlice published",
         || logs(&node),
-        async || {
-            let list = slices.list(&ListParams::default()).await.ok()?;
-            list.items
-                .into_iter()
-                .find(|s| s.data["spec"]["driver"] == DRIVER)
-        },
+        async || driver_slice(&slices).await,
     )
     .await;
     assert_eq!(slice.data["spec"]["nodeName"], "node-0", "{:?}", slice.data);
@@ -185,10 +180,13 @@ async fn a_claim_is_allocated_by_the_scheduler_prepared_by_the_kubelet_and_unpre
 
     // The container gets the driver's CDI device, as the runtime would.
     let record = node.record(NS, "claimer").unwrap();
-    assert_eq!(cdi_devices(&record, "main"), [cdi.clone()], "{record:#}");
+    assert_eq!(cdi_devices(&record, "main"), [cdi.as_str()], "{record:#}");
 
     // A kubelet restart: the running pod is admitted again, its claim still
-    // prepared from the DRA manager's checkpoint (no new prepare).
+    // prepared from the DRA manager's checkpoint (no new prepare). The new
+    // kubelet deletes the node's ResourceSlices at start, as the kubelet
+    // does until drivers register again; the driver publishes anew.
+    let published = driver_slice(&slices).await.unwrap().metadata.uid;
     let recorded = std::fs::metadata(node.dir.path().join("kubelet/pods/dra_claimer.json"))
         .unwrap()
         .modified()
@@ -207,13 +205,24 @@ async fn a_claim_is_allocated_by_the_scheduler_prepared_by_the_kubelet_and_unpre
         },
     )
     .await;
-    assert_eq!(cdi_devices(&record, "main"), [cdi.clone()], "{record:#}");
+    assert_eq!(cdi_devices(&record, "main"), [cdi.as_str()], "{record:#}");
     let prepared = driver
         .calls()
         .iter()
         .filter(|c| c["op"] == "prepare")
         .count();
     assert_eq!(prepared, 2, "{:?}", driver.calls());
+    until(
+        START,
+        "the ResourceSlice was never replaced",
+        || logs(&node),
+        async || {
+            driver_slice(&slices)
+                .await
+                .filter(|s| s.metadata.uid != published)
+        },
+    )
+    .await;
 
     // Deletion: the new kubelet unprepares the claim (the driver registered
     // with it again), then deletes the pod for good.
@@ -229,6 +238,14 @@ async fn a_claim_is_allocated_by_the_scheduler_prepared_by_the_kubelet_and_unpre
         .collect();
     assert_eq!(unprepares.len(), 1, "{:?}\n{}", driver.calls(), logs(&node));
     assert_eq!(unprepares[0]["claim"], claim_uid.as_str());
+}
+
+/// The test driver's ResourceSlice, if there is one.
+async fn driver_slice(slices: &Api<DynamicObject>) -> Option<DynamicObject> {
+    let list = slices.list(&ListParams::default()).await.ok()?;
+    list.items
+        .into_iter()
+        .find(|s| s.data["spec"]["driver"] == DRIVER)
 }
 
 fn resource(kind: &str) -> ApiResource {

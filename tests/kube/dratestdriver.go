@@ -24,8 +24,6 @@ import (
 
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 	"k8s.io/dynamic-resource-allocation/resourceslice"
 	"k8s.io/klog/v2"
@@ -66,11 +64,7 @@ func runDRATestDriver(args []string) error {
 	if *kubeconfig == "" || *node == "" || *driver == "" || *registry == "" || *plugins == "" || *calls == "" {
 		return fmt.Errorf("dra-test-driver: --kubeconfig, --node, --driver, --registry, --plugins and --calls are required")
 	}
-	config, err := clientcmd.BuildConfigFromFlags("", *kubeconfig)
-	if err != nil {
-		return err
-	}
-	client, err := kubernetes.NewForConfig(config)
+	_, client, err := clientFor(*kubeconfig)
 	if err != nil {
 		return err
 	}
