@@ -49,7 +49,6 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/apimachinery/pkg/util/wait"
-	utilfeature "k8s.io/apiserver/pkg/util/feature"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/scheme"
@@ -98,9 +97,6 @@ func runKubelet(args []string) error {
 	// The pod workers' backOffPeriod: a pod whose sync failed (a DRA
 	// prepare error) is synced again after it, jittered by half.
 	fs.DurationVar(&f.syncBackoff, "pod-sync-backoff", 10*time.Second, "the kubelet's backOffPeriod after a failed pod sync")
-	// Every DRA gate the tests need is on by default in v1.37 (see
-	// controlplane.go); this is for a test that turns one off.
-	fs.Func("feature-gates", "the kubelet's --feature-gates (key=value,...)", utilfeature.DefaultMutableFeatureGate.Set)
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
