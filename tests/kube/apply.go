@@ -166,11 +166,7 @@ func runToken(args []string) error {
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
-	config, err := clientcmd.BuildConfigFromFlags("", *kubeconfig)
-	if err != nil {
-		return err
-	}
-	client, err := kubernetes.NewForConfig(config)
+	config, client, err := clientFor(*kubeconfig)
 	if err != nil {
 		return err
 	}
@@ -209,6 +205,16 @@ func runToken(args []string) error {
 
 // writeKubeconfig writes a one-context kubeconfig: this cluster, these
 // credentials.
+// clientFor: a client with the identity of kubeconfig, and its config.
+func clientFor(kubeconfig string) (*rest.Config, *kubernetes.Clientset, error) {
+	config, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+	if err != nil {
+		return nil, nil, err
+	}
+	client, err := kubernetes.NewForConfig(config)
+	return config, client, err
+}
+
 func writeKubeconfig(path string, cluster *clientcmdapi.Cluster, auth *clientcmdapi.AuthInfo) error {
 	cfg := clientcmdapi.NewConfig()
 	cfg.Clusters["peers"] = cluster

@@ -77,6 +77,14 @@ func runControlPlane(args []string) error {
 		"--endpoint-reconciler-type=none",
 		"--allow-privileged=true",
 		"--profiling=false",
+		// DRA needs no flag here, nor in the controller manager, the
+		// scheduler or the kubelet peer: in v1.37 resource.k8s.io/v1 is
+		// served by default, and pkg/features has every gate the tests use
+		// on by default: DynamicResourceAllocation and DRAPrioritizedList
+		// GA (locked on), DRAConsumableCapacity, DRAExtendedResource,
+		// DRADeviceTaints, DRAPartitionableDevices and ResourceHealthStatus
+		// beta since 1.36, on. DRADeviceTaintRules (the DeviceTaintRule
+		// API) is alpha and stays off.
 	})
 	if err := waitReady(ctx, files); err != nil {
 		return err

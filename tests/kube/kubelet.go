@@ -1,18 +1,27 @@
 package main
 
-// kubelet: the parts of a kubelet that a device plugin meets, as upstream
-// ships them: the device manager (registration on kubelet.sock, ListAndWatch,
-// GetPreferredAllocation, Allocate, its checkpoint) behind the topology
-// manager, and the predicate admit handler (the node-total check), in the
-// kubelet's admission order. This main plays the rest: it registers the
-// Node, watches the pods bound to it, admits them one at a time in creation
-// order, records what each container gets under <root>/pods/, sets the
-// pod's phase, keeps the Node's capacity and allocatable from the device
-// manager, and does the final delete of a terminating pod.
+// kubelet: the parts of a kubelet that a device plugin or a DRA driver
+// meets, as upstream ships them: the device manager (registration on
+// kubelet.sock, ListAndWatch, GetPreferredAllocation, Allocate, its
+// checkpoint) behind the topology manager, the predicate admit handler (the
+// node-total check), in the kubelet's admission order; the plugin manager
+// (the watcher of <root>/plugins_registry: GetInfo on each
+// <driver>-reg.sock, then NotifyRegistrationStatus) handing DRA drivers to
+// the DRA manager, which prepares a pod's ResourceClaims before its
+// containers start (NodePrepareResources on the endpoint the driver named),
+// gives each container its CDI devices, unprepares them when the pod ends
+// and keeps its checkpoint (<root>/dra_manager_state) across restarts.
+// This main plays the rest: it registers the Node, watches the pods bound
+// to it, admits them one at a time in creation order, records what each
+// container gets under <root>/pods/, sets the pod's phase, keeps the
+// Node's capacity and allocatable from the device manager, and does the
+// final delete of a terminating pod.
 //
 // The device manager listens on the fixed /var/lib/kubelet/device-plugins;
 // so that several nodes share one machine, the process re-executes itself
-// in a mount namespace of its own with --device-plugins bound there.
+// in a mount namespace of its own with --device-plugins bound there. The
+// plugin manager and the DRA manager take their directories as the kubelet
+// hands them over (from its --root-dir), so they need no such bind.
 
 import (
 	"context"
@@ -39,19 +48,27 @@ import (
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/sets"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
+	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/tools/record"
 	"k8s.io/component-helpers/apimachinery/lease"
 	"k8s.io/klog/v2"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
+	pluginwatcherapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 	"k8s.io/kubernetes/pkg/kubelet/checkpointmanager"
 	"k8s.io/kubernetes/pkg/kubelet/cm/containermap"
 	"k8s.io/kubernetes/pkg/kubelet/cm/devicemanager"
 	"k8s.io/kubernetes/pkg/kubelet/cm/devicemanager/checkpoint"
+	"k8s.io/kubernetes/pkg/kubelet/cm/dra"
 	"k8s.io/kubernetes/pkg/kubelet/cm/topologymanager"
+	kubeletevents "k8s.io/kubernetes/pkg/kubelet/events"
 	"k8s.io/kubernetes/pkg/kubelet/lifecycle"
+	"k8s.io/kubernetes/pkg/kubelet/pluginmanager"
 	kubeletutil "k8s.io/kubernetes/pkg/kubelet/util"
 	"k8s.io/utils/clock"
 )
@@ -62,7 +79,7 @@ type kubeletFlags struct {
 	kubeconfig, node, root, devicePlugins string
 	numaNodes                             int
 	cpu, memory, pods                     string
-	statusEvery                           time.Duration
+	statusEvery, syncBackoff              time.Duration
 }
 
 func runKubelet(args []string) error {
@@ -77,6 +94,9 @@ func runKubelet(args []string) error {
 	fs.StringVar(&f.memory, "memory", "512Gi", "the Node's memory capacity")
 	fs.StringVar(&f.pods, "pods", "110", "the Node's pods capacity")
 	fs.DurationVar(&f.statusEvery, "node-status-update-frequency", time.Second, "the kubelet's nodeStatusUpdateFrequency")
+	// The pod workers' backOffPeriod: a pod whose sync failed (a DRA
+	// prepare error) is synced again after it, jittered by half.
+	fs.DurationVar(&f.syncBackoff, "pod-sync-backoff", 10*time.Second, "the kubelet's backOffPeriod after a failed pod sync")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -134,7 +154,9 @@ type kubeletPeer struct {
 	flags   kubeletFlags
 	client  kubernetes.Interface
 	logger  klog.Logger
+	events  record.EventRecorder
 	devices *devicemanager.ManagerImpl
+	dra     *dra.Manager
 	admit   []lifecycle.PodAdmitHandler
 	sources sourcesReady
 
@@ -147,17 +169,23 @@ type kubeletPeer struct {
 	// they arrived (the kubelet's config source hands it one pod per
 	// watch event, so it admits in arrival order).
 	queue []*v1.Pod
-	wake  chan struct{}
-	node  *v1.Node
+	// resync holds admitted pods whose sync failed, due again after the
+	// backoff; terminating, the pods being stopped (unprepared), so that
+	// each is stopped by one goroutine however many updates come.
+	resync      []types.UID
+	terminating map[types.UID]chan struct{}
+	wake        chan struct{}
+	node        *v1.Node
 }
 
 func newKubeletPeer(f kubeletFlags) *kubeletPeer {
 	return &kubeletPeer{
-		flags:    f,
-		logger:   klog.Background().WithValues("node", f.node),
-		admitted: map[types.UID]*v1.Pod{},
-		decided:  sets.New[types.UID](),
-		wake:     make(chan struct{}, 1),
+		flags:       f,
+		logger:      klog.Background().WithValues("node", f.node),
+		admitted:    map[types.UID]*v1.Pod{},
+		decided:     sets.New[types.UID](),
+		terminating: map[types.UID]chan struct{}{},
+		wake:        make(chan struct{}, 1),
 	}
 }
 
@@ -170,9 +198,19 @@ func (k *kubeletPeer) run(ctx context.Context) error {
 	if k.client, err = kubernetes.NewForConfig(config); err != nil {
 		return err
 	}
-	if err := os.MkdirAll(filepath.Join(k.flags.root, "pods"), 0o755); err != nil {
-		return err
+	registry := filepath.Join(k.flags.root, "plugins_registry")
+	for _, dir := range []string{filepath.Join(k.flags.root, "pods"), registry, filepath.Join(k.flags.root, "plugins")} {
+		if err := os.MkdirAll(dir, 0o750); err != nil {
+			return err
+		}
 	}
+	ctx = klog.NewContext(ctx, k.logger)
+	// The kubelet's events (a DRA prepare that failed, a plugin that could
+	// not register), sent as the node.
+	broadcaster := record.NewBroadcaster(record.WithContext(ctx))
+	broadcaster.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: k.client.CoreV1().Events("")})
+	defer broadcaster.Shutdown()
+	k.events = broadcaster.NewRecorder(scheme.Scheme, v1.EventSource{Component: "kubelet", Host: k.flags.node})
 	if err := k.registerNode(ctx); err != nil {
 		return err
 	}
@@ -193,6 +231,10 @@ func (k *kubeletPeer) run(ctx context.Context) error {
 		return err
 	}
 	topologyManager.AddHintProvider(k.logger, k.devices)
+	// The container manager's: its state beside the kubelet's, in the root.
+	if k.dra, err = dra.NewManager(k.logger, k.client, k.flags.root); err != nil {
+		return err
+	}
 	// The kubelet's order: the resource allocator (topology manager), then
 	// the predicate handler with the device manager's node update.
 	k.admit = []lifecycle.PodAdmitHandler{
@@ -212,7 +254,7 @@ func (k *kubeletPeer) run(ctx context.Context) error {
 				obj = tomb.Obj
 			}
 			if pod, ok := obj.(*v1.Pod); ok {
-				k.forget(pod.UID)
+				k.gone(ctx, pod)
 			}
 		},
 	}); err != nil {
@@ -238,10 +280,24 @@ func (k *kubeletPeer) run(ctx context.Context) error {
 			running.Insert(id)
 		}
 	}
+	// The container manager's Start: the DRA manager first (its plugin
+	// handler, its reconcile loop over the active pods once sources are
+	// ready; at start it deletes the node's ResourceSlices until their
+	// drivers register again), then the device manager.
+	if err := k.dra.Start(ctx, k.activePods, k.getNode, &k.sources); err != nil {
+		return err
+	}
+	defer k.dra.Stop()
 	if err := k.devices.Start(k.logger, k.activePods, &k.sources, containers, running); err != nil {
 		return err
 	}
 	defer func() { _ = k.devices.Stop(k.logger) }()
+	// Then, as the kubelet's initializeRuntimeDependentModules, the plugin
+	// manager with the container manager's registration handlers.
+	plugins := pluginmanager.NewPluginManager(registry, k.events)
+	plugins.AddHandler(pluginwatcherapi.DevicePlugin, k.devices.GetWatcherHandler())
+	plugins.AddHandler(pluginwatcherapi.DRAPlugin, k.dra.GetWatcherHandler())
+	go plugins.Run(ctx, &k.sources, ctx.Done())
 
 	go factory.Start(ctx.Done())
 	if !cache.WaitForCacheSync(ctx.Done(), pods.HasSynced) {
@@ -279,6 +335,11 @@ func (k *kubeletPeer) cachedNode(context.Context, bool) (*v1.Node, error) {
 	return k.node.DeepCopy(), nil
 }
 
+// getNode: the kubelet's getNodeAnyWay, for the DRA manager.
+func (k *kubeletPeer) getNode(ctx context.Context) (*v1.Node, error) {
+	return k.cachedNode(ctx, false)
+}
+
 // activePods: admitted and not terminal, as the kubelet's GetActivePods.
 func (k *kubeletPeer) activePods() []*v1.Pod {
 	k.mu.Lock()
@@ -296,7 +357,7 @@ func (k *kubeletPeer) observe(ctx context.Context, pod *v1.Pod) {
 		return
 	}
 	if pod.Status.Phase == v1.PodSucceeded || pod.Status.Phase == v1.PodFailed {
-		k.forget(pod.UID)
+		k.terminate(ctx, pod)
 		return
 	}
 	k.mu.Lock()
@@ -314,14 +375,19 @@ func (k *kubeletPeer) observe(ctx context.Context, pod *v1.Pod) {
 		}
 	}
 	k.queue = append(k.queue, pod)
+	k.poke()
+}
+
+func (k *kubeletPeer) poke() {
 	select {
 	case k.wake <- struct{}{}:
 	default:
 	}
 }
 
-// forget drops a pod that ended or is gone; the device manager frees its
-// devices at its next allocation, as in the kubelet.
+// forget drops a pod that ended or is gone from admission and the active
+// pods; the device manager frees its devices at its next allocation, as in
+// the kubelet.
 func (k *kubeletPeer) forget(uid types.UID) {
 	k.mu.Lock()
 	delete(k.admitted, uid)
@@ -329,11 +395,60 @@ func (k *kubeletPeer) forget(uid types.UID) {
 	k.mu.Unlock()
 }
 
-// finishDeletion stops the pod (there are no containers to stop) and
-// deletes it for good, as the kubelet's status manager does.
-func (k *kubeletPeer) finishDeletion(ctx context.Context, pod *v1.Pod) {
+// terminate stops a pod that ends, once, as the kubelet's
+// SyncTerminatingPod: after its containers stopped (there are none here)
+// and before its status changes, the DRA manager unprepares its
+// ResourceClaims, again after each backoff while that fails (a driver not
+// registered yet after a restart), so that no claim is deallocated while
+// its driver still holds it prepared. The channel closes when that is done.
+func (k *kubeletPeer) terminate(ctx context.Context, pod *v1.Pod) <-chan struct{} {
 	k.forget(pod.UID)
-	k.devices.UpdateAllocatedDevices(k.logger)
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if done, ok := k.terminating[pod.UID]; ok {
+		return done
+	}
+	done := make(chan struct{})
+	k.terminating[pod.UID] = done
+	go func() {
+		defer close(done)
+		k.devices.UpdateAllocatedDevices(k.logger)
+		for {
+			err := k.dra.UnprepareResources(ctx, pod)
+			if err == nil {
+				return
+			}
+			k.logger.Error(err, "stop pod", "pod", klog.KObj(pod))
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(wait.Jitter(k.flags.syncBackoff, 0.5)):
+			}
+		}
+	}()
+	return done
+}
+
+// gone: the pod left the API server (a final delete, or a force delete
+// that did not wait for this node); it is stopped all the same.
+func (k *kubeletPeer) gone(ctx context.Context, pod *v1.Pod) {
+	done := k.terminate(ctx, pod)
+	go func() {
+		<-done
+		k.mu.Lock()
+		delete(k.terminating, pod.UID)
+		k.mu.Unlock()
+	}()
+}
+
+// finishDeletion stops the pod and deletes it for good, as the kubelet's
+// status manager does once nothing of it is left on the node.
+func (k *kubeletPeer) finishDeletion(ctx context.Context, pod *v1.Pod) {
+	select {
+	case <-k.terminate(ctx, pod):
+	case <-ctx.Done():
+		return
+	}
 	zero := int64(0)
 	err := k.client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{
 		GracePeriodSeconds: &zero,
@@ -348,6 +463,7 @@ func (k *kubeletPeer) finishDeletion(ctx context.Context, pod *v1.Pod) {
 // batch, sorted by creation time as the kubelet sorts each batch (pods that
 // ran before a restart go first, before sources are ready); after that the
 // kubelet's batches are single watch events, so pods go in arrival order.
+// Between them it syncs again the admitted pods whose backoff ran out.
 func (k *kubeletPeer) admitLoop(ctx context.Context) {
 	k.mu.Lock()
 	batch := k.queue
@@ -362,19 +478,26 @@ func (k *kubeletPeer) admitLoop(ctx context.Context) {
 	k.sources.ready.Store(true)
 	for {
 		k.mu.Lock()
-		var next *v1.Pod
+		var next, again *v1.Pod
+		busy := len(k.queue) > 0 || len(k.resync) > 0
 		if len(k.queue) > 0 {
 			next, k.queue = k.queue[0], k.queue[1:]
+		} else if len(k.resync) > 0 {
+			again = k.admitted[k.resync[0]]
+			k.resync = k.resync[1:]
 		}
 		k.mu.Unlock()
-		if next != nil {
+		switch {
+		case next != nil:
 			k.admitOne(ctx, next)
-			continue
-		}
-		select {
-		case <-ctx.Done():
-			return
-		case <-k.wake:
+		case again != nil:
+			k.syncPod(ctx, again)
+		case !busy:
+			select {
+			case <-ctx.Done():
+				return
+			case <-k.wake:
+			}
 		}
 	}
 }
@@ -391,32 +514,74 @@ func (k *kubeletPeer) admitOne(ctx context.Context, pod *v1.Pod) {
 	for _, handler := range k.admit {
 		if result := handler.Admit(ctx, attrs); !result.Admit {
 			k.forget(pod.UID)
-			k.record(pod, nil, result.Reason, result.Message)
+			k.record(pod, podRecord{Reason: result.Reason, Message: result.Message})
 			k.setStatus(ctx, pod, v1.PodFailed, result.Reason, "Pod was rejected: "+result.Message)
 			return
 		}
 	}
-	grants := map[string]*devicemanager.DeviceRunContainerOptions{}
+	k.syncPod(ctx, pod)
+}
+
+// syncPod starts an admitted pod as the kubelet's SyncPod does. Creating
+// its sandbox, it prepares the pod's ResourceClaims through the DRA
+// manager; a pod that ran before a restart has its sandbox, so it is not
+// prepared again: its claims are in the DRA manager's checkpoint. A
+// prepare that fails does not fail the pod: the kubelet emits a Warning
+// FailedPrepareDynamicResources event, leaves the pod Pending and syncs it
+// again after the pod workers' backoff, until it succeeds or the pod goes.
+// Then each container gets its run options: the device plugins' (allocated
+// at admission) and its claims' CDI devices.
+func (k *kubeletPeer) syncPod(ctx context.Context, pod *v1.Pod) {
+	if pod.Status.Phase != v1.PodRunning {
+		if err := k.dra.PrepareResources(ctx, pod); err != nil {
+			message := fmt.Sprintf("Failed to prepare dynamic resources: %v", err)
+			k.events.Event(pod, v1.EventTypeWarning, kubeletevents.FailedPrepareDynamicResources, message)
+			k.record(pod, podRecord{Admitted: true, Reason: kubeletevents.FailedPrepareDynamicResources, Message: message})
+			time.AfterFunc(wait.Jitter(k.flags.syncBackoff, 0.5), func() {
+				k.mu.Lock()
+				if _, ok := k.admitted[pod.UID]; ok {
+					k.resync = append(k.resync, pod.UID)
+				}
+				k.mu.Unlock()
+				k.poke()
+			})
+			return
+		}
+	}
+	rec := podRecord{
+		Admitted:   true,
+		Containers: map[string]*devicemanager.DeviceRunContainerOptions{},
+		CDIDevices: map[string][]string{},
+	}
 	for _, c := range append(append([]v1.Container{}, pod.Spec.InitContainers...), pod.Spec.Containers...) {
 		opts, err := k.devices.GetDeviceRunContainerOptions(ctx, pod, &c)
+		var claimed *dra.ContainerInfo
+		if err == nil {
+			claimed, err = k.dra.GetResources(pod, &c)
+		}
 		if err != nil {
-			k.record(pod, grants, "UnexpectedAdmissionError", err.Error())
-			k.setStatus(ctx, pod, v1.PodFailed, "UnexpectedAdmissionError", err.Error())
+			rec.Admitted, rec.Reason, rec.Message = false, "UnexpectedAdmissionError", err.Error()
+			k.record(pod, rec)
+			k.setStatus(ctx, pod, v1.PodFailed, rec.Reason, rec.Message)
 			k.forget(pod.UID)
 			return
 		}
-		grants[c.Name] = opts
+		rec.Containers[c.Name] = opts
+		for _, device := range claimed.CDIDevices {
+			rec.CDIDevices[c.Name] = append(rec.CDIDevices[c.Name], device.Name)
+		}
 	}
-	k.record(pod, grants, "", "")
+	k.record(pod, rec)
 	if pod.Status.Phase != v1.PodRunning {
 		k.setStatus(ctx, pod, v1.PodRunning, "", "")
 	}
 }
 
 // podRecord is what a test reads of a pod on this node: the merged run
-// options per container, and each resource's own Allocate envs as the
-// device manager checkpointed them (so a test sees a container whose
-// resources point at different GPUs, which the merge hides).
+// options per container, each resource's own Allocate envs as the device
+// manager checkpointed them (so a test sees a container whose resources
+// point at different GPUs, which the merge hides), and each container's
+// CDI device IDs from its ResourceClaims, as the runtime would get them.
 type podRecord struct {
 	Resources  map[string]map[string]map[string]string             `json:"resources,omitempty"`
 	UID        types.UID                                           `json:"uid"`
@@ -426,10 +591,11 @@ type podRecord struct {
 	Reason     string                                              `json:"reason,omitempty"`
 	Message    string                                              `json:"message,omitempty"`
 	Containers map[string]*devicemanager.DeviceRunContainerOptions `json:"containers,omitempty"`
+	CDIDevices map[string][]string                                 `json:"cdiDevices,omitempty"`
 }
 
-func (k *kubeletPeer) record(pod *v1.Pod, grants map[string]*devicemanager.DeviceRunContainerOptions, reason, message string) {
-	rec := podRecord{UID: pod.UID, Namespace: pod.Namespace, Name: pod.Name, Admitted: reason == "", Reason: reason, Message: message, Containers: grants}
+func (k *kubeletPeer) record(pod *v1.Pod, rec podRecord) {
+	rec.UID, rec.Namespace, rec.Name = pod.UID, pod.Namespace, pod.Name
 	rec.Resources = k.checkpointedEnvs(pod.UID)
 	data, err := json.MarshalIndent(rec, "", "  ")
 	if err != nil {

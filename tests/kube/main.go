@@ -2,7 +2,8 @@
 // product's end-to-end tests: each subcommand is either an upstream command
 // as shipped (kube-apiserver, kube-scheduler, kube-controller-manager) or a
 // small main of ours around upstream packages (the control plane's
-// supervisor, the kubelet's device manager, apply and token helpers).
+// supervisor, the kubelet's device and DRA managers, apply and token
+// helpers, a test-only DRA driver).
 // Everything listens on loopback only.
 package main
 
@@ -41,6 +42,8 @@ func main() {
 		err = runToken(args)
 	case "node-kubeconfig":
 		err = runNodeKubeconfig(args)
+	case "dra-test-driver":
+		err = runDRATestDriver(args)
 	default:
 		err = fmt.Errorf("unknown subcommand %q\n%s", name, usage)
 	}
@@ -55,10 +58,11 @@ const usage = `usage: kube-peers SUBCOMMAND [flags]
   kube-apiserver          the upstream command, unmodified
   kube-controller-manager the upstream command, unmodified
   kube-scheduler          the upstream command, unmodified
-  kubelet                 the kubelet's device manager and admission for one node
+  kubelet                 the kubelet's device manager, DRA manager and admission for one node
   apply                   server-side apply of manifests or a kustomization
   token                   a kubeconfig for a service account, from a TokenRequest
-  node-kubeconfig         a kubeconfig for system:node:<name>, signed by the control plane's client CA`
+  node-kubeconfig         a kubeconfig for system:node:<name>, signed by the control plane's client CA
+  dra-test-driver         a DRA driver for tests only (upstream kubeletplugin helper), logging its calls`
 
 // runUpstream runs an upstream cobra command on args, as its own binary would.
 // It ends with its parent process, so no test run leaves one behind.

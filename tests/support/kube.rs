@@ -1,7 +1,8 @@
 //! The real Kubernetes components as a test fixture: tests/kube's peers
 //! (the unmodified kube-apiserver, kube-controller-manager, kube-scheduler
-//! and the kubelet's device manager), built once into target/, with the
-//! real daemon on each node and the real extender beside the scheduler.
+//! and the kubelet's device manager, plugin watcher and DRA manager), built
+//! once into target/, with the real daemon on each node and the real
+//! extender beside the scheduler.
 //! The deploy/ manifests are applied as shipped, and each component runs
 //! as its own identity: the daemon with a token bound to its pod on its
 //! node, the scheduler and the extender as `doslab-gpu-scheduler`.
@@ -315,6 +316,11 @@ impl KubeNode {
         let dir = tempfile::tempdir().unwrap();
         let plugins = dir.path().join("device-plugins");
         std::fs::create_dir_all(&plugins).unwrap();
+        // The kubelet makes its own at start; a DRA driver started first
+        // finds them too.
+        for sub in ["kubelet/plugins_registry", "kubelet/plugins", "cdi"] {
+            std::fs::create_dir_all(dir.path().join(sub)).unwrap();
+        }
         // The kubelet's own identity, system:node:<name>: the Node
         // authorizer and NodeRestriction judge what it does.
         cp.peers_ok(&[
@@ -418,8 +424,58 @@ impl KubeNode {
         self.kubelet = KubeNode::spawn_kubelet(&self.name, self.dir.path());
     }
 
+    /// The kubelet's plugins_registry (`<root>/plugins_registry`): its
+    /// plugin watcher dials each `<driver>-reg.sock` put here (GetInfo, then
+    /// NotifyRegistrationStatus) and hands a DRA driver to its DRA manager.
+    pub fn plugins_registry(&self) -> PathBuf {
+        self.dir.path().join("kubelet/plugins_registry")
+    }
+
+    /// The kubelet's plugins directory (`<root>/plugins`): a DRA driver
+    /// serves `dra.sock` in `<this>/<driver>/` and names that endpoint in
+    /// GetInfo; the kubelet dials whatever endpoint it names.
+    pub fn plugins_dir(&self) -> PathBuf {
+        self.dir.path().join("kubelet/plugins")
+    }
+
+    /// The node's CDI spec directory (the runtime's `/var/run/cdi`), for a
+    /// DRA driver to write the specs of the CDI devices it hands out.
+    pub fn cdi_dir(&self) -> PathBuf {
+        self.dir.path().join("cdi")
+    }
+
+    /// The test-only DRA driver (`kube-peers dra-test-driver`, the upstream
+    /// kubelet plugin helper) on this node as `driver`, registered through
+    /// the node's plugins_registry and publishing its ResourceSlice as the
+    /// admin; `args` adds its flags (`--devices N`, `--fail-prepares N`).
+    pub fn start_test_dra_driver(
+        &self,
+        cp: &ControlPlane,
+        driver: &str,
+        args: &[&str],
+    ) -> TestDraDriver {
+        let calls = self.dir.path().join(format!("{driver}.calls"));
+        let mut all: Vec<&std::ffi::OsStr> = vec![
+            "dra-test-driver".as_ref(),
+            "--kubeconfig".as_ref(),
+            cp.admin.as_os_str(),
+            "--node".as_ref(),
+            self.name.as_ref(),
+            "--driver".as_ref(),
+            driver.as_ref(),
+            "--calls".as_ref(),
+            calls.as_os_str(),
+        ];
+        let (registry, plugins) = (self.plugins_registry(), self.plugins_dir());
+        all.extend(["--registry".as_ref(), registry.as_os_str()]);
+        all.extend(["--plugins".as_ref(), plugins.as_os_str()]);
+        all.extend(args.iter().map(std::ffi::OsStr::new));
+        let proc = Proc::spawn(&all, self.dir.path().join(format!("{driver}.log")));
+        TestDraDriver { proc, calls }
+    }
+
     /// What the kubelet recorded for pod `namespace/name`: admitted or not,
-    /// the reason, and each container's envs, mounts, devices.
+    /// the reason, each container's envs, mounts, devices and CDI devices.
     pub fn record(&self, namespace: &str, name: &str) -> Option<Value> {
         let path = self
             .dir
@@ -429,6 +485,27 @@ impl KubeNode {
         std::fs::read(path)
             .ok()
             .and_then(|b| serde_json::from_slice(&b).ok())
+    }
+}
+
+/// The test-only DRA driver of [`KubeNode::start_test_dra_driver`].
+pub struct TestDraDriver {
+    pub proc: Proc,
+    calls: PathBuf,
+}
+
+impl TestDraDriver {
+    /// What the driver saw so far, one JSON object each, in order:
+    /// `{"op": "registered", "error"?}` once the kubelet confirmed its
+    /// registration, `{"op": "prepare", "claim": uid, "name", "devices":
+    /// [CDI IDs], "error"?}` and `{"op": "unprepare", "claim", "name"}` per
+    /// claim of each NodePrepareResources and NodeUnprepareResources.
+    pub fn calls(&self) -> Vec<Value> {
+        std::fs::read_to_string(&self.calls)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
     }
 }
 
@@ -583,6 +660,17 @@ pub fn container_envs(
         out.insert(name.clone(), envs);
     }
     out
+}
+
+/// The CDI device IDs the kubelet handed `container` for its
+/// ResourceClaims, in a kubelet record ([`KubeNode::record`]).
+pub fn cdi_devices(record: &Value, container: &str) -> Vec<String> {
+    record["cdiDevices"][container]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|id| id.as_str().unwrap().to_owned())
+        .collect()
 }
 
 pub fn phase(pod: &Pod) -> &str {
