@@ -7,6 +7,7 @@
 #![warn(unreachable_pub)]
 
 pub mod app;
+mod authority;
 pub mod config;
 pub mod config_watch;
 pub mod device;

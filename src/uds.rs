@@ -62,6 +62,36 @@ pub async fn serve(
     incoming: UnixListenerStream,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), tonic::transport::Error> {
+    serve_streams(router, incoming, shutdown).await
+}
+
+/// [`serve`] for a socket whose clients may send a socket path as the
+/// HTTP/2 `:authority` (the kubelet's plugin watcher): every connection
+/// goes through [`crate::authority::relay`].
+pub async fn serve_relayed(
+    router: tonic::service::Routes,
+    incoming: UnixListenerStream,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), tonic::transport::Error> {
+    use tokio_stream::StreamExt;
+    let relayed = incoming.map(|conn| conn.map(crate::authority::relay));
+    serve_streams(router, relayed, shutdown).await
+}
+
+async fn serve_streams<IO>(
+    router: tonic::service::Routes,
+    incoming: impl tokio_stream::Stream<Item = std::io::Result<IO>>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), tonic::transport::Error>
+where
+    IO: tokio::io::AsyncRead
+        + tokio::io::AsyncWrite
+        + tonic::transport::server::Connected
+        + Unpin
+        + Send
+        + 'static,
+    IO::ConnectInfo: Clone + Send + Sync + 'static,
+{
     tonic::transport::Server::builder()
         // GetPreferredAllocation requests run to megabytes; HTTP/2's default
         // 64 KiB window would cost a round trip per 64 KiB.

@@ -11,6 +11,7 @@
 
 mod support;
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Event, Pod};
@@ -250,4 +251,243 @@ async fn driver_slice(slices: &Api<DynamicObject>) -> Option<DynamicObject> {
 
 fn resource(kind: &str) -> ApiResource {
     ApiResource::from_gvk(&GroupVersionKind::gvk("resource.k8s.io", "v1", kind))
+}
+
+/// The product's driver on the node, shares of one GPU and whole GPUs.
+const GPU_DRIVER: &str = "gpu.doslab.io";
+
+/// A ResourceClaimTemplate `name` of the product's DeviceClass asking
+/// `capacity` (memory, cores), or the whole GPU without.
+fn template(name: &str, capacity: Option<(&str, &str)>) -> String {
+    let capacity = capacity.map_or(String::new(), |(memory, cores)| {
+        format!(", capacity: {{requests: {{memory: \"{memory}\", cores: \"{cores}\"}}}}")
+    });
+    format!(
+        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaimTemplate\n\
+         metadata: {{name: {name}, namespace: {NS}}}\n\
+         spec:\n  spec:\n    devices:\n      requests:\n      - name: gpu\n        \
+         exactly: {{deviceClassName: {GPU_DRIVER}{capacity}}}\n"
+    )
+}
+
+/// A pod of one container using a claim from `template`.
+fn claim_pod(name: &str, template: &str) -> Pod {
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {
+            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": template}],
+            "containers": [{"name": "main", "image": "app", "resources": {"claims": [{"name": "gpu"}]}}],
+        }
+    }))
+    .unwrap()
+}
+
+/// The CDI spec file in `node`'s CDI directory holding device `id`
+/// (`<kind>=<name>`), and the envs that device's edits and the spec's give
+/// a container, as the runtime applies them.
+fn cdi_envs(node: &KubeNode, id: &str) -> (std::path::PathBuf, BTreeMap<String, String>) {
+    let (kind, name) = id.split_once('=').unwrap();
+    for entry in std::fs::read_dir(node.cdi_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        let Ok(spec) = serde_json::from_slice::<Value>(&std::fs::read(&path).unwrap()) else {
+            continue;
+        };
+        let Some(device) = spec["devices"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|d| spec["kind"] == kind && d["name"] == name)
+        else {
+            continue;
+        };
+        let envs = [&spec["containerEdits"], &device["containerEdits"]]
+            .into_iter()
+            .flat_map(|e| e["env"].as_array().cloned().unwrap_or_default())
+            .filter_map(|kv| {
+                let (k, v) = kv.as_str()?.split_once('=')?;
+                Some((k.to_owned(), v.to_owned()))
+            })
+            .collect();
+        return (path, envs);
+    }
+    panic!("no CDI spec holds {id} in {}", node.cdi_dir().display());
+}
+
+/// Waits until `name` runs; its node's CDI device for `main` and that
+/// device's envs.
+async fn running_with(
+    client: &kube::Client,
+    node: &KubeNode,
+    name: &str,
+    logs: &dyn Fn() -> String,
+) -> (String, BTreeMap<String, String>) {
+    let pod = wait_pod(client, NS, name, Duration::from_secs(90), |p| {
+        phase(p) == "Running" || phase(p) == "Failed"
+    })
+    .await
+    .unwrap_or_else(|p| panic!("{name} never ran: {p:#?}\n{}", logs()));
+    assert_eq!(phase(&pod), "Running", "{pod:#?}\n{}", logs());
+    assert_eq!(node_of(&pod), node.name);
+    let ids = cdi_devices(&node.record(NS, name).unwrap(), "main");
+    assert_eq!(ids.len(), 1, "{name}: {ids:?}");
+    let (_, envs) = cdi_envs(node, &ids[0]);
+    (ids[0].clone(), envs)
+}
+
+/// Waits for a FailedScheduling Event of pod `name`; its note.
+async fn unschedulable(client: &kube::Client, name: &str, logs: &dyn Fn() -> String) -> String {
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), NS);
+    until(
+        Duration::from_secs(60),
+        &format!("{name} was never reported unschedulable"),
+        logs,
+        async || {
+            let list = events.list(&ListParams::default()).await.ok()?;
+            list.items.into_iter().find_map(|e| {
+                let about = e.regarding.as_ref().and_then(|r| r.name.as_deref());
+                (e.reason.as_deref() == Some("FailedScheduling") && about == Some(name))
+                    .then(|| e.note.unwrap_or_default())
+            })
+        },
+    )
+    .await
+}
+
+/// The product's DRA plugin on the real components: the kube-scheduler's
+/// DynamicResources plugin (default profile, no extender) places claims on
+/// the slice the daemon publishes, the kubelet's DRA manager prepares them
+/// through the daemon, and each container's CDI edits carry its own limits
+/// from the device plugin's composer. Two 8 GiB / 30 % shares land on the
+/// GPU a whole-GPU claim left free; a third share waits for room, a claim
+/// larger than any GPU waits with the scheduler's reason; deletion
+/// unprepares (the CDI spec and the share's enforcement state go); a
+/// kubelet restart and a daemon restart between prepare and unprepare lose
+/// nothing; an unhealthy GPU is tainted and new claims avoid it.
+#[tokio::test(flavor = "multi_thread")]
+async fn shares_and_whole_gpus_through_the_products_dra_plugin() {
+    let cp = ControlPlane::start();
+    let host = tempfile::tempdir().unwrap();
+    let (lib, health) = (host.path().join("lib"), host.path().join("health"));
+    std::fs::create_dir_all(&lib).unwrap();
+    std::fs::create_dir_all(&health).unwrap();
+    std::fs::copy(support::real_shared_object(), lib.join("libvgpu.so")).unwrap();
+    let gpus = [(gpu_uuid(0, 0), 16384), (gpu_uuid(0, 1), 16384)];
+    let gpus: Vec<(&str, u64)> = gpus.iter().map(|(u, m)| (u.as_str(), *m)).collect();
+    let tables = format!(
+        "[enforcement]\nmode = \"hami-core\"\nlibrary_dir = {:?}\nstate_dir = {:?}\n\
+         [health]\nmock_dir = {:?}\npoll_ms = 200\nrecovery_ms = 400\n",
+        lib,
+        host.path().join("state"),
+        health
+    );
+    let mut node = KubeNode::start_dra(&cp, "node-0", &gpus, &tables).await;
+    namespace(&cp, NS);
+    let sched = start_plain_scheduler(&cp);
+    let client = cp.admin_client().await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    cp.apply(&template("share", Some(("8Gi", "30"))));
+    cp.apply(&template("whole", None));
+    cp.apply(&template("huge", Some(("32Gi", "10"))));
+    let logs = |node: &KubeNode| {
+        format!(
+            "--- kubelet\n{}\n--- daemon\n{}\n--- scheduler\n{}",
+            tail(&node.kubelet.log_text()),
+            tail(&node.daemon.log_text()),
+            tail(&sched.log_text())
+        )
+    };
+
+    // A whole GPU: its UUID, no limits.
+    create(&client, &claim_pod("whole-0", "whole")).await;
+    let (_, whole) = running_with(&client, &node, "whole-0", &|| logs(&node)).await;
+    let taken = whole["NVIDIA_VISIBLE_DEVICES"].clone();
+    assert!(gpus.iter().any(|(u, _)| *u == taken), "{whole:?}");
+    assert_eq!(whole.get("CUDA_DEVICE_MEMORY_LIMIT_0"), None, "{whole:?}");
+    // Two shares, both on the other GPU, each with its own limits.
+    let mut shares = BTreeMap::new();
+    for name in ["share-1", "share-2"] {
+        create(&client, &claim_pod(name, "share")).await;
+        let (id, envs) = running_with(&client, &node, name, &|| logs(&node)).await;
+        assert_ne!(envs["NVIDIA_VISIBLE_DEVICES"], taken, "{name} beside a whole GPU");
+        assert_eq!(envs["CUDA_DEVICE_MEMORY_LIMIT_0"], "8192m", "{name}: {envs:?}");
+        assert_eq!(envs["CUDA_DEVICE_SM_LIMIT"], "30", "{name}: {envs:?}");
+        assert!(envs.contains_key("CUDA_DEVICE_MEMORY_SHARED_CACHE"), "{envs:?}");
+        shares.insert(name, id);
+    }
+    // No room left for a third share; no GPU holds 32 GiB.
+    create(&client, &claim_pod("share-3", "share")).await;
+    create(&client, &claim_pod("huge", "huge")).await;
+    for name in ["share-3", "huge"] {
+        let note = unschedulable(&client, name, &|| logs(&node)).await;
+        assert!(note.contains("claim"), "{name}: {note}");
+        assert!(node_of(&pods.get(name).await.unwrap()).is_empty());
+    }
+
+    // Deleting share-1 unprepares it: its spec and cache directory go, and
+    // share-3 takes the room.
+    let (spec, envs) = cdi_envs(&node, &shares["share-1"]);
+    let cache = std::path::PathBuf::from(&envs["CUDA_DEVICE_MEMORY_SHARED_CACHE"]);
+    pods.delete("share-1", &DeleteParams::default()).await.unwrap();
+    wait_gone(&client, NS, "share-1", Duration::from_secs(60)).await;
+    assert!(!spec.exists(), "{} left", spec.display());
+    let claim_dirs = host.path().join("state/claims");
+    let left: Vec<_> = std::fs::read_dir(&claim_dirs)
+        .map(|d| d.map(|e| e.unwrap().file_name()).collect())
+        .unwrap_or_default();
+    assert_eq!(left.len(), 1, "share-1's enforcement state left: {left:?} ({cache:?})");
+    let (id3, _) = running_with(&client, &node, "share-3", &|| logs(&node)).await;
+
+    // A kubelet restart with share-2 and share-3 prepared: they stay
+    // prepared, the slice the new kubelet wipes is published again, and
+    // deleting share-2 afterwards unprepares it.
+    node.restart_kubelet().await;
+    node.wait_sliced(&cp).await;
+    let (spec2, _) = cdi_envs(&node, &shares["share-2"]);
+    pods.delete("share-2", &DeleteParams::default()).await.unwrap();
+    wait_gone(&client, NS, "share-2", Duration::from_secs(60)).await;
+    assert!(!spec2.exists(), "{} left\n{}", spec2.display(), logs(&node));
+    // A daemon restart with share-3 prepared: its checkpoint lets the new
+    // daemon unprepare it.
+    node.restart_daemon();
+    node.wait_sliced(&cp).await;
+    let (spec3, _) = cdi_envs(&node, &id3);
+    pods.delete("share-3", &DeleteParams::default()).await.unwrap();
+    wait_gone(&client, NS, "share-3", Duration::from_secs(60)).await;
+    assert!(!spec3.exists(), "{} left\n{}", spec3.display(), logs(&node));
+
+    // Health: the GPU a share would land on turns unhealthy; its device is
+    // tainted NoSchedule and the next share goes to the other GPU.
+    pods.delete("whole-0", &DeleteParams::default()).await.unwrap();
+    pods.delete("huge", &DeleteParams::default()).await.unwrap();
+    wait_gone(&client, NS, "whole-0", Duration::from_secs(60)).await;
+    create(&client, &claim_pod("probe", "share")).await;
+    let (_, probe) = running_with(&client, &node, "probe", &|| logs(&node)).await;
+    let first = probe["NVIDIA_VISIBLE_DEVICES"].clone();
+    pods.delete("probe", &DeleteParams::default()).await.unwrap();
+    wait_gone(&client, NS, "probe", Duration::from_secs(60)).await;
+    std::fs::write(health.join(&first), "").unwrap();
+    let slices: Api<DynamicObject> = Api::all_with(client.clone(), &resource("ResourceSlice"));
+    until(
+        Duration::from_secs(30),
+        "the unhealthy GPU's device never tainted",
+        || logs(&node),
+        async || {
+            let list = slices.list(&ListParams::default()).await.ok()?;
+            list.items.into_iter().find(|s| {
+                s.data["spec"]["devices"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|d| {
+                        d["attributes"]["uuid"]["string"] == first.as_str()
+                            && d["taints"][0]["effect"] == "NoSchedule"
+                    })
+            })
+        },
+    )
+    .await;
+    create(&client, &claim_pod("after", "share")).await;
+    let (_, after) = running_with(&client, &node, "after", &|| logs(&node)).await;
+    assert_ne!(after["NVIDIA_VISIBLE_DEVICES"], first, "landed on the tainted GPU");
 }

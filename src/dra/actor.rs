@@ -111,6 +111,9 @@ pub(crate) struct DraState {
     facts: Facts,
 }
 
+/// The registration server's name in [`serve`] and its reports.
+const REGISTRATION: &str = "registration";
+
 /// Serves `routes` on a fresh socket at `path`; its end, error or not, is
 /// reported to `myself` as [`DraMsg::ServerDown`].
 fn serve(
@@ -123,7 +126,14 @@ fn serve(
         .map_err(|e| format!("cannot listen on {} ({what}): {e}", path.display()))?;
     let me = myself.clone();
     let task = tokio::spawn(async move {
-        let end = crate::uds::serve(routes, incoming, std::future::pending()).await;
+        // The kubelet's plugin watcher sends the registration socket's path
+        // as `:authority`; its DRA manager dials `unix:` targets, which send
+        // `localhost`, so only the registration socket needs the relay.
+        let end = if what == REGISTRATION {
+            crate::uds::serve_relayed(routes, incoming, std::future::pending()).await
+        } else {
+            crate::uds::serve(routes, incoming, std::future::pending()).await
+        };
         let why = match end {
             Ok(()) => format!("the {what} server stopped"),
             Err(e) => format!("the {what} server failed: {e}"),
@@ -185,7 +195,7 @@ impl Actor for DraActor {
             &myself,
             &args.registration_socket,
             registration_routes(&args, &myself),
-            "registration",
+            REGISTRATION,
         )?;
         let me = myself.clone();
         let health = HealthArgs {
@@ -278,7 +288,7 @@ impl Actor for DraActor {
                     &myself,
                     &state.args.registration_socket,
                     registration_routes(&state.args, &myself),
-                    "registration",
+                    REGISTRATION,
                 )?;
                 tracing::info!("registration socket made again");
             }

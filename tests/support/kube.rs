@@ -306,6 +306,8 @@ pub struct KubeNode {
     pub dir: tempfile::TempDir,
     pub kubelet: Proc,
     pub daemon: Daemon,
+    /// The daemon's config, for a restart.
+    config: String,
     pub gpus: usize,
 }
 
@@ -313,6 +315,56 @@ impl KubeNode {
     /// Node `name` with mock `gpus` (uuid, MiB); `top` adds top-level keys
     /// to the daemon's config (pod matching is on, enforcement off).
     pub async fn start(cp: &ControlPlane, name: &str, gpus: &[(&str, u64)], top: &str) -> KubeNode {
+        let node = KubeNode::launch(cp, name, gpus, |_, kubeconfig| {
+            format!(
+                "pod_matching = true\n{top}\n[matcher]\nkubeconfig = {:?}\n\
+                 [enforcement]\nmode = \"none\"\n",
+                kubeconfig.display().to_string()
+            )
+        });
+        node.wait_allocatable(cp).await;
+        node
+    }
+
+    /// Node `name` whose mock `gpus` are served by the daemon's DRA plugin
+    /// alone (`resources = []`), with deploy/dra's DeviceClass and RBAC
+    /// applied; `tables` are the daemon's `[enforcement]` and any other
+    /// tables of its config. Returns once the node's ResourceSlice lists
+    /// every GPU and the node is schedulable.
+    pub async fn start_dra(
+        cp: &ControlPlane,
+        name: &str,
+        gpus: &[(&str, u64)],
+        tables: &str,
+    ) -> KubeNode {
+        for file in ["deviceclass.yaml", "rbac.yaml"] {
+            cp.apply(&std::fs::read_to_string(Path::new(ROOT).join("deploy/dra").join(file)).unwrap());
+        }
+        let node = KubeNode::launch(cp, name, gpus, |dir, kubeconfig| {
+            format!(
+                "resources = []\npod_matching = false\n[matcher]\nkubeconfig = {:?}\n{tables}\n\
+                 [dra]\nenabled = true\nplugins_registry_dir = {:?}\nplugins_dir = {:?}\n\
+                 cdi_dir = {:?}\nstate_dir = {:?}\n",
+                kubeconfig.display().to_string(),
+                dir.join("kubelet/plugins_registry"),
+                dir.join("kubelet/plugins"),
+                dir.join("cdi"),
+                dir.join("dra"),
+            )
+        });
+        node.wait_sliced(cp).await;
+        node
+    }
+
+    /// The kubelet peer and the daemon of node `name`, not yet waited for;
+    /// `config(dir, kubeconfig)` gives the daemon's config after its
+    /// `node_name`, from the node's directory and the daemon's kubeconfig.
+    fn launch(
+        cp: &ControlPlane,
+        name: &str,
+        gpus: &[(&str, u64)],
+        config: impl FnOnce(&Path, &Path) -> String,
+    ) -> KubeNode {
         let dir = tempfile::tempdir().unwrap();
         let plugins = dir.path().join("device-plugins");
         std::fs::create_dir_all(&plugins).unwrap();
@@ -342,24 +394,49 @@ impl KubeNode {
              containers: [{{name: plugin, image: gpu-device-plugin}}]\n"
         ));
         let kubeconfig = cp.token("gpu-device-plugin", "gpu-device-plugin", Some(&pod));
-        let toml = mock_config(
-            &plugins,
-            &format!(
-                "pod_matching = true\nnode_name = \"{name}\"\n{top}\n\
-                 [matcher]\nkubeconfig = {:?}\n[enforcement]\nmode = \"none\"\n",
-                kubeconfig.display().to_string()
-            ),
-            gpus,
-        );
-        let node = KubeNode {
+        let top = format!("node_name = \"{name}\"\n{}", config(dir.path(), &kubeconfig));
+        let config = mock_config(&plugins, &top, gpus);
+        KubeNode {
             name: name.into(),
-            daemon: Daemon::start(&toml),
+            daemon: Daemon::start(&config),
+            config,
             kubelet,
             dir,
             gpus: gpus.len(),
-        };
-        node.wait_allocatable(cp).await;
-        node
+        }
+    }
+
+    /// Waits until this node's ResourceSlice lists every GPU and the node
+    /// lifecycle controller has lifted the not-ready taint.
+    pub async fn wait_sliced(&self, cp: &ControlPlane) {
+        let client = cp.admin_client().await;
+        let nodes: Api<Node> = Api::all(client.clone());
+        let slices: Api<k8s_openapi::api::resource::v1::ResourceSlice> = Api::all(client);
+        let deadline = Instant::now() + START;
+        loop {
+            let untainted = nodes.get(&self.name).await.is_ok_and(|n| {
+                n.spec
+                    .and_then(|s| s.taints)
+                    .is_none_or(|t| t.is_empty())
+            });
+            let listed = slices.list(&Default::default()).await.is_ok_and(|l| {
+                l.items.iter().any(|s| {
+                    s.spec.node_name.as_deref() == Some(&self.name)
+                        && s.spec.devices.as_ref().map_or(0, Vec::len) == self.gpus
+                })
+            });
+            if untainted && listed {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "node {} never published its slice\nkubelet:\n{}\ndaemon:\n{}",
+                self.name,
+                self.kubelet.log_text(),
+                self.daemon.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     fn spawn_kubelet(name: &str, dir: &Path) -> Proc {
@@ -474,6 +551,14 @@ impl KubeNode {
         TestDraDriver { proc, calls }
     }
 
+    /// Stops the daemon (SIGTERM, as its pod's deletion does) and starts it
+    /// again on the same config.
+    pub fn restart_daemon(&mut self) {
+        self.daemon.signal(libc::SIGTERM);
+        self.daemon.wait_exit(Duration::from_secs(20));
+        self.daemon = Daemon::start(&self.config);
+    }
+
     /// What the kubelet recorded for pod `namespace/name`: admitted or not,
     /// the reason, each container's envs, mounts, devices and CDI devices.
     pub fn record(&self, namespace: &str, name: &str) -> Option<Value> {
@@ -543,6 +628,31 @@ impl Scheduler {
             proc,
         }
     }
+}
+
+/// kube-scheduler on its default profile with no extender, as the GPU
+/// scheduler's identity: what a cluster serving GPUs through DRA alone
+/// runs (its DynamicResources plugin places shares itself).
+pub fn start_plain_scheduler(cp: &ControlPlane) -> Proc {
+    let config = cp.dir.path().join("plain-scheduler.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "apiVersion: kubescheduler.config.k8s.io/v1\nkind: KubeSchedulerConfiguration\n\
+             leaderElection:\n  leaderElect: false\nclientConnection:\n  kubeconfig: {:?}\n",
+            cp.scheduler.display().to_string()
+        ),
+    )
+    .unwrap();
+    Proc::spawn(
+        &[
+            "kube-scheduler".as_ref(),
+            "--config".as_ref(),
+            config.as_os_str(),
+            "--secure-port=0".as_ref(),
+        ],
+        cp.dir.path().join("plain-scheduler.log"),
+    )
 }
 
 /// deploy/scheduler/configmap.yaml's `scheduler.yaml`, its extender at
