@@ -806,7 +806,8 @@ fn the_dra_examples_parse_and_name_what_ships() {
     let limits = &share["spec"]["containers"][0]["resources"]["limits"];
     let name = format!(
         "gpu-memory-{}-core-{}",
-        limits["doslab.io/gpu-memory"], limits["doslab.io/gpu-core"]
+        limits["doslab.io/gpu-memory"].as_str().unwrap(),
+        limits["doslab.io/gpu-core"].as_str().unwrap()
     );
     assert!(templates.contains_key(&name), "no template {name}");
 }
