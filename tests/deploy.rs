@@ -2340,6 +2340,97 @@ fn the_gpu_scheduler_may_patch_only_the_domain_annotations_of_unbound_pods() {
     assert_eq!(binding.spec.unwrap().validation_actions.unwrap(), ["Deny"]);
 }
 
+#[test]
+fn the_slices_policy_keeps_the_daemon_to_its_nodes_slices_of_its_driver() {
+    let request = |user: &str, node, operation| {
+        let mut r = admission_request(user, node, operation, "resourceslices");
+        r["resource"]["group"] = json!("resource.k8s.io");
+        r
+    };
+    let slice = |node: Option<&str>, driver: &str| {
+        let mut s = json!({"metadata": {"name": "s"}, "spec": {"driver": driver,
+            "pool": {"name": "p", "generation": 0, "resourceSliceCount": 1}}});
+        match node {
+            Some(n) => s["spec"]["nodeName"] = json!(n),
+            None => s["spec"]["allNodes"] = json!(true),
+        }
+        s
+    };
+    let ours = |operation| request(DAEMON, Some("gpu-node-1"), operation);
+    let mine = slice(Some("gpu-node-1"), "gpu.doslab.io");
+    let theirs = slice(Some("gpu-node-2"), "gpu.doslab.io");
+    let cases: [Case; 9] = [
+        (
+            "creates its slice",
+            ours("CREATE"),
+            Value::Null,
+            mine.clone(),
+            Some(0),
+        ),
+        (
+            "updates its slice",
+            ours("UPDATE"),
+            mine.clone(),
+            mine.clone(),
+            Some(0),
+        ),
+        (
+            "deletes its slice",
+            ours("DELETE"),
+            mine.clone(),
+            Value::Null,
+            Some(0),
+        ),
+        (
+            "creates another node's",
+            ours("CREATE"),
+            Value::Null,
+            theirs.clone(),
+            Some(1),
+        ),
+        (
+            "deletes another node's",
+            ours("DELETE"),
+            theirs.clone(),
+            Value::Null,
+            Some(1),
+        ),
+        (
+            "creates a slice of all nodes",
+            ours("CREATE"),
+            Value::Null,
+            slice(None, "gpu.doslab.io"),
+            Some(1),
+        ),
+        (
+            "creates another driver's",
+            ours("CREATE"),
+            Value::Null,
+            slice(Some("gpu-node-1"), "gpu.example.com"),
+            Some(1),
+        ),
+        (
+            "a token without a node",
+            request(DAEMON, None, "CREATE"),
+            Value::Null,
+            mine.clone(),
+            Some(1),
+        ),
+        (
+            "anyone else is not the policy's business",
+            request(TENANT, None, "DELETE"),
+            theirs,
+            Value::Null,
+            None,
+        ),
+    ];
+    assert_cases(
+        &[kustomize(&[KUSTOMIZE_DRA]), chart(&DRA_ON)],
+        "gpu-device-plugin-slices",
+        &cases,
+    );
+}
+
 /// A right: API group, resource, verb, and the one object's name (None:
 /// any).
 type Right = (
