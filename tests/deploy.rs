@@ -817,6 +817,13 @@ fn helm_lints_the_chart_and_its_schema_refuses_bad_values() {
     stdout_ok(run("helm", &["lint", "--strict", CHART]), "helm lint");
     let on = [&["lint", "--strict", CHART][..], &EXTENDER_ON].concat();
     stdout_ok(run("helm", &on), "helm lint with the extender on");
+    let dra = [
+        &["lint", "--strict", CHART][..],
+        &DRA_ON,
+        &["--set", "dra.claimsPolicy.enabled=true"],
+    ]
+    .concat();
+    stdout_ok(run("helm", &dra), "helm lint in DRA mode");
     for (set, says) in [
         ("metricsPort=http", "metricsPort"),
         ("image.pullPolicy=Sometimes", "pullPolicy"),
