@@ -22,10 +22,11 @@ use k8s_openapi::api::admissionregistration::v1alpha1::{
 };
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{
-    ConfigMap, Container, Namespace, NodeSelectorTerm, PodSpec, Service, ServiceAccount,
+    ConfigMap, Container, Namespace, NodeSelectorTerm, Pod, PodSpec, Service, ServiceAccount,
 };
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, RoleBinding};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaimTemplate};
 use serde_json::{Value, json};
 use support::{BIN, real_shared_object};
 
@@ -130,6 +131,13 @@ const EXTENDER_ON: [&str; 4] = [
 /// The kustomize trees the chart with [`EXTENDER_ON`] renders.
 const KUSTOMIZE_ALL: [&str; 3] = ["deploy", "deploy/scheduler", "deploy/scheduler/mutating"];
 
+/// The chart's values for DRA mode serving every GPU.
+const DRA_ON: [&str; 2] = ["--set", "dra.enabled=true"];
+
+/// The overlay an operator applies for DRA mode: deploy/ with the
+/// deploy/dra Component (an overlay inside deploy/ cannot take deploy/).
+const KUSTOMIZE_DRA: &str = "overlays/dra";
+
 fn find<'a>(objs: &'a [Value], kind: &str) -> Option<&'a Value> {
     objs.iter().find(|o| o["kind"] == kind)
 }
@@ -162,6 +170,9 @@ fn parse_all(objs: &[Value]) {
                 drop(strict::<MutatingAdmissionPolicyBinding>(&v1alpha1(obj)))
             }
             "NetworkPolicy" => drop(strict::<NetworkPolicy>(obj)),
+            "DeviceClass" => drop(strict::<DeviceClass>(obj)),
+            "ResourceClaimTemplate" => drop(strict::<ResourceClaimTemplate>(obj)),
+            "Pod" => drop(strict::<Pod>(obj)),
             "ServiceMonitor" => {}
             other => panic!("unexpected kind {other}"),
         }
@@ -169,8 +180,8 @@ fn parse_all(objs: &[Value]) {
 }
 
 /// A mutating admission policy (or binding) as the v1alpha1 that
-/// k8s-openapi's v1_33 types have; the GA v1 it is written as has the same
-/// fields.
+/// k8s-openapi's v1_34 types have (its newest); the GA v1 it is written as
+/// has the same fields.
 fn v1alpha1(obj: &Value) -> Value {
     assert_eq!(obj["apiVersion"], "admissionregistration.k8s.io/v1");
     let mut o = obj.clone();
@@ -330,6 +341,14 @@ fn the_image_and_both_daemonsets_hand_the_binary_an_argv_it_accepts() {
                 "kubeletRootDir=/var/lib/k0s/kubelet",
             ]))),
         ),
+        (
+            "the kustomize DaemonSet in DRA mode",
+            check_config_in_container(Some(&kustomize(&[KUSTOMIZE_DRA]))),
+        ),
+        (
+            "the chart's DaemonSet in DRA mode",
+            check_config_in_container(Some(&chart(&DRA_ON))),
+        ),
     ];
     // First the argv (a refused one crash-loops every pod), then the config.
     for (what, out) in &runs {
@@ -411,6 +430,11 @@ fn the_chart_and_kustomize_render_the_same_objects() {
             &["--set", "networkPolicy.enabled=true"][..],
             &["deploy", "deploy/networkpolicy"][..],
         ),
+        (&DRA_ON[..], &[KUSTOMIZE_DRA][..]),
+        (
+            &[&DRA_ON[..], &["--set", "dra.claimsPolicy.enabled=true"]].concat()[..],
+            &[KUSTOMIZE_DRA, "deploy/dra/claims"][..],
+        ),
     ] {
         let helm = normalised(chart(values));
         let kust = normalised(kustomize(trees));
@@ -422,11 +446,29 @@ fn the_chart_and_kustomize_render_the_same_objects() {
         for (k, v) in &kust {
             assert_eq!(&helm[k], v, "{k} differs between the chart and kustomize");
         }
-        assert_eq!(
-            kust["ConfigMap/gpu-device-plugin"]["data"]["config.toml"],
-            serde_json::to_value(&default).unwrap(),
-            "the chart's config drifted from config/"
-        );
+        let mut want = serde_json::to_value(&default).unwrap();
+        let mut got = kust["ConfigMap/gpu-device-plugin"]["data"]["config.toml"].clone();
+        if trees[0] == KUSTOMIZE_DRA {
+            // DRA mode: the default's keys, no device-plugin resources,
+            // and [dra] on with its defaults (as the binary reads them).
+            want["resources"] = json!([]);
+            want["pod_matching"] = json!(false);
+            got.as_object_mut().unwrap().remove("dra");
+            let text = typed::<ConfigMap>(&kustomize(trees), "ConfigMap")
+                .data
+                .unwrap()["config.toml"]
+                .clone();
+            let config =
+                gpu_device_plugin::config::Config::from_toml(&text, Some("n".into())).unwrap();
+            assert_eq!(
+                config.dra,
+                gpu_device_plugin::dra::DraConfig {
+                    enabled: true,
+                    ..Default::default()
+                }
+            );
+        }
+        assert_eq!(got, want, "the chart's config drifted from config/");
     }
 }
 
@@ -615,11 +657,173 @@ fn assert_mounts_follow_config(objs: &[Value], dir: &str) {
     assert_eq!(mount.mount_path, dir);
 }
 
+/// DRA mode's host directories: each directory of the config's `[dra]`
+/// is, or is below, a mount backed by the same host path, so the kubelet
+/// finds the sockets and the runtime the CDI specs where the daemon wrote
+/// them, and the checkpoint outlives the pod.
+fn assert_dra_dirs_follow_config(objs: &[Value], kubelet_root: &str) {
+    let config =
+        gpu_device_plugin::config::Config::from_toml(&config_toml(objs), Some("n".into())).unwrap();
+    let d = &config.dra;
+    assert!(d.enabled, "[dra] is off");
+    let root = Path::new(kubelet_root);
+    assert_eq!(d.plugins_registry_dir, root.join("plugins_registry"));
+    assert_eq!(d.plugins_dir, root.join("plugins"));
+    let mounts = pod_spec(objs).containers[0].volume_mounts.clone().unwrap();
+    for dir in [
+        &d.plugins_registry_dir,
+        &d.plugins_dir,
+        &d.cdi_dir,
+        &d.state_dir,
+    ] {
+        let mount = mounts
+            .iter()
+            .filter(|m| dir.starts_with(&m.mount_path))
+            .max_by_key(|m| m.mount_path.len())
+            .unwrap_or_else(|| panic!("{} is not mounted", dir.display()));
+        assert_eq!(mount.read_only, None, "{} is read-only", dir.display());
+        assert_eq!(
+            host_path(objs, &mount.name).as_deref(),
+            Some(mount.mount_path.as_str()),
+            "{} is not its host path",
+            dir.display()
+        );
+    }
+}
+
+/// The DeviceClass of `driver`: it selects the driver's devices, and maps
+/// `<domain>/gpu-count` to whole GPUs of it.
+fn assert_device_class(objs: &[Value], driver: &str, domain: &str) {
+    let class: DeviceClass = strict(named(objs, "DeviceClass", driver));
+    let spec = class.spec;
+    assert_eq!(
+        spec.extended_resource_name.as_deref(),
+        Some(format!("{domain}/gpu-count").as_str())
+    );
+    let selectors = spec.selectors.unwrap();
+    assert_eq!(
+        selectors[0].cel.as_ref().unwrap().expression,
+        format!("device.driver == \"{driver}\"")
+    );
+}
+
+#[test]
+fn dra_mode_renders_a_config_the_binary_takes_with_its_host_directories() {
+    for objs in [kustomize(&[KUSTOMIZE_DRA]), chart(&DRA_ON)] {
+        parse_all(&objs);
+        assert_dra_dirs_follow_config(&objs, "/var/lib/kubelet");
+        assert_device_class(&objs, "gpu.doslab.io", "doslab.io");
+        // Enforcement is as in device-plugin mode.
+        assert_enforcement_dirs_follow_config(&objs);
+        assert_init_container_installs(&objs);
+    }
+    // A kubelet elsewhere, another domain, GPUs split with the device
+    // plugin, whole GPUs only, enforcement off: everything follows.
+    let objs = chart_with(
+        "kubeletRootDir: /var/lib/k0s/kubelet\nresourceDomain: example.com\n\
+         enforcement: {mode: none}\n\
+         dra: {enabled: true, gpus: [\"1\", GPU-b], consumableCapacity: false, cdiDir: /etc/cdi}\n",
+    );
+    parse_all(&objs);
+    assert_dra_dirs_follow_config(&objs, "/var/lib/k0s/kubelet");
+    assert_device_class(&objs, "gpu.example.com", "example.com");
+    let config =
+        gpu_device_plugin::config::Config::from_toml(&config_toml(&objs), Some("n".into()))
+            .unwrap();
+    assert_eq!(config.dra.gpus, ["1", "GPU-b"]);
+    assert!(!config.dra.consumable_capacity);
+    assert_eq!(config.dra.cdi_dir, Path::new("/etc/cdi"));
+    assert_eq!(
+        config.resources.len(),
+        3,
+        "the device plugin serves the rest"
+    );
+    assert!(config.pod_matching);
+    assert!(init_container(&objs).is_none());
+    let cel = named(
+        &objs,
+        "ValidatingAdmissionPolicy",
+        "gpu-device-plugin-slices",
+    )
+    .to_string();
+    assert!(cel.contains("'gpu.example.com'") && !cel.contains("doslab.io"));
+    // A driver of its own names the class, the config and the policy.
+    let objs = chart(&[&DRA_ON[..], &["--set", "dra.driver=gpus.example.org"]].concat());
+    assert_device_class(&objs, "gpus.example.org", "doslab.io");
+    let config =
+        gpu_device_plugin::config::Config::from_toml(&config_toml(&objs), Some("n".into()))
+            .unwrap();
+    assert_eq!(config.dra.driver, "gpus.example.org");
+    let cel = named(
+        &objs,
+        "ValidatingAdmissionPolicy",
+        "gpu-device-plugin-slices",
+    )
+    .to_string();
+    assert!(cel.contains("'gpus.example.org'"));
+}
+
+/// deploy/dra/examples: every object parses into its API type; the
+/// templates ask the shipped DeviceClass (a share of 8 GiB and 30 cores,
+/// a whole GPU naming no capacity), and the pods name templates that ship.
+#[test]
+fn the_dra_examples_parse_and_name_what_ships() {
+    let dir = repo().join("deploy/dra/examples");
+    let mut all = Vec::new();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        all.extend(objects(&std::fs::read_to_string(&path).unwrap()));
+    }
+    parse_all(&all);
+    let class =
+        find(&kustomize(&[KUSTOMIZE_DRA]), "DeviceClass").unwrap()["metadata"]["name"].clone();
+    let templates: BTreeMap<String, Value> = all
+        .iter()
+        .filter(|o| o["kind"] == "ResourceClaimTemplate")
+        .map(|o| {
+            let request = &o["spec"]["spec"]["devices"]["requests"][0]["exactly"];
+            assert_eq!(request["deviceClassName"], class, "{o}");
+            (
+                o["metadata"]["name"].as_str().unwrap().to_owned(),
+                request.get("capacity").cloned().unwrap_or(Value::Null),
+            )
+        })
+        .collect();
+    assert_eq!(
+        templates["gpu-memory-8192-core-30"],
+        json!({"requests": {"memory": "8Gi", "cores": "30"}})
+    );
+    assert_eq!(templates["gpu-whole"], Value::Null);
+    let deployment: Deployment = typed(&all, "Deployment");
+    let pod = deployment.spec.unwrap().template.spec.unwrap();
+    let claim = &pod.resource_claims.unwrap()[0];
+    assert!(templates.contains_key(claim.resource_claim_template_name.as_ref().unwrap()));
+    let claims = pod.containers[0].resources.clone().unwrap().claims.unwrap();
+    assert_eq!(claims[0].name, claim.name);
+    // The share pod's asks name the share template as the claims policy
+    // names it (gpu-memory-<M>-core-<C>).
+    let share = named(&all, "Pod", "gpu-share-by-asks-demo");
+    let limits = &share["spec"]["containers"][0]["resources"]["limits"];
+    let name = format!(
+        "gpu-memory-{}-core-{}",
+        limits["doslab.io/gpu-memory"].as_str().unwrap(),
+        limits["doslab.io/gpu-core"].as_str().unwrap()
+    );
+    assert!(templates.contains_key(&name), "no template {name}");
+}
+
 #[test]
 fn helm_lints_the_chart_and_its_schema_refuses_bad_values() {
     stdout_ok(run("helm", &["lint", "--strict", CHART]), "helm lint");
     let on = [&["lint", "--strict", CHART][..], &EXTENDER_ON].concat();
     stdout_ok(run("helm", &on), "helm lint with the extender on");
+    let dra = [
+        &["lint", "--strict", CHART][..],
+        &DRA_ON,
+        &["--set", "dra.claimsPolicy.enabled=true"],
+    ]
+    .concat();
+    stdout_ok(run("helm", &dra), "helm lint in DRA mode");
     for (set, says) in [
         ("metricsPort=http", "metricsPort"),
         ("image.pullPolicy=Sometimes", "pullPolicy"),
@@ -663,6 +867,18 @@ fn helm_lints_the_chart_and_its_schema_refuses_bad_values() {
             "/formerResourceDomains/0",
         ),
         ("networkPolicy.from=everyone", "/networkPolicy/from"),
+        ("config=resources = []", "config sets resources"),
+        ("config=pod_matching = false", "config sets pod_matching"),
+        ("config=[dra]", "config sets [dra]"),
+        ("config=dra.enabled = true", "config sets [dra]"),
+        (
+            "devicePlugin.resources={gpu-mem}",
+            "/devicePlugin/resources",
+        ),
+        ("dra.enabled=yes", "/dra/enabled"),
+        ("dra.driver=GPU_Driver", "/dra/driver"),
+        ("dra.gpus={all,0}", "\"all\" beside other GPUs"),
+        ("dra.cdiDir=var/run/cdi", "/dra/cdiDir"),
     ] {
         // With the extender on, so that its own templates' checks run too.
         let args = [
@@ -2131,6 +2347,97 @@ fn the_gpu_scheduler_may_patch_only_the_domain_annotations_of_unbound_pods() {
     assert_eq!(binding.spec.unwrap().validation_actions.unwrap(), ["Deny"]);
 }
 
+#[test]
+fn the_slices_policy_keeps_the_daemon_to_its_nodes_slices_of_its_driver() {
+    let request = |user: &str, node, operation| {
+        let mut r = admission_request(user, node, operation, "resourceslices");
+        r["resource"]["group"] = json!("resource.k8s.io");
+        r
+    };
+    let slice = |node: Option<&str>, driver: &str| {
+        let mut s = json!({"metadata": {"name": "s"}, "spec": {"driver": driver,
+            "pool": {"name": "p", "generation": 0, "resourceSliceCount": 1}}});
+        match node {
+            Some(n) => s["spec"]["nodeName"] = json!(n),
+            None => s["spec"]["allNodes"] = json!(true),
+        }
+        s
+    };
+    let ours = |operation| request(DAEMON, Some("gpu-node-1"), operation);
+    let mine = slice(Some("gpu-node-1"), "gpu.doslab.io");
+    let theirs = slice(Some("gpu-node-2"), "gpu.doslab.io");
+    let cases: [Case; 9] = [
+        (
+            "creates its slice",
+            ours("CREATE"),
+            Value::Null,
+            mine.clone(),
+            Some(0),
+        ),
+        (
+            "updates its slice",
+            ours("UPDATE"),
+            mine.clone(),
+            mine.clone(),
+            Some(0),
+        ),
+        (
+            "deletes its slice",
+            ours("DELETE"),
+            mine.clone(),
+            Value::Null,
+            Some(0),
+        ),
+        (
+            "creates another node's",
+            ours("CREATE"),
+            Value::Null,
+            theirs.clone(),
+            Some(1),
+        ),
+        (
+            "deletes another node's",
+            ours("DELETE"),
+            theirs.clone(),
+            Value::Null,
+            Some(1),
+        ),
+        (
+            "creates a slice of all nodes",
+            ours("CREATE"),
+            Value::Null,
+            slice(None, "gpu.doslab.io"),
+            Some(1),
+        ),
+        (
+            "creates another driver's",
+            ours("CREATE"),
+            Value::Null,
+            slice(Some("gpu-node-1"), "gpu.example.com"),
+            Some(1),
+        ),
+        (
+            "a token without a node",
+            request(DAEMON, None, "CREATE"),
+            Value::Null,
+            mine.clone(),
+            Some(1),
+        ),
+        (
+            "anyone else is not the policy's business",
+            request(TENANT, None, "DELETE"),
+            theirs,
+            Value::Null,
+            None,
+        ),
+    ];
+    assert_cases(
+        &[kustomize(&[KUSTOMIZE_DRA]), chart(&DRA_ON)],
+        "gpu-device-plugin-slices",
+        &cases,
+    );
+}
+
 /// A right: API group, resource, verb, and the one object's name (None:
 /// any).
 type Right = (
@@ -2175,6 +2482,39 @@ const DAEMON_CALLS: [(Right, &str); 8] = [
     (
         ("", "nodes", "patch", None),
         "src/inventory/actor.rs: the gpu-inventory annotation",
+    ),
+];
+
+/// Every API call the daemon makes in DRA mode serving every GPU (no pod
+/// matching, no inventory): its ClusterRole must grant exactly these.
+const DRA_CALLS: [(Right, &str); 7] = [
+    (
+        ("", "nodes", "get", None),
+        "src/dra/slices.rs: publish, the Node that owns the slice",
+    ),
+    (
+        ("resource.k8s.io", "resourceslices", "get", None),
+        "src/dra/slices.rs: publish, the stored slice's generation",
+    ),
+    (
+        ("resource.k8s.io", "resourceslices", "create", None),
+        "src/dra/slices.rs: publish, the first server-side apply creates the slice",
+    ),
+    (
+        ("resource.k8s.io", "resourceslices", "patch", None),
+        "src/dra/slices.rs: publish, server-side apply",
+    ),
+    (
+        ("resource.k8s.io", "resourceslices", "list", None),
+        "src/dra/slices.rs: publish, its node's slices of its driver",
+    ),
+    (
+        ("resource.k8s.io", "resourceslices", "delete", None),
+        "src/dra/slices.rs: publish, a stale slice",
+    ),
+    (
+        ("resource.k8s.io", "resourceclaims", "get", None),
+        "src/dra/prepare.rs: the claim the kubelet asks to prepare",
     ),
 ];
 
@@ -2246,6 +2586,35 @@ fn owned(
             )
         })
         .collect()
+}
+
+#[test]
+fn in_dra_mode_the_daemon_is_granted_exactly_the_calls_its_code_makes() {
+    for objs in [kustomize(&[KUSTOMIZE_DRA]), chart(&DRA_ON)] {
+        assert_eq!(
+            rights(named(&objs, "ClusterRole", "gpu-device-plugin")),
+            owned(&DRA_CALLS),
+            "DRA serving every GPU"
+        );
+        // Its one binding, as in device-plugin mode.
+        let bindings: Vec<_> = objs
+            .iter()
+            .filter(|o| o["kind"].as_str().unwrap().ends_with("Binding"))
+            .filter(|o| !o["kind"].as_str().unwrap().contains("Admission"))
+            .map(|o| o["metadata"]["name"].clone())
+            .collect();
+        assert_eq!(bindings, [json!("gpu-device-plugin")]);
+    }
+    // GPUs split between DRA and the device plugin: both sets.
+    let objs = chart(&[&DRA_ON[..], &["--set-json", "dra.gpus=[\"0\"]"]].concat());
+    let both: std::collections::BTreeSet<_> = owned(&DAEMON_CALLS)
+        .union(&owned(&DRA_CALLS))
+        .cloned()
+        .collect();
+    assert_eq!(
+        rights(named(&objs, "ClusterRole", "gpu-device-plugin")),
+        both
+    );
 }
 
 #[test]

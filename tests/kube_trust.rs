@@ -612,3 +612,351 @@ async fn the_daemon_writes_only_its_own_nodes_pods_and_node() {
         "forbidden",
     );
 }
+
+/// Applies a kustomize tree of the repository as the admin.
+fn apply_tree(cp: &ControlPlane, dir: &str) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(dir);
+    cp.peers_ok(&[
+        "apply",
+        "--kubeconfig",
+        cp.admin.to_str().unwrap(),
+        "-k",
+        dir.to_str().unwrap(),
+    ]);
+}
+
+/// `call` again until the API server's answer satisfies `done` (the
+/// policies just applied are enforced a moment later), then that answer.
+async fn once_enforced<F, Fut>(
+    mut call: F,
+    done: impl Fn(&Result<(), (u16, String)>) -> bool,
+) -> Result<(), (u16, String)>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<(), (u16, String)>>,
+{
+    let deadline = std::time::Instant::now() + START;
+    loop {
+        let got = call().await;
+        if done(&got) || std::time::Instant::now() > deadline {
+            return got;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A ResourceSlice of `driver` on `node` (None: all nodes), one device.
+fn slice(name: &str, driver: &str, node: Option<&str>) -> Value {
+    let mut s = json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+        "metadata": {"name": name},
+        "spec": {"driver": driver, "pool": {"name": "p", "generation": 0, "resourceSliceCount": 1},
+                 "devices": [{"name": "gpu-0"}]}
+    });
+    match node {
+        Some(n) => s["spec"]["nodeName"] = json!(n),
+        None => s["spec"]["allNodes"] = json!(true),
+    }
+    s
+}
+
+/// DRA mode (overlays/dra) as shipped: the daemon's token, bound to its pod
+/// on its node, does what src/dra calls (its Node read, its slice applied,
+/// listed, deleted, claims read) and nothing of the device-plugin mode's
+/// pod, Event and Node writes, nor another node's or driver's slices.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_dra_daemon_writes_only_its_own_nodes_slices_and_reads_claims() {
+    use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+    let cp = ControlPlane::start();
+    apply_tree(&cp, "overlays/dra");
+    namespace(&cp, NS);
+    cp.apply(
+        "apiVersion: v1\nkind: Node\nmetadata: {name: node-0}\n---\n\
+         apiVersion: v1\nkind: Node\nmetadata: {name: elsewhere}\n---\n\
+         apiVersion: v1\nkind: Pod\nmetadata: {name: gpu-device-plugin-node-0, namespace: gpu-device-plugin}\n\
+         spec: {nodeName: node-0, serviceAccountName: gpu-device-plugin, containers: [{name: c, image: x}]}\n",
+    );
+    let admin = cp.admin_client().await;
+    let as_admin: Api<ResourceSlice> = Api::all(admin.clone());
+    let theirs =
+        serde_json::from_value(slice("theirs", "gpu.doslab.io", Some("elsewhere"))).unwrap();
+    as_admin
+        .create(&PostParams::default(), &theirs)
+        .await
+        .unwrap();
+    let claim: ResourceClaim = serde_json::from_value(json!({
+        "metadata": {"name": "c", "namespace": NS},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.doslab.io"}}]}}
+    }))
+    .unwrap();
+    Api::<ResourceClaim>::namespaced(admin, NS)
+        .create(&PostParams::default(), &claim)
+        .await
+        .unwrap();
+
+    let kubeconfig = cp.token(
+        "gpu-device-plugin",
+        "gpu-device-plugin",
+        Some("gpu-device-plugin-node-0"),
+    );
+    let client = ControlPlane::client_as(&kubeconfig).await;
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let apply = PatchParams::apply("gpu.doslab.io").force();
+    let put = |s: Value| {
+        let slices = slices.clone();
+        let apply = apply.clone();
+        let name = s["metadata"]["name"].as_str().unwrap().to_owned();
+        async move { outcome(slices.patch(&name, &apply, &Patch::Apply(s))).await }
+    };
+    let own_node = "the GPU device plugin may only write the ResourceSlices of its own node";
+    refused(
+        "the daemon applies another node's slice",
+        once_enforced(
+            || put(slice("node-x", "gpu.doslab.io", Some("elsewhere"))),
+            |r| r.is_err(),
+        )
+        .await,
+        422,
+        own_node,
+    );
+    // Server-side apply of a new slice is a create: RBAC's create, then
+    // the patch that updates it.
+    let mine = slice("node-0-gpu.doslab.io", "gpu.doslab.io", Some("node-0"));
+    allowed(
+        "the daemon applies its node's slice",
+        put(mine.clone()).await,
+    );
+    let mut next = mine.clone();
+    next["spec"]["pool"]["generation"] = json!(1);
+    allowed("the daemon re-applies its slice", put(next).await);
+    allowed(
+        "the daemon reads its slice",
+        outcome(slices.get("node-0-gpu.doslab.io")).await,
+    );
+    allowed(
+        "the daemon lists its node's slices of its driver",
+        outcome(
+            slices.list(
+                &kube::api::ListParams::default()
+                    .fields("spec.nodeName=node-0,spec.driver=gpu.doslab.io"),
+            ),
+        )
+        .await,
+    );
+    refused(
+        "the daemon applies another driver's slice on its node",
+        put(slice("node-0-other", "gpu.example.com", Some("node-0"))).await,
+        422,
+        "the GPU device plugin may only write the ResourceSlices of its driver gpu.doslab.io",
+    );
+    refused(
+        "the daemon applies a slice of all nodes",
+        put(slice("everywhere", "gpu.doslab.io", None)).await,
+        422,
+        own_node,
+    );
+    let mut changed = slice("theirs", "gpu.doslab.io", Some("elsewhere"));
+    changed["spec"]["devices"][0]["name"] = json!("gpu-1");
+    refused(
+        "the daemon changes another node's slice",
+        put(changed).await,
+        422,
+        own_node,
+    );
+    refused(
+        "the daemon deletes another node's slice",
+        outcome(slices.delete("theirs", &Default::default())).await,
+        422,
+        own_node,
+    );
+    allowed(
+        "the daemon deletes its own slice",
+        outcome(slices.delete("node-0-gpu.doslab.io", &Default::default())).await,
+    );
+
+    // Claims: read by name, nothing else.
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), NS);
+    allowed("the daemon reads a claim", outcome(claims.get("c")).await);
+    let status = Patch::Merge(json!({"status": {"devices": []}}));
+    for (what, got) in [
+        (
+            "lists claims",
+            outcome(claims.list(&Default::default())).await,
+        ),
+        (
+            "writes a claim's status",
+            outcome(claims.patch_status("c", &pp(), &status)).await,
+        ),
+        (
+            "deletes a claim",
+            outcome(claims.delete("c", &Default::default())).await,
+        ),
+        (
+            "creates a claim",
+            outcome(claims.create(&PostParams::default(), &claim)).await,
+        ),
+    ] {
+        refused(&format!("the daemon {what}"), got, 403, "forbidden");
+    }
+
+    // Nothing of the device-plugin mode's rights is left.
+    let nodes: Api<Node> = Api::all(client.clone());
+    allowed(
+        "the daemon reads its Node",
+        outcome(nodes.get("node-0")).await,
+    );
+    for (what, got) in [
+        (
+            "lists pods",
+            outcome(Api::<Pod>::all(client.clone()).list(&Default::default())).await,
+        ),
+        (
+            "patches its Node",
+            outcome(nodes.patch(
+                "node-0",
+                &pp(),
+                &annotations(json!({"doslab.io/gpu-inventory": "{}"})),
+            ))
+            .await,
+        ),
+        (
+            "lists Nodes",
+            outcome(nodes.list(&Default::default())).await,
+        ),
+        (
+            "creates a DeviceClass",
+            outcome(
+                Api::<k8s_openapi::api::resource::v1::DeviceClass>::all(client.clone()).create(
+                    &PostParams::default(),
+                    &serde_json::from_value(json!({"metadata": {"name": "x"}, "spec": {}}))
+                        .unwrap(),
+                ),
+            )
+            .await,
+        ),
+    ] {
+        refused(&format!("the daemon {what}"), got, 403, "forbidden");
+    }
+}
+
+/// The opt-in policy of deploy/dra/claims, on the real API server: a pod
+/// written for the device plugin is stored with a claim per asking
+/// container from the template its asks name, and no share asks left.
+#[tokio::test(flavor = "multi_thread")]
+async fn device_plugin_asks_become_claims_from_templates() {
+    let cp = ControlPlane::start();
+    apply_tree(&cp, "overlays/dra");
+    apply_tree(&cp, "deploy/dra/claims");
+    namespace(&cp, NS);
+    let pods: Api<Pod> = Api::namespaced(cp.admin_client().await, NS);
+    let spec = |containers: Value| -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": "p", "namespace": NS},
+            "spec": {"schedulerName": "nobody", "containers": containers}
+        }))
+        .unwrap()
+    };
+    let limits = |l: Value| json!({"limits": l});
+    let dry = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    let stored = |p: Pod| {
+        let pods = pods.clone();
+        let dry = dry.clone();
+        async move { serde_json::to_value(pods.create(&dry, &p).await.unwrap()).unwrap() }
+    };
+    // A share, beside cpu, in limits and requests; a container without
+    // asks; one asking memory only.
+    let share = spec(json!([
+        {"name": "main", "image": "app", "resources": {
+            "limits": {"cpu": "1", "doslab.io/gpu-memory": "8", "doslab.io/gpu-core": "30"},
+            "requests": {"cpu": "1", "doslab.io/gpu-memory": "8", "doslab.io/gpu-core": "30"}}},
+        {"name": "sidecar", "image": "app"},
+        {"name": "memory", "image": "app", "resources": limits(json!({"doslab.io/gpu-memory": "4"}))}
+    ]));
+    let deadline = std::time::Instant::now() + START;
+    let mut got = stored(share.clone()).await;
+    while got["spec"]["resourceClaims"].is_null() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the claims policy never applied: {got}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        got = stored(share.clone()).await;
+    }
+    assert_eq!(
+        got["spec"]["resourceClaims"],
+        json!([
+            {"name": "gpu-share-0", "resourceClaimTemplateName": "gpu-memory-8-core-30"},
+            {"name": "gpu-share-2", "resourceClaimTemplateName": "gpu-memory-4"}
+        ])
+    );
+    let c = &got["spec"]["containers"];
+    assert_eq!(
+        c[0]["resources"],
+        json!({"limits": {"cpu": "1"}, "requests": {"cpu": "1"}, "claims": [{"name": "gpu-share-0"}]})
+    );
+    assert!(c[1]["resources"].get("claims").is_none(), "{got}");
+    assert_eq!(
+        c[2]["resources"]["claims"],
+        json!([{"name": "gpu-share-2"}])
+    );
+    // The emptied limits: kept empty or dropped.
+    assert!(
+        c[2]["resources"]["limits"]
+            .as_object()
+            .is_none_or(|l| l.is_empty()),
+        "{got}"
+    );
+
+    // A pod with claims of its own keeps them, the share's added; a
+    // quantity as the API server canonicalises it (8000 is 8k) names the
+    // template by its integer.
+    let mut own = spec(json!([
+        {"name": "main", "image": "app", "resources": {
+            "limits": {"doslab.io/gpu-memory": "8000", "doslab.io/gpu-core": "30"},
+            "claims": [{"name": "nic"}]}}
+    ]));
+    own.spec.as_mut().unwrap().resource_claims = Some(vec![
+        serde_json::from_value(json!({"name": "nic", "resourceClaimName": "nic"})).unwrap(),
+    ]);
+    let got = stored(own).await;
+    assert_eq!(
+        got["spec"]["resourceClaims"],
+        json!([
+            {"name": "nic", "resourceClaimName": "nic"},
+            {"name": "gpu-share-0", "resourceClaimTemplateName": "gpu-memory-8000-core-30"}
+        ])
+    );
+    assert_eq!(
+        got["spec"]["containers"][0]["resources"]["claims"],
+        json!([{"name": "nic"}, {"name": "gpu-share-0"}])
+    );
+
+    // Left as written: whole GPUs by count (the DeviceClass maps them), a
+    // count beside a share; and an ask that is no count of devices, which
+    // the quantity policy then refuses.
+    for asks in [
+        json!({"doslab.io/gpu-count": "1"}),
+        json!({"doslab.io/gpu-count": "1", "doslab.io/gpu-memory": "8"}),
+    ] {
+        let got = stored(spec(
+            json!([{"name": "main", "image": "app", "resources": limits(asks.clone())}]),
+        ))
+        .await;
+        assert!(got["spec"]["resourceClaims"].is_null(), "{got}");
+        assert_eq!(got["spec"]["containers"][0]["resources"]["limits"], asks);
+    }
+    refused(
+        "a pod asking gpu-memory in bytes",
+        outcome(pods.create(
+            &dry,
+            &spec(json!([{"name": "main", "image": "app",
+                "resources": limits(json!({"doslab.io/gpu-memory": "8Gi"}))}])),
+        ))
+        .await,
+        422,
+        "is no count of devices",
+    );
+}
