@@ -249,7 +249,10 @@ mod tests {
         vec![
             (b":method", b"POST".to_vec()),
             (b":scheme", b"http".to_vec()),
-            (b":path", b"/pluginregistration.Registration/GetInfo".to_vec()),
+            (
+                b":path",
+                b"/pluginregistration.Registration/GetInfo".to_vec(),
+            ),
             (b":authority", authority.to_vec()),
             (b"content-type", b"application/grpc".to_vec()),
         ]
@@ -303,7 +306,12 @@ mod tests {
         let mut enc = loona_hpack::Encoder::new();
         let mut input = PREFACE.to_vec();
         let fields = request(b"example.com:80");
-        input.extend(frame(HEADERS, END_HEADERS | END_STREAM, 1, &encode(&mut enc, &fields)));
+        input.extend(frame(
+            HEADERS,
+            END_HEADERS | END_STREAM,
+            1,
+            &encode(&mut enc, &fields),
+        ));
         let frames = relayed(input).await.unwrap();
         assert_eq!(frames[0].1, END_HEADERS | END_STREAM);
         assert_eq!(frames[0].3[3].1, b"example.com:80");
@@ -320,8 +328,16 @@ mod tests {
         ]
         .concat();
         let huge = [PREFACE.to_vec(), vec![0xff, 0xff, 0xff, 0, 0, 0, 0, 0, 1]].concat();
-        let garbage = [PREFACE.to_vec(), frame(HEADERS, END_HEADERS, 1, &[0xff, 0xff])].concat();
-        let short = [PREFACE.to_vec(), frame(HEADERS, PADDED | END_HEADERS, 1, &[9, 1])].concat();
+        let garbage = [
+            PREFACE.to_vec(),
+            frame(HEADERS, END_HEADERS, 1, &[0xff, 0xff]),
+        ]
+        .concat();
+        let short = [
+            PREFACE.to_vec(),
+            frame(HEADERS, PADDED | END_HEADERS, 1, &[9, 1]),
+        ]
+        .concat();
         for input in [bad_preface, interrupted, huge, garbage, short] {
             let e = relayed(input).await.unwrap_err();
             assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");

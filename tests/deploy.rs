@@ -136,7 +136,10 @@ const DRA_ON: [&str; 2] = ["--set", "dra.enabled=true"];
 
 /// The overlay an operator applies for DRA mode: deploy/ with the
 /// deploy/dra Component (an overlay inside deploy/ cannot take deploy/).
-const KUSTOMIZE_DRA: &str = "overlays/dra";
+/// The kustomize tree of DRA mode ([`support::dra_overlay`]).
+fn kustomize_dra() -> String {
+    support::dra_overlay().display().to_string()
+}
 
 fn find<'a>(objs: &'a [Value], kind: &str) -> Option<&'a Value> {
     objs.iter().find(|o| o["kind"] == kind)
@@ -343,7 +346,7 @@ fn the_image_and_both_daemonsets_hand_the_binary_an_argv_it_accepts() {
         ),
         (
             "the kustomize DaemonSet in DRA mode",
-            check_config_in_container(Some(&kustomize(&[KUSTOMIZE_DRA]))),
+            check_config_in_container(Some(&kustomize(&[&kustomize_dra()]))),
         ),
         (
             "the chart's DaemonSet in DRA mode",
@@ -423,6 +426,7 @@ fn normalised(objs: Vec<Value>) -> BTreeMap<String, Value> {
 #[test]
 fn the_chart_and_kustomize_render_the_same_objects() {
     let default: toml::Table = gpu_device_plugin::config::DEFAULT_TOML.parse().unwrap();
+    let dra = kustomize_dra();
     for (values, trees) in [
         (&[][..], &["deploy"][..]),
         (&EXTENDER_ON[..], &KUSTOMIZE_ALL[..]),
@@ -430,10 +434,10 @@ fn the_chart_and_kustomize_render_the_same_objects() {
             &["--set", "networkPolicy.enabled=true"][..],
             &["deploy", "deploy/networkpolicy"][..],
         ),
-        (&DRA_ON[..], &[KUSTOMIZE_DRA][..]),
+        (&DRA_ON[..], &[dra.as_str()][..]),
         (
             &[&DRA_ON[..], &["--set", "dra.claimsPolicy.enabled=true"]].concat()[..],
-            &[KUSTOMIZE_DRA, "deploy/dra/claims"][..],
+            &[dra.as_str(), "deploy/dra/claims"][..],
         ),
     ] {
         let helm = normalised(chart(values));
@@ -448,7 +452,7 @@ fn the_chart_and_kustomize_render_the_same_objects() {
         }
         let mut want = serde_json::to_value(&default).unwrap();
         let mut got = kust["ConfigMap/gpu-device-plugin"]["data"]["config.toml"].clone();
-        if trees[0] == KUSTOMIZE_DRA {
+        if trees[0] == dra {
             // DRA mode: the default's keys, no device-plugin resources,
             // and [dra] on with its defaults (as the binary reads them).
             want["resources"] = json!([]);
@@ -709,7 +713,7 @@ fn assert_device_class(objs: &[Value], driver: &str, domain: &str) {
 
 #[test]
 fn dra_mode_renders_a_config_the_binary_takes_with_its_host_directories() {
-    for objs in [kustomize(&[KUSTOMIZE_DRA]), chart(&DRA_ON)] {
+    for objs in [kustomize(&[&kustomize_dra()]), chart(&DRA_ON)] {
         parse_all(&objs);
         assert_dra_dirs_follow_config(&objs, "/var/lib/kubelet");
         assert_device_class(&objs, "gpu.doslab.io", "doslab.io");
@@ -776,7 +780,7 @@ fn the_dra_examples_parse_and_name_what_ships() {
     }
     parse_all(&all);
     let class =
-        find(&kustomize(&[KUSTOMIZE_DRA]), "DeviceClass").unwrap()["metadata"]["name"].clone();
+        find(&kustomize(&[&kustomize_dra()]), "DeviceClass").unwrap()["metadata"]["name"].clone();
     let templates: BTreeMap<String, Value> = all
         .iter()
         .filter(|o| o["kind"] == "ResourceClaimTemplate")
@@ -2432,7 +2436,7 @@ fn the_slices_policy_keeps_the_daemon_to_its_nodes_slices_of_its_driver() {
         ),
     ];
     assert_cases(
-        &[kustomize(&[KUSTOMIZE_DRA]), chart(&DRA_ON)],
+        &[kustomize(&[&kustomize_dra()]), chart(&DRA_ON)],
         "gpu-device-plugin-slices",
         &cases,
     );
@@ -2590,7 +2594,7 @@ fn owned(
 
 #[test]
 fn in_dra_mode_the_daemon_is_granted_exactly_the_calls_its_code_makes() {
-    for objs in [kustomize(&[KUSTOMIZE_DRA]), chart(&DRA_ON)] {
+    for objs in [kustomize(&[&kustomize_dra()]), chart(&DRA_ON)] {
         assert_eq!(
             rights(named(&objs, "ClusterRole", "gpu-device-plugin")),
             owned(&DRA_CALLS),

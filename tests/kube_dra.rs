@@ -409,10 +409,19 @@ async fn shares_and_whole_gpus_through_the_products_dra_plugin() {
     for name in ["share-1", "share-2"] {
         create(&client, &claim_pod(name, "share")).await;
         let (id, envs) = running_with(&client, &node, name, &|| logs(&node)).await;
-        assert_ne!(envs["NVIDIA_VISIBLE_DEVICES"], taken, "{name} beside a whole GPU");
-        assert_eq!(envs["CUDA_DEVICE_MEMORY_LIMIT_0"], "8192m", "{name}: {envs:?}");
+        assert_ne!(
+            envs["NVIDIA_VISIBLE_DEVICES"], taken,
+            "{name} beside a whole GPU"
+        );
+        assert_eq!(
+            envs["CUDA_DEVICE_MEMORY_LIMIT_0"], "8192m",
+            "{name}: {envs:?}"
+        );
         assert_eq!(envs["CUDA_DEVICE_SM_LIMIT"], "30", "{name}: {envs:?}");
-        assert!(envs.contains_key("CUDA_DEVICE_MEMORY_SHARED_CACHE"), "{envs:?}");
+        assert!(
+            envs.contains_key("CUDA_DEVICE_MEMORY_SHARED_CACHE"),
+            "{envs:?}"
+        );
         shares.insert(name, id);
     }
     // No room left for a third share; no GPU holds 32 GiB.
@@ -428,14 +437,20 @@ async fn shares_and_whole_gpus_through_the_products_dra_plugin() {
     // share-3 takes the room.
     let (spec, envs) = cdi_envs(&node, &shares["share-1"]);
     let cache = std::path::PathBuf::from(&envs["CUDA_DEVICE_MEMORY_SHARED_CACHE"]);
-    pods.delete("share-1", &DeleteParams::default()).await.unwrap();
+    pods.delete("share-1", &DeleteParams::default())
+        .await
+        .unwrap();
     wait_gone(&client, NS, "share-1", Duration::from_secs(60)).await;
     assert!(!spec.exists(), "{} left", spec.display());
     let claim_dirs = host.path().join("state/claims");
     let left: Vec<_> = std::fs::read_dir(&claim_dirs)
         .map(|d| d.map(|e| e.unwrap().file_name()).collect())
         .unwrap_or_default();
-    assert_eq!(left.len(), 1, "share-1's enforcement state left: {left:?} ({cache:?})");
+    assert_eq!(
+        left.len(),
+        1,
+        "share-1's enforcement state left: {left:?} ({cache:?})"
+    );
     let (id3, _) = running_with(&client, &node, "share-3", &|| logs(&node)).await;
 
     // A kubelet restart with share-2 and share-3 prepared: they stay
@@ -444,7 +459,9 @@ async fn shares_and_whole_gpus_through_the_products_dra_plugin() {
     node.restart_kubelet().await;
     node.wait_sliced(&cp).await;
     let (spec2, _) = cdi_envs(&node, &shares["share-2"]);
-    pods.delete("share-2", &DeleteParams::default()).await.unwrap();
+    pods.delete("share-2", &DeleteParams::default())
+        .await
+        .unwrap();
     wait_gone(&client, NS, "share-2", Duration::from_secs(60)).await;
     assert!(!spec2.exists(), "{} left\n{}", spec2.display(), logs(&node));
     // A daemon restart with share-3 prepared: its checkpoint lets the new
@@ -452,19 +469,25 @@ async fn shares_and_whole_gpus_through_the_products_dra_plugin() {
     node.restart_daemon();
     node.wait_sliced(&cp).await;
     let (spec3, _) = cdi_envs(&node, &id3);
-    pods.delete("share-3", &DeleteParams::default()).await.unwrap();
+    pods.delete("share-3", &DeleteParams::default())
+        .await
+        .unwrap();
     wait_gone(&client, NS, "share-3", Duration::from_secs(60)).await;
     assert!(!spec3.exists(), "{} left\n{}", spec3.display(), logs(&node));
 
     // Health: the GPU a share would land on turns unhealthy; its device is
     // tainted NoSchedule and the next share goes to the other GPU.
-    pods.delete("whole-0", &DeleteParams::default()).await.unwrap();
+    pods.delete("whole-0", &DeleteParams::default())
+        .await
+        .unwrap();
     pods.delete("huge", &DeleteParams::default()).await.unwrap();
     wait_gone(&client, NS, "whole-0", Duration::from_secs(60)).await;
     create(&client, &claim_pod("probe", "share")).await;
     let (_, probe) = running_with(&client, &node, "probe", &|| logs(&node)).await;
     let first = probe["NVIDIA_VISIBLE_DEVICES"].clone();
-    pods.delete("probe", &DeleteParams::default()).await.unwrap();
+    pods.delete("probe", &DeleteParams::default())
+        .await
+        .unwrap();
     wait_gone(&client, NS, "probe", Duration::from_secs(60)).await;
     std::fs::write(health.join(&first), "").unwrap();
     let slices: Api<DynamicObject> = Api::all_with(client.clone(), &resource("ResourceSlice"));
@@ -489,5 +512,8 @@ async fn shares_and_whole_gpus_through_the_products_dra_plugin() {
     .await;
     create(&client, &claim_pod("after", "share")).await;
     let (_, after) = running_with(&client, &node, "after", &|| logs(&node)).await;
-    assert_ne!(after["NVIDIA_VISIBLE_DEVICES"], first, "landed on the tainted GPU");
+    assert_ne!(
+        after["NVIDIA_VISIBLE_DEVICES"], first,
+        "landed on the tainted GPU"
+    );
 }

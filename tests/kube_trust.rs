@@ -614,7 +614,7 @@ async fn the_daemon_writes_only_its_own_nodes_pods_and_node() {
 }
 
 /// Applies a kustomize tree of the repository as the admin.
-fn apply_tree(cp: &ControlPlane, dir: &str) {
+fn apply_tree(cp: &ControlPlane, dir: &std::path::Path) {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(dir);
     cp.peers_ok(&[
         "apply",
@@ -660,7 +660,7 @@ fn slice(name: &str, driver: &str, node: Option<&str>) -> Value {
     s
 }
 
-/// DRA mode (overlays/dra) as shipped: the daemon's token, bound to its pod
+/// DRA mode (deploy/ with the Component deploy/dra) as shipped: the daemon's token, bound to its pod
 /// on its node, does what src/dra calls (its Node read, its slice applied,
 /// listed, deleted, claims read) and nothing of the device-plugin mode's
 /// pod, Event and Node writes, nor another node's or driver's slices.
@@ -668,7 +668,7 @@ fn slice(name: &str, driver: &str, node: Option<&str>) -> Value {
 async fn the_dra_daemon_writes_only_its_own_nodes_slices_and_reads_claims() {
     use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
     let cp = ControlPlane::start();
-    apply_tree(&cp, "overlays/dra");
+    apply_tree(&cp, &support::dra_overlay());
     namespace(&cp, NS);
     cp.apply(
         "apiVersion: v1\nkind: Node\nmetadata: {name: node-0}\n---\n\
@@ -845,8 +845,8 @@ async fn the_dra_daemon_writes_only_its_own_nodes_slices_and_reads_claims() {
 #[tokio::test(flavor = "multi_thread")]
 async fn device_plugin_asks_become_claims_from_templates() {
     let cp = ControlPlane::start();
-    apply_tree(&cp, "overlays/dra");
-    apply_tree(&cp, "deploy/dra/claims");
+    apply_tree(&cp, &support::dra_overlay());
+    apply_tree(&cp, std::path::Path::new("deploy/dra/claims"));
     namespace(&cp, NS);
     let pods: Api<Pod> = Api::namespaced(cp.admin_client().await, NS);
     let spec = |containers: Value| -> Pod {

@@ -327,8 +327,7 @@ impl KubeNode {
     }
 
     /// Node `name` whose mock `gpus` are served by the daemon's DRA plugin
-    /// alone (`resources = []`), with deploy/dra's DeviceClass and RBAC
-    /// applied; `tables` are the daemon's `[enforcement]` and any other
+    /// alone (`resources = []`), with DRA mode's objects applied as shipped; `tables` are the daemon's `[enforcement]` and any other
     /// tables of its config. Returns once the node's ResourceSlice lists
     /// every GPU and the node is schedulable.
     pub async fn start_dra(
@@ -337,9 +336,16 @@ impl KubeNode {
         gpus: &[(&str, u64)],
         tables: &str,
     ) -> KubeNode {
-        for file in ["deviceclass.yaml", "rbac.yaml"] {
-            cp.apply(&std::fs::read_to_string(Path::new(ROOT).join("deploy/dra").join(file)).unwrap());
-        }
+        // DRA mode as shipped: the daemon's rights become DRA's, and the
+        // DeviceClass and the ResourceSlice policy come with it.
+        let overlay = super::dra_overlay();
+        cp.peers_ok(&[
+            "apply",
+            "--kubeconfig",
+            cp.admin.to_str().unwrap(),
+            "-k",
+            overlay.to_str().unwrap(),
+        ]);
         let node = KubeNode::launch(cp, name, gpus, |dir, kubeconfig| {
             format!(
                 "resources = []\npod_matching = false\n[matcher]\nkubeconfig = {:?}\n{tables}\n\
@@ -394,7 +400,10 @@ impl KubeNode {
              containers: [{{name: plugin, image: gpu-device-plugin}}]\n"
         ));
         let kubeconfig = cp.token("gpu-device-plugin", "gpu-device-plugin", Some(&pod));
-        let top = format!("node_name = \"{name}\"\n{}", config(dir.path(), &kubeconfig));
+        let top = format!(
+            "node_name = \"{name}\"\n{}",
+            config(dir.path(), &kubeconfig)
+        );
         let config = mock_config(&plugins, &top, gpus);
         KubeNode {
             name: name.into(),
@@ -414,11 +423,10 @@ impl KubeNode {
         let slices: Api<k8s_openapi::api::resource::v1::ResourceSlice> = Api::all(client);
         let deadline = Instant::now() + START;
         loop {
-            let untainted = nodes.get(&self.name).await.is_ok_and(|n| {
-                n.spec
-                    .and_then(|s| s.taints)
-                    .is_none_or(|t| t.is_empty())
-            });
+            let untainted = nodes
+                .get(&self.name)
+                .await
+                .is_ok_and(|n| n.spec.and_then(|s| s.taints).is_none_or(|t| t.is_empty()));
             let listed = slices.list(&Default::default()).await.is_ok_and(|l| {
                 l.items.iter().any(|s| {
                     s.spec.node_name.as_deref() == Some(&self.name)

@@ -398,3 +398,21 @@ impl Lcg {
         (self.0 >> 33) % n
     }
 }
+
+/// DRA mode as an operator deploys it with kustomize, following the
+/// README: an overlay of their own naming `deploy/` and the Component
+/// `deploy/dra`. It cannot live in `deploy/` (kustomize refuses an overlay
+/// inside the tree it takes) and the repository's top level is fixed, so
+/// the tests write it under `target/`; the directory.
+pub fn dra_overlay() -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/dra-overlay");
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n\
+                resources: [../../deploy]\ncomponents: [../../deploy/dra]\n";
+    // Test binaries run side by side: each writes the same text aside and
+    // renames it into place.
+    let file = tempfile::NamedTempFile::new_in(&dir).unwrap();
+    std::fs::write(file.path(), text).unwrap();
+    file.persist(dir.join("kustomization.yaml")).unwrap();
+    dir
+}
