@@ -55,19 +55,20 @@ impl Host {
         self.config_of(cp, enforcement, "", GPUS)
     }
 
-    /// [`Host::config`] of `gpus`, `dra` added to its `[dra]`.
+    /// [`Host::config`] of `gpus`, `tail` after its `[dra]` keys (more of
+    /// them, then any other table).
     fn config_of(
         &self,
         cp: &ControlPlane,
         enforcement: &str,
-        dra: &str,
+        tail: &str,
         gpus: &[(&str, u64)],
     ) -> String {
         let extra = format!(
             "resources = []\nnode_name = \"{NODE}\"\n[matcher]\nkubeconfig = {:?}\n\
              [enforcement]\nlibrary_dir = {:?}\nstate_dir = {:?}\n{enforcement}\n\
              [dra]\nenabled = true\nplugins_registry_dir = {:?}\nplugins_dir = {:?}\n\
-             cdi_dir = {:?}\nstate_dir = {:?}\n{dra}\n",
+             cdi_dir = {:?}\nstate_dir = {:?}\n{tail}\n",
             cp.admin,
             self.path("lib"),
             self.path("state"),
@@ -218,27 +219,40 @@ async fn slice_where(
     done: impl Fn(&ResourceSlice) -> bool,
 ) -> ResourceSlice {
     let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let name = format!("{NODE}-{DRIVER}");
+    let found = std::sync::Mutex::new(None);
+    until(daemon, "no such slice", async || {
+        let slice = slices.get_opt(&name).await.unwrap().filter(&done);
+        let there = slice.is_some();
+        *found.lock().unwrap() = slice;
+        there
+    })
+    .await;
+    found.into_inner().unwrap().unwrap()
+}
+
+/// Waits until `done` holds, polling; says `what` when it never does.
+async fn until(daemon: &Daemon, what: &str, done: impl AsyncFn() -> bool) {
     let deadline = Instant::now() + WAIT;
-    loop {
-        let slice = slices.get_opt(&format!("{NODE}-{DRIVER}")).await.unwrap();
-        match slice {
-            Some(s) if done(&s) => return s,
-            s => assert!(
-                Instant::now() < deadline,
-                "slice {s:?}:\n{}",
-                daemon.log_text()
-            ),
-        }
+    while !done().await {
+        assert!(Instant::now() < deadline, "{what}:\n{}", daemon.log_text());
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn claims_are_prepared_into_cdi_specs_from_the_device_plugins_composer() {
+/// The real control plane with the test's namespace and Node: it, the
+/// admin's client and the Node's UID.
+async fn cluster() -> (ControlPlane, kube::Client, String) {
     let cp = ControlPlane::start();
     namespace(&cp, NS);
     let admin = cp.admin_client().await;
     let node_uid = node(&admin).await;
+    (cp, admin, node_uid)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn claims_are_prepared_into_cdi_specs_from_the_device_plugins_composer() {
+    let (cp, admin, node_uid) = cluster().await;
 
     let host = Host::new();
     std::fs::create_dir_all(host.path("lib")).unwrap();
@@ -485,6 +499,92 @@ async fn claims_are_prepared_into_cdi_specs_from_the_device_plugins_composer() {
     assert!(mounts.iter().any(|(c, _)| c == "/dev/shm"), "{mounts:?}");
 }
 
+/// Rewrites the daemon's config to `toml` and has it reload.
+fn reload(daemon: &Daemon, toml: &str) {
+    std::fs::write(&daemon.config, toml).unwrap();
+    daemon.signal(libc::SIGHUP);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_switching_dra_off_removes_the_slice_and_sockets_and_on_again_restores_them() {
+    let (cp, admin, _) = cluster().await;
+    let host = Host::new();
+    let on = host.config(&cp, "");
+    let daemon = Daemon::start(&on);
+    let endpoint = register(&host).await;
+    slice_where(&admin, &daemon, |_| true).await;
+
+    // Off: the device plugin's resources serve the GPUs instead.
+    let off = on
+        .replace("resources = []\n", "")
+        .replace("[dra]\nenabled = true", "[dra]\nenabled = false");
+    assert_ne!(off, on);
+    reload(&daemon, &off);
+    let slices: Api<ResourceSlice> = Api::all(admin.clone());
+    let name = format!("{NODE}-{DRIVER}");
+    until(&daemon, "the slice stays", async || {
+        slices.get_opt(&name).await.unwrap().is_none()
+    })
+    .await;
+    until(&daemon, "a socket stays", async || {
+        !endpoint.exists() && !host.registration_socket().exists()
+    })
+    .await;
+
+    // On again: it serves, registers and publishes as at a start.
+    reload(&daemon, &on);
+    assert_eq!(register(&host).await, endpoint);
+    let slice = slice_where(&admin, &daemon, |_| true).await;
+    assert_eq!(slice.spec.devices.as_ref().map(Vec::len), Some(GPUS.len()));
+    let whole = claim(&admin, "after", Some(json!([result("gpu-0", None, None)]))).await;
+    let mut dra = DraPluginClient::new(channel(&endpoint).await);
+    let answer = dra
+        .node_prepare_resources(NodePrepareResourcesRequest {
+            claims: vec![claim_ref("after", &whole)],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(answer.claims[&whole].error, "", "{answer:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unhealthy_gpu_taints_its_device_until_it_is_healthy_again() {
+    let (cp, admin, _) = cluster().await;
+    let host = Host::new();
+    let health = host.path("health");
+    std::fs::create_dir(&health).unwrap();
+    let tail = format!(
+        "[health]\npoll_ms = 50\nrecovery_ms = 300\nmock_dir = {:?}\n",
+        health.display().to_string()
+    );
+    let daemon = Daemon::start(&host.config_of(&cp, "", &tail, GPUS));
+    register(&host).await;
+    // (key, effect) of the taints device `name` carries.
+    let taints = |s: &ResourceSlice, name: &str| -> Vec<(String, String)> {
+        let devices = s.spec.devices.iter().flatten();
+        let device = devices.into_iter().find(|d| d.name == name).unwrap();
+        let taints = device.taints.iter().flatten();
+        taints.map(|t| (t.key.clone(), t.effect.clone())).collect()
+    };
+    let clean = |s: &ResourceSlice| taints(s, "gpu-0").is_empty() && taints(s, "gpu-1").is_empty();
+    let first = slice_where(&admin, &daemon, clean).await;
+
+    // A file named after GPU-b makes the mock backend call it unhealthy.
+    std::fs::write(health.join("GPU-b"), "").unwrap();
+    let tainted = slice_where(&admin, &daemon, |s| !taints(s, "gpu-1").is_empty()).await;
+    assert_eq!(
+        taints(&tainted, "gpu-1"),
+        [(format!("{DRIVER}/unhealthy"), "NoSchedule".to_owned())]
+    );
+    assert!(taints(&tainted, "gpu-0").is_empty());
+    assert!(tainted.spec.pool.generation > first.spec.pool.generation);
+
+    std::fs::remove_file(health.join("GPU-b")).unwrap();
+    let healed = slice_where(&admin, &daemon, clean).await;
+    assert!(healed.spec.pool.generation > tainted.spec.pool.generation);
+}
+
 /// `cargo test --test dra -- --ignored --nocapture prepare_figures`: what
 /// NodePrepareResources costs over the daemon's unix socket against the
 /// real kube-apiserver (each claim read from it, a cache directory and a
@@ -497,10 +597,7 @@ async fn claims_are_prepared_into_cdi_specs_from_the_device_plugins_composer() {
 #[ignore = "figures for the README"]
 async fn prepare_figures() {
     const MANY: usize = 32;
-    let cp = ControlPlane::start();
-    namespace(&cp, NS);
-    let admin = cp.admin_client().await;
-    node(&admin).await;
+    let (cp, admin, _) = cluster().await;
     let host = Host::new();
     std::fs::create_dir_all(host.path("lib")).unwrap();
     std::fs::copy(real_shared_object(), host.path("lib/libvgpu.so")).unwrap();
