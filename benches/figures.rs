@@ -13,26 +13,12 @@ use gpu_device_plugin::config::Config;
 use gpu_device_plugin::device::{Gpu, KUBELET_MAX_MESSAGE_BYTES, Plan, Resource};
 use gpu_device_plugin::plugin::codec::PreferredRequest;
 use gpu_device_plugin::plugin::preferred;
+use gpu_sim::figures::report;
 use gpu_sim::kubelet::{KubeletSim, ResourceView};
 use prost::Message;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpu-device-plugin");
 const GIB80: u64 = 81_920;
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
-}
-
-fn report(name: &str, mut samples: Vec<Duration>) {
-    samples.sort();
-    println!(
-        "{name}: n={} p50={:.2} ms p99={:.2} ms max={:.2} ms",
-        samples.len(),
-        percentile(&samples, 0.5).as_secs_f64() * 1e3,
-        percentile(&samples, 0.99).as_secs_f64() * 1e3,
-        samples[samples.len() - 1].as_secs_f64() * 1e3,
-    );
-}
 
 fn gpus(n: u32) -> Vec<Gpu> {
     (0..n)

@@ -27,6 +27,7 @@ use gpu_device_plugin::matcher::pods::PodView;
 use gpu_device_plugin::matcher::report::withdrawn;
 use gpu_device_plugin::usage::{Inventory, Keys, Ledger};
 use gpu_sim::apiserver::PodContainer;
+use gpu_sim::figures::{percentile, report};
 use gpu_sim::fill::StandIn;
 use gpu_sim::memory::{MemoryCluster, gpu_node, gpu_pod};
 use k8s_openapi::api::core::v1::Pod;
@@ -704,22 +705,6 @@ impl Http {
         self.0.read_exact(&mut answer).await.unwrap();
         String::from_utf8(answer).unwrap()
     }
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
-}
-
-fn report(name: &str, mut samples: Vec<Duration>) {
-    samples.sort();
-    let ms = |d: Duration| d.as_secs_f64() * 1e3;
-    println!(
-        "{name}: n={} p50={:.2} ms p99={:.2} ms max={:.2} ms",
-        samples.len(),
-        ms(percentile(&samples, 0.5)),
-        ms(percentile(&samples, 0.99)),
-        ms(samples[samples.len() - 1]),
-    );
 }
 
 /// Filter and bind through the extender's HTTP server on loopback, with

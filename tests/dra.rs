@@ -52,11 +52,23 @@ impl Host {
 
     /// A DRA-only mock node's config, `enforcement` its `[enforcement]`.
     fn config(&self, cp: &ControlPlane, enforcement: &str) -> String {
+        self.config_of(cp, enforcement, "", GPUS)
+    }
+
+    /// [`Host::config`] of `gpus`, `tail` after its `[dra]` keys (more of
+    /// them, then any other table).
+    fn config_of(
+        &self,
+        cp: &ControlPlane,
+        enforcement: &str,
+        tail: &str,
+        gpus: &[(&str, u64)],
+    ) -> String {
         let extra = format!(
             "resources = []\nnode_name = \"{NODE}\"\n[matcher]\nkubeconfig = {:?}\n\
              [enforcement]\nlibrary_dir = {:?}\nstate_dir = {:?}\n{enforcement}\n\
              [dra]\nenabled = true\nplugins_registry_dir = {:?}\nplugins_dir = {:?}\n\
-             cdi_dir = {:?}\nstate_dir = {:?}\n",
+             cdi_dir = {:?}\nstate_dir = {:?}\n{tail}\n",
             cp.admin,
             self.path("lib"),
             self.path("state"),
@@ -65,7 +77,7 @@ impl Host {
             self.path("cdi"),
             self.path("dra"),
         );
-        mock_config(&self.path("device-plugins"), &extra, GPUS)
+        mock_config(&self.path("device-plugins"), &extra, gpus)
     }
 
     fn registration_socket(&self) -> PathBuf {
@@ -200,12 +212,47 @@ async fn node(client: &kube::Client) -> String {
         .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn claims_are_prepared_into_cdi_specs_from_the_device_plugins_composer() {
+/// The node's slice once `done` holds for it.
+async fn slice_where(
+    client: &kube::Client,
+    daemon: &Daemon,
+    done: impl Fn(&ResourceSlice) -> bool,
+) -> ResourceSlice {
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let name = format!("{NODE}-{DRIVER}");
+    let found = std::sync::Mutex::new(None);
+    until(daemon, "no such slice", async || {
+        let slice = slices.get_opt(&name).await.unwrap().filter(&done);
+        let there = slice.is_some();
+        *found.lock().unwrap() = slice;
+        there
+    })
+    .await;
+    found.into_inner().unwrap().unwrap()
+}
+
+/// Waits until `done` holds, polling; says `what` when it never does.
+async fn until(daemon: &Daemon, what: &str, done: impl AsyncFn() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !done().await {
+        assert!(Instant::now() < deadline, "{what}:\n{}", daemon.log_text());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The real control plane with the test's namespace and Node: it, the
+/// admin's client and the Node's UID.
+async fn cluster() -> (ControlPlane, kube::Client, String) {
     let cp = ControlPlane::start();
     namespace(&cp, NS);
     let admin = cp.admin_client().await;
     let node_uid = node(&admin).await;
+    (cp, admin, node_uid)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn claims_are_prepared_into_cdi_specs_from_the_device_plugins_composer() {
+    let (cp, admin, node_uid) = cluster().await;
 
     let host = Host::new();
     std::fs::create_dir_all(host.path("lib")).unwrap();
@@ -340,19 +387,7 @@ async fn claims_are_prepared_into_cdi_specs_from_the_device_plugins_composer() {
 
     // The node's slice: both GPUs, shareable by memory and cores, owned by
     // the Node.
-    let slices: Api<ResourceSlice> = Api::all(admin.clone());
-    let deadline = Instant::now() + WAIT;
-    let slice = loop {
-        if let Some(s) = slices.get_opt(&format!("{NODE}-{DRIVER}")).await.unwrap() {
-            break s;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no slice:\n{}",
-            daemon.log_text()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let slice = slice_where(&admin, &daemon, |_| true).await;
     let owner = &slice.metadata.owner_references.as_ref().unwrap()[0];
     assert_eq!(
         (owner.kind.as_str(), owner.uid.as_str()),
@@ -408,15 +443,7 @@ async fn claims_are_prepared_into_cdi_specs_from_the_device_plugins_composer() {
         .into_inner();
     assert_eq!(twice.claims[&share].error, "");
     // The restarted daemon published again, one generation on.
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let s = slices.get(&format!("{NODE}-{DRIVER}")).await.unwrap();
-        if s.spec.pool.generation > first {
-            break;
-        }
-        assert!(Instant::now() < deadline, "{}", daemon.log_text());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    slice_where(&admin, &daemon, |s| s.spec.pool.generation > first).await;
     drop(daemon);
 
     // Under MPS a share is an MPS client of its GPU's control daemon
@@ -470,4 +497,181 @@ async fn claims_are_prepared_into_cdi_specs_from_the_device_plugins_composer() {
         "{mounts:?}"
     );
     assert!(mounts.iter().any(|(c, _)| c == "/dev/shm"), "{mounts:?}");
+}
+
+/// Rewrites the daemon's config to `toml` and has it reload.
+fn reload(daemon: &Daemon, toml: &str) {
+    std::fs::write(&daemon.config, toml).unwrap();
+    daemon.signal(libc::SIGHUP);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_switching_dra_off_removes_the_slice_and_sockets_and_on_again_restores_them() {
+    let (cp, admin, _) = cluster().await;
+    let host = Host::new();
+    let on = host.config(&cp, "");
+    let daemon = Daemon::start(&on);
+    let endpoint = register(&host).await;
+    slice_where(&admin, &daemon, |_| true).await;
+
+    // Off: the device plugin's resources serve the GPUs instead.
+    let off = on
+        .replace("resources = []\n", "")
+        .replace("[dra]\nenabled = true", "[dra]\nenabled = false");
+    assert_ne!(off, on);
+    reload(&daemon, &off);
+    let slices: Api<ResourceSlice> = Api::all(admin.clone());
+    let name = format!("{NODE}-{DRIVER}");
+    until(&daemon, "the slice stays", async || {
+        slices.get_opt(&name).await.unwrap().is_none()
+    })
+    .await;
+    until(&daemon, "a socket stays", async || {
+        !endpoint.exists() && !host.registration_socket().exists()
+    })
+    .await;
+
+    // On again: it serves, registers and publishes as at a start.
+    reload(&daemon, &on);
+    assert_eq!(register(&host).await, endpoint);
+    let slice = slice_where(&admin, &daemon, |_| true).await;
+    assert_eq!(slice.spec.devices.as_ref().map(Vec::len), Some(GPUS.len()));
+    let whole = claim(&admin, "after", Some(json!([result("gpu-0", None, None)]))).await;
+    let mut dra = DraPluginClient::new(channel(&endpoint).await);
+    let answer = dra
+        .node_prepare_resources(NodePrepareResourcesRequest {
+            claims: vec![claim_ref("after", &whole)],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(answer.claims[&whole].error, "", "{answer:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unhealthy_gpu_taints_its_device_until_it_is_healthy_again() {
+    let (cp, admin, _) = cluster().await;
+    let host = Host::new();
+    let health = host.path("health");
+    std::fs::create_dir(&health).unwrap();
+    let tail = format!(
+        "[health]\npoll_ms = 50\nrecovery_ms = 300\nmock_dir = {:?}\n",
+        health.display().to_string()
+    );
+    let daemon = Daemon::start(&host.config_of(&cp, "", &tail, GPUS));
+    register(&host).await;
+    // (key, effect) of the taints device `name` carries.
+    let taints = |s: &ResourceSlice, name: &str| -> Vec<(String, String)> {
+        let devices = s.spec.devices.iter().flatten();
+        let device = devices.into_iter().find(|d| d.name == name).unwrap();
+        let taints = device.taints.iter().flatten();
+        taints.map(|t| (t.key.clone(), t.effect.clone())).collect()
+    };
+    let clean = |s: &ResourceSlice| taints(s, "gpu-0").is_empty() && taints(s, "gpu-1").is_empty();
+    let first = slice_where(&admin, &daemon, clean).await;
+
+    // A file named after GPU-b makes the mock backend call it unhealthy.
+    std::fs::write(health.join("GPU-b"), "").unwrap();
+    let tainted = slice_where(&admin, &daemon, |s| !taints(s, "gpu-1").is_empty()).await;
+    assert_eq!(
+        taints(&tainted, "gpu-1"),
+        [(format!("{DRIVER}/unhealthy"), "NoSchedule".to_owned())]
+    );
+    assert!(taints(&tainted, "gpu-0").is_empty());
+    assert!(tainted.spec.pool.generation > first.spec.pool.generation);
+
+    std::fs::remove_file(health.join("GPU-b")).unwrap();
+    let healed = slice_where(&admin, &daemon, clean).await;
+    assert!(healed.spec.pool.generation > tainted.spec.pool.generation);
+}
+
+/// `cargo test --test dra -- --ignored --nocapture prepare_figures`: what
+/// NodePrepareResources costs over the daemon's unix socket against the
+/// real kube-apiserver (each claim read from it, a cache directory and a
+/// CDI spec written, the checkpoint saved), one claim and 32 claims in one
+/// call, each round unprepared before the next so every one does the full
+/// work; and the bytes of the node's ResourceSlice for 8 GPUs, with
+/// consumable capacity and without. Prints; asserts only that every claim
+/// was prepared.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "figures for the README"]
+async fn prepare_figures() {
+    const MANY: usize = 32;
+    let (cp, admin, _) = cluster().await;
+    let host = Host::new();
+    std::fs::create_dir_all(host.path("lib")).unwrap();
+    std::fs::copy(real_shared_object(), host.path("lib/libvgpu.so")).unwrap();
+    let uuids: Vec<String> = (0..8).map(|i| format!("GPU-{i}")).collect();
+    let gpus: Vec<(&str, u64)> = uuids.iter().map(|u| (u.as_str(), 81_920)).collect();
+    let hami = "mode = \"hami-core\"";
+    let mut daemon = Daemon::start(&host.config_of(&cp, hami, "", &gpus));
+    let endpoint = register(&host).await;
+    let mut dra = DraPluginClient::new(channel(&endpoint).await);
+
+    let mut claims = Vec::with_capacity(MANY);
+    for i in 0..MANY {
+        let name = format!("figure-{i}");
+        let share = format!("00000000-0000-4000-8000-{i:012}");
+        let consumed = json!({"memory": "2Gi", "cores": "10"});
+        let results = json!([result(
+            &format!("gpu-{}", i % 8),
+            Some(consumed),
+            Some(&share)
+        )]);
+        let uid = claim(&admin, &name, Some(results)).await;
+        claims.push(claim_ref(&name, &uid));
+    }
+    for (label, batch, rounds) in [
+        ("one claim", &claims[..1], 200),
+        ("32 claims in one call", &claims[..], 40),
+    ] {
+        let mut samples = Vec::with_capacity(rounds);
+        for _ in 0..rounds {
+            let started = Instant::now();
+            let answer = dra
+                .node_prepare_resources(NodePrepareResourcesRequest {
+                    claims: batch.to_vec(),
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            samples.push(started.elapsed());
+            assert!(
+                answer.claims.values().all(|c| c.error.is_empty()),
+                "{answer:?}"
+            );
+            dra.node_unprepare_resources(NodeUnprepareResourcesRequest {
+                claims: batch.to_vec(),
+            })
+            .await
+            .unwrap();
+        }
+        gpu_sim::figures::report(&format!("NodePrepareResources, {label}"), samples);
+    }
+
+    // The slice as the API server serves it (a watch delivers the same),
+    // and without its managedFields.
+    let sizes = |s: &ResourceSlice| {
+        let mut bare = s.clone();
+        bare.metadata.managed_fields = None;
+        let bytes = |s: &ResourceSlice| serde_json::to_vec(s).unwrap().len();
+        (bytes(s), bytes(&bare))
+    };
+    let eight = |s: &ResourceSlice| s.spec.devices.as_ref().is_some_and(|d| d.len() == 8);
+    let shared = slice_where(&admin, &daemon, eight).await;
+    let (all, bare) = sizes(&shared);
+    println!(
+        "ResourceSlice, 8 GPUs, consumable capacity: {all} bytes, {bare} without managedFields"
+    );
+    daemon.signal(libc::SIGTERM);
+    assert!(daemon.wait_exit(WAIT).is_some(), "{}", daemon.log_text());
+    let whole_only = "consumable_capacity = false";
+    let daemon = Daemon::start(&host.config_of(&cp, hami, whole_only, &gpus));
+    let generation = shared.spec.pool.generation;
+    let whole = slice_where(&admin, &daemon, |s| {
+        s.spec.pool.generation > generation && eight(s)
+    })
+    .await;
+    let (all, bare) = sizes(&whole);
+    println!("ResourceSlice, 8 GPUs, whole GPUs only: {all} bytes, {bare} without managedFields");
 }

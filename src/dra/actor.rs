@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use tokio::task::AbortHandle;
 
 use super::cdi::CdiDir;
@@ -100,6 +100,13 @@ pub(crate) enum DraMsg {
     Reregister,
     /// A server stopped; the actor fails with it.
     ServerDown(String),
+    /// DRA is being switched off on this node (a reload): remove the
+    /// node's slice and publish no more; answered once it is gone or the
+    /// API server refused. The supervisor stops the actor next. Not sent
+    /// on a restart or a shutdown: a daemon coming back keeps its slice
+    /// (and the kubelet removes a plugin's slices once it stays
+    /// unregistered).
+    Withdraw { reply: RpcReplyPort<()> },
 }
 
 pub(crate) struct DraState {
@@ -109,6 +116,8 @@ pub(crate) struct DraState {
     service: AbortHandle,
     registration: AbortHandle,
     facts: Facts,
+    /// The slice was withdrawn: nothing publishes it again.
+    withdrawn: bool,
 }
 
 /// The registration server's name in [`serve`] and its reports.
@@ -228,6 +237,7 @@ impl Actor for DraActor {
             service,
             registration,
             facts,
+            withdrawn: false,
         })
     }
 
@@ -253,6 +263,7 @@ impl Actor for DraActor {
                     myself.send_message(DraMsg::Publish)?;
                 }
             }
+            DraMsg::Publish if state.withdrawn => {}
             DraMsg::Publish => {
                 let a = &state.args;
                 let published = slices::publish(
@@ -291,6 +302,14 @@ impl Actor for DraActor {
                     REGISTRATION,
                 )?;
                 tracing::info!("registration socket made again");
+            }
+            DraMsg::Withdraw { reply } => {
+                state.withdrawn = true;
+                match slices::withdraw(&state.client, &state.args.node).await {
+                    Ok(()) => tracing::info!("DRA switched off: ResourceSlice removed"),
+                    Err(e) => tracing::warn!(error = %e, "cannot remove the ResourceSlice"),
+                }
+                let _ = reply.send(());
             }
             // An aborted server never reports: this one ended by itself.
             DraMsg::ServerDown(why) => return Err(why.into()),

@@ -22,7 +22,7 @@ pub mod proto;
 mod service;
 mod slices;
 
-pub(crate) use actor::{DraActor, DraArgs};
+pub(crate) use actor::{DraActor, DraArgs, DraMsg};
 pub use checkpoint::CheckpointError;
 pub use config::{DraConfig, UnknownGpu};
 pub(crate) use slices::Facts;

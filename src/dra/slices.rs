@@ -241,25 +241,7 @@ pub(crate) async fn publish(
         .patch(&name, &params, &Patch::Apply(body))
         .await
         .map_err(|e| PublishError::Slices("apply", e))?;
-    let stale = ListParams::default().fields(&format!(
-        "spec.nodeName={},spec.driver={}",
-        node.pool, node.driver
-    ));
-    let listed = slices
-        .list(&stale)
-        .await
-        .map_err(|e| PublishError::Slices("list", e))?;
-    for s in listed {
-        let other = s.metadata.name.clone().unwrap_or_default();
-        if other != name {
-            tracing::info!(slice = %other, "removing a stale ResourceSlice");
-            match slices.delete(&other, &DeleteParams::default()).await {
-                Err(kube::Error::Api(s)) if s.code == 404 => {}
-                Err(e) => return Err(PublishError::Slices("delete", e)),
-                Ok(_) => {}
-            }
-        }
-    }
+    remove(&slices, node, Some(&name)).await?;
     let consumable = result
         .spec
         .devices
@@ -270,6 +252,40 @@ pub(crate) async fn publish(
         generation: result.spec.pool.generation,
         consumable,
     })
+}
+
+/// Removes every slice of this driver and `node`: DRA is off on the node.
+pub(crate) async fn withdraw(client: &kube::Client, node: &Node) -> Result<(), PublishError> {
+    remove(&Api::all(client.clone()), node, None).await
+}
+
+/// Removes this driver's slices of `node` but the one named `keep`.
+async fn remove(
+    slices: &Api<ResourceSlice>,
+    node: &Node,
+    keep: Option<&str>,
+) -> Result<(), PublishError> {
+    let ours = ListParams::default().fields(&format!(
+        "spec.nodeName={},spec.driver={}",
+        node.pool, node.driver
+    ));
+    let listed = slices
+        .list(&ours)
+        .await
+        .map_err(|e| PublishError::Slices("list", e))?;
+    for s in listed {
+        let name = s.metadata.name.unwrap_or_default();
+        if Some(name.as_str()) == keep {
+            continue;
+        }
+        tracing::info!(slice = %name, "removing a ResourceSlice");
+        match slices.delete(&name, &DeleteParams::default()).await {
+            Err(kube::Error::Api(s)) if s.code == 404 => {}
+            Err(e) => return Err(PublishError::Slices("delete", e)),
+            Ok(_) => {}
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -1,7 +1,11 @@
 //! The pod-matcher actor. It owns the API-server side (client, pod cache,
 //! ledger writes) and answers one lookup at a time, so two Allocates on
-//! different sockets can never claim the same container. Its Events are
-//! handed to `events`, which posts them beside it.
+//! different sockets can never claim the same container. Between an
+//! Allocate's decision and its record the caller readies the grant
+//! (enforcement's file work, in the caller's task): the decision is held
+//! as a reservation meanwhile, so the matcher serves other Allocates and
+//! none is decided onto it. Its Events are handed to `events`, which posts
+//! them beside it.
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -14,12 +18,12 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::watch;
 
 use super::api::{
-    Allocated, LiveContainer, MatcherError, MatcherHandle, MatcherMsg, Prepare, Refusal, Steer,
+    LiveContainer, MatcherError, MatcherHandle, MatcherMsg, Recorded, Refusal, Reserved, Steer,
     UNSEEN_POD_WAIT,
 };
 use super::cache::PodCache;
 use super::events::Events;
-use super::matching::{Ask, Decision, MatchError, decide, decide_with, deleting, usage};
+use super::matching::{Ask, Decision, MatchError, decide, decide_with, deleting, record, usage};
 use super::pods::{PodKey, PodView};
 use super::report::Withdrawn;
 use super::write::{self, WriteError};
@@ -105,6 +109,21 @@ pub(crate) struct MatcherState {
     /// Our writes by pod UID: the next Allocate may come before the watch
     /// event does.
     written: HashMap<String, Written>,
+    /// Decisions handed out and not yet recorded or released, by ticket:
+    /// every other decision counts them as served.
+    reserved: HashMap<u64, Reservation>,
+    /// The last ticket handed out.
+    ticket: u64,
+    /// Pods our writes found gone that the cache still holds.
+    gone: HashSet<String>,
+}
+
+/// A decision its caller is readying (enforcement) before it is recorded.
+struct Reservation {
+    ask: Ask,
+    decision: Decision,
+    /// The caller's deadline: it has given up by then, whatever it got.
+    expires: Instant,
 }
 
 struct Written {
@@ -117,15 +136,19 @@ struct Written {
 }
 
 impl MatcherState {
-    fn views(&mut self, skip: &HashSet<String>) -> Vec<PodView> {
+    /// The pods as recorded: the cache, with our writes it has not shown
+    /// yet, less the pods our writes found gone.
+    fn views(&mut self) -> Vec<PodView> {
         let pods = self.cache.pods();
         let mut views = Vec::with_capacity(pods.len());
+        let mut cached = HashSet::with_capacity(pods.len());
         for pod in pods {
             let (mut view, warnings) = PodView::from_pod(&self.args.keys, &pod);
             for w in warnings {
                 tracing::debug!(pod = %view.key, warning = %w, "pod annotation");
             }
-            if skip.contains(&view.uid) {
+            cached.insert(view.uid.clone());
+            if self.gone.contains(&view.uid) {
                 continue;
             }
             if let Some(w) = self.written.get(&view.uid) {
@@ -141,7 +164,27 @@ impl MatcherState {
         }
         let live: HashSet<&str> = views.iter().map(|v| v.uid.as_str()).collect();
         self.written.retain(|uid, _| live.contains(uid.as_str()));
+        self.gone.retain(|uid| cached.contains(uid));
         views
+    }
+
+    /// The pods as a new decision must see them: `recorded` with every
+    /// live reservation on its pod's ledger, so no two callers are handed
+    /// the same container or the same room on a GPU.
+    fn reserving(&mut self, mut recorded: Vec<PodView>) -> Vec<PodView> {
+        let now = Instant::now();
+        self.reserved.retain(|_, r| r.expires > now);
+        for r in self.reserved.values() {
+            if let Some(view) = recorded.iter_mut().find(|v| v.uid == r.decision.uid) {
+                record(&mut view.ledger, &self.args.node, &r.ask, &r.decision);
+            }
+        }
+        recorded
+    }
+
+    fn deciding(&mut self) -> Vec<PodView> {
+        let recorded = self.views();
+        self.reserving(recorded)
     }
 
     fn pods(&self, namespace: &str) -> Api<Pod> {
@@ -159,55 +202,36 @@ impl MatcherState {
         }
     }
 
-    /// Finds the container, places it, readies it with `prepare` and
-    /// records it on the pod, by `caller` (the caller's deadline) at the
-    /// latest. A failed `prepare` records nothing.
-    async fn allocate(
-        &mut self,
-        ask: &Ask,
-        caller: Instant,
-        prepare: Option<&Prepare>,
-    ) -> Allocated {
+    /// Finds the container and places it, by `caller` (the caller's
+    /// deadline) at the latest, and holds the decision for the caller
+    /// (none for a repeat: nothing to record).
+    async fn decide(&mut self, ask: &Ask, caller: Instant) -> Result<Reserved, MatcherError> {
         let deadline = caller.min(Instant::now() + self.args.wait);
         if !self.cache.ready(deadline).await {
             return Err(self.failure(ask, Refusal::NotSynced(self.args.wait.as_millis())));
         }
-        let mut gone = HashSet::new();
         loop {
-            let views = self.views(&gone);
+            let views = self.deciding();
             match decide(&self.args.node, &views, ask) {
-                Ok(d) => {
-                    let preload = match prepare {
-                        Some(p) => match p(&d).await {
-                            Ok(preload) => preload,
-                            Err(source) => {
-                                let e = MatcherError::Enforcement {
-                                    resource: ask.resource,
-                                    source,
-                                };
-                                self.events.warn(&d.pod, &e.to_string());
-                                return Err(e);
-                            }
-                        },
-                        None => None,
+                Ok(decision) if decision.repeat => {
+                    self.log(ask, &decision);
+                    return Ok(Reserved {
+                        decision,
+                        ticket: None,
+                    });
+                }
+                Ok(decision) => {
+                    self.ticket += 1;
+                    let reservation = Reservation {
+                        ask: ask.clone(),
+                        decision: decision.clone(),
+                        expires: caller,
                     };
-                    if d.repeat {
-                        return Ok((d, preload));
-                    }
-                    let view = views
-                        .iter()
-                        .find(|v| v.uid == d.uid)
-                        .expect("decided on it");
-                    match self.write(view.clone(), ask, &d, deadline).await {
-                        Ok(()) => return Ok((d, preload)),
-                        Err(WriteError::Gone) => {
-                            tracing::info!(pod = %d.pod, "pod went away while being served");
-                            gone.insert(d.uid);
-                        }
-                        Err(WriteError::Unreachable(e)) => {
-                            return Err(self.failure(ask, Refusal::ApiServer(e)));
-                        }
-                    }
+                    self.reserved.insert(self.ticket, reservation);
+                    return Ok(Reserved {
+                        decision,
+                        ticket: Some(self.ticket),
+                    });
                 }
                 Err(e) => {
                     // The pod may not have reached the cache yet.
@@ -224,6 +248,42 @@ impl MatcherState {
                     return Err(failure);
                 }
             }
+        }
+    }
+
+    /// Records the reservation `ticket` on its pod's ledger, if the same
+    /// lookup still decides the same: the pods may have changed while the
+    /// caller readied it (gone, an assignment written, another pod now
+    /// first), and then it must be decided again.
+    async fn record(&mut self, ticket: u64) -> Result<Recorded, MatcherError> {
+        let Some(r) = self.reserved.remove(&ticket) else {
+            return Ok(Recorded::Again);
+        };
+        if r.expires <= Instant::now() {
+            return Ok(Recorded::Again);
+        }
+        let recorded = self.views();
+        let deciding = self.reserving(recorded.clone());
+        if decide(&self.args.node, &deciding, &r.ask).as_ref() != Ok(&r.decision) {
+            tracing::info!(pod = %r.decision.pod, "decision moved while being readied; deciding again");
+            return Ok(Recorded::Again);
+        }
+        let view = recorded
+            .into_iter()
+            .find(|v| v.uid == r.decision.uid)
+            .expect("decided on it");
+        let deadline = r.expires.min(Instant::now() + self.args.wait);
+        match self.write(view, &r.ask, &r.decision, deadline).await {
+            Ok(()) => {
+                self.log(&r.ask, &r.decision);
+                Ok(Recorded::Done)
+            }
+            Err(WriteError::Gone) => {
+                tracing::info!(pod = %r.decision.pod, "pod went away while being served");
+                self.gone.insert(r.decision.uid);
+                Ok(Recorded::Again)
+            }
+            Err(WriteError::Unreachable(e)) => Err(self.failure(&r.ask, Refusal::ApiServer(e))),
         }
     }
 
@@ -249,12 +309,25 @@ impl MatcherState {
         Ok(())
     }
 
+    /// Says what an Allocate was matched to.
+    fn log(&self, ask: &Ask, d: &Decision) {
+        tracing::info!(
+            pod = %d.pod,
+            container = %d.container,
+            resource = %ask.resource,
+            amount = d.amount,
+            gpus = ?d.gpus.iter().map(|&g| &self.args.node.gpus[g].uuid).collect::<Vec<_>>(),
+            repeat = d.repeat,
+            "matched"
+        );
+    }
+
     async fn prefer(&mut self, ask: &Ask, caller: Instant) -> Steer {
         // Waiting a little for a pod the cache has not seen keeps an
         // assigned pod's IDs on its GPU.
         let deadline = caller.min(Instant::now() + UNSEEN_POD_WAIT);
         let (views, usage, decided) = loop {
-            let views = self.views(&HashSet::new());
+            let views = self.deciding();
             let usage = usage(&self.args.node, &views);
             match decide_with(&self.args.node, &views, &usage, ask) {
                 Err(MatchError::NoCandidate { .. }) if self.cache.changed(deadline).await => {}
@@ -346,6 +419,9 @@ impl Actor for PodMatcher {
             report,
             events,
             written: HashMap::new(),
+            reserved: HashMap::new(),
+            ticket: 0,
+            gone: HashSet::new(),
         })
     }
 
@@ -359,32 +435,36 @@ impl Actor for PodMatcher {
             // A caller that has gone (timed out, or its RPC was cancelled)
             // reads no answer: serving it would record a grant no container
             // gets.
-            MatcherMsg::Allocate { ask, reply, .. } if reply.is_closed() => {
+            MatcherMsg::Decide { ask, reply, .. } if reply.is_closed() => {
                 tracing::info!(resource = %ask.resource, "skipping an Allocate whose caller has gone");
             }
+            MatcherMsg::Record { ticket, reply } if reply.is_closed() => {
+                state.reserved.remove(&ticket);
+            }
             MatcherMsg::Prefer { reply, .. } if reply.is_closed() => {}
-            MatcherMsg::Allocate {
+            MatcherMsg::Decide {
                 ask,
                 deadline,
-                prepare,
                 reply,
             } => {
-                let result = state.allocate(&ask, deadline, prepare.as_ref()).await;
-                match &result {
-                    Ok((d, _)) => tracing::info!(
-                        pod = %d.pod,
-                        container = %d.container,
-                        resource = %ask.resource,
-                        amount = d.amount,
-                        gpus = ?d.gpus.iter().map(|&g| &state.args.node.gpus[g].uuid).collect::<Vec<_>>(),
-                        repeat = d.repeat,
-                        "matched"
-                    ),
-                    Err(e) => tracing::warn!(error = %e, "no match"),
+                let result = state.decide(&ask, deadline).await;
+                if let Err(e) = &result {
+                    tracing::warn!(error = %e, "no match");
                 }
-                // The plugin may have timed out; nothing to do then.
+                // The plugin may have timed out; the reservation expires.
                 let _ = reply.send(result);
             }
+            MatcherMsg::Record { ticket, reply } => {
+                let result = state.record(ticket).await;
+                if let Err(e) = &result {
+                    tracing::warn!(error = %e, "not recorded");
+                }
+                let _ = reply.send(result);
+            }
+            MatcherMsg::Release { ticket } => {
+                state.reserved.remove(&ticket);
+            }
+            MatcherMsg::Warn { pod, note } => state.events.warn(&pod, &note),
             MatcherMsg::Prefer {
                 ask,
                 deadline,

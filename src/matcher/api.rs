@@ -42,8 +42,10 @@ pub(crate) struct Steer {
 
 /// Readies what a decision needs before the matcher records it
 /// (enforcement's cache directory): an error refuses the Allocate with
-/// nothing recorded. Called again if the pod goes away and another is
-/// decided on.
+/// nothing recorded. Run by the caller, never by the matcher (it is file
+/// work on the blocking pool, and every other Allocate would wait on it);
+/// called again if the decision moves (the pod went away, another is
+/// decided on).
 pub(crate) type Prepare = Arc<
     dyn Fn(&Decision) -> BoxFuture<'static, Result<Option<Preload>, EnforcementError>>
         + Send
@@ -53,21 +55,58 @@ pub(crate) type Prepare = Arc<
 /// What an Allocate gets from the matcher.
 pub(crate) type Allocated = Result<(Decision, Option<Preload>), MatcherError>;
 
-/// What the matcher is asked, one at a time; each carries the port its
-/// answer goes to. A request whose caller has gone by the time its turn
+/// A decision the matcher holds for its caller: no other Allocate is
+/// decided onto it until the caller records or releases it.
+#[derive(Debug)]
+pub(crate) struct Reserved {
+    pub(crate) decision: Decision,
+    /// The reservation to record; None for a repeat (nothing to record).
+    pub(crate) ticket: Option<u64>,
+}
+
+/// How a reservation's record went.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Recorded {
+    /// It is on the pod's ledger.
+    Done,
+    /// Not recorded: the decision no longer holds (its pod went away, the
+    /// pods changed, the reservation outlived its caller's deadline).
+    /// Decide again.
+    Again,
+}
+
+/// What the matcher is asked, one at a time; each call carries the port
+/// its answer goes to. A call whose caller has gone by the time its turn
 /// comes is skipped unanswered.
+///
+/// An Allocate is three steps so that the matcher never waits on
+/// enforcement's file work: `Decide` (pure, fast: the container, its GPU,
+/// held as a reservation), the caller's [`Prepare`] outside the matcher,
+/// then `Record` (the ledger patch). Prepared first, recorded second: a
+/// grant enforcement cannot ready leaves no ledger entry, only a
+/// reservation that `Release` drops; the other order would leave a ledger
+/// entry to take back by another API write, which can fail too.
 pub(crate) enum MatcherMsg {
-    /// Find the container an Allocate is for, place it, ready it with
-    /// `prepare` and record it on its pod, giving up by `deadline` (the
-    /// caller's). Reply with the decision and what `prepare` readied, or
-    /// why not; a refusal also lands as an Event on the pod when one was
-    /// found.
-    Allocate {
+    /// Find the container an Allocate is for and place it, giving up by
+    /// `deadline` (the caller's). Reply with the decision, held for the
+    /// caller until `deadline` at the latest, or why not; a refusal also
+    /// lands as an Event on the pod when one was found.
+    Decide {
         ask: Ask,
         deadline: Instant,
-        prepare: Option<Prepare>,
-        reply: RpcReplyPort<Allocated>,
+        reply: RpcReplyPort<Result<Reserved, MatcherError>>,
     },
+    /// Record the reservation `ticket` on its pod's ledger if its decision
+    /// still holds.
+    Record {
+        ticket: u64,
+        reply: RpcReplyPort<Result<Recorded, MatcherError>>,
+    },
+    /// Drop the reservation `ticket`, unrecorded (a no-op once recorded).
+    Release { ticket: u64 },
+    /// Post a Warning Event with `note` on `pod`: why its container was
+    /// refused after the matcher decided on it.
+    Warn { pod: PodKey, note: String },
     /// The same lookup for GetPreferredAllocation, recording nothing, by
     /// `deadline` (the caller's). Reply with where the devices should come
     /// from (no opinion when nothing was found).
@@ -82,6 +121,20 @@ pub(crate) enum MatcherMsg {
     Live {
         reply: RpcReplyPort<Option<Vec<LiveContainer>>>,
     },
+}
+
+/// Releases a reservation on every way out of an Allocate (a refusal, a
+/// timeout, the RPC cancelled); after its record the release is a no-op.
+struct Held {
+    actor: ActorRef<MatcherMsg>,
+    ticket: u64,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let ticket = self.ticket;
+        let _ = self.actor.cast(MatcherMsg::Release { ticket });
+    }
 }
 
 /// A container of a pod the pod cache holds.
@@ -206,7 +259,8 @@ impl MatcherHandle {
     /// The container granted `devices` of `resource`, named by `ids` (the
     /// same devices, as the kubelet sent them), readied by `prepare` before
     /// it is recorded. `wait` is the matcher's own bound
-    /// (`matcher.wait_ms`); the call allows for its queue too.
+    /// (`matcher.wait_ms`); the call allows for its queue too. `prepare`
+    /// runs here, in the caller's task, while the matcher serves others.
     pub(crate) async fn allocate<'a>(
         &self,
         resource: Resource,
@@ -217,15 +271,56 @@ impl MatcherHandle {
     ) -> Allocated {
         let actor = self.actor().ok_or(MatcherError::Down)?;
         let ask = allocate_ask(resource, devices, ids);
-        let bound = wait + QUEUE_SLACK;
-        let (ms, deadline) = (bound.as_millis() as u64, Instant::now() + bound);
-        let allocate = |reply| MatcherMsg::Allocate {
-            ask,
-            deadline,
-            prepare,
-            reply,
+        let deadline = Instant::now() + wait + QUEUE_SLACK;
+        let left = || {
+            deadline
+                .saturating_duration_since(Instant::now())
+                .as_millis() as u64
         };
-        call_t!(actor, allocate, ms).map_err(no_answer)?
+        loop {
+            let decide = |reply| MatcherMsg::Decide {
+                ask: ask.clone(),
+                deadline,
+                reply,
+            };
+            let reserved = call_t!(actor, decide, left()).map_err(no_answer)??;
+            let (d, ticket) = (reserved.decision, reserved.ticket);
+            let _held = ticket.map(|ticket| Held {
+                actor: actor.clone(),
+                ticket,
+            });
+            let preload = match &prepare {
+                Some(p) => match tokio::time::timeout_at(deadline.into(), p(&d)).await {
+                    Ok(Ok(preload)) => preload,
+                    Ok(Err(source)) => {
+                        let e = MatcherError::Enforcement { resource, source };
+                        let (pod, note) = (d.pod.clone(), e.to_string());
+                        let _ = actor.cast(MatcherMsg::Warn { pod, note });
+                        return Err(e);
+                    }
+                    Err(_) => {
+                        return Err(MatcherError::NoAnswer {
+                            timed_out: true,
+                            detail: "enforcement did not ready the grant in time".into(),
+                        });
+                    }
+                },
+                None => None,
+            };
+            let Some(ticket) = ticket else {
+                return Ok((d, preload));
+            };
+            // A grant prepared for a decision that no longer holds keeps
+            // what was made for it: the cache directory is the container's,
+            // not this grant's (its other resource's grant may use the same
+            // one), an empty one grants nothing (the ledger is the record),
+            // and the sweeper removes it with its pod.
+            let record = |reply| MatcherMsg::Record { ticket, reply };
+            match call_t!(actor, record, left()).map_err(no_answer)?? {
+                Recorded::Done => return Ok((d, preload)),
+                Recorded::Again => continue,
+            }
+        }
     }
 
     /// The containers of the pods in the pod cache; None when the matcher

@@ -20,6 +20,8 @@ pub(crate) use api::{LiveContainer, MatcherError, MatcherHandle, MatcherMsg, Pre
 pub(crate) use matching::Decision;
 
 #[cfg(test)]
+mod actor_tests;
+#[cfg(test)]
 mod tests;
 #[cfg(test)]
 mod write_tests;

@@ -6,7 +6,9 @@
 //! shared grant under enforcement is readied (library checked, cache
 //! directory made) before anything is recorded: a container is never placed
 //! to run unlimited, and a refused grant leaves no ledger entry or pairing
-//! behind.
+//! behind. That file work runs here, in the Allocate's own task (on the
+//! blocking pool), never inside the pod matcher: it decides, this readies,
+//! it records ([`crate::matcher::MatcherMsg`]).
 
 use std::sync::Arc;
 use std::time::Duration;

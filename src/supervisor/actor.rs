@@ -14,6 +14,7 @@ use super::children::{Args, Child, ChildContext, Spawned, wanted};
 use super::reload;
 use crate::config::Config;
 use crate::device::{Plan, Resource};
+use crate::dra::DraMsg;
 use crate::health::HealthReport;
 use crate::inventory::{InventoryMsg, Published};
 use crate::kubelet_watch::CheckPlugins;
@@ -287,6 +288,17 @@ impl Supervisor {
             else {
                 continue;
             };
+            // DRA switched off takes its slice with it; restarted, it keeps
+            // it (its successor publishes one generation on).
+            if wanted.is_none()
+                && let Spawned::Dra(actor) = &state.children[&child].spawned
+            {
+                let withdraw = |reply| DraMsg::Withdraw { reply };
+                let ms = CHILD_STOP_TIMEOUT.as_millis() as u64;
+                if let Err(e) = call_t!(actor, withdraw, ms) {
+                    tracing::warn!(error = %e, "the DRA plugin did not remove its slice");
+                }
+            }
             // Stopped and awaited before its successor starts: the old
             // stream ends before the new registration (kubernetes#121994).
             Self::stop(state, child, reason).await;

@@ -11,7 +11,7 @@ use tracing::Instrument;
 
 use crate::config::Config;
 use crate::device::{Plan, Resource};
-use crate::dra::{DraActor, DraArgs};
+use crate::dra::{DraActor, DraArgs, DraMsg};
 use crate::enforcement::sweeper::{Sweeper, SweeperArgs};
 use crate::enforcement::{Compute, Enforcer};
 use crate::health::{HealthArgs, HealthMonitor, HealthReport, ProbeSpec};
@@ -106,6 +106,7 @@ pub(crate) enum Spawned {
     Matcher(ActorRef<MatcherMsg>),
     Plugin(ActorRef<PluginMsg>),
     Inventory(ActorRef<InventoryMsg>),
+    Dra(ActorRef<DraMsg>),
     Other(ActorCell),
 }
 
@@ -115,6 +116,7 @@ impl Spawned {
             Spawned::Matcher(a) => a.get_cell(),
             Spawned::Plugin(a) => a.get_cell(),
             Spawned::Inventory(a) => a.get_cell(),
+            Spawned::Dra(a) => a.get_cell(),
             Spawned::Other(cell) => cell.clone(),
         }
     }
@@ -214,7 +216,7 @@ impl Args {
             Args::Mps(a) => {
                 Spawned::Other(spawn(MpsDaemons, a, span, supervisor).await?.get_cell())
             }
-            Args::Dra(a) => Spawned::Other(spawn(DraActor, *a, span, supervisor).await?.get_cell()),
+            Args::Dra(a) => Spawned::Dra(spawn(DraActor, *a, span, supervisor).await?),
         })
     }
 }

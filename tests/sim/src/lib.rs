@@ -10,6 +10,7 @@
 
 pub mod apiserver;
 pub mod demo;
+pub mod figures;
 pub mod fill;
 pub mod gpu_node;
 pub mod kubelet;
