@@ -446,11 +446,19 @@ async fn claims_are_prepared_into_cdi_specs_from_the_device_plugins_composer() {
     slice_where(&admin, &daemon, |s| s.spec.pool.generation > first).await;
     drop(daemon);
 
-    // Under MPS a share is an MPS client of its GPU's control daemon
-    // (played by a script that answers as one does).
+    // Under MPS a share is an MPS client of its GPU's control daemon, which
+    // the daemon starts for DRA's GPUs too (played by a script that, as the
+    // real binary does, answers only where `-d` started one).
     let mps_host = Host::new();
     let control = mps_host.path("nvidia-cuda-mps-control");
-    std::fs::write(&control, "#!/bin/sh\ncat >/dev/null\necho 100\n").unwrap();
+    std::fs::write(
+        &control,
+        "#!/bin/sh\nrunning=\"$CUDA_MPS_PIPE_DIRECTORY/control.pid\"\n\
+         if [ \"$1\" = -d ]; then mkdir -p \"$CUDA_MPS_PIPE_DIRECTORY\" && touch \"$running\"; exit; fi\n\
+         cat >/dev/null\n\
+         [ -e \"$running\" ] || { echo Cannot find MPS control daemon process; exit 1; }\necho 100\n",
+    )
+    .unwrap();
     std::fs::set_permissions(
         &control,
         std::os::unix::fs::PermissionsExt::from_mode(0o755),

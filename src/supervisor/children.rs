@@ -179,7 +179,8 @@ impl Args {
                 metrics: context.metrics.clone(),
             }),
             Child::Mps => Args::Mps(MpsArgs {
-                controls: (plan.gpus().iter())
+                // Shares of DRA's GPUs are MPS clients too.
+                controls: (plan.gpus().iter().chain(plan.dra_gpus()))
                     .map(|g| Control::new(&config.enforcement.mps, &g.uuid))
                     .collect(),
                 // Asked as often as the GPUs' health is.
