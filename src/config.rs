@@ -525,14 +525,16 @@ impl From<&Config> for GpuSource {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn parse(text: &str) -> Result<Config, ConfigError> {
+    /// The config of `text` on node `node-a`.
+    pub(crate) fn parse(text: &str) -> Result<Config, ConfigError> {
         Config::from_toml(text, Some("node-a".into()))
     }
 
-    fn err_of(text: &str) -> String {
+    /// Why `text` is refused.
+    pub(crate) fn err_of(text: &str) -> String {
         parse(text).unwrap_err().to_string()
     }
 

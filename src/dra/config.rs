@@ -233,15 +233,7 @@ fn socket_fits(key: &str, socket: &Path) -> Result<(), ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Config;
-
-    fn parse(text: &str) -> Result<Config, ConfigError> {
-        Config::from_toml(text, Some("node-a".into()))
-    }
-
-    fn err_of(text: &str) -> String {
-        parse(text).unwrap_err().to_string()
-    }
+    use crate::config::tests::{err_of, parse};
 
     const DRA_ONLY: &str = "resources = []\n[dra]\nenabled = true\n";
 
