@@ -32,6 +32,22 @@ pub struct ExtenderConfig {
     /// or whose Binding's fate is unknown, or a bind done that the watch
     /// has not shown yet (from the end of its `bind_timeout_ms`).
     pub(crate) reservation_ttl_ms: u64,
+    /// How long a GPU pod's filter waits for a place among the
+    /// `max_binds_queued` for its bind before answering a retryable error
+    /// (0: at once). kube-scheduler filters one pod at a time, so the wait
+    /// holds back the next bind until one ends: the scheduler goes at the
+    /// binds' pace instead of sending binds that are refused, each costing
+    /// the pod a backoff and the API server an Event and a status update.
+    pub(crate) filter_wait_ms: u64,
+    /// The filter passes only the node the policy ranks best among those
+    /// the pod fits (the one prioritize would score 10), so kube-scheduler
+    /// binds there without calling prioritize or running its own score
+    /// plugins over every node: a shorter scheduling cycle at thousands of
+    /// nodes. What is lost: the scheduler's soft preferences (preferred
+    /// affinity, ScheduleAnyway spread, image locality) no longer choose
+    /// among the nodes the pod fits, which at the shipped weight they
+    /// cannot outvote anyway.
+    pub(crate) choose_at_filter: bool,
     /// Binds running their API requests at once (each one request at a
     /// time); more wait, in the queue `max_binds_queued` bounds.
     pub(crate) max_binds_in_flight: usize,
@@ -56,6 +72,8 @@ impl Default for ExtenderConfig {
             reservation_ttl_ms: 10_000,
             max_binds_in_flight: 32,
             max_binds_queued: None,
+            filter_wait_ms: 1_000,
+            choose_at_filter: false,
             http: crate::http::HttpConfig::default(),
         }
     }
@@ -133,6 +151,12 @@ impl ExtenderConfig {
                 "must be between 100 and 120000 (milliseconds)",
             ));
         }
+        if self.filter_wait_ms > 60_000 {
+            return Err(invalid(
+                "filter_wait_ms",
+                "must be at most 60000 (milliseconds), below the scheduler's httpTimeout",
+            ));
+        }
         if !(100..=600_000).contains(&self.reservation_ttl_ms) {
             return Err(invalid(
                 "reservation_ttl_ms",
@@ -195,6 +219,8 @@ mod tests {
         assert!(e.contains("`extender.resource_domain`"), "{e}");
         let e = err("[extender]\nbind_timeout_ms = 5\n");
         assert!(e.contains("`extender.bind_timeout_ms`"), "{e}");
+        let e = err("[extender]\nfilter_wait_ms = 60001\n");
+        assert!(e.contains("`extender.filter_wait_ms`"), "{e}");
         let e = err("[extender]\nreservation_ttl_ms = 0\n");
         assert!(e.contains("`extender.reservation_ttl_ms`"), "{e}");
 
