@@ -328,7 +328,9 @@ async fn run(nodes: usize, count: usize, extender_toml: &str, within: Duration) 
     let cpu_pods = (0..count)
         .map(|i| ours(gpu_pod(NS, &format!("cpu-{i}"), &[("main", [0, 0, 0])])))
         .collect();
+    let cpu_before = pids.map(cpu_s);
     let alone = burst(&client, cpu_pods, within, logs).await;
+    let cpu_alone = [0, 1].map(|i| cpu_s(pids[i]) - cpu_before[i]);
     let config = extender_toml.trim().replace('\n', " ");
     eprintln!(
         "{nodes} nodes x {GPUS_PER_NODE} GPUs (created in {made:.0?}), extender [{config}]:\n\
@@ -341,7 +343,8 @@ async fn run(nodes: usize, count: usize, extender_toml: &str, within: Duration) 
          \x20 binds refused {refused}, filters refused {filter_refused}, scheduler connection \
          errors {conn_errors}\n\
          \x20 CPU during the GPU burst: control plane {:.1} s, kube-scheduler {:.1} s, \
-         extender {:.1} s ({:.2} ms per pod)",
+         extender {:.1} s ({:.2} ms per pod); during the CPU burst: control plane {:.1} s, \
+         kube-scheduler {:.1} s",
         gpu.pods_per_s,
         gpu.p50,
         gpu.p99,
@@ -361,6 +364,8 @@ async fn run(nodes: usize, count: usize, extender_toml: &str, within: Duration) 
         cpu[1],
         cpu[2],
         cpu[2] * 1000.0 / count as f64,
+        cpu_alone[0],
+        cpu_alone[1],
     );
     refused
 }

@@ -185,9 +185,13 @@ impl<B: Binder> Extender<B> {
                 }
                 let waited_us = start.elapsed().as_micros();
                 let mut ix = self.fresh(pod);
+                let mut ranks = Vec::new();
                 for name in names {
                     match self.planner.fits(&ix, &name, &asks) {
-                        Ok(_) => passed.push(name),
+                        Ok(rank) => {
+                            passed.push(name);
+                            ranks.push(Some(rank));
+                        }
                         Err(refusal) if refusal.never => {
                             result
                                 .failed_and_unresolvable_nodes
@@ -200,13 +204,7 @@ impl<B: Binder> Extender<B> {
                 }
                 if self.choose_at_filter
                     && passed.len() > 1
-                    && let Some(b) = best_of(
-                        &passed
-                            .iter()
-                            .map(|n| self.planner.rank(&ix, n, &asks))
-                            .collect::<Vec<_>>(),
-                        &passed,
-                    )
+                    && let Some(b) = best_of(&ranks, &passed)
                 {
                     passed = vec![passed.swap_remove(b)];
                 }

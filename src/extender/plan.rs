@@ -126,9 +126,15 @@ impl Planner {
         })
     }
 
-    /// Whether every container of the pod fits on `node` at once.
-    pub(crate) fn fits(&self, ix: &Index, node: &str, asks: &PodAsks) -> Result<(), FilterRefusal> {
-        self.judge(ix, node, asks).map(drop)
+    /// Whether every container of the pod fits on `node` at once, and if
+    /// so how the node ranks for it.
+    pub(crate) fn fits(
+        &self,
+        ix: &Index,
+        node: &str,
+        asks: &PodAsks,
+    ) -> Result<Rank, FilterRefusal> {
+        self.judge(ix, node, asks)
     }
 
     /// How `node` ranks for the pod under the policy; `None` where the pod
@@ -287,6 +293,29 @@ mod tests {
             p.asks(&gpu_pod("ns", "cpu", &[c("app", false, 0, 0, 0)]))
                 .is_none()
         );
+    }
+
+    /// The memo answers only while the node is as it was: a pod bound
+    /// there, gone again, the node gone and back smaller.
+    #[test]
+    fn judgements_are_remembered_only_while_the_node_stays_as_it_was() {
+        let mut ix = Index::new("doslab.io");
+        ix.apply_node(gpu_node("n", &[("GPU-a", 1024)]));
+        let p = planner();
+        let asks = p
+            .asks(&gpu_pod("ns", "p", &[c("a", false, 768, 0, 0)]))
+            .unwrap();
+        assert!(p.fits(&ix, "n", &asks).is_ok());
+        let other = gpu_pod("ns", "q", &[c("a", false, 512, 0, 0)]);
+        let assigned = [("doslab.io/gpu-assignment", r#"{"a":["GPU-a"]}"#)];
+        ix.apply_pod(bound(other.clone(), "n", &assigned));
+        assert!(p.fits(&ix, "n", &asks).is_err());
+        ix.delete_pod(&crate::extender::pod_name(&other));
+        assert!(p.fits(&ix, "n", &asks).is_ok());
+        ix.delete_node("n");
+        assert!(p.fits(&ix, "n", &asks).is_err());
+        ix.apply_node(gpu_node("n", &[("GPU-a", 512)]));
+        assert!(p.fits(&ix, "n", &asks).is_err());
     }
 
     #[test]
