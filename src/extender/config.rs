@@ -51,11 +51,15 @@ pub struct ExtenderConfig {
     /// Binds running their API requests at once (each one request at a
     /// time); more wait, in the queue `max_binds_queued` bounds.
     pub(crate) max_binds_in_flight: usize,
-    /// Binds admitted at once, running or waiting to; one more is refused
-    /// at once, and kube-scheduler retries its pod after a backoff. Below
-    /// `http.max_connections`, since each holds a connection, so that a
-    /// filter always finds one; absent, the least of [`MAX_BINDS_QUEUED`]
-    /// and the connections less one.
+    /// Binds admitted at once, running or waiting to, counting the places
+    /// filters keep; past it a filter waits and a bind without a place is
+    /// refused at once. Below `http.max_connections`, since each holds a
+    /// connection, so that a filter always finds one; absent, the least of
+    /// [`MAX_BINDS_QUEUED`] and the connections less a quarter: a bind's
+    /// place frees as its answer goes out, before kube-scheduler has taken
+    /// the connection back, so the next bind may open another meanwhile,
+    /// and at the cap the server would close an idle one the scheduler may
+    /// be about to send on (it does not resend a POST: `EOF`).
     max_binds_queued: Option<usize>,
     /// The HTTP server's bounds (`crate::http::EXTENDER_LIMITS` by default).
     pub(crate) http: crate::http::HttpConfig,
@@ -125,8 +129,10 @@ impl ExtenderConfig {
     /// The binds that may be admitted at once (`max_binds_queued`, or its
     /// default).
     pub(crate) fn binds_queued(&self) -> usize {
-        self.max_binds_queued
-            .unwrap_or_else(|| MAX_BINDS_QUEUED.min(self.connections() - 1).max(1))
+        self.max_binds_queued.unwrap_or_else(|| {
+            let c = self.connections();
+            MAX_BINDS_QUEUED.min(c - (c / 4).max(1)).max(1)
+        })
     }
 
     pub(crate) fn validate(&self) -> Result<(), ConfigError> {
@@ -238,9 +244,10 @@ mod tests {
             queued("[extender]\nmax_binds_queued = 7\n[extender.http]\nmax_connections = 8\n"),
             7
         );
-        // Absent: the connections less one, at most the default.
-        assert_eq!(queued(""), 63);
-        assert_eq!(queued("[extender.http]\nmax_connections = 16\n"), 15);
+        // Absent: the connections less a quarter, at most the default.
+        assert_eq!(queued(""), 48);
+        assert_eq!(queued("[extender.http]\nmax_connections = 16\n"), 12);
+        assert_eq!(queued("[extender.http]\nmax_connections = 2\n"), 1);
         assert_eq!(queued("[extender.http]\nmax_connections = 1\n"), 1);
         assert_eq!(
             queued("[extender.http]\nmax_connections = 4096\n"),
