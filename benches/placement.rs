@@ -338,6 +338,7 @@ impl Scheduler for ExtenderScheduler {
         let passed = self
             .extender
             .filter(&args(self.names.clone()))
+            .await
             .node_names
             .unwrap_or_default();
         let scores = self.extender.prioritize(&args(passed)).unwrap();

@@ -2,8 +2,9 @@
 //! [`KubeBinder`] makes for a bind that works (with the pod in the index's
 //! cache, and without), one whose assignment patch meets a conflict, and
 //! one whose Binding fails; none while the index is stale; binds on
-//! several nodes at once and on one node in turn, within their GPUs, and
-//! the bounds on binds admitted and running.
+//! several nodes at once and on one node in assume-time order, within
+//! their GPUs, and the bounds on binds admitted and running, the places
+//! filters keep included.
 
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -12,7 +13,7 @@ use hyper::Method;
 use k8s_openapi::api::core::v1::Node;
 use serde_json::{Value, json};
 
-use super::wire::ExtenderBindingArgs;
+use super::wire::{ExtenderArgs, ExtenderBindingArgs};
 use super::{Extender, ExtenderConfig, Index, KubeBinder};
 use crate::mock_api::{self, MockApi, annotations_patch, status};
 
@@ -349,40 +350,137 @@ async fn binds_on_different_nodes_run_at_once() {
     q.unwrap();
 }
 
-/// Binds on one node run one after the other, so that its Bindings land
-/// in the order of their assume times (the node's matcher serves the
-/// kubelet in that order): the second's patch comes only once the first's
-/// Binding is answered, and it plans around the first's GPUs.
+/// Binds on one node write their assignments at once, each planned around
+/// the other's GPUs, and send their Bindings in the order of their assume
+/// times, the second only once the first is answered: the node's matcher
+/// serves the kubelet in assume-time order, and the kubelet admits pods in
+/// the order they were bound there.
 #[tokio::test]
-async fn binds_on_one_node_run_one_after_the_other() {
+async fn binds_on_one_node_patch_at_once_and_bind_in_assume_time_order() {
     let pods = ["p", "q"].map(|n| pod_of(n, "5", None, 768));
     let nodes = vec![node_of("n", &["GPU-a", "GPU-b"])];
     let (x, mut api) = extender_with(&ExtenderConfig::default(), nodes, pods.into());
     let api_side = async {
-        let mut gpus = Vec::new();
-        for _ in 0..2 {
-            let patch = api.take("a patch").await;
-            let name = pod_in(&patch.uri);
-            let beside = api.take_within(Duration::from_millis(300)).await;
-            assert!(beside.is_none(), "a second bind ran beside {name}'s");
-            let answer = pod_of(&name, "6", None, 768);
-            gpus.extend(patched_gpus(&patch.answer(200, &answer).body));
-            let binding = api.take("its Binding").await;
-            assert_eq!(pod_in(&binding.uri), name);
-            binding.answer(201, &json!({}));
+        let patches = [
+            api.take("a patch").await,
+            api.take("the other patch, the first unanswered").await,
+        ];
+        let (mut assumed, mut gpus) = (Vec::new(), Vec::new());
+        // The later patch answered first.
+        for t in patches.into_iter().rev() {
+            assert_eq!(t.method, Method::PATCH, "{}", t.uri);
+            let name = pod_in(&t.uri);
+            let body = t.answer(200, &pod_of(&name, "6", None, 768)).body;
+            let at = body["metadata"]["annotations"][ASSUME_TIME].as_str();
+            let at: u128 = at.expect("an assume time").parse().expect("nanoseconds");
+            assumed.push((at, name));
+            gpus.extend(patched_gpus(&body));
         }
+        assumed.sort();
         gpus.sort();
         assert_eq!(gpus, ["GPU-a", "GPU-b"], "768 MiB twice fits no one GPU");
+        let first = api.take("the first Binding").await;
+        assert_eq!(pod_in(&first.uri), assumed[0].1, "{assumed:?}");
+        let beside = api.take_within(Duration::from_millis(300)).await;
+        assert!(
+            beside.is_none(),
+            "a Binding went before the first was answered"
+        );
+        first.answer(201, &json!({}));
+        let second = api.take("the second Binding").await;
+        assert_eq!(pod_in(&second.uri), assumed[1].1, "{assumed:?}");
+        second.answer(201, &json!({}));
     };
     let (p, q) = (args_of("p", "n"), args_of("q", "n"));
     let (p, q, ()) = tokio::join!(x.bind(&p), x.bind(&q), api_side);
     p.unwrap();
     q.unwrap();
     api.done().await;
-    assert!(
-        x.in_flight.nodes.lock().unwrap().is_empty(),
-        "idle entries go"
+    assert!(x.in_flight.idle(), "idle entries go");
+}
+
+/// A GPU pod's filter for `name` (asking `mib`) on node `n`.
+fn filter_args(name: &str, mib: u64) -> ExtenderArgs {
+    filter_on(name, mib, &["n"])
+}
+
+/// A GPU pod's filter for `name` (asking `mib`) on `nodes`.
+fn filter_on(name: &str, mib: u64, nodes: &[&str]) -> ExtenderArgs {
+    ExtenderArgs {
+        pod: Some(serde_json::from_value(pod_of(name, "5", None, mib)).expect("a valid Pod")),
+        nodes: None,
+        node_names: Some(nodes.iter().map(|n| n.to_string()).collect()),
+    }
+}
+
+/// With `choose_at_filter` the filter passes only the node binpack ranks
+/// best (the one with a pod on it), so the scheduler binds there without
+/// scores; without it, every node the pod fits.
+#[tokio::test]
+async fn choosing_at_the_filter_passes_the_best_node_alone() {
+    let nodes = || vec![node(), node_of("m", &["GPU-b"])];
+    let held = || vec![pod_of("q", "5", Some("m"), 512)];
+    let (x, _api) = extender_with(&ExtenderConfig::default(), nodes(), held());
+    let all = x.filter(&filter_on("p", 256, &["n", "m"])).await;
+    assert_eq!(
+        all.node_names,
+        Some(vec!["n".into(), "m".into()]),
+        "{all:?}"
     );
+    let choose = ExtenderConfig::from_toml("[extender]\nchoose_at_filter = true\n").unwrap();
+    let (x, _api) = extender_with(&choose, nodes(), held());
+    let best = x.filter(&filter_on("p", 256, &["n", "m"])).await;
+    assert_eq!(best.node_names, Some(vec!["m".into()]), "{best:?}");
+    let none = x.filter(&filter_on("big", 2048, &["n", "m"])).await;
+    assert_eq!(none.node_names, Some(vec![]), "{none:?}");
+    let failed = none.failed_nodes.len() + none.failed_and_unresolvable_nodes.len();
+    assert_eq!(failed, 2, "each with its reason: {none:?}");
+}
+
+/// With one place for a bind: a passing filter keeps it for its pod, so
+/// another pod's bind is refused at once and another filter waits, until
+/// the first pod's bind (admitted to its kept place) ends; a filter that
+/// passes no node keeps nothing; without a wait a full extender answers
+/// the filter an error at once.
+#[tokio::test]
+async fn filters_keep_places_for_their_binds_and_wait_for_one() {
+    let one = "[extender]\nmax_binds_queued = 1\nfilter_wait_ms = 5000\n";
+    let config = ExtenderConfig::from_toml(one).unwrap();
+    let pods = ["p", "q"].map(|n| pod_of(n, "5", None, 256));
+    let (x, mut api) = extender_with(&config, vec![node()], pods.into());
+    let none = x.filter(&filter_args("big", 2048)).await;
+    assert_eq!(none.node_names, Some(vec![]), "{none:?}");
+    let passed = x.filter(&filter_args("p", 256)).await;
+    assert_eq!(passed.node_names, Some(vec!["n".into()]), "{passed:?}");
+    let e = x.bind(&args_of("q", "n")).await.unwrap_err();
+    assert!(e.contains("extender.max_binds_queued"), "{e}");
+    let q_args = filter_args("q", 256);
+    let q_filter = x.filter(&q_args);
+    tokio::pin!(q_filter);
+    let early = tokio::time::timeout(Duration::from_millis(300), &mut q_filter).await;
+    assert!(early.is_err(), "q's filter waits: {early:?}");
+    let api_side = async {
+        let t = api.take("p's patch").await;
+        t.answer(200, &pod_of("p", "6", None, 256));
+        api.take("p's Binding").await.answer(201, &json!({}));
+    };
+    let p = args_of("p", "n");
+    let (p, ()) = tokio::join!(x.bind(&p), api_side);
+    p.unwrap();
+    let q = tokio::time::timeout(Duration::from_secs(2), q_filter)
+        .await
+        .expect("q's filter passes once p's bind ended");
+    assert_eq!(q.node_names, Some(vec!["n".into()]), "{q:?}");
+
+    let at_once = one.replace("5000", "0");
+    let config = ExtenderConfig::from_toml(&at_once).unwrap();
+    let (x, _api) = extender_with(&config, vec![node()], Vec::new());
+    assert!(x.filter(&filter_args("p", 256)).await.error.is_empty());
+    let full = tokio::time::timeout(Duration::from_millis(500), x.filter(&filter_args("q", 256)))
+        .await
+        .expect("answered at once");
+    assert!(full.error.contains("extender.max_binds_queued"), "{full:?}");
+    assert_eq!(full.node_names, None);
 }
 
 /// Ten binds at once on one node of two 1024 MiB GPUs, 400 MiB each, the

@@ -32,14 +32,34 @@ pub struct ExtenderConfig {
     /// or whose Binding's fate is unknown, or a bind done that the watch
     /// has not shown yet (from the end of its `bind_timeout_ms`).
     pub(crate) reservation_ttl_ms: u64,
+    /// How long a GPU pod's filter waits for a place among the
+    /// `max_binds_queued` for its bind before answering a retryable error
+    /// (0: at once). kube-scheduler filters one pod at a time, so the wait
+    /// holds back the next bind until one ends: the scheduler goes at the
+    /// binds' pace instead of sending binds that are refused, each costing
+    /// the pod a backoff and the API server an Event and a status update.
+    pub(crate) filter_wait_ms: u64,
+    /// The filter passes only the node the policy ranks best among those
+    /// the pod fits (the one prioritize would score 10), so kube-scheduler
+    /// binds there without calling prioritize or running its own score
+    /// plugins over every node: a shorter scheduling cycle at thousands of
+    /// nodes. What is lost: the scheduler's soft preferences (preferred
+    /// affinity, ScheduleAnyway spread, image locality) no longer choose
+    /// among the nodes the pod fits, which at the shipped weight they
+    /// cannot outvote anyway.
+    pub(crate) choose_at_filter: bool,
     /// Binds running their API requests at once (each one request at a
     /// time); more wait, in the queue `max_binds_queued` bounds.
     pub(crate) max_binds_in_flight: usize,
-    /// Binds admitted at once, running or waiting to; one more is refused
-    /// at once, and kube-scheduler retries its pod after a backoff. Below
-    /// `http.max_connections`, since each holds a connection, so that a
-    /// filter always finds one; absent, the least of [`MAX_BINDS_QUEUED`]
-    /// and the connections less one.
+    /// Binds admitted at once, running or waiting to, counting the places
+    /// filters keep; past it a filter waits and a bind without a place is
+    /// refused at once. Below `http.max_connections`, since each holds a
+    /// connection, so that a filter always finds one; absent, the least of
+    /// [`MAX_BINDS_QUEUED`] and the connections less a quarter: a bind's
+    /// place frees as its answer goes out, before kube-scheduler has taken
+    /// the connection back, so the next bind may open another meanwhile,
+    /// and at the cap the server would close an idle one the scheduler may
+    /// be about to send on (it does not resend a POST: `EOF`).
     max_binds_queued: Option<usize>,
     /// The HTTP server's bounds (`crate::http::EXTENDER_LIMITS` by default).
     pub(crate) http: crate::http::HttpConfig,
@@ -56,6 +76,8 @@ impl Default for ExtenderConfig {
             reservation_ttl_ms: 10_000,
             max_binds_in_flight: 32,
             max_binds_queued: None,
+            filter_wait_ms: 1_000,
+            choose_at_filter: false,
             http: crate::http::HttpConfig::default(),
         }
     }
@@ -107,8 +129,10 @@ impl ExtenderConfig {
     /// The binds that may be admitted at once (`max_binds_queued`, or its
     /// default).
     pub(crate) fn binds_queued(&self) -> usize {
-        self.max_binds_queued
-            .unwrap_or_else(|| MAX_BINDS_QUEUED.min(self.connections() - 1).max(1))
+        self.max_binds_queued.unwrap_or_else(|| {
+            let c = self.connections();
+            MAX_BINDS_QUEUED.min(c - (c / 4).max(1)).max(1)
+        })
     }
 
     pub(crate) fn validate(&self) -> Result<(), ConfigError> {
@@ -131,6 +155,12 @@ impl ExtenderConfig {
             return Err(invalid(
                 "bind_timeout_ms",
                 "must be between 100 and 120000 (milliseconds)",
+            ));
+        }
+        if self.filter_wait_ms > 60_000 {
+            return Err(invalid(
+                "filter_wait_ms",
+                "must be at most 60000 (milliseconds), below the scheduler's httpTimeout",
             ));
         }
         if !(100..=600_000).contains(&self.reservation_ttl_ms) {
@@ -195,6 +225,8 @@ mod tests {
         assert!(e.contains("`extender.resource_domain`"), "{e}");
         let e = err("[extender]\nbind_timeout_ms = 5\n");
         assert!(e.contains("`extender.bind_timeout_ms`"), "{e}");
+        let e = err("[extender]\nfilter_wait_ms = 60001\n");
+        assert!(e.contains("`extender.filter_wait_ms`"), "{e}");
         let e = err("[extender]\nreservation_ttl_ms = 0\n");
         assert!(e.contains("`extender.reservation_ttl_ms`"), "{e}");
 
@@ -212,9 +244,10 @@ mod tests {
             queued("[extender]\nmax_binds_queued = 7\n[extender.http]\nmax_connections = 8\n"),
             7
         );
-        // Absent: the connections less one, at most the default.
-        assert_eq!(queued(""), 63);
-        assert_eq!(queued("[extender.http]\nmax_connections = 16\n"), 15);
+        // Absent: the connections less a quarter, at most the default.
+        assert_eq!(queued(""), 48);
+        assert_eq!(queued("[extender.http]\nmax_connections = 16\n"), 12);
+        assert_eq!(queued("[extender.http]\nmax_connections = 2\n"), 1);
         assert_eq!(queued("[extender.http]\nmax_connections = 1\n"), 1);
         assert_eq!(
             queued("[extender.http]\nmax_connections = 4096\n"),

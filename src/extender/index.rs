@@ -5,6 +5,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -98,7 +99,15 @@ pub struct Index {
     /// listed yet, or its watch failed and the list after it has not
     /// arrived. Empty while both follow it.
     stale: BTreeMap<&'static str, String>,
+    /// Each node's state stamp, from [`STAMPS`]: a new one whenever its
+    /// inventory or usage changes, so the planner's memo of what fits
+    /// there is used only while nothing did.
+    stamps: HashMap<String, u64>,
 }
+
+/// Node-state stamps, never given twice in the process (so a stamp also
+/// tells one index from another).
+static STAMPS: AtomicU64 = AtomicU64::new(1);
 
 /// What the index says of a kind before its first list.
 const UNLISTED: &str = "not listed yet";
@@ -124,6 +133,7 @@ impl Index {
             by_node: HashMap::new(),
             reserved: HashMap::new(),
             stale: [("nodes", UNLISTED.into()), ("pods", UNLISTED.into())].into(),
+            stamps: HashMap::new(),
         }
     }
 
@@ -152,6 +162,8 @@ impl Index {
 
     /// Counts again what the pods on `node` hold of its GPUs.
     fn recount(&mut self, node: &str) {
+        let stamp = STAMPS.fetch_add(1, Ordering::Relaxed);
+        self.stamps.insert(node.to_owned(), stamp);
         let Some(Gpus::Published { inventory, .. }) = self.nodes.get(node) else {
             return;
         };
@@ -214,6 +226,12 @@ impl Index {
 
     pub(crate) fn delete_node(&mut self, name: &str) {
         self.nodes.remove(name);
+        self.stamps.remove(name);
+    }
+
+    /// `node`'s state stamp; `None` for a node not in the index.
+    pub(crate) fn stamp(&self, node: &str) -> Option<u64> {
+        self.stamps.get(node).copied()
     }
 
     /// Both kinds follow the API server: listed, and listed again since
@@ -245,6 +263,7 @@ impl Index {
     pub fn replace_nodes(&mut self, nodes: Vec<Node>) {
         self.stale.remove("nodes");
         self.nodes.clear();
+        self.stamps.clear();
         for n in nodes {
             self.apply_node(n);
         }

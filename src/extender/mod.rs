@@ -6,11 +6,14 @@
 //!
 //! `index` (the cluster as the reflectors see it) and `plan` (the
 //! decisions) are pure; `cluster` does the API-server I/O behind the
-//! [`Binder`] trait; `server` is the HTTP adapter. [`Extender`] ties them:
-//! filter and prioritize read a snapshot; binds on different nodes run
-//! concurrently, binds on one node one after the other, each planning and
-//! reserving its GPUs in one step under the index's lock.
+//! [`Binder`] trait; `server` is the HTTP adapter; `admission` bounds the
+//! binds taken on and orders each node's Bindings. [`Extender`] ties them:
+//! filter and prioritize read a snapshot, a GPU pod's filter keeping a
+//! place for its bind; binds run concurrently, each planning and reserving
+//! its GPUs in one step under the index's lock, and a node's Bindings go
+//! one after the other in the order of their assume times.
 
+mod admission;
 mod cluster;
 #[cfg(test)]
 mod cluster_tests;
@@ -22,10 +25,11 @@ mod server;
 mod test_pods;
 pub mod wire;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
+use admission::InFlight;
 pub use cluster::{BindError, Binder, KubeBinder, Reflectors};
 pub use config::ExtenderConfig;
 use index::Stage;
@@ -41,6 +45,10 @@ pub struct Extender<B> {
     index: Arc<RwLock<Index>>,
     binder: B,
     in_flight: InFlight,
+    /// How long a GPU pod's filter waits for a bind's place.
+    filter_wait: Duration,
+    /// `extender.choose_at_filter`.
+    choose_at_filter: bool,
     bind_timeout: Duration,
     /// How long a placement not yet seen bound counts: a nomination, or a
     /// bind that ended without knowing whether its Binding landed.
@@ -63,107 +71,6 @@ const BIND_ATTEMPTS: usize = 3;
 /// The share of `bind_timeout` a bind keeps for finding out whether a
 /// Binding without an answer landed, and undoing the assignment if not.
 const CHECK_SHARE: u32 = 4;
-
-/// The binds admitted: at most `max` at once (`extender.max_binds_queued`),
-/// one per pod, of which `running` (`extender.max_binds_in_flight`) make
-/// their API requests and the rest wait. A bind past either bound is
-/// refused at once rather than held: kube-scheduler sends a refused pod
-/// back to its queue with a backoff of about a second (an extender's bind
-/// error is a scheduling error, not Unschedulable), while a held bind keeps
-/// one of its connections.
-struct InFlight {
-    max: usize,
-    pods: std::sync::Mutex<HashSet<PodName>>,
-    running: tokio::sync::Semaphore,
-    /// One bind at a time per node, so that a node's Bindings land in the
-    /// order of the assume times their binds wrote: the node's matcher
-    /// serves the kubelet's Allocates in that order, and the kubelet admits
-    /// pods in the order they were bound there. An entry lives while a bind
-    /// holds or waits for it, so there are at most `max`.
-    nodes: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
-}
-
-/// A bind's turn on its node; the node's entry goes when no bind holds or
-/// waits for it.
-struct NodeTurn<'a> {
-    in_flight: &'a InFlight,
-    node: &'a str,
-    guard: Option<tokio::sync::OwnedMutexGuard<()>>,
-}
-
-impl Drop for NodeTurn<'_> {
-    fn drop(&mut self) {
-        drop(self.guard.take());
-        let mut nodes = self.in_flight.nodes.lock().expect("nodes lock poisoned");
-        if nodes
-            .get(self.node)
-            .is_some_and(|m| Arc::strong_count(m) == 1)
-        {
-            nodes.remove(self.node);
-        }
-    }
-}
-
-#[derive(Debug, thiserror::Error)]
-enum Busy {
-    #[error(
-        "{0} binds are admitted, the most extender.max_binds_queued allows; \
-         the scheduler tries again after its backoff"
-    )]
-    Full(usize),
-    #[error("another bind of this pod is in flight")]
-    Pod,
-}
-
-/// A bind's place among those in flight; freed when dropped.
-struct Admitted<'a> {
-    in_flight: &'a InFlight,
-    key: PodName,
-}
-
-impl InFlight {
-    /// Waits until `until` for `node`'s turn.
-    async fn node_turn<'a>(&'a self, node: &'a str, until: Instant) -> Option<NodeTurn<'a>> {
-        let lock = {
-            let mut nodes = self.nodes.lock().expect("nodes lock poisoned");
-            nodes.entry(node.to_owned()).or_default().clone()
-        };
-        // Made before waiting, so a wait cut short still clears the entry.
-        let mut turn = NodeTurn {
-            in_flight: self,
-            node,
-            guard: None,
-        };
-        turn.guard = Some(
-            tokio::time::timeout_at(until.into(), lock.lock_owned())
-                .await
-                .ok()?,
-        );
-        Some(turn)
-    }
-
-    fn admit(&self, key: &PodName) -> Result<Admitted<'_>, Busy> {
-        let mut pods = self.pods.lock().expect("in-flight lock poisoned");
-        if pods.contains(key) {
-            return Err(Busy::Pod);
-        }
-        if pods.len() >= self.max {
-            return Err(Busy::Full(pods.len()));
-        }
-        pods.insert(key.clone());
-        Ok(Admitted {
-            in_flight: self,
-            key: key.clone(),
-        })
-    }
-}
-
-impl Drop for Admitted<'_> {
-    fn drop(&mut self) {
-        let mut pods = self.in_flight.pods.lock().expect("in-flight lock poisoned");
-        pods.remove(&self.key);
-    }
-}
 
 /// A bind's reservation while the bind runs. Unless the bind settled it,
 /// it ends at once if no Binding was sent, or becomes a nomination that
@@ -215,12 +122,14 @@ impl<B: Binder> Extender<B> {
             planner: Planner::new(&config.resource_domain, config.policy),
             index,
             binder,
-            in_flight: InFlight {
-                max: config.binds_queued(),
-                pods: Default::default(),
-                running: tokio::sync::Semaphore::new(config.max_binds_in_flight),
-                nodes: Default::default(),
-            },
+            // A filtered pod's place is kept as long as its nomination.
+            in_flight: InFlight::new(
+                config.binds_queued(),
+                config.max_binds_in_flight,
+                Duration::from_millis(config.reservation_ttl_ms),
+            ),
+            filter_wait: Duration::from_millis(config.filter_wait_ms),
+            choose_at_filter: config.choose_at_filter,
             bind_timeout: Duration::from_millis(config.bind_timeout_ms),
             reservation_ttl: Duration::from_millis(config.reservation_ttl_ms),
         }
@@ -251,7 +160,10 @@ impl<B: Binder> Extender<B> {
         }
     }
 
-    pub fn filter(&self, args: &ExtenderArgs) -> ExtenderFilterResult {
+    /// The nodes where the pod fits. A GPU pod's filter first waits up to
+    /// `filter_wait_ms` for a place for its bind and keeps it (see
+    /// `admission`), answering a retryable error if none frees.
+    pub async fn filter(&self, args: &ExtenderArgs) -> ExtenderFilterResult {
         let Some(pod) = &args.pod else {
             return ExtenderFilterResult::error("gpu extender: the filter request has no Pod");
         };
@@ -262,13 +174,24 @@ impl<B: Binder> Extender<B> {
             // Not ours to judge: every node passes, nothing is read.
             None => passed = names,
             Some(asks) => {
-                let mut ix = self.fresh(pod);
-                if !ix.synced() {
+                if !self.index.read().expect("index lock poisoned").synced() {
                     return ExtenderFilterResult::error(format!("gpu extender: {NOT_SYNCED}"));
                 }
+                let key = index::pod_name(pod);
+                let start = Instant::now();
+                if let Err(busy) = self.in_flight.expect(&key, self.filter_wait).await {
+                    tracing::info!(pod = ?key, error = %busy, "filter refused: no place for a bind");
+                    return ExtenderFilterResult::error(format!("gpu extender: {busy}"));
+                }
+                let waited_us = start.elapsed().as_micros();
+                let mut ix = self.fresh(pod);
+                let mut ranks = Vec::new();
                 for name in names {
                     match self.planner.fits(&ix, &name, &asks) {
-                        Ok(_) => passed.push(name),
+                        Ok(rank) => {
+                            passed.push(name);
+                            ranks.push(Some(rank));
+                        }
                         Err(refusal) if refusal.never => {
                             result
                                 .failed_and_unresolvable_nodes
@@ -279,11 +202,21 @@ impl<B: Binder> Extender<B> {
                         }
                     }
                 }
+                if self.choose_at_filter
+                    && passed.len() > 1
+                    && let Some(b) = best_of(&ranks, &passed)
+                {
+                    passed = vec![passed.swap_remove(b)];
+                }
                 // One node left: the scheduler binds there without asking
                 // for scores.
-                if let [only] = passed.as_slice() {
-                    self.nominate(&mut ix, pod, only);
+                match passed.as_slice() {
+                    [] => self.in_flight.unexpect(&key),
+                    [only] => self.nominate(&mut ix, pod, only),
+                    _ => {}
                 }
+                let took_us = start.elapsed().as_micros();
+                tracing::debug!(pod = ?key, passed = passed.len(), waited_us, took_us, "filtered");
             }
         }
         // Answer in the shape asked: names for a node-cache-capable
@@ -325,19 +258,19 @@ impl<B: Binder> Extender<B> {
             let zero = |host| HostPriority { host, score: 0 };
             return Ok(names.into_iter().map(zero).collect());
         };
+        let start = Instant::now();
         let mut ix = self.fresh(pod);
         let ranks: Vec<_> = names
             .iter()
             .map(|host| self.planner.rank(&ix, host, &asks))
             .collect();
-        // The first of the best in name order: the same choice for the
-        // same state.
-        let best = (0..names.len())
-            .filter(|&i| ranks[i].is_some())
-            .max_by_key(|&i| (ranks[i], std::cmp::Reverse(&names[i])));
+        let best = best_of(&ranks, &names);
         if let Some(b) = best {
             self.nominate(&mut ix, pod, &names[b]);
         }
+        drop(ix);
+        let took_us = start.elapsed().as_micros();
+        tracing::debug!(pod = ?index::pod_name(pod), nodes = names.len(), took_us, "prioritized");
         Ok(names
             .into_iter()
             .zip(ranks)
@@ -359,16 +292,20 @@ impl<B: Binder> Extender<B> {
     /// annotations are as before, except where the Binding's fate is
     /// unknown: then the reservation lives on as an expiring nomination.
     pub async fn bind(&self, args: &ExtenderBindingArgs) -> Result<(), String> {
-        let deadline = Instant::now() + self.bind_timeout;
+        let start = Instant::now();
+        let deadline = start + self.bind_timeout;
         let key: PodName = (args.pod_namespace.clone(), args.pod_name.clone());
         let who = format!("pod {}/{}", key.0, key.1);
         let result = match self.in_flight.admit(&key) {
             Ok(_admitted) => self.bind_admitted(&key, args, deadline).await,
             Err(busy) => Err(busy.to_string()),
         };
+        let took_ms = start.elapsed().as_millis();
         match &result {
-            Ok(()) => tracing::info!(pod = %who, node = %args.node, "bound"),
-            Err(e) => tracing::warn!(pod = %who, node = %args.node, error = %e, "bind refused"),
+            Ok(()) => tracing::info!(pod = %who, node = %args.node, took_ms, "bound"),
+            Err(e) => {
+                tracing::warn!(pod = %who, node = %args.node, error = %e, took_ms, "bind refused")
+            }
         }
         result.map_err(|e| format!("gpu extender: cannot bind {who} to node {}: {e}", args.node))
     }
@@ -402,9 +339,6 @@ impl<B: Binder> Extender<B> {
         // A bind that waited for its turn past its writes' time has none
         // left to write and undo.
         let writes_end = self.writes_end(deadline);
-        let Some(_node) = self.in_flight.node_turn(&args.node, writes_end).await else {
-            return Err("the binds before it on this node took too long".into());
-        };
         let turn = self.in_flight.running.acquire();
         let Ok(Ok(_turn)) = tokio::time::timeout_at(writes_end.into(), turn).await else {
             return Err("the binds before it in extender.max_binds_in_flight took too long".into());
@@ -432,6 +366,9 @@ impl<B: Binder> Extender<B> {
         let writes_end = self.writes_end(deadline);
         let node = args.node.as_str();
         let mut attempts = 0;
+        // The node's line, taken with the first plan; its assume time
+        // stays for every try.
+        let mut ticket = None;
         let patched = loop {
             // The first try writes on the pod as the reflector showed it;
             // if that is behind, the write's precondition fails and the
@@ -471,15 +408,18 @@ impl<B: Binder> Extender<B> {
                     Err(format!("it is already bound to node {bound}"))
                 };
             }
-            let now = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap_or_default()
-                .as_nanos();
             let plan = {
                 // The pod's own nomination (wherever it was) gives way to
                 // the node the scheduler chose.
                 let mut ix = self.fresh(&pod);
-                let plan = self.planner.plan_bind(&ix, &pod, node, now)?;
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap_or_default()
+                    .as_nanos();
+                let assumed = ticket
+                    .get_or_insert_with(|| self.in_flight.ticket(node, now))
+                    .assumed;
+                let plan = self.planner.plan_bind(&ix, &pod, node, assumed)?;
                 if let Some(p) = &plan {
                     let until = deadline + self.reservation_ttl;
                     ix.reserve(p.reserved.clone(), Stage::Binding, until);
@@ -490,7 +430,7 @@ impl<B: Binder> Extender<B> {
             let rv = pod.metadata.resource_version.as_deref();
             let patch = self.binder.annotate(key, rv, &plan.annotations);
             match self.within(writes_end, patch).await {
-                Ok(_) => break Some(plan.annotations),
+                Ok(written) => break Some((plan.annotations, written)),
                 Err(e) => {
                     self.write().release(key);
                     attempts += 1;
@@ -500,6 +440,18 @@ impl<B: Binder> Extender<B> {
                 }
             }
         };
+        // Every try above planned, so the line was joined.
+        let ticket = ticket.expect("a bind that planned has its node's ticket");
+        if !ticket.turn(writes_end).await {
+            // No Binding was sent: the pod as patched loses the assignment
+            // (unless something changed it since, which a later bind
+            // replaces), and the guard ends the reservation.
+            if let Some((annotations, written)) = &patched {
+                let rv = written.metadata.resource_version.as_deref();
+                self.undo(key, rv, annotations, deadline).await;
+            }
+            return Err("the Bindings before it on this node took too long".into());
+        }
         let uid = args.pod_uid.as_str();
         held.binding_sent = true;
         let bound = self
@@ -532,7 +484,7 @@ impl<B: Binder> Extender<B> {
             tracing::info!(pod = ?key, %node, error = %e, "the Binding landed although its answer did not");
             return Ok(());
         }
-        if let Some(annotations) = patched {
+        if let Some((annotations, _)) = patched {
             let rv = pod.metadata.resource_version.clone();
             self.undo(key, rv.as_deref(), &annotations, deadline).await;
         }
@@ -559,6 +511,14 @@ impl<B: Binder> Extender<B> {
                  it holds nothing while unbound, and its next bind replaces it");
         }
     }
+}
+
+/// Of `names` ranked `ranks`, the index of the best, the first of the best
+/// in name order: the same choice for the same state.
+fn best_of(ranks: &[Option<plan::Rank>], names: &[String]) -> Option<usize> {
+    (0..names.len())
+        .filter(|&i| ranks[i].is_some())
+        .max_by_key(|&i| (ranks[i], std::cmp::Reverse(&names[i])))
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -1,10 +1,12 @@
 //! The extender's decisions over a snapshot of the cluster: whether a pod
-//! fits a node (and why not), how well, and what a bind writes. Pure: the
-//! usage model does the GPU arithmetic on the nodes' inventories and usage
-//! the [`Index`] keeps.
+//! fits a node (and why not), how well, and what a bind writes. Pure but
+//! for a memo of its judgements, each kept only while the node's state
+//! stamp stays: the usage model does the GPU arithmetic on the nodes'
+//! inventories and usage the [`Index`] keeps.
 
 use std::cmp::Reverse;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
 
 use k8s_openapi::api::core::v1::Pod;
 
@@ -42,7 +44,21 @@ pub(crate) struct Rank {
 pub struct Planner {
     keys: Keys,
     policy: Policy,
+    /// What was judged of each pod shape on each node, while the node's
+    /// state stamp stays: a burst's pods come in a few shapes, and
+    /// between two of them only the nodes they went to change, so filter
+    /// and prioritize over thousands of nodes mostly look up.
+    memo: Mutex<HashMap<String, Judged>>,
 }
+
+/// A node's judgements at one state stamp.
+struct Judged {
+    stamp: u64,
+    shapes: Vec<(PodAsks, Result<Rank, FilterRefusal>)>,
+}
+
+/// The pod shapes remembered per node; past it a node's memo starts over.
+const SHAPES_PER_NODE: usize = 32;
 
 /// A node that fits: its GPUs, their usage, and where the pod would go.
 struct Fit<'a> {
@@ -56,6 +72,7 @@ impl Planner {
         Planner {
             keys: Keys::new(domain),
             policy,
+            memo: Mutex::default(),
         }
     }
 
@@ -109,20 +126,59 @@ impl Planner {
         })
     }
 
-    /// Whether every container of the pod fits on `node` at once.
-    pub(crate) fn fits(&self, ix: &Index, node: &str, asks: &PodAsks) -> Result<(), FilterRefusal> {
-        self.place(ix, node, asks).map(drop)
+    /// Whether every container of the pod fits on `node` at once, and if
+    /// so how the node ranks for it.
+    pub(crate) fn fits(
+        &self,
+        ix: &Index,
+        node: &str,
+        asks: &PodAsks,
+    ) -> Result<Rank, FilterRefusal> {
+        self.judge(ix, node, asks)
     }
 
     /// How `node` ranks for the pod under the policy; `None` where the pod
     /// does not fit.
     pub(crate) fn rank(&self, ix: &Index, node: &str, asks: &PodAsks) -> Option<Rank> {
-        let f = self.place(ix, node, asks).ok()?;
+        self.judge(ix, node, asks).ok()
+    }
+
+    /// Where the pod does not fit on `node`, why; else how it ranks there:
+    /// from the memo while the node is as it was.
+    fn judge(&self, ix: &Index, node: &str, asks: &PodAsks) -> Result<Rank, FilterRefusal> {
+        let Some(stamp) = ix.stamp(node) else {
+            return self.judge_now(ix, node, asks);
+        };
+        let mut memo = self.memo.lock().expect("memo lock poisoned");
+        if let Some(j) = memo.get(node).filter(|j| j.stamp == stamp)
+            && let Some((_, judged)) = j.shapes.iter().find(|(a, _)| a == asks)
+        {
+            return judged.clone();
+        }
+        let judged = self.judge_now(ix, node, asks);
+        // Nodes gone from the index leave the memo once it outgrows it.
+        if memo.len() > 2 * ix.node_count() + SHAPES_PER_NODE {
+            memo.retain(|n, _| ix.stamp(n).is_some());
+        }
+        let j = memo.entry(node.to_owned()).or_insert(Judged {
+            stamp,
+            shapes: Vec::new(),
+        });
+        if j.stamp != stamp || j.shapes.len() >= SHAPES_PER_NODE {
+            j.stamp = stamp;
+            j.shapes.clear();
+        }
+        j.shapes.push((asks.clone(), judged.clone()));
+        judged
+    }
+
+    fn judge_now(&self, ix: &Index, node: &str, asks: &PodAsks) -> Result<Rank, FilterRefusal> {
+        let f = self.place(ix, node, asks)?;
         let left = match self.policy {
             Policy::Binpack => leftover(f.inventory, f.usage, asks, &f.assignment),
             Policy::Spread => 0,
         };
-        Some(Rank {
+        Ok(Rank {
             left: Reverse(left),
             score: score(f.inventory, f.usage, asks, &f.assignment, self.policy),
         })
@@ -237,6 +293,29 @@ mod tests {
             p.asks(&gpu_pod("ns", "cpu", &[c("app", false, 0, 0, 0)]))
                 .is_none()
         );
+    }
+
+    /// The memo answers only while the node is as it was: a pod bound
+    /// there, gone again, the node gone and back smaller.
+    #[test]
+    fn judgements_are_remembered_only_while_the_node_stays_as_it_was() {
+        let mut ix = Index::new("doslab.io");
+        ix.apply_node(gpu_node("n", &[("GPU-a", 1024)]));
+        let p = planner();
+        let asks = p
+            .asks(&gpu_pod("ns", "p", &[c("a", false, 768, 0, 0)]))
+            .unwrap();
+        assert!(p.fits(&ix, "n", &asks).is_ok());
+        let other = gpu_pod("ns", "q", &[c("a", false, 512, 0, 0)]);
+        let assigned = [("doslab.io/gpu-assignment", r#"{"a":["GPU-a"]}"#)];
+        ix.apply_pod(bound(other.clone(), "n", &assigned));
+        assert!(p.fits(&ix, "n", &asks).is_err());
+        ix.delete_pod(&crate::extender::pod_name(&other));
+        assert!(p.fits(&ix, "n", &asks).is_ok());
+        ix.delete_node("n");
+        assert!(p.fits(&ix, "n", &asks).is_err());
+        ix.apply_node(gpu_node("n", &[("GPU-a", 512)]));
+        assert!(p.fits(&ix, "n", &asks).is_err());
     }
 
     #[test]

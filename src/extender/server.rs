@@ -44,7 +44,7 @@ fn json(answer: &impl serde::Serialize) -> Response {
 
 async fn filter<B: Binder>(State(x): State<Arc<Extender<B>>>, body: Bytes) -> Response {
     let answer = match decode("filter", &body) {
-        Ok(args) => x.filter(&args),
+        Ok(args) => x.filter(&args).await,
         Err(e) => ExtenderFilterResult::error(e),
     };
     json(&answer)

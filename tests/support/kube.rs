@@ -171,6 +171,11 @@ impl ControlPlane {
         cp
     }
 
+    /// The process running etcd, the API server and the controller manager.
+    pub fn pid(&self) -> u32 {
+        self.proc.child.id()
+    }
+
     /// Waits until the API server enforces the applied admission policies:
     /// their informers sync a moment after the apply returns. The probe is
     /// a dry-run pod the shipped quantity policy refuses.
