@@ -711,17 +711,13 @@ async fn pods_per_second_through_dra_and_through_the_extender() {
     };
     let binds = Bindings::watch(&client, NS);
     // 2 GiB / 10 % each: 200 of them take 400 of each side's 640 GiB.
-    let paths: [(&str, &str, Box<dyn Fn(&str) -> Pod>); 2] = [
-        (
-            "extender",
-            "dp-",
-            Box::new(|name: &str| gpu_pod(NS, name, &[("main", [2, 10, 0])])),
-        ),
-        (
-            "DRA",
-            "dra-",
-            Box::new(|name: &str| claim_pod(NS, name, "two")),
-        ),
+    /// A path's name, its nodes' name prefix, its pod of a name.
+    type Path = (&'static str, &'static str, fn(&str) -> Pod);
+    let paths: [Path; 2] = [
+        ("extender", "dp-", |name| {
+            gpu_pod(NS, name, &[("main", [2, 10, 0])])
+        }),
+        ("DRA", "dra-", |name| claim_pod(NS, name, "two")),
     ];
     for (path, prefix, pod) in &paths {
         // One pod first, so each path's informers and caches are warm.
