@@ -697,7 +697,7 @@ async fn pods_per_second_through_dra_and_through_the_extender() {
         nodes.push(KubeNode::start(&cp, &format!("dp-{n}"), &ids, "memory_unit_mib = 1024").await);
     }
     namespace(&cp, NS);
-    cp.apply(&template("two", Some(("2Gi", "10"))));
+    cp.apply(&claim_template(NS, "two", GPU_DRIVER, &[("memory", "2Gi")]));
     let extender = Scheduler::start(&cp);
     let plain = start_plain_scheduler(&cp);
     let client = cp.admin_client().await;
@@ -710,7 +710,8 @@ async fn pods_per_second_through_dra_and_through_the_extender() {
         )
     };
     let binds = Bindings::watch(&client, NS);
-    // 2 GiB / 10 % each: 200 of them take 400 of each side's 640 GiB.
+    // 2 GiB each (no compute ask, which would cap a side at 8 GPUs × 100
+    // cores): 200 of them take 400 of each side's 640 GiB.
     /// A path's name, its nodes' name prefix, its pod of a name.
     type Path = (&'static str, &'static str, fn(&str) -> Pod);
     let paths: [Path; 2] = [
