@@ -716,7 +716,7 @@ async fn pods_per_second_through_dra_and_through_the_extender() {
     type Path = (&'static str, &'static str, fn(&str) -> Pod);
     let paths: [Path; 2] = [
         ("extender", "dp-", |name| {
-            gpu_pod(NS, name, &[("main", [2, 10, 0])])
+            gpu_pod(NS, name, &[("main", [2, 0, 0])])
         }),
         ("DRA", "dra-", |name| claim_pod(NS, name, "two")),
     ];
