@@ -259,28 +259,8 @@ const GPU_DRIVER: &str = "gpu.doslab.io";
 /// A ResourceClaimTemplate `name` of the product's DeviceClass asking
 /// `capacity` (memory, cores), or the whole GPU without.
 fn template(name: &str, capacity: Option<(&str, &str)>) -> String {
-    let capacity = capacity.map_or(String::new(), |(memory, cores)| {
-        format!(", capacity: {{requests: {{memory: \"{memory}\", cores: \"{cores}\"}}}}")
-    });
-    format!(
-        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaimTemplate\n\
-         metadata: {{name: {name}, namespace: {NS}}}\n\
-         spec:\n  spec:\n    devices:\n      requests:\n      - name: gpu\n        \
-         exactly: {{deviceClassName: {GPU_DRIVER}{capacity}}}\n"
-    )
-}
-
-/// A pod of one container using a claim from `template`.
-fn claim_pod(name: &str, template: &str) -> Pod {
-    serde_json::from_value(serde_json::json!({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": NS},
-        "spec": {
-            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": template}],
-            "containers": [{"name": "main", "image": "app", "resources": {"claims": [{"name": "gpu"}]}}],
-        }
-    }))
-    .unwrap()
+    let asks = capacity.map(|(memory, cores)| [("memory", memory), ("cores", cores)]);
+    claim_template(NS, name, GPU_DRIVER, asks.as_ref().map_or(&[], |a| a))
 }
 
 /// The CDI spec file in `node`'s CDI directory holding device `id`
@@ -399,7 +379,7 @@ async fn shares_and_whole_gpus_through_the_products_dra_plugin() {
     };
 
     // A whole GPU: its UUID, no limits.
-    create(&client, &claim_pod("whole-0", "whole")).await;
+    create(&client, &claim_pod(NS, "whole-0", "whole")).await;
     let (_, whole) = running_with(&client, &node, "whole-0", &|| logs(&node)).await;
     let taken = whole["NVIDIA_VISIBLE_DEVICES"].clone();
     assert!(gpus.iter().any(|(u, _)| *u == taken), "{whole:?}");
@@ -407,7 +387,7 @@ async fn shares_and_whole_gpus_through_the_products_dra_plugin() {
     // Two shares, both on the other GPU, each with its own limits.
     let mut shares = BTreeMap::new();
     for name in ["share-1", "share-2"] {
-        create(&client, &claim_pod(name, "share")).await;
+        create(&client, &claim_pod(NS, name, "share")).await;
         let (id, envs) = running_with(&client, &node, name, &|| logs(&node)).await;
         assert_ne!(
             envs["NVIDIA_VISIBLE_DEVICES"], taken,
@@ -425,8 +405,8 @@ async fn shares_and_whole_gpus_through_the_products_dra_plugin() {
         shares.insert(name, id);
     }
     // No room left for a third share; no GPU holds 32 GiB.
-    create(&client, &claim_pod("share-3", "share")).await;
-    create(&client, &claim_pod("huge", "huge")).await;
+    create(&client, &claim_pod(NS, "share-3", "share")).await;
+    create(&client, &claim_pod(NS, "huge", "huge")).await;
     for name in ["share-3", "huge"] {
         let note = unschedulable(&client, name, &|| logs(&node)).await;
         assert!(note.contains("claim"), "{name}: {note}");
@@ -482,7 +462,7 @@ async fn shares_and_whole_gpus_through_the_products_dra_plugin() {
         .unwrap();
     pods.delete("huge", &DeleteParams::default()).await.unwrap();
     wait_gone(&client, NS, "whole-0", Duration::from_secs(60)).await;
-    create(&client, &claim_pod("probe", "share")).await;
+    create(&client, &claim_pod(NS, "probe", "share")).await;
     let (_, probe) = running_with(&client, &node, "probe", &|| logs(&node)).await;
     let first = probe["NVIDIA_VISIBLE_DEVICES"].clone();
     pods.delete("probe", &DeleteParams::default())
@@ -510,10 +490,269 @@ async fn shares_and_whole_gpus_through_the_products_dra_plugin() {
         },
     )
     .await;
-    create(&client, &claim_pod("after", "share")).await;
+    create(&client, &claim_pod(NS, "after", "share")).await;
     let (_, after) = running_with(&client, &node, "after", &|| logs(&node)).await;
     assert_ne!(
         after["NVIDIA_VISIBLE_DEVICES"], first,
         "landed on the tainted GPU"
     );
+}
+
+/// Pods on a DRA-only node as they are written today: the shipped
+/// Deployment example (deploy/dra/examples, applied as shipped, so in
+/// namespace `default`), whose replicas each take their own share from the
+/// shipped ResourceClaimTemplate (the deployment and replicaset controllers
+/// make the pods, the resourceclaim controller their claims), and a pod
+/// asking `doslab.io/gpu-count: 1`, which the shipped DeviceClass's
+/// `extendedResourceName` turns into a claim of a whole GPU (the
+/// scheduler's DynamicResources plugin makes it, the kubelet's DRA manager
+/// prepares it through the daemon).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_deployment_and_a_gpu_count_pod_through_the_products_dra_plugin() {
+    let cp = ControlPlane::start();
+    let gpus = [(gpu_uuid(0, 0), 16384), (gpu_uuid(0, 1), 16384)];
+    let gpus: Vec<(&str, u64)> = gpus.iter().map(|(u, m)| (u.as_str(), *m)).collect();
+    let node = KubeNode::start_dra(&cp, "node-0", &gpus, "[enforcement]\nmode = \"none\"\n").await;
+    namespace(&cp, NS);
+    // A DRA-only cluster runs no extender and does not install the GPU
+    // scheduler's mutating policy (ControlPlane::start applies it): it
+    // would hand a pod asking a doslab.io resource to the extender's
+    // scheduler, which no one runs here.
+    let client = cp.admin_client().await;
+    let bindings: Api<DynamicObject> = Api::all_with(
+        client.clone(),
+        &ApiResource::from_gvk(&GroupVersionKind::gvk(
+            "admissionregistration.k8s.io",
+            "v1",
+            "MutatingAdmissionPolicyBinding",
+        )),
+    );
+    bindings
+        .delete("doslab-gpu-scheduler", &DeleteParams::default())
+        .await
+        .unwrap();
+    let sched = start_plain_scheduler(&cp);
+    let logs = || {
+        format!(
+            "--- kubelet\n{}\n--- daemon\n{}\n--- scheduler\n{}",
+            tail(&node.kubelet.log_text()),
+            tail(&node.daemon.log_text()),
+            tail(&sched.log_text())
+        )
+    };
+
+    let examples = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/dra/examples");
+    for file in ["templates.yaml", "deployment.yaml"] {
+        cp.apply(&std::fs::read_to_string(examples.join(file)).unwrap());
+    }
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let replicas = until(
+        Duration::from_secs(120),
+        "the Deployment's two replicas never ran",
+        logs,
+        async || {
+            let list = pods
+                .list(&ListParams::default().labels("app.kubernetes.io/name=gpu-share-demo"))
+                .await
+                .ok()?;
+            let running: Vec<Pod> = list
+                .items
+                .into_iter()
+                .filter(|p| phase(p) == "Running")
+                .collect();
+            (running.len() == 2).then_some(running)
+        },
+    )
+    .await;
+    let mut claims = Vec::new();
+    let mut shared = Vec::new();
+    for pod in &replicas {
+        let name = pod.metadata.name.as_deref().unwrap();
+        let status = pod.status.as_ref().unwrap();
+        claims.push(
+            status.resource_claim_statuses.as_ref().unwrap()[0]
+                .resource_claim_name
+                .clone(),
+        );
+        let ids = cdi_devices(&node.record("default", name).unwrap(), "cuda");
+        assert_eq!(ids.len(), 1, "{name}: {ids:?}");
+        let (_, envs) = cdi_envs(&node, &ids[0]);
+        assert_eq!(
+            envs["CUDA_DEVICE_MEMORY_LIMIT_0"], "8192m",
+            "{name}: {envs:?}"
+        );
+        assert_eq!(envs["CUDA_DEVICE_SM_LIMIT"], "30", "{name}: {envs:?}");
+        shared.push(envs["NVIDIA_VISIBLE_DEVICES"].clone());
+    }
+    assert_ne!(claims[0], claims[1], "the replicas share one claim");
+    assert!(claims.iter().all(Option::is_some), "{claims:?}");
+    assert_eq!(shared[0], shared[1], "8 + 8 GiB fit one 16 GiB GPU");
+
+    // gpu-count: 1 on a node that serves no device-plugin resource: the
+    // scheduler claims a whole GPU of the class for it, the other GPU.
+    let count = gpu_pod(NS, "count", &[("main", [0, 0, 1])]);
+    // The API server drops the deleted binding a moment later: a dry-run
+    // create tells when.
+    let dry = kube::api::PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    let tenants: Api<Pod> = Api::namespaced(client.clone(), NS);
+    until(
+        Duration::from_secs(30),
+        "the GPU scheduler's mutating policy still applies",
+        logs,
+        async || {
+            let stored = tenants.create(&dry, &count).await.ok()?;
+            let name = stored.spec?.scheduler_name;
+            (name.as_deref() == Some("default-scheduler")).then_some(())
+        },
+    )
+    .await;
+    create(&client, &count).await;
+    let pod = wait_pod(&client, NS, "count", Duration::from_secs(90), |p| {
+        phase(p) == "Running" || phase(p) == "Failed"
+    })
+    .await
+    .unwrap_or_else(|p| panic!("count never ran: {p:#?}\n{}", logs()));
+    assert_eq!(phase(&pod), "Running", "{pod:#?}\n{}", logs());
+    assert_eq!(
+        pod.spec.as_ref().unwrap().scheduler_name.as_deref(),
+        Some("default-scheduler")
+    );
+    let special = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.extended_resource_claim_status.as_ref())
+        .unwrap_or_else(|| panic!("no extended-resource claim: {pod:#?}"));
+    assert_eq!(
+        special.request_mappings[0].resource_name,
+        "doslab.io/gpu-count"
+    );
+    let ids = cdi_devices(&node.record(NS, "count").unwrap(), "main");
+    assert_eq!(ids.len(), 1, "{ids:?}\n{}", logs());
+    let (_, whole) = cdi_envs(&node, &ids[0]);
+    assert_ne!(whole["NVIDIA_VISIBLE_DEVICES"], shared[0], "{whole:?}");
+    assert!(
+        gpus.iter()
+            .any(|(u, _)| *u == whole["NVIDIA_VISIBLE_DEVICES"]),
+        "{whole:?}"
+    );
+    assert_eq!(whole.get("CUDA_DEVICE_MEMORY_LIMIT_0"), None, "{whole:?}");
+    assert_eq!(whole.get("CUDA_DEVICE_SM_LIMIT"), None, "{whole:?}");
+    // A second one finds no whole GPU left.
+    create(&client, &gpu_pod(NS, "count-2", &[("main", [0, 0, 1])])).await;
+    let note = unschedulable(&client, "count-2", &logs).await;
+    assert!(!note.is_empty(), "{note}");
+}
+
+/// The same burst of shared pods through each path on one cluster:
+/// through the extender (the GPU scheduler's profile, the device-plugin
+/// resources of `dp-*` nodes) and through DRA (the default profile, no
+/// extender, the DRA plugin of `dra-*` nodes of the same shape). Prints
+/// pods/s (the burst's size over first create to last bound) and
+/// create→bound p50/p99 for each; asserts only that every pod is bound on
+/// its own path's nodes.
+/// `cargo test --test kube_dra -- --ignored --nocapture pods_per_second`
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "a bench: run it on its own (README, DRA)"]
+async fn pods_per_second_through_dra_and_through_the_extender() {
+    const PODS: usize = 200;
+    const SHAPE: [u64; 4] = [81920; 4];
+    let cp = ControlPlane::start();
+    let gpus = |n: usize| -> Vec<(String, u64)> {
+        SHAPE
+            .iter()
+            .enumerate()
+            .map(|(g, m)| (gpu_uuid(n, g), *m))
+            .collect()
+    };
+    let mut nodes = Vec::new();
+    for n in 0..2 {
+        let ids = gpus(n);
+        let ids: Vec<(&str, u64)> = ids.iter().map(|(u, m)| (u.as_str(), *m)).collect();
+        let tables = "[enforcement]\nmode = \"none\"\n";
+        nodes.push(KubeNode::start_dra(&cp, &format!("dra-{n}"), &ids, tables).await);
+    }
+    // DRA mode's rights replaced the daemon's (start_dra applies the
+    // kustomize Component); the device-plugin nodes need the base's too,
+    // as the chart grants both sets when a cluster runs both: the base
+    // ClusterRole and its binding under another name.
+    let base = |file: &str| {
+        std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(file))
+            .unwrap()
+            .replace(
+                "\n  name: gpu-device-plugin\n",
+                "\n  name: gpu-device-plugin-dp\n",
+            )
+    };
+    cp.apply(&format!(
+        "{}\n---\n{}",
+        base("deploy/clusterrole.yaml"),
+        base("deploy/clusterrolebinding.yaml")
+    ));
+    for n in 0..2 {
+        let ids = gpus(n + 2);
+        let ids: Vec<(&str, u64)> = ids.iter().map(|(u, m)| (u.as_str(), *m)).collect();
+        nodes.push(KubeNode::start(&cp, &format!("dp-{n}"), &ids, "memory_unit_mib = 1024").await);
+    }
+    namespace(&cp, NS);
+    cp.apply(&claim_template(NS, "two", GPU_DRIVER, &[("memory", "2Gi")]));
+    let extender = Scheduler::start(&cp);
+    let plain = start_plain_scheduler(&cp);
+    let client = cp.admin_client().await;
+    let logs = || {
+        format!(
+            "--- scheduler\n{}\n--- extender\n{}\n--- plain scheduler\n{}",
+            tail(&extender.proc.log_text()),
+            tail(&extender.extender.log_text()),
+            tail(&plain.log_text())
+        )
+    };
+    let binds = Bindings::watch(&client, NS);
+    // 2 GiB each (no compute ask, which would cap a side at 8 GPUs × 100
+    // cores): 200 of them take 400 of each side's 640 GiB.
+    /// A path's name, its nodes' name prefix, its pod of a name.
+    type Path = (&'static str, &'static str, fn(&str) -> Pod);
+    let paths: [Path; 2] = [
+        ("extender", "dp-", |name| {
+            gpu_pod(NS, name, &[("main", [2, 0, 0])])
+        }),
+        ("DRA", "dra-", |name| claim_pod(NS, name, "two")),
+    ];
+    for (path, prefix, pod) in &paths {
+        // One pod first, so each path's informers and caches are warm.
+        let warm = format!("{path}-warm").to_lowercase();
+        create(&client, &pod(&warm)).await;
+        wait_pod(&client, NS, &warm, START, |p| !node_of(p).is_empty())
+            .await
+            .unwrap_or_else(|p| panic!("{warm} never bound: {p:#?}\n{}", logs()));
+        let mut created = Vec::new();
+        for i in 0..PODS {
+            let name = format!("{path}-{i:03}").to_lowercase();
+            created.push((name.clone(), create(&client, &pod(&name)).await));
+        }
+        let mut latencies = Vec::new();
+        let mut last = created[0].1;
+        for (name, at) in &created {
+            let p = wait_pod(&client, NS, name, Duration::from_secs(300), |p| {
+                !node_of(p).is_empty()
+            })
+            .await
+            .unwrap_or_else(|p| panic!("{name} never bound: {p:#?}\n{}", logs()));
+            assert!(node_of(&p).starts_with(prefix), "{name} on {}", node_of(&p));
+            let bound = binds.at(name).unwrap_or_else(Instant::now);
+            last = last.max(bound);
+            latencies.push(bound - *at);
+        }
+        latencies.sort();
+        let spent = (last - created[0].1).as_secs_f64();
+        eprintln!(
+            "{PODS} shared pods through {path}: {:.1} pods/s ({spent:.1} s), create→bound p50 {:?} p99 {:?}",
+            PODS as f64 / spent,
+            latencies[PODS / 2],
+            latencies[(PODS * 99).div_ceil(100) - 1],
+        );
+    }
+    drop(nodes);
 }

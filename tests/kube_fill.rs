@@ -3,7 +3,13 @@
 //! to 80 GiB: seeded shared pods created one at a time, each waited until
 //! it runs or the scheduler calls it unschedulable, and the share of GPU
 //! memory held at the first unschedulable one. The scheduler stand-in's
-//! figure for the same nodes, pods and seeds is printed beside it.
+//! figure for the same nodes, pods and seeds is printed beside it, and the
+//! same fill through Dynamic Resource Allocation: the same GPUs on
+//! DRA-only nodes (the product's DRA plugin), each pod asking its memory
+//! (and cores, when it asks them) through a ResourceClaimTemplate, placed
+//! by the real kube-scheduler's default profile (no extender), prepared
+//! by the kubelet's DRA manager; no GPU's allocations consume more than
+//! its memory or cores.
 
 mod support;
 
@@ -12,7 +18,10 @@ use std::time::{Duration, Instant};
 use gpu_sim::apiserver::PodContainer;
 use gpu_sim::fill::StandIn;
 use gpu_sim::scheduler::SchedulerConfig;
+use std::collections::BTreeMap;
+
 use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::Api;
 use support::kube::*;
 
@@ -163,40 +172,169 @@ async fn real_fill(pods: &[(u64, u64)]) -> Fill {
     wait_inventories(&cp).await;
     let sched = Scheduler::start(&cp);
     let client = cp.admin_client().await;
+    let fill = fill_one_by_one(
+        &client,
+        pods,
+        |i, &(memory, core)| gpu_pod(NS, &format!("fill-{i:03}"), &[("main", [memory, core, 0])]),
+        || {
+            format!(
+                "--- scheduler\n{}\n--- extender\n{}",
+                tail(&sched.proc.log_text()),
+                tail(&sched.extender.log_text())
+            )
+        },
+    )
+    .await;
+    drop(sched);
+    drop(nodes);
+    fill
+}
+
+/// Creates `pods` one at a time (`pod(i, ask)`), each waited until it
+/// runs, fails or is unschedulable, up to the first unschedulable one.
+async fn fill_one_by_one(
+    client: &kube::Client,
+    pods: &[(u64, u64)],
+    pod: impl Fn(usize, &(u64, u64)) -> Pod,
+    logs: impl Fn() -> String,
+) -> Fill {
     let mut fill = Fill {
         held: 0,
         ran: 0,
         failed: Vec::new(),
         refused: None,
     };
-    for (i, &(memory, core)) in pods.iter().enumerate() {
-        let name = format!("fill-{i:03}");
-        create(&client, &gpu_pod(NS, &name, &[("main", [memory, core, 0])])).await;
-        let pod = wait_pod(&client, NS, &name, Duration::from_secs(60), |p| {
+    for (i, ask) in pods.iter().enumerate() {
+        let p = pod(i, ask);
+        let name = p.metadata.name.clone().unwrap();
+        create(client, &p).await;
+        let p = wait_pod(client, NS, &name, Duration::from_secs(60), |p| {
             matches!(phase(p), "Running" | "Failed") || unschedulable(p).is_some()
         })
         .await
         .unwrap_or_else(|p| {
             panic!(
-                "{name} neither ran nor was unschedulable: {p:#?}\n--- scheduler\n{}\n--- extender\n{}",
-                sched.proc.log_text(),
-                sched.extender.log_text()
+                "{name} neither ran nor was unschedulable: {p:#?}\n{}",
+                logs()
             )
         });
-        if let Some(why) = unschedulable(&pod) {
-            fill.refused = Some(((memory, core), why));
+        if let Some(why) = unschedulable(&p) {
+            fill.refused = Some((*ask, why));
             break;
         }
-        if phase(&pod) == "Failed" {
-            fill.failed.push(format!("{name}: {:?}", pod.status));
+        if phase(&p) == "Failed" {
+            fill.failed.push(format!("{name}: {:?}", p.status));
         } else {
-            fill.held += memory;
+            fill.held += ask.0;
             fill.ran += 1;
         }
     }
+    fill
+}
+
+/// The product's DeviceClass (the driver's name).
+const DRA_CLASS: &str = "gpu.doslab.io";
+
+/// The fill through DRA on a fresh control plane: [`NODES`]' GPUs on
+/// DRA-only nodes, the real scheduler's default profile. Also returns the
+/// GPUs whose allocated claims consume more than they have.
+async fn dra_fill(pods: &[(u64, u64)]) -> (Fill, Vec<String>) {
+    let cp = ControlPlane::start();
+    let mut nodes = Vec::new();
+    let mut sizes = BTreeMap::new();
+    for (n, (name, gibs)) in NODES.iter().enumerate() {
+        let ids: Vec<(String, u64)> = gibs
+            .iter()
+            .enumerate()
+            .map(|(g, gib)| (gpu_uuid(n, g), gib * GIB))
+            .collect();
+        for (g, (_, mib)) in ids.iter().enumerate() {
+            sizes.insert((name.to_string(), format!("gpu-{g}")), *mib);
+        }
+        let ids: Vec<(&str, u64)> = ids.iter().map(|(u, m)| (u.as_str(), *m)).collect();
+        nodes.push(KubeNode::start_dra(&cp, name, &ids, "[enforcement]\nmode = \"none\"\n").await);
+    }
+    namespace(&cp, NS);
+    // One template per distinct ask; memory alone leaves the cores to the
+    // GPU's other shares, as a gpu-memory pod does with the device plugin.
+    let template = |&(memory, core): &(u64, u64)| format!("m{memory}-c{core}");
+    let mut asks: Vec<(u64, u64)> = pods.to_vec();
+    asks.sort_unstable();
+    asks.dedup();
+    let yaml: Vec<String> = asks
+        .iter()
+        .map(|ask| {
+            let (memory, cores) = (format!("{}Gi", ask.0), ask.1.to_string());
+            let mut capacity = vec![("memory", memory.as_str())];
+            if ask.1 > 0 {
+                capacity.push(("cores", cores.as_str()));
+            }
+            claim_template(NS, &template(ask), DRA_CLASS, &capacity)
+        })
+        .collect();
+    cp.apply(&yaml.join("---\n"));
+    let sched = start_plain_scheduler(&cp);
+    let client = cp.admin_client().await;
+    let fill = fill_one_by_one(
+        &client,
+        pods,
+        |i, ask| claim_pod(NS, &format!("fill-{i:03}"), &template(ask)),
+        || format!("--- scheduler\n{}", tail(&sched.log_text())),
+    )
+    .await;
+    let over = overcommitted(&client, &sizes).await;
     drop(sched);
     drop(nodes);
-    fill
+    (fill, over)
+}
+
+/// The GPUs ((node, device) to MiB) whose allocated claims consume more
+/// memory or cores than the GPU has, summed from each allocation's
+/// `consumedCapacity` (a claim naming no capacity takes the whole GPU).
+async fn overcommitted(
+    client: &kube::Client,
+    sizes: &BTreeMap<(String, String), u64>,
+) -> Vec<String> {
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), NS);
+    let mut used: BTreeMap<(String, String), (u64, u64)> = BTreeMap::new();
+    for claim in claims.list(&Default::default()).await.unwrap().items {
+        let results = claim
+            .status
+            .and_then(|s| s.allocation)
+            .and_then(|a| a.devices)
+            .and_then(|d| d.results)
+            .unwrap_or_default();
+        for r in results {
+            let key = (r.pool.clone(), r.device.clone());
+            let capacity = r.consumed_capacity.unwrap_or_default();
+            let read = |k: &str| capacity.get(k).map(|q| quantity(&q.0));
+            let gpu = sizes.get(&key).copied().unwrap_or(0);
+            let u = used.entry(key).or_default();
+            u.0 += read("memory").map_or(gpu, |bytes| bytes.div_ceil(1 << 20));
+            u.1 += read("cores").unwrap_or(100);
+        }
+    }
+    used.into_iter()
+        .filter(|(key, (memory, cores))| {
+            *memory > sizes.get(key).copied().unwrap_or(0) || *cores > 100
+        })
+        .map(|((node, device), (memory, cores))| {
+            format!("{node}/{device}: {memory} MiB, {cores} cores")
+        })
+        .collect()
+}
+
+/// A whole quantity as the scheduler writes a consumed capacity: a count,
+/// or bytes with a binary suffix.
+fn quantity(q: &str) -> u64 {
+    let (digits, shift) = [("Ki", 10), ("Mi", 20), ("Gi", 30), ("Ti", 40)]
+        .into_iter()
+        .find_map(|(suffix, shift)| q.strip_suffix(suffix).map(|d| (d, shift)))
+        .unwrap_or((q, 0));
+    let n: u64 = digits
+        .parse()
+        .unwrap_or_else(|e| panic!("quantity {q:?}: {e}"));
+    n << shift
 }
 
 /// The same pods through the scheduler stand-in on the shipped config.
@@ -218,45 +356,67 @@ async fn standin_fill(pods: &[(u64, u64)], seed: u64) -> f64 {
 }
 
 /// Binpack fills the mixed cluster to the issue's target on every seed
-/// before the first pod finds no room, with no pod refused by its node.
+/// before the first pod finds no room, with no pod refused by its node;
+/// the same pods through DRA run with no GPU over its memory or cores and
+/// no pod refused by its node (its fill is printed, not asserted: the
+/// scheduler's allocator, not the product, picks the GPU).
 #[tokio::test(flavor = "multi_thread")]
 async fn binpack_fills_a_mixed_cluster() {
     let started = Instant::now();
     let mut shares = Vec::new();
+    let mut dra_shares = Vec::new();
     for seed in SEEDS {
         let pods = mix(seed);
         let standin = standin_fill(&pods, seed).await;
         let real = real_fill(&pods).await;
-        let (ask, why) = real.refused.clone().unwrap_or_default();
+        let (dra, over) = dra_fill(&pods).await;
+        for (path, fill) in [("extender, binpack", &real), ("DRA", &dra)] {
+            let (ask, why) = fill.refused.clone().unwrap_or_default();
+            eprintln!(
+                "fill seed {seed}, {path}: {:.1} % of {} GiB held ({} pods ran, {} failed), \
+                 first unschedulable asks {} GiB / {} % core ({why})",
+                fill.share(),
+                total_gib(),
+                fill.ran,
+                fill.failed.len(),
+                ask.0,
+                ask.1,
+            );
+        }
         eprintln!(
-            "fill seed {seed}: real scheduler {:.1} % of {} GiB held ({} pods ran, {} failed), \
-             first unschedulable asks {} GiB / {} % core ({why}); stand-in {standin:.1} %",
+            "fill seed {seed}: extender {:.1} % | DRA {:.1} % | stand-in {standin:.1} %",
             real.share(),
-            total_gib(),
-            real.ran,
-            real.failed.len(),
-            ask.0,
-            ask.1,
+            dra.share()
         );
+        for (path, fill) in [("extender", &real), ("DRA", &dra)] {
+            assert!(
+                fill.failed.is_empty(),
+                "{path}: admission failures: {:#?}",
+                fill.failed
+            );
+            assert!(
+                fill.refused.is_some(),
+                "{path}, seed {seed}: {} pods all ran",
+                pods.len()
+            );
+        }
         assert!(
-            real.failed.is_empty(),
-            "admission failures: {:#?}",
-            real.failed
-        );
-        assert!(
-            real.refused.is_some(),
-            "seed {seed}: {} pods all ran",
-            pods.len()
+            over.is_empty(),
+            "DRA, seed {seed}: GPUs over capacity: {over:?}"
         );
         shares.push(real.share());
+        dra_shares.push(dra.share());
     }
-    eprintln!(
-        "fill: real scheduler, binpack, seeds {SEEDS:?}: {} % ({:.0} s)",
-        shares
-            .iter()
+    let list = |v: &[f64]| {
+        v.iter()
             .map(|s| format!("{s:.1}"))
             .collect::<Vec<_>>()
-            .join(" / "),
+            .join(" / ")
+    };
+    eprintln!(
+        "fill: real scheduler, seeds {SEEDS:?}: extender (binpack) {} %, DRA {} % ({:.0} s)",
+        list(&shares),
+        list(&dra_shares),
         started.elapsed().as_secs_f64()
     );
     for (seed, share) in SEEDS.iter().zip(&shares) {

@@ -192,8 +192,9 @@ fn request_grant(
     })
 }
 
-/// What one result consumed of `gpu`: nothing recorded, or all of both,
-/// is the whole GPU (no limits).
+/// What one result consumed of `gpu`: nothing recorded, or all its memory
+/// and no or all cores, is the whole GPU (no limits); no cores is no
+/// compute limit (the slice's default for a claim naming memory alone).
 fn consumed(
     claim: &str,
     r: &DeviceRequestAllocationResult,
@@ -203,7 +204,7 @@ fn consumed(
     let Some(capacity) = r.consumed_capacity.as_ref() else {
         return Ok(Limits::default());
     };
-    let read = |key: &str, max: u64| -> Result<Option<u64>, GrantError> {
+    let read = |key: &str, max: u64, none: bool| -> Result<Option<u64>, GrantError> {
         let Some(q) = capacity.get(key) else {
             return Ok(None);
         };
@@ -214,15 +215,16 @@ fn consumed(
             why,
         };
         let n = parse_count(&q.0, max).map_err(|e| bad(e.to_string()))?;
-        if n == 0 {
-            return Err(bad("nothing to run with".into()));
+        match n {
+            0 if none => Ok(None),
+            0 => Err(bad("nothing to run with".into())),
+            n => Ok(Some(n)),
         }
-        Ok(Some(n))
     };
     let memory_bytes = gpu.memory_mib.saturating_mul(MIB);
     // Rounded down: a container never gets more than it was granted.
-    let memory_mib = read(MEMORY, memory_bytes)?.map(|b| (b / MIB).max(1));
-    let cores = read(CORES, u64::from(cores_per_gpu))?;
+    let memory_mib = read(MEMORY, memory_bytes, false)?.map(|b| (b / MIB).max(1));
+    let cores = read(CORES, u64::from(cores_per_gpu), true)?;
     let whole = memory_mib.is_none_or(|m| m >= gpu.memory_mib)
         && cores.is_none_or(|c| c >= cores_per_gpu.into());
     if whole {
@@ -328,6 +330,23 @@ pub(crate) mod tests {
         let g = grant(&claim("u1", vec![share]), "u1", &n).unwrap();
         assert_eq!(g[0].limits.core_percent, Some(30));
         assert_eq!(g[0].limits.memory_mib, None);
+        // Memory alone (cores at the slice's default, none): no compute
+        // limit, as a pod asking gpu-memory alone gets from the device
+        // plugin.
+        let share = result(
+            "gpu",
+            "gpu-0",
+            &[("memory", "4Gi"), ("cores", "0")],
+            Some("s3"),
+        );
+        let g = grant(&claim("u1", vec![share]), "u1", &node()).unwrap();
+        assert_eq!(
+            g[0].limits,
+            Limits {
+                memory_mib: Some(4096),
+                core_percent: None
+            }
+        );
     }
 
     #[test]
@@ -344,6 +363,16 @@ pub(crate) mod tests {
         let g = grant(&claim("u", whole.to_vec()), "u", &node()).unwrap();
         assert!(g.iter().all(|r| r.limits == Limits::default()), "{g:?}");
         assert_eq!(g[0].share_key(), "a");
+        // The slice's defaults for a claim naming no capacity: all the
+        // memory, no cores.
+        let defaults = result(
+            "a",
+            "gpu-0",
+            &[("memory", "16Gi"), ("cores", "0")],
+            Some("y"),
+        );
+        let g = grant(&claim("u", vec![defaults]), "u", &node()).unwrap();
+        assert_eq!(g[0].limits, Limits::default());
         // Two whole GPUs in one request.
         let two = vec![
             result("r", "gpu-0", &[], None),

@@ -6,9 +6,13 @@
 //!
 //! With consumable capacity a GPU takes several allocations
 //! (`allowMultipleAllocations`), each consuming `memory` (in steps of
-//! `memory_unit_mib`) and `cores` (in steps of one of `cores_per_gpu`);
-//! both default to the whole GPU, so a claim naming no capacity takes it
-//! whole. An unhealthy GPU carries a `NoSchedule` taint.
+//! `memory_unit_mib`) and `cores` (in steps of one of `cores_per_gpu`).
+//! Memory defaults to the whole GPU's, so a claim naming no capacity takes
+//! it whole; cores default to none, so a claim naming memory alone is a
+//! share with no compute limit that leaves the cores to the others, as a
+//! pod asking `gpu-memory` alone is with the device plugin (the scheduler
+//! applies a capacity's default to every request that does not name it).
+//! An unhealthy GPU carries a `NoSchedule` taint.
 
 use std::collections::BTreeMap;
 
@@ -103,23 +107,29 @@ pub(crate) fn slice(
             }
             let memory = mib(gpu.memory_mib);
             let cores = Quantity(node.cores_per_gpu.to_string());
-            let policy =
-                |default: &Quantity, min: Quantity, step: Quantity| CapacityRequestPolicy {
-                    default: Some(default.clone()),
+            let policy = |default: Quantity, min: Quantity, max: &Quantity, step: Quantity| {
+                CapacityRequestPolicy {
+                    default: Some(default),
                     valid_range: Some(CapacityRequestPolicyRange {
                         min,
-                        max: Some(default.clone()),
+                        max: Some(max.clone()),
                         step: Some(step),
                     }),
                     valid_values: None,
-                };
+                }
+            };
             let unit = mib(shape.memory_unit_mib);
             let capacity = if shape.consumable {
                 BTreeMap::from([
                     (
                         MEMORY.to_owned(),
                         DeviceCapacity {
-                            request_policy: Some(policy(&memory, unit.clone(), unit)),
+                            request_policy: Some(policy(
+                                memory.clone(),
+                                unit.clone(),
+                                &memory,
+                                unit,
+                            )),
                             value: memory,
                         },
                     ),
@@ -127,8 +137,9 @@ pub(crate) fn slice(
                         CORES.to_owned(),
                         DeviceCapacity {
                             request_policy: Some(policy(
+                                Quantity("0".into()),
+                                Quantity("0".into()),
                                 &cores,
-                                Quantity("1".into()),
                                 Quantity("1".into()),
                             )),
                             value: cores,
@@ -341,8 +352,8 @@ mod tests {
             d0["capacity"]["cores"],
             serde_json::json!({
                 "value": "100",
-                "requestPolicy": {"default": "100",
-                    "validRange": {"min": "1", "max": "100", "step": "1"}}
+                "requestPolicy": {"default": "0",
+                    "validRange": {"min": "0", "max": "100", "step": "1"}}
             })
         );
         assert!(d0.get("taints").is_none());

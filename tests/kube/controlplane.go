@@ -34,7 +34,12 @@ import (
 func runControlPlane(args []string) error {
 	fs := flag.NewFlagSet("controlplane", flag.ContinueOnError)
 	dir := fs.String("dir", "", "state directory (etcd data, certificates, kubeconfigs, logs)")
-	controllers := fs.String("controllers", "serviceaccount-controller,resourceclaim-controller,garbage-collector-controller,namespace-controller,node-lifecycle-controller", "kube-controller-manager --controllers")
+	// The controllers the tests need: service-account tokens, a pod's
+	// ResourceClaims made from its templates, owned objects collected,
+	// namespaces, the nodes' not-ready taint; and the deployment and
+	// replicaset controllers, so a Deployment whose pods take their claims
+	// from a ResourceClaimTemplate runs as on a cluster.
+	controllers := fs.String("controllers", "serviceaccount-controller,resourceclaim-controller,garbage-collector-controller,namespace-controller,node-lifecycle-controller,deployment-controller,replicaset-controller", "kube-controller-manager --controllers")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}

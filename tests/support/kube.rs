@@ -710,6 +710,45 @@ pub fn gpu_pod(namespace: &str, name: &str, containers: &[(&str, [u64; 3])]) -> 
     .unwrap()
 }
 
+/// A ResourceClaimTemplate `namespace/name` of the product's DeviceClass
+/// `class`, its one request `gpu` asking `capacity` (name, quantity): none
+/// asks a whole GPU.
+pub fn claim_template(
+    namespace: &str,
+    name: &str,
+    class: &str,
+    capacity: &[(&str, &str)],
+) -> String {
+    let capacity = if capacity.is_empty() {
+        String::new()
+    } else {
+        let asks: Vec<String> = capacity
+            .iter()
+            .map(|(k, v)| format!("{k}: \"{v}\""))
+            .collect();
+        format!(", capacity: {{requests: {{{}}}}}", asks.join(", "))
+    };
+    format!(
+        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaimTemplate\n\
+         metadata: {{name: {name}, namespace: {namespace}}}\n\
+         spec:\n  spec:\n    devices:\n      requests:\n      - name: gpu\n        \
+         exactly: {{deviceClassName: {class}{capacity}}}\n"
+    )
+}
+
+/// A pod of one container `main` using a claim from `template`.
+pub fn claim_pod(namespace: &str, name: &str, template: &str) -> Pod {
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": template}],
+            "containers": [{"name": "main", "image": "app", "resources": {"claims": [{"name": "gpu"}]}}],
+        }
+    }))
+    .unwrap()
+}
+
 /// Creates a namespace as the admin.
 pub fn namespace(cp: &ControlPlane, name: &str) {
     cp.apply(&format!(
