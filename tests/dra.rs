@@ -403,7 +403,17 @@ async fn claims_are_prepared_into_cdi_specs_from_the_device_plugins_composer() {
         assert_eq!(cap["memory"].value.0, "16Gi");
         assert_eq!(cap["cores"].value.0, "100");
     }
-    let first = slice.spec.pool.generation;
+    // The kubelet deletes a node's slices when its DRA manager starts, at
+    // any moment after the daemon published: a deleted slice comes back.
+    let slices: Api<ResourceSlice> = Api::all(admin.clone());
+    slices
+        .delete(&format!("{NODE}-{DRIVER}"), &Default::default())
+        .await
+        .unwrap();
+    let back = slice_where(&admin, &daemon, |s| s.metadata.uid != slice.metadata.uid).await;
+    assert_eq!(back.spec.devices.as_ref().map(Vec::len), Some(2));
+    // Published anew: the generation starts again (no older slice is left).
+    let first = back.spec.pool.generation;
 
     // A restart keeps what was prepared: the checkpoint answers, and
     // unprepare removes the spec and the cache directory.

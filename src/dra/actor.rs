@@ -118,6 +118,8 @@ pub(crate) struct DraState {
     facts: Facts,
     /// The slice was withdrawn: nothing publishes it again.
     withdrawn: bool,
+    /// Watches the node's slice and has it published again when it goes.
+    slice_watch: Option<AbortHandle>,
 }
 
 /// The registration server's name in [`serve`] and its reports.
@@ -238,15 +240,22 @@ impl Actor for DraActor {
             registration,
             facts,
             withdrawn: false,
+            slice_watch: None,
         })
     }
 
     async fn post_start(
         &self,
         myself: ActorRef<DraMsg>,
-        _: &mut DraState,
+        state: &mut DraState,
     ) -> Result<(), ActorProcessingErr> {
         myself.send_message(DraMsg::Publish)?;
+        let me = myself.clone();
+        let watch =
+            slices::watch_missing(state.client.clone(), state.args.node.clone(), move || {
+                let _ = me.send_message(DraMsg::Publish);
+            });
+        state.slice_watch = Some(tokio::spawn(watch).abort_handle());
         Ok(())
     }
 
@@ -338,6 +347,9 @@ impl Actor for DraActor {
     ) -> Result<(), ActorProcessingErr> {
         state.service.abort();
         state.registration.abort();
+        if let Some(watch) = &state.slice_watch {
+            watch.abort();
+        }
         // The kubelet's watcher unregisters a plugin whose socket is gone.
         for path in [&state.args.registration_socket, &state.args.service_socket] {
             let _ = std::fs::remove_file(path);

@@ -265,6 +265,32 @@ pub(crate) async fn publish(
     })
 }
 
+/// Calls `gone` whenever this node's slice of the driver is found missing:
+/// deleted, or absent when the watch (re)lists. The kubelet deletes a
+/// node's slices when its DRA manager starts, in the background, so a
+/// slice published while the kubelet (re)starts can vanish a moment
+/// later; nothing else would publish it again until a change.
+pub(crate) async fn watch_missing(client: kube::Client, node: Node, gone: impl Fn()) {
+    use futures::StreamExt;
+    use kube::runtime::watcher::{self, Event};
+    let slices: Api<ResourceSlice> = Api::all(client);
+    let name = slice_name(&node.pool, &node.driver);
+    let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+    let mut events = watcher::watcher(slices, config).boxed();
+    // Whether the current (re)list has shown the slice.
+    let mut listed = false;
+    while let Some(event) = events.next().await {
+        match event {
+            Ok(Event::Delete(_)) => gone(),
+            Ok(Event::Init) => listed = false,
+            Ok(Event::InitApply(_)) => listed = true,
+            Ok(Event::InitDone) if !listed => gone(),
+            // Errors back off and relist inside the watcher.
+            _ => {}
+        }
+    }
+}
+
 /// Removes every slice of this driver and `node`: DRA is off on the node.
 pub(crate) async fn withdraw(client: &kube::Client, node: &Node) -> Result<(), PublishError> {
     remove(&Api::all(client.clone()), node, None).await
