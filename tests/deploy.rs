@@ -2491,7 +2491,7 @@ const DAEMON_CALLS: [(Right, &str); 8] = [
 
 /// Every API call the daemon makes in DRA mode serving every GPU (no pod
 /// matching, no inventory): its ClusterRole must grant exactly these.
-const DRA_CALLS: [(Right, &str); 7] = [
+const DRA_CALLS: [(Right, &str); 8] = [
     (
         ("", "nodes", "get", None),
         "src/dra/slices.rs: publish, the Node that owns the slice",
@@ -2515,6 +2515,10 @@ const DRA_CALLS: [(Right, &str); 7] = [
     (
         ("resource.k8s.io", "resourceslices", "delete", None),
         "src/dra/slices.rs: publish, a stale slice",
+    ),
+    (
+        ("resource.k8s.io", "resourceslices", "watch", None),
+        "src/dra/slices.rs: watch_missing, its slice deleted (the kubelet's start)",
     ),
     (
         ("resource.k8s.io", "resourceclaims", "get", None),

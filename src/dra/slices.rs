@@ -285,8 +285,9 @@ pub(crate) async fn watch_missing(client: kube::Client, node: Node, gone: impl F
             Ok(Event::Init) => listed = false,
             Ok(Event::InitApply(_)) => listed = true,
             Ok(Event::InitDone) if !listed => gone(),
-            // Errors back off and relist inside the watcher.
-            _ => {}
+            Ok(_) => {}
+            // The watcher backs off and lists again by itself.
+            Err(e) => tracing::warn!(error = %e, "cannot watch the ResourceSlice"),
         }
     }
 }
