@@ -23,6 +23,8 @@ pub enum RunError {
     Discover(#[from] DiscoverError),
     #[error(transparent)]
     Plan(#[from] PlanError),
+    #[error(transparent)]
+    Dra(#[from] crate::dra::UnknownGpu),
     #[error("cannot start the supervisor: {0}")]
     Spawn(String),
     #[error("config key `http_listen`: cannot listen on {0}: {1}")]
@@ -51,7 +53,17 @@ pub async fn plan(config: &Config) -> Result<Plan, RunError> {
     if !config.resources.is_empty() {
         socket_dir(config)?;
     }
-    Ok(Plan::split(config, gpus(config).await?)?)
+    split(config, gpus(config).await?)
+}
+
+/// The node's plan: DRA's GPUs as `[dra]` selects them, the device-plugin
+/// resources' over the others.
+fn split(config: &Config, gpus: Vec<Gpu>) -> Result<Plan, RunError> {
+    let (dra, rest) = match config.dra.enabled {
+        true => config.dra.selection().split(gpus)?,
+        false => (Vec::new(), gpus),
+    };
+    Ok(Plan::split(config, dra, rest)?)
 }
 
 /// GPU discovery, off the async threads: NVML blocks.
@@ -130,7 +142,7 @@ pub async fn check(config: &Config) -> Result<Checked, RunError> {
             ));
             None
         }
-        found => Some(Plan::split(config, found?)?),
+        found => Some(split(config, found?)?),
     };
     Ok(Checked { plan, notes })
 }

@@ -62,12 +62,22 @@ fn discover_nvml() -> Result<Vec<Gpu>, DiscoverError> {
         .collect()
 }
 
+/// What a GPU's attributes say beyond what the device list knows: what
+/// NVML reports, none with the mock backend.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Facts {
+    /// Product names by UUID.
+    pub(crate) products: std::collections::BTreeMap<String, String>,
+    pub(crate) driver_version: Option<String>,
+    pub(crate) cuda_version: Option<String>,
+}
+
 /// What NVML says of the node beyond the GPU list, for DRA's device
 /// attributes: product names by UUID, the driver's version and the CUDA
 /// version it supports. Best effort: a call that fails leaves its fact out
 /// (the mock backend has none).
-pub(crate) fn facts(source: impl Into<GpuSource>) -> crate::dra::Facts {
-    let mut facts = crate::dra::Facts::default();
+pub(crate) fn facts(source: impl Into<GpuSource>) -> Facts {
+    let mut facts = Facts::default();
     if source.into() != GpuSource::Nvml {
         return facts;
     }

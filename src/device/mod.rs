@@ -9,7 +9,7 @@ mod ids;
 mod model;
 mod units;
 
-pub(crate) use backend::{DiscoverError, GpuSource, discover, facts};
+pub(crate) use backend::{DiscoverError, Facts, GpuSource, discover, facts};
 pub(crate) use ids::validate_uuid;
 pub(crate) use model::{DeviceModel, DeviceRef, IdError, PlanError, device_entry_len};
 pub use model::{KUBELET_MAX_MESSAGE_BYTES, Plan};

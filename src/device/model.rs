@@ -229,8 +229,6 @@ pub enum PlanError {
          device-plugin resources on the others; set resources = [] or leave GPUs to them"
     )]
     NoneLeft,
-    #[error(transparent)]
-    Dra(#[from] crate::dra::UnknownGpu),
     #[error("GPU UUID {0:?} is reported twice")]
     DuplicateUuid(String),
     #[error(
@@ -320,21 +318,21 @@ impl Plan {
         })
     }
 
-    /// The node's plan: DRA's GPUs as `[dra]` selects them, the
-    /// device-plugin resources' models over the others.
-    pub fn split(config: &crate::config::Config, gpus: Vec<Gpu>) -> Result<Plan, PlanError> {
-        let (dra, rest) = if config.dra.enabled {
-            config.dra.selection().split(gpus)?
-        } else {
-            (Vec::new(), gpus)
-        };
-        let mut plan = match config.resources.is_empty() {
+    /// The node's plan: `dra`, the GPUs DRA serves, set apart, and the
+    /// device-plugin resources' models over `rest`, the others.
+    pub fn split(
+        offer: impl Into<Offer>,
+        dra: Vec<Gpu>,
+        rest: Vec<Gpu>,
+    ) -> Result<Plan, PlanError> {
+        let offer = offer.into();
+        let mut plan = match offer.resources.is_empty() {
             true => Plan {
                 models: BTreeMap::new(),
                 dra: Vec::new(),
             },
             false if rest.is_empty() && !dra.is_empty() => return Err(PlanError::NoneLeft),
-            false => Plan::new(config, rest)?,
+            false => Plan::new(offer, rest)?,
         };
         plan.dra = dra;
         Ok(plan)

@@ -25,4 +25,3 @@ mod slices;
 pub(crate) use actor::{DraActor, DraArgs, DraMsg};
 pub use checkpoint::CheckpointError;
 pub use config::{DraConfig, UnknownGpu};
-pub(crate) use slices::Facts;

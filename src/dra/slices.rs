@@ -28,15 +28,7 @@ use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
 
 use super::grant::{CORES, MEMORY, Node, device_name};
 
-/// What a GPU's attributes say beyond what the device list knows: what
-/// NVML reports, none with the mock backend.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct Facts {
-    /// Product names by UUID.
-    pub(crate) products: BTreeMap<String, String>,
-    pub(crate) driver_version: Option<String>,
-    pub(crate) cuda_version: Option<String>,
-}
+pub(crate) use crate::device::Facts;
 
 /// How the slice publishes the GPUs.
 #[derive(Debug, Clone, PartialEq, Eq)]
