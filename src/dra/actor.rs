@@ -122,8 +122,25 @@ pub(crate) struct DraState {
     slice_watch: Option<AbortHandle>,
 }
 
-/// The registration server's name in [`serve`] and its reports.
-const REGISTRATION: &str = "registration";
+/// The two servers of the plugin.
+#[derive(Clone, Copy)]
+enum Server {
+    /// The DRA service; the kubelet's DRA manager dials it as a `unix:`
+    /// target, which sends `localhost` as `:authority`.
+    Dra,
+    /// The registration service; the kubelet's plugin watcher sends the
+    /// socket's path as `:authority`, so it is served through the relay.
+    Registration,
+}
+
+impl Server {
+    fn name(self) -> &'static str {
+        match self {
+            Server::Dra => "DRA",
+            Server::Registration => "registration",
+        }
+    }
+}
 
 /// Serves `routes` on a fresh socket at `path`; its end, error or not, is
 /// reported to `myself` as [`DraMsg::ServerDown`].
@@ -131,19 +148,18 @@ fn serve(
     myself: &ActorRef<DraMsg>,
     path: &std::path::Path,
     routes: tonic::service::Routes,
-    what: &'static str,
+    server: Server,
 ) -> Result<AbortHandle, ActorProcessingErr> {
+    let what = server.name();
     let incoming = crate::uds::bind(path)
         .map_err(|e| format!("cannot listen on {} ({what}): {e}", path.display()))?;
     let me = myself.clone();
     let task = tokio::spawn(async move {
-        // The kubelet's plugin watcher sends the registration socket's path
-        // as `:authority`; its DRA manager dials `unix:` targets, which send
-        // `localhost`, so only the registration socket needs the relay.
-        let end = if what == REGISTRATION {
-            crate::uds::serve_relayed(routes, incoming, std::future::pending()).await
-        } else {
-            crate::uds::serve(routes, incoming, std::future::pending()).await
+        let end = match server {
+            Server::Registration => {
+                crate::uds::serve_relayed(routes, incoming, std::future::pending()).await
+            }
+            Server::Dra => crate::uds::serve(routes, incoming, std::future::pending()).await,
         };
         let why = match end {
             Ok(()) => format!("the {what} server stopped"),
@@ -199,14 +215,14 @@ impl Actor for DraActor {
                 .add_service(v1beta1::server::dra_plugin_server::DraPluginServer::new(
                     dra,
                 ));
-        let service = serve(&myself, &args.service_socket, routes, "DRA")?;
+        let service = serve(&myself, &args.service_socket, routes, Server::Dra)?;
         // Registered only once the service answers: the kubelet calls it
         // as soon as it has the registration.
         let registration = serve(
             &myself,
             &args.registration_socket,
             registration_routes(&args, &myself),
-            REGISTRATION,
+            Server::Registration,
         )?;
         let me = myself.clone();
         let health = HealthArgs {
@@ -308,7 +324,7 @@ impl Actor for DraActor {
                     &myself,
                     &state.args.registration_socket,
                     registration_routes(&state.args, &myself),
-                    REGISTRATION,
+                    Server::Registration,
                 )?;
                 tracing::info!("registration socket made again");
             }
