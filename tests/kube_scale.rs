@@ -17,7 +17,8 @@
 //! `KUBE_SCALE_NODES` and `KUBE_SCALE_PODS` set the size,
 //! `KUBE_SCALE_CAP` the bench's connection cap (default 64, the shipped
 //! one) and `KUBE_SCALE_EXTENDER` more `[extender]` keys for it (e.g.
-//! `choose_at_filter = true`); `cargo test --release --test kube_scale --
+//! `choose_at_filter = false`), `KUBE_SCALE_LOGS` a folder for the
+//! extender's and the scheduler's logs; `cargo test --release --test kube_scale --
 //! --ignored --nocapture` runs the bench.
 
 mod support;
@@ -224,19 +225,54 @@ fn rss_kib(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
-/// CPU seconds `pid` has used (user and system, its exited children's
-/// not counted).
-fn cpu_s(pid: u32) -> f64 {
+/// The fields of `/proc/<pid>/stat` after the command (which may hold
+/// spaces, in brackets); empty when the process is gone.
+fn stat_fields(pid: u32) -> Vec<String> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // The fields after the command, which may hold spaces, in brackets.
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .map_or(Vec::new(), |(_, rest)| rest.split_whitespace().collect());
-    let ticks: u64 = [11, 12]
+    stat.rsplit_once(')').map_or(Vec::new(), |(_, rest)| {
+        rest.split_whitespace().map(str::to_owned).collect()
+    })
+}
+
+/// CPU seconds `pid` and the processes under it have used (user and
+/// system): the control plane's supervisor runs the API server and the
+/// controller manager as its children, and they do most of its work.
+fn cpu_s(pid: u32) -> f64 {
+    let mut parents = vec![pid];
+    let mut total = ticks(&stat_fields(pid));
+    let all: Vec<(u32, Vec<String>)> = std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .map(|p| (p, stat_fields(p)))
+        .collect();
+    while let Some(parent) = parents.pop() {
+        for (child, fields) in &all {
+            if fields.get(1).and_then(|f| f.parse::<u32>().ok()) == Some(parent) {
+                total += ticks(fields);
+                parents.push(*child);
+            }
+        }
+    }
+    total as f64 / clock_ticks()
+}
+
+/// The CPU seconds of this process alone (the bench: creating pods and
+/// watching them bind), its children not counted.
+fn own_cpu_s() -> f64 {
+    ticks(&stat_fields(std::process::id())) as f64 / clock_ticks()
+}
+
+/// User and system clock ticks of a `/proc/<pid>/stat`.
+fn ticks(fields: &[String]) -> u64 {
+    [11, 12]
         .iter()
         .filter_map(|&i| fields.get(i)?.parse::<u64>().ok())
-        .sum();
-    ticks as f64 / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
+        .sum()
+}
+
+fn clock_ticks() -> f64 {
+    unsafe { libc::sysconf(libc::_SC_CLK_TCK) as f64 }
 }
 
 /// The scheduler's transport errors talking to the extender at `url`: a
@@ -301,8 +337,10 @@ async fn run(nodes: usize, count: usize, extender_toml: &str, within: Duration) 
         .collect();
     let pids = [cp.pid(), sched.proc.child.id(), sched.extender.child.id()];
     let cpu_before = pids.map(cpu_s);
+    let own_before = own_cpu_s();
     let gpu = burst(&client, pods, within, logs).await;
     let cpu = [0, 1, 2].map(|i| cpu_s(pids[i]) - cpu_before[i]);
+    let own = own_cpu_s() - own_before;
     let rss = rss_kib(sched.extender.child.id());
 
     let extender_log = sched.extender.log_text();
@@ -324,19 +362,51 @@ async fn run(nodes: usize, count: usize, extender_toml: &str, within: Duration) 
         eprintln!("  scheduler: {line}");
     }
     let conn_errors = conn_errors.len();
-    let over: Vec<_> = held_per_gpu(&client)
-        .await
-        .into_iter()
+    let held = held_per_gpu(&client).await;
+    let over: Vec<_> = held
+        .iter()
         .filter(|(_, (mem, core))| *mem > GPU_GIB || *core > 100)
         .collect();
     assert!(over.is_empty(), "GPUs over capacity: {over:?}");
+    // How tightly the policy packed the burst: the nodes it opened against
+    // the fewest that hold its GiB and percents.
+    let nodes_used = held
+        .keys()
+        // `gpu_uuid`: GPU-<node:04x><gpu:04x>-…
+        .filter_map(|gpu| gpu.get(4..8))
+        .collect::<std::collections::BTreeSet<_>>()
+        .len();
+    let (gib, core): (u64, u64) = held
+        .values()
+        .fold((0, 0), |(g, c), (mem, cores)| (g + mem, c + cores));
+    let fewest = gib
+        .div_ceil(GPU_GIB * GPUS_PER_NODE)
+        .max(core.div_ceil(100 * GPUS_PER_NODE));
+    let steps: Vec<String> = ["queued_us", "patch_us", "turn_us", "binding_us"]
+        .iter()
+        .map(|key| {
+            let v = logged(&extender_log, "bind steps", key);
+            format!(
+                "{} {} ms",
+                key.trim_end_matches("_us"),
+                quantile(&v, 50) / 1000
+            )
+        })
+        .collect();
 
     let cpu_pods = (0..count)
         .map(|i| ours(gpu_pod(NS, &format!("cpu-{i}"), &[("main", [0, 0, 0])])))
         .collect();
     let cpu_before = pids.map(cpu_s);
+    let own_before = own_cpu_s();
     let alone = burst(&client, cpu_pods, within, logs).await;
     let cpu_alone = [0, 1].map(|i| cpu_s(pids[i]) - cpu_before[i]);
+    let own_alone = own_cpu_s() - own_before;
+    if let Ok(dir) = std::env::var("KUBE_SCALE_LOGS") {
+        let dir = std::path::Path::new(&dir);
+        std::fs::write(dir.join("extender.log"), sched.extender.log_text()).unwrap();
+        std::fs::write(dir.join("kube-scheduler.log"), sched.proc.log_text()).unwrap();
+    }
     let config = extender_toml.trim().replace('\n', " ");
     eprintln!(
         "{nodes} nodes x {GPUS_PER_NODE} GPUs (created in {made:.0?}), extender [{config}]:\n\
@@ -345,12 +415,14 @@ async fn run(nodes: usize, count: usize, extender_toml: &str, within: Duration) 
          \x20 the same scheduler alone, {count} CPU pods: {:.1} pods/s, p50 {:.2?} p99 {:.2?} \
          (ratio {:.2})\n\
          \x20 extender: filter p50 {} us p99 {} us (of which waiting for a bind's place p99 \
-         {} us), prioritize p50 {} us p99 {} us, bind p50 {} ms p99 {} ms; RSS {} MiB\n\
+         {} us), prioritize p50 {} us p99 {} us, bind p50 {} ms p99 {} ms (p50 of its steps: \
+         {}); RSS {} MiB\n\
+         \x20 GPU pods on {nodes_used} nodes (the fewest that hold them: {fewest})\n\
          \x20 binds refused {refused}, filters refused {filter_refused}, scheduler connection \
          errors {conn_errors}\n\
          \x20 CPU during the GPU burst: control plane {:.1} s, kube-scheduler {:.1} s, \
-         extender {:.1} s ({:.2} ms per pod); during the CPU burst: control plane {:.1} s, \
-         kube-scheduler {:.1} s",
+         extender {:.1} s ({:.2} ms per pod), the bench {own:.1} s; during the CPU burst: \
+         control plane {:.1} s, kube-scheduler {:.1} s, the bench {own_alone:.1} s",
         gpu.pods_per_s,
         gpu.p50,
         gpu.p99,
@@ -365,6 +437,7 @@ async fn run(nodes: usize, count: usize, extender_toml: &str, within: Duration) 
         quantile(&scores, 99),
         quantile(&binds, 50),
         quantile(&binds, 99),
+        steps.join(", "),
         rss / 1024,
         cpu[0],
         cpu[1],
@@ -393,16 +466,23 @@ async fn bursts_bind_at_every_connection_cap() {
     }
 }
 
-/// The bench: `KUBE_SCALE_NODES` (default 1,000) nodes, a burst of
-/// `KUBE_SCALE_PODS` (default 2,000), the extender at connection cap
-/// `KUBE_SCALE_CAP` (default 64, the shipped one).
+/// The bench: a control plane of each size in `KUBE_SCALE_NODES` (default
+/// `1000,5000`) in turn, a burst of `KUBE_SCALE_PODS` (default 2,000), the
+/// extender at connection cap `KUBE_SCALE_CAP` (default 64, the shipped
+/// one).
 #[tokio::test(flavor = "multi_thread")]
 #[ignore = "the scale bench: minutes of the whole machine"]
 async fn scale() {
-    let nodes = env_or("KUBE_SCALE_NODES", 1000);
+    let sizes = std::env::var("KUBE_SCALE_NODES").unwrap_or_else(|_| "1000,5000".into());
     let count = env_or("KUBE_SCALE_PODS", 2000);
     let cap = env_or("KUBE_SCALE_CAP", 64);
     let extra = std::env::var("KUBE_SCALE_EXTENDER").unwrap_or_default();
     let toml = format!("{extra}\n[extender.http]\nmax_connections = {cap}\n");
-    run(nodes, count, &toml, Duration::from_secs(600)).await;
+    for nodes in sizes.split(',') {
+        let nodes = nodes
+            .trim()
+            .parse()
+            .expect("KUBE_SCALE_NODES: node counts, comma-separated");
+        run(nodes, count, &toml, Duration::from_secs(600)).await;
+    }
 }

@@ -413,22 +413,22 @@ fn filter_on(name: &str, mib: u64, nodes: &[&str]) -> ExtenderArgs {
     }
 }
 
-/// With `choose_at_filter` the filter passes only the node binpack ranks
-/// best (the one with a pod on it), so the scheduler binds there without
-/// scores; without it, every node the pod fits.
+/// With `choose_at_filter` (the default) the filter passes only the node
+/// binpack ranks best (the one with a pod on it), so the scheduler binds
+/// there without scores; without it, every node the pod fits.
 #[tokio::test]
 async fn choosing_at_the_filter_passes_the_best_node_alone() {
     let nodes = || vec![node(), node_of("m", &["GPU-b"])];
     let held = || vec![pod_of("q", "5", Some("m"), 512)];
-    let (x, _api) = extender_with(&ExtenderConfig::default(), nodes(), held());
+    let every = ExtenderConfig::from_toml("[extender]\nchoose_at_filter = false\n").unwrap();
+    let (x, _api) = extender_with(&every, nodes(), held());
     let all = x.filter(&filter_on("p", 256, &["n", "m"])).await;
     assert_eq!(
         all.node_names,
         Some(vec!["n".into(), "m".into()]),
         "{all:?}"
     );
-    let choose = ExtenderConfig::from_toml("[extender]\nchoose_at_filter = true\n").unwrap();
-    let (x, _api) = extender_with(&choose, nodes(), held());
+    let (x, _api) = extender_with(&ExtenderConfig::default(), nodes(), held());
     let best = x.filter(&filter_on("p", 256, &["n", "m"])).await;
     assert_eq!(best.node_names, Some(vec!["m".into()]), "{best:?}");
     let none = x.filter(&filter_on("big", 2048, &["n", "m"])).await;

@@ -77,7 +77,7 @@ impl Default for ExtenderConfig {
             max_binds_in_flight: 32,
             max_binds_queued: None,
             filter_wait_ms: 1_000,
-            choose_at_filter: false,
+            choose_at_filter: true,
             http: crate::http::HttpConfig::default(),
         }
     }

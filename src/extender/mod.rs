@@ -339,10 +339,12 @@ impl<B: Binder> Extender<B> {
         // A bind that waited for its turn past its writes' time has none
         // left to write and undo.
         let writes_end = self.writes_end(deadline);
+        let queued = Instant::now();
         let turn = self.in_flight.running.acquire();
         let Ok(Ok(_turn)) = tokio::time::timeout_at(writes_end.into(), turn).await else {
             return Err("the binds before it in extender.max_binds_in_flight took too long".into());
         };
+        let queued = queued.elapsed();
         let mut held = BindReservation {
             index: &self.index,
             key,
@@ -351,18 +353,22 @@ impl<B: Binder> Extender<B> {
             settled: false,
             returned: false,
         };
-        let result = self.bind_held(&mut held, args, deadline).await;
+        let result = self.bind_held(&mut held, args, deadline, queued).await;
         held.returned = true;
         result
     }
 
+    /// `queued`: how long the bind waited for `max_binds_in_flight`, for
+    /// the log that breaks a bind's time down.
     async fn bind_held(
         &self,
         held: &mut BindReservation<'_>,
         args: &ExtenderBindingArgs,
         deadline: Instant,
+        queued: Duration,
     ) -> Result<(), String> {
         let key = held.key;
+        let start = Instant::now();
         let writes_end = self.writes_end(deadline);
         let node = args.node.as_str();
         let mut attempts = 0;
@@ -442,6 +448,7 @@ impl<B: Binder> Extender<B> {
         };
         // Every try above planned, so the line was joined.
         let ticket = ticket.expect("a bind that planned has its node's ticket");
+        let patched_at = Instant::now();
         if !ticket.turn(writes_end).await {
             // No Binding was sent: the pod as patched loses the assignment
             // (unless something changed it since, which a later bind
@@ -454,11 +461,16 @@ impl<B: Binder> Extender<B> {
         }
         let uid = args.pod_uid.as_str();
         held.binding_sent = true;
+        let turn_at = Instant::now();
         let bound = self
             .within(writes_end, self.binder.bind(key, uid, node))
             .await;
         let Err(e) = bound else {
             held.settled = true;
+            tracing::debug!(pod = ?key, queued_us = queued.as_micros(),
+                patch_us = (patched_at - start).as_micros(),
+                turn_us = (turn_at - patched_at).as_micros(),
+                binding_us = turn_at.elapsed().as_micros(), "bind steps");
             return Ok(());
         };
         // The Binding may have landed although its answer did not: a

@@ -24,7 +24,11 @@ func main() {
 		os.Exit(2)
 	}
 	name, args := os.Args[1], os.Args[2:]
-	var err error
+	err := servePprof(name)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "kube-peers:", err)
+		os.Exit(1)
+	}
 	switch name {
 	case "kube-apiserver":
 		err = runUpstream(apiserver.NewAPIServerCommand(), args)
