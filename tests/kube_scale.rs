@@ -178,11 +178,11 @@ async fn burst(
     }
 }
 
-/// GiB and percent held per GPU by the bound pods' assignments; every
-/// assignment names GPUs of its own node.
-async fn held_per_gpu(client: &kube::Client) -> BTreeMap<String, (u64, u64)> {
+/// GiB and percent held per GPU, keyed by (node, GPU), by the bound pods'
+/// assignments; every assignment names GPUs of its own node.
+async fn held_per_gpu(client: &kube::Client) -> BTreeMap<(String, String), (u64, u64)> {
     let api: Api<Pod> = Api::namespaced(client.clone(), NS);
-    let mut held: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    let mut held: BTreeMap<(String, String), (u64, u64)> = BTreeMap::new();
     for pod in api.list(&ListParams::default()).await.unwrap() {
         let Some(text) = pod
             .metadata
@@ -193,6 +193,7 @@ async fn held_per_gpu(client: &kube::Client) -> BTreeMap<String, (u64, u64)> {
             continue;
         };
         let node = node_of(&pod).to_owned();
+        let n: usize = node.trim_start_matches("node-").parse().unwrap();
         let by_container: BTreeMap<String, Vec<String>> = serde_json::from_str(text).unwrap();
         for c in &pod.spec.as_ref().unwrap().containers {
             let limits = c.resources.as_ref().and_then(|r| r.limits.as_ref());
@@ -202,12 +203,11 @@ async fn held_per_gpu(client: &kube::Client) -> BTreeMap<String, (u64, u64)> {
                     .map_or(0, |q| q.0.parse::<u64>().unwrap())
             };
             for gpu in by_container.get(&c.name).into_iter().flatten() {
-                let n: usize = node.trim_start_matches("node-").parse().unwrap();
                 assert!(
                     (0..GPUS_PER_NODE).any(|g| gpu_uuid(n, g as usize) == *gpu),
                     "{gpu} is not on {node}"
                 );
-                let e = held.entry(gpu.clone()).or_default();
+                let e = held.entry((node.clone(), gpu.clone())).or_default();
                 e.0 += ask("gpu-memory");
                 e.1 += ask("gpu-core");
             }
@@ -372,8 +372,7 @@ async fn run(nodes: usize, count: usize, extender_toml: &str, within: Duration) 
     // the fewest that hold its GiB and percents.
     let nodes_used = held
         .keys()
-        // `gpu_uuid`: GPU-<node:04x><gpu:04x>-…
-        .filter_map(|gpu| gpu.get(4..8))
+        .map(|(node, _)| node)
         .collect::<std::collections::BTreeSet<_>>()
         .len();
     let (gib, core): (u64, u64) = held
