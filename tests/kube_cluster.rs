@@ -359,8 +359,11 @@ async fn quantities_as_stored_and_refusals_as_events() {
         "{ran:#?}\n{}",
         node.daemon.log_text()
     );
-    let env = &container_envs(&node.record(NS, "eight-thousand").unwrap())["main"];
-    assert_eq!(env["CUDA_DEVICE_MEMORY_LIMIT_0"], "8000m");
+    let record = node.record(NS, "eight-thousand").unwrap();
+    let limit = container_envs(&record)
+        .get("main")
+        .and_then(|env| env.get("CUDA_DEVICE_MEMORY_LIMIT_0").cloned());
+    assert_eq!(limit.as_deref(), Some("8000m"), "{record:#}");
 
     let mut pod = gpu_pod(NS, "too-big", &[("main", [20000, 0, 0])]);
     pod.spec.as_mut().unwrap().node_name = Some("node-0".into());

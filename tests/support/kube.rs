@@ -476,7 +476,11 @@ impl KubeNode {
     }
 
     /// Waits until the Node's allocatable lists every GPU as gpu-count and
-    /// the node lifecycle controller has lifted the not-ready taint.
+    /// some gpu-memory and gpu-core, and the node lifecycle controller has
+    /// lifted the not-ready taint. Each resource registers on its own: a
+    /// pod admitted before the kubelet has one's devices is admitted
+    /// without it (the kubelet drops extended resources its node lacks),
+    /// so every one must be listed, not just the count.
     pub async fn wait_allocatable(&self, cp: &ControlPlane) {
         let nodes: Api<Node> = Api::all(cp.admin_client().await);
         let deadline = Instant::now() + START;
@@ -486,11 +490,18 @@ impl KubeNode {
                     .spec
                     .as_ref()
                     .is_some_and(|s| s.taints.as_ref().is_some_and(|t| !t.is_empty()));
-                let count = node
-                    .status
-                    .and_then(|s| s.allocatable)
-                    .and_then(|a| a.get("doslab.io/gpu-count").map(|q| q.0.clone()));
-                if !tainted && count == Some(self.gpus.to_string()) {
+                let allocatable = node.status.and_then(|s| s.allocatable).unwrap_or_default();
+                let listed = |resource: &str| {
+                    allocatable
+                        .get(resource)
+                        .is_some_and(|q| !q.0.is_empty() && q.0 != "0")
+                };
+                let count = allocatable.get("doslab.io/gpu-count").map(|q| q.0.as_str());
+                if !tainted
+                    && count == Some(self.gpus.to_string().as_str())
+                    && listed("doslab.io/gpu-memory")
+                    && listed("doslab.io/gpu-core")
+                {
                     return;
                 }
             }
