@@ -26,6 +26,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"os"
@@ -450,13 +451,14 @@ func (k *kubeletPeer) finishDeletion(ctx context.Context, pod *v1.Pod) {
 		return
 	}
 	zero := int64(0)
-	err := k.client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{
-		GracePeriodSeconds: &zero,
-		Preconditions:      metav1.NewUIDPreconditions(string(pod.UID)),
+	k.retry(ctx, "final delete", pod, func() (bool, error) {
+		err := k.client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{
+			GracePeriodSeconds: &zero,
+			Preconditions:      metav1.NewUIDPreconditions(string(pod.UID)),
+		})
+		// A conflict is another pod of the same name: this one is gone.
+		return err == nil || apierrors.IsConflict(err), err
 	})
-	if err != nil && !apierrors.IsNotFound(err) && !apierrors.IsConflict(err) {
-		k.logger.Error(err, "final delete", "pod", klog.KObj(pod))
-	}
 }
 
 // admitLoop admits pods one at a time. The pods found at start form one
@@ -639,11 +641,15 @@ func (k *kubeletPeer) checkpointedEnvs(uid types.UID) map[string]map[string]map[
 	return out
 }
 
+// setStatus writes the pod's phase, retrying until it lands or the pod is
+// gone, as the kubelet's status manager keeps syncing a status that did
+// not: a write lost to a busy or restarting API server would leave the pod
+// Pending for good.
 func (k *kubeletPeer) setStatus(ctx context.Context, pod *v1.Pod, phase v1.PodPhase, reason, message string) {
-	for attempt := 0; attempt < 10; attempt++ {
+	k.retry(ctx, "status", pod, func() (bool, error) {
 		current, err := k.client.CoreV1().Pods(pod.Namespace).Get(ctx, pod.Name, metav1.GetOptions{})
 		if err != nil || current.UID != pod.UID {
-			return
+			return err == nil, err
 		}
 		now := metav1.Now()
 		current.Status.Phase, current.Status.Reason, current.Status.Message = phase, reason, message
@@ -656,9 +662,38 @@ func (k *kubeletPeer) setStatus(ctx context.Context, pod *v1.Pod, phase v1.PodPh
 		}
 		current.Status.Conditions = []v1.PodCondition{{Type: v1.PodReady, Status: ready, LastTransitionTime: now}}
 		_, err = k.client.CoreV1().Pods(pod.Namespace).UpdateStatus(ctx, current, metav1.UpdateOptions{})
-		if err == nil || !apierrors.IsConflict(err) {
+		return err == nil, err
+	})
+}
+
+// retry runs write until it reports done, the pod is gone (NotFound), the
+// API server refuses it for good or ctx ends. A conflict is retried at
+// once; an error that may pass (no answer, a timeout, a 5xx, throttling)
+// after a backoff.
+func (k *kubeletPeer) retry(ctx context.Context, what string, pod *v1.Pod, write func() (bool, error)) {
+	delay := 100 * time.Millisecond
+	for {
+		done, err := write()
+		if done || apierrors.IsNotFound(err) {
 			return
 		}
+		if apierrors.IsConflict(err) {
+			continue
+		}
+		k.logger.Error(err, what, "pod", klog.KObj(pod))
+		var status apierrors.APIStatus
+		passing := apierrors.IsServerTimeout(err) || apierrors.IsTimeout(err) ||
+			apierrors.IsTooManyRequests(err) || apierrors.IsInternalError(err) ||
+			apierrors.IsServiceUnavailable(err)
+		if errors.As(err, &status) && !passing {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(delay):
+		}
+		delay = min(2*delay, 5*time.Second)
 	}
 }
 
