@@ -60,13 +60,21 @@ async fn waits_for_a_kubelet_that_is_not_there_yet() {
     let dir = tempfile::tempdir().unwrap();
     let toml = mock_config(dir.path(), "", &[(GPU_A, 4096), (GPU_B, 2048)]);
     let daemon = Daemon::start(&toml);
-    // Long enough for several failed attempts and their backoff.
+    // Long enough for several failed attempts and their backoff; the
+    // sockets are polled for, as a loaded machine may start them late.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert_eq!(
-        plugin_sockets(dir.path()).len(),
-        3,
-        "plugins serve before any kubelet"
-    );
+    poll_until(
+        std::time::Instant::now() + WAIT,
+        || plugin_sockets(dir.path()).len() == 3,
+        || {
+            format!(
+                "plugins serve before any kubelet
+{}",
+                daemon.log_text()
+            )
+        },
+    )
+    .await;
     let (code, body) = http_get(&http_addr(&daemon), "/readyz");
     assert_eq!(code, 503, "not ready before it registered: {body}");
     let kubelet = KubeletSim::start(dir.path()).unwrap();

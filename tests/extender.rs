@@ -476,10 +476,14 @@ async fn a_bind_whose_caller_hangs_up_keeps_nothing() {
     let args = bind_args("p", "n2").to_string();
     let call = tokio::time::timeout(hang_up, post(s.addr, "bind", &args)).await;
     assert!(call.is_err(), "the bind answered before the hang-up");
-    // The handler is dropped with the connection: n2 is free again.
-    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    // The handler is dropped with the connection: n2 is free again, once
+    // the server has seen the hang-up.
     let q = gpu_pod("ns", "q", &[c("app", 24576, 0, 0)]);
-    assert_eq!(passes(&s, &q, &["n2"]).await, json!(["n2"]));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while passes(&s, &q, &["n2"]).await != json!(["n2"]) {
+        assert!(std::time::Instant::now() < deadline, "n2 still held");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
 }
 
 /// What the extender logged, from a subscriber on the test's own thread
@@ -543,12 +547,13 @@ async fn only_a_caller_that_hung_up_is_logged_as_abandoning_its_bind() {
     let args = bind_args("p", "n2").to_string();
     let call = tokio::time::timeout(hang_up, post(s.addr, "bind", &args)).await;
     assert!(call.is_err(), "the bind answered before the hang-up");
-    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    let log = logs.take();
-    assert!(
-        log.contains("bind abandoned by its caller before its Binding"),
-        "{log}"
-    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let mut log = String::new();
+    while !log.contains("bind abandoned by its caller before its Binding") {
+        assert!(std::time::Instant::now() < deadline, "{log}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        log.push_str(&logs.take());
+    }
 }
 
 #[tokio::test]

@@ -209,16 +209,27 @@ async fn kubelet_restart_keeps_grants_and_serves_new_pods() {
             &format!("gpu_device_plugin_registrations_total{{resource=\"doslab.io/{r}\"}}"),
         )
     };
+    let listed = |r: &str| {
+        support::metric(
+            &addr,
+            &format!("gpu_device_plugin_list_messages_total{{resource=\"doslab.io/{r}\"}}"),
+        )
+    };
+    const RESOURCES: [&str; 3] = ["gpu-memory", "gpu-core", "gpu-count"];
     assert_eq!(registered("gpu-memory"), Some(1.0));
+    let lists_before = RESOURCES.map(listed);
     node.restart_kubelet().await;
     let restarted = Instant::now();
-    // Registered again with the new kubelet: every resource's count is 2.
+    // Registered again with the new kubelet (every resource's count is 2)
+    // and each resource's devices sent on its new stream: the kubelet
+    // admits nothing of a resource before it has its devices.
     support::poll_until(
         restarted + START,
         || {
-            ["gpu-memory", "gpu-core", "gpu-count"]
+            RESOURCES
                 .iter()
-                .all(|r| registered(r) == Some(2.0))
+                .zip(lists_before)
+                .all(|(r, before)| registered(r) == Some(2.0) && listed(r) > before)
         },
         || format!("not registered again\n{}", node.daemon.log_text()),
     )

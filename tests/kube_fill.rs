@@ -20,7 +20,7 @@ use gpu_sim::fill::StandIn;
 use gpu_sim::scheduler::SchedulerConfig;
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::Api;
 use support::kube::*;
@@ -130,30 +130,6 @@ fn unschedulable(pod: &Pod) -> Option<String> {
         .map(|c| c.message.clone().unwrap_or_default())
 }
 
-/// Waits until every node carries its daemon's GPU inventory: until then
-/// the extender refuses the node for good, and a pod would be called
-/// unschedulable for it.
-async fn wait_inventories(cp: &ControlPlane) {
-    let nodes: Api<Node> = Api::all(cp.admin_client().await);
-    let deadline = Instant::now() + START;
-    loop {
-        let published = nodes.list(&Default::default()).await.is_ok_and(|list| {
-            list.items.len() == NODES.len()
-                && list.items.iter().all(|n| {
-                    n.metadata
-                        .annotations
-                        .as_ref()
-                        .is_some_and(|a| a.contains_key("doslab.io/gpu-inventory"))
-                })
-        });
-        if published {
-            return;
-        }
-        assert!(Instant::now() < deadline, "GPU inventories never published");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 /// The fill on a fresh control plane with [`NODES`], the real scheduler
 /// and extender (binpack, the shipped default).
 async fn real_fill(pods: &[(u64, u64)]) -> Fill {
@@ -169,7 +145,6 @@ async fn real_fill(pods: &[(u64, u64)]) -> Fill {
         nodes.push(KubeNode::start(&cp, name, &ids, UNIT).await);
     }
     namespace(&cp, NS);
-    wait_inventories(&cp).await;
     let sched = Scheduler::start(&cp);
     let client = cp.admin_client().await;
     let fill = fill_one_by_one(

@@ -398,9 +398,9 @@ async fn a_refusal_does_not_wait_for_its_event_to_be_posted() {
         &[container("app", false, [16, 10, 0])],
         &[],
     );
-    // Let the watch deliver the pod; from then on every call but the
-    // watch's takes 1.5 s, and the refusal needs none but the Event's.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Once the watch delivered the pod, every call but the watch's takes
+    // 1.5 s, and the refusal needs none but the Event's.
+    wait_for_sample(&http_addr(&c.daemon), POD_CACHE, 1.0).await;
     c.api.delay(Duration::from_millis(1500));
     let err = c.kubelet.admit(&[(RES[0], 4)]).await.unwrap_err();
     assert!(err.contains("4 devices"), "{err}");
@@ -416,8 +416,8 @@ async fn a_refusal_does_not_wait_for_its_event_to_be_posted() {
 async fn an_api_server_that_stays_down_fails_the_allocate_in_bounded_time() {
     let c = Cluster::start("[matcher]\nwait_ms = 1000").await;
     add_small_pod(&c.api, "p");
-    // Let the watch deliver the pod, then take the API server down.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Once the watch delivered the pod, take the API server down.
+    wait_for_sample(&http_addr(&c.daemon), POD_CACHE, 1.0).await;
     c.api.fail_next(u32::MAX);
     let err = c.kubelet.admit(&[(RES[0], 4)]).await.unwrap_err();
     assert!(err.contains("API server") && err.contains(NODE), "{err}");
@@ -517,7 +517,7 @@ async fn a_pod_deleted_before_the_cache_knows_is_skipped_for_the_next() {
     let c = Cluster::start("").await;
     add_small_pod(&c.api, "first");
     add_small_pod(&c.api, "second");
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    wait_for_sample(&http_addr(&c.daemon), POD_CACHE, 2.0).await;
     // "first" is gone from the API server; the cache still shows it.
     c.api
         .delete_pod_late("default", "first", Duration::from_secs(30));

@@ -53,7 +53,7 @@ async fn readiness_follows_the_api_server_and_the_pod_count_follows_the_cache() 
         &[container("app", false, [1, 0, 0])],
         &[],
     );
-    wait_for_sample(&addr, "gpu_device_plugin_pod_cache_pods", 1.0).await;
+    wait_for_sample(&addr, POD_CACHE, 1.0).await;
 
     api.outage(true);
     let a = addr.clone();
@@ -73,7 +73,7 @@ async fn readiness_follows_the_api_server_and_the_pod_count_follows_the_cache() 
         &[container("app", false, [1, 0, 0])],
         &[],
     );
-    wait_for_sample(&addr, "gpu_device_plugin_pod_cache_pods", 2.0).await;
+    wait_for_sample(&addr, POD_CACHE, 2.0).await;
 }
 
 /// Without pod matching every GPU's capacity and health are still on

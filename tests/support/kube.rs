@@ -476,11 +476,13 @@ impl KubeNode {
     }
 
     /// Waits until the Node's allocatable lists every GPU as gpu-count and
-    /// some gpu-memory and gpu-core, and the node lifecycle controller has
-    /// lifted the not-ready taint. Each resource registers on its own: a
-    /// pod admitted before the kubelet has one's devices is admitted
-    /// without it (the kubelet drops extended resources its node lacks),
-    /// so every one must be listed, not just the count.
+    /// some gpu-memory and gpu-core, the Node carries the daemon's GPU
+    /// inventory, and the node lifecycle controller has lifted the
+    /// not-ready taint. Each resource registers on its own: a pod admitted
+    /// before the kubelet has one's devices is admitted without it (the
+    /// kubelet drops extended resources its node lacks), so every one must
+    /// be listed, not just the count. Until the inventory is there the
+    /// extender refuses the node, and a pod would be unschedulable for it.
     pub async fn wait_allocatable(&self, cp: &ControlPlane) {
         let nodes: Api<Node> = Api::all(cp.admin_client().await);
         let deadline = Instant::now() + START;
@@ -497,7 +499,13 @@ impl KubeNode {
                         .is_some_and(|q| !q.0.is_empty() && q.0 != "0")
                 };
                 let count = allocatable.get("doslab.io/gpu-count").map(|q| q.0.as_str());
+                let inventory = node
+                    .metadata
+                    .annotations
+                    .as_ref()
+                    .is_some_and(|a| a.contains_key("doslab.io/gpu-inventory"));
                 if !tainted
+                    && inventory
                     && count == Some(self.gpus.to_string().as_str())
                     && listed("doslab.io/gpu-memory")
                     && listed("doslab.io/gpu-core")
@@ -634,9 +642,23 @@ impl Scheduler {
 
     /// [`Scheduler::start`], `extender_toml` added to the extender's config.
     pub fn start_with(cp: &ControlPlane, extender_toml: &str) -> Scheduler {
+        Scheduler::spawn(cp, extender_toml, true)
+    }
+
+    /// [`Scheduler::start`] with leader election off. A kube-scheduler
+    /// that cannot renew its lease within the renew deadline (10 s) exits
+    /// for its Deployment to restart it; nothing restarts it here, so a
+    /// test that keeps the API server mostly down for longer needs this.
+    pub fn start_unelected(cp: &ControlPlane) -> Scheduler {
+        Scheduler::spawn(cp, "", false)
+    }
+
+    fn spawn(cp: &ControlPlane, extender_toml: &str, elect: bool) -> Scheduler {
         let (extender, url) = start_extender_with(&cp.scheduler, extender_toml);
+        let mut profile = shipped_profile(&url, &cp.scheduler);
+        profile["leaderElection"]["leaderElect"] = elect.into();
         let config = cp.dir.path().join("scheduler.yaml");
-        std::fs::write(&config, shipped_profile(&url, &cp.scheduler)).unwrap();
+        std::fs::write(&config, serde_yaml::to_string(&profile).unwrap()).unwrap();
         let proc = Proc::spawn(
             &[
                 "kube-scheduler".as_ref(),
@@ -681,7 +703,7 @@ pub fn start_plain_scheduler(cp: &ControlPlane) -> Proc {
 
 /// deploy/scheduler/configmap.yaml's `scheduler.yaml`, its extender at
 /// `url` and its client on `kubeconfig`.
-pub fn shipped_profile(url: &str, kubeconfig: &Path) -> String {
+pub fn shipped_profile(url: &str, kubeconfig: &Path) -> serde_yaml::Value {
     let map: serde_yaml::Value = serde_yaml::from_str(
         &std::fs::read_to_string(Path::new(ROOT).join("deploy/scheduler/configmap.yaml")).unwrap(),
     )
@@ -693,7 +715,7 @@ pub fn shipped_profile(url: &str, kubeconfig: &Path) -> String {
         profile["clientConnection"] = serde_yaml::Mapping::new().into();
     }
     profile["clientConnection"]["kubeconfig"] = kubeconfig.display().to_string().into();
-    serde_yaml::to_string(&profile).unwrap()
+    profile
 }
 
 /// A pod of `namespace` asking, per container, (gpu-memory, gpu-core,
@@ -760,10 +782,14 @@ pub fn claim_pod(namespace: &str, name: &str, template: &str) -> Pod {
     .unwrap()
 }
 
-/// Creates a namespace as the admin.
+/// Creates a namespace as the admin, with its `default` ServiceAccount:
+/// the controller manager makes that one in its own time, and a pod
+/// created before it exists is refused by ServiceAccount admission once
+/// its short retry runs out.
 pub fn namespace(cp: &ControlPlane, name: &str) {
     cp.apply(&format!(
-        "apiVersion: v1\nkind: Namespace\nmetadata: {{name: {name}}}\n"
+        "apiVersion: v1\nkind: Namespace\nmetadata: {{name: {name}}}\n---\n\
+         apiVersion: v1\nkind: ServiceAccount\nmetadata: {{name: default, namespace: {name}}}\n"
     ));
 }
 
@@ -947,7 +973,10 @@ pub fn splits(record: &Value) -> Vec<String> {
 }
 
 /// kube-scheduler's FailedScheduling Events of namespace `ns` that report
-/// a failed bind (its filter failures read "0/N nodes are available").
+/// a failed bind: the extender's refusal ("cannot bind") or the bind call
+/// failing (its note names the bind verb's URL). The other notes are the
+/// filter's: its failures ("0/N nodes are available") and its errors (the
+/// extender not synced yet, no place for a bind), which bind nothing.
 pub async fn refused_binds(client: &kube::Client, ns: &str) -> Vec<String> {
     let events: kube::Api<k8s_openapi::api::events::v1::Event> =
         kube::Api::namespaced(client.clone(), ns);
@@ -956,7 +985,7 @@ pub async fn refused_binds(client: &kube::Client, ns: &str) -> Vec<String> {
         .iter()
         .filter(|e| e.reason.as_deref() == Some("FailedScheduling"))
         .filter_map(|e| e.note.clone())
-        .filter(|note| !note.starts_with("0/"))
+        .filter(|note| note.contains("cannot bind") || note.contains("/bind"))
         .collect()
 }
 

@@ -331,6 +331,9 @@ pub fn metric(addr: &str, series: &str) -> Option<f64> {
     sample(&http_get(addr, "/metrics").1, series)
 }
 
+/// The pods the daemon's pod cache holds.
+pub const POD_CACHE: &str = "gpu_device_plugin_pod_cache_pods";
+
 /// Config reloads the daemon applied, and those it refused.
 pub const RELOADS_APPLIED: &str = "gpu_device_plugin_config_reloads_total{result=\"applied\"}";
 pub const RELOADS_REFUSED: &str = "gpu_device_plugin_config_reloads_total{result=\"refused\"}";
