@@ -243,14 +243,31 @@ impl Supervisor {
         myself.send_after(delay, move || SupervisorMsg::Start { child });
     }
 
-    /// Stops a child on purpose (reload, shutdown): it leaves the map
-    /// first, so its end is not taken for a crash.
-    async fn stop(state: &mut SupervisorState, child: Child, why: &str) {
-        state.release(child);
-        if let Some(running) = state.remove(child) {
-            tracing::info!(%child, reason = why, "stopping");
-            stop_and_wait(child, &running, why).await;
+    /// Stops children on purpose (a reload), side by side; returns when
+    /// each one ended. They leave the map first, so their ends are not
+    /// taken for crashes.
+    async fn stop(
+        state: &mut SupervisorState,
+        children: Vec<(Child, &'static str)>,
+    ) -> Vec<(Child, Instant)> {
+        let mut stopping = Vec::new();
+        for (child, why) in children {
+            state.release(child);
+            match state.remove(child) {
+                Some(running) => {
+                    tracing::info!(%child, reason = why, "stopping");
+                    stopping.push((child, Some(running), why));
+                }
+                None => stopping.push((child, None, why)),
+            }
         }
+        let stops = stopping.iter().map(|(child, running, why)| async move {
+            if let Some(running) = running {
+                stop_and_wait(*child, running, why).await;
+            }
+            (*child, Instant::now())
+        });
+        futures::future::join_all(stops).await
     }
 
     async fn reload(
@@ -282,6 +299,7 @@ impl Supervisor {
         // runs, so no Allocate finds it missing.
         Self::push_placements(state, false).await;
         let running: Vec<Child> = state.children.keys().copied().collect();
+        let mut restarts = Vec::new();
         for child in running {
             let wanted = state.args(child);
             let Some(reason) = reload::restart(&state.children[&child].args, wanted.as_ref())
@@ -299,11 +317,15 @@ impl Supervisor {
                     tracing::warn!(error = %e, "the DRA plugin did not remove its slice");
                 }
             }
-            // Stopped and awaited before its successor starts: the old
-            // stream ends before the new registration (kubernetes#121994).
-            Self::stop(state, child, reason).await;
+            restarts.push((child, reason));
+        }
+        // Stopped and awaited before their successors start: each old
+        // stream ends before its new registration (kubernetes#121994),
+        // which waits SETTLE from that end. Side by side, so one slow stop
+        // holds back no other resource.
+        for (child, ended) in Self::stop(state, restarts).await {
             if let Child::Plugin(r) = child {
-                state.settling.insert(r, Instant::now() + SETTLE);
+                state.settling.insert(r, ended + SETTLE);
             }
         }
         // A child waiting out a restart backoff that is no longer wanted
