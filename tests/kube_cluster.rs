@@ -203,33 +203,31 @@ async fn kubelet_restart_keeps_grants_and_serves_new_pods() {
 
     let node = &mut nodes[0];
     let addr = support::http_addr(&node.daemon);
-    let registered = |r: &str| {
+    let series = |name: &str, r: &str| {
         support::metric(
             &addr,
-            &format!("gpu_device_plugin_registrations_total{{resource=\"doslab.io/{r}\"}}"),
+            &format!("gpu_device_plugin_{name}{{resource=\"doslab.io/{r}\"}}"),
         )
     };
-    let listed = |r: &str| {
-        support::metric(
-            &addr,
-            &format!("gpu_device_plugin_list_messages_total{{resource=\"doslab.io/{r}\"}}"),
-        )
-    };
+    let registered = |r: &str| series("registrations_total", r);
+    let listed = |r: &str| series("list_messages_total", r);
     const RESOURCES: [&str; 3] = ["gpu-memory", "gpu-core", "gpu-count"];
     assert_eq!(registered("gpu-memory"), Some(1.0));
     let lists_before = RESOURCES.map(listed);
     node.restart_kubelet().await;
     let restarted = Instant::now();
     // Registered again with the new kubelet (every resource's count is 2)
-    // and each resource's devices sent on its new stream: the kubelet
-    // admits nothing of a resource before it has its devices.
+    // and each resource's devices sent on its new stream, the only one
+    // open: the kubelet admits nothing of a resource before it has its
+    // devices.
     support::poll_until(
         restarted + START,
         || {
-            RESOURCES
-                .iter()
-                .zip(lists_before)
-                .all(|(r, before)| registered(r) == Some(2.0) && listed(r) > before)
+            RESOURCES.iter().zip(lists_before).all(|(r, before)| {
+                registered(r) == Some(2.0)
+                    && series("list_streams", r) == Some(1.0)
+                    && listed(r) > before
+            })
         },
         || format!("not registered again\n{}", node.daemon.log_text()),
     )
