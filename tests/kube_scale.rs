@@ -234,27 +234,31 @@ fn stat_fields(pid: u32) -> Vec<String> {
     })
 }
 
-/// CPU seconds `pid` and the processes under it have used (user and
-/// system): the control plane's supervisor runs the API server and the
-/// controller manager as its children, and they do most of its work.
-fn cpu_s(pid: u32) -> f64 {
-    let mut parents = vec![pid];
-    let mut total = ticks(&stat_fields(pid));
+/// CPU seconds each of `pids` and the processes under it have used (user
+/// and system), from one read of `/proc`: the control plane's supervisor
+/// runs the API server and the controller manager as its children, and
+/// they do most of its work.
+fn cpu_s<const N: usize>(pids: [u32; N]) -> [f64; N] {
     let all: Vec<(u32, Vec<String>)> = std::fs::read_dir("/proc")
         .into_iter()
         .flatten()
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
         .map(|p| (p, stat_fields(p)))
         .collect();
-    while let Some(parent) = parents.pop() {
-        for (child, fields) in &all {
-            if fields.get(1).and_then(|f| f.parse::<u32>().ok()) == Some(parent) {
-                total += ticks(fields);
-                parents.push(*child);
+    pids.map(|pid| {
+        let mut parents = vec![pid];
+        let own = all.iter().find(|(p, _)| *p == pid);
+        let mut total = own.map_or(0, |(_, fields)| ticks(fields));
+        while let Some(parent) = parents.pop() {
+            for (child, fields) in &all {
+                if fields.get(1).and_then(|f| f.parse::<u32>().ok()) == Some(parent) {
+                    total += ticks(fields);
+                    parents.push(*child);
+                }
             }
         }
-    }
-    total as f64 / clock_ticks()
+        total as f64 / clock_ticks()
+    })
 }
 
 /// The CPU seconds of this process alone (the bench: creating pods and
@@ -336,10 +340,11 @@ async fn run(nodes: usize, count: usize, extender_toml: &str, within: Duration) 
         })
         .collect();
     let pids = [cp.pid(), sched.proc.child.id(), sched.extender.child.id()];
-    let cpu_before = pids.map(cpu_s);
+    let cpu_before = cpu_s(pids);
     let own_before = own_cpu_s();
     let gpu = burst(&client, pods, within, logs).await;
-    let cpu = [0, 1, 2].map(|i| cpu_s(pids[i]) - cpu_before[i]);
+    let cpu_after = cpu_s(pids);
+    let cpu = [0, 1, 2].map(|i| cpu_after[i] - cpu_before[i]);
     let own = own_cpu_s() - own_before;
     let rss = rss_kib(sched.extender.child.id());
 
@@ -396,10 +401,11 @@ async fn run(nodes: usize, count: usize, extender_toml: &str, within: Duration) 
     let cpu_pods = (0..count)
         .map(|i| ours(gpu_pod(NS, &format!("cpu-{i}"), &[("main", [0, 0, 0])])))
         .collect();
-    let cpu_before = pids.map(cpu_s);
+    let cpu_before = cpu_s(pids);
     let own_before = own_cpu_s();
     let alone = burst(&client, cpu_pods, within, logs).await;
-    let cpu_alone = [0, 1].map(|i| cpu_s(pids[i]) - cpu_before[i]);
+    let cpu_after = cpu_s(pids);
+    let cpu_alone = [0, 1].map(|i| cpu_after[i] - cpu_before[i]);
     let own_alone = own_cpu_s() - own_before;
     if let Ok(dir) = std::env::var("KUBE_SCALE_LOGS") {
         let dir = std::path::Path::new(&dir);
