@@ -253,13 +253,11 @@ impl Supervisor {
         let mut stopping = Vec::new();
         for (child, why) in children {
             state.release(child);
-            match state.remove(child) {
-                Some(running) => {
-                    tracing::info!(%child, reason = why, "stopping");
-                    stopping.push((child, Some(running), why));
-                }
-                None => stopping.push((child, None, why)),
+            let running = state.remove(child);
+            if running.is_some() {
+                tracing::info!(%child, reason = why, "stopping");
             }
+            stopping.push((child, running, why));
         }
         let stops = stopping.iter().map(|(child, running, why)| async move {
             if let Some(running) = running {
