@@ -79,7 +79,7 @@ fn dra(out: &Path) -> Result<(), Box<dyn std::error::Error>> {
         .build_client(false)
         .extern_path(
             ".k8s.io.kubelet.pkg.apis.dra.v1beta1",
-            "crate::dra::proto::v1",
+            "crate::node::dra::proto::v1",
         )
         .compile_fds(protox::compile(["dra_v1beta1.proto"], ["proto"])?)?;
     Ok(())
@@ -107,15 +107,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_client(false)
         .extern_path(
             ".v1beta1.ListAndWatchResponse",
-            "crate::plugin::codec::DeviceListMessage",
+            "crate::node::plugin::codec::DeviceListMessage",
         )
         .extern_path(
             ".v1beta1.PreferredAllocationRequest",
-            "crate::plugin::codec::PreferredRequest",
+            "crate::node::plugin::codec::PreferredRequest",
         )
         .extern_path(
             ".v1beta1.AllocateRequest",
-            "crate::plugin::codec::AllocateIdsRequest",
+            "crate::node::plugin::codec::AllocateIdsRequest",
         )
         .extern_path(".v1beta1", "crate::api")
         .compile_fds(fds)?;

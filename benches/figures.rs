@@ -10,9 +10,9 @@ use gpu_device_plugin::api::{
     PreferredAllocationRequest,
 };
 use gpu_device_plugin::config::Config;
-use gpu_device_plugin::device::{Gpu, KUBELET_MAX_MESSAGE_BYTES, Plan, Resource};
-use gpu_device_plugin::plugin::codec::PreferredRequest;
-use gpu_device_plugin::plugin::preferred;
+use gpu_device_plugin::node::plugin::codec::PreferredRequest;
+use gpu_device_plugin::node::plugin::preferred;
+use gpu_device_plugin::rules::device::{Gpu, KUBELET_MAX_MESSAGE_BYTES, Plan, Resource};
 use gpu_sim::figures::report;
 use gpu_sim::kubelet::{KubeletSim, ResourceView};
 use prost::Message;
@@ -351,9 +351,9 @@ async fn lifecycle_latency() {
 /// real socket with a warm pod cache, beside the seed's approach (a LIST of
 /// the node's pending pods on every Allocate) against the same API server.
 async fn pod_matching_figures() {
-    use gpu_device_plugin::matcher::matching::{Ask, decide, record};
-    use gpu_device_plugin::matcher::pods::PodView;
-    use gpu_device_plugin::usage::{Inventory, Keys, Ledger};
+    use gpu_device_plugin::rules::matching::pods::PodView;
+    use gpu_device_plugin::rules::matching::{Ask, decide, record};
+    use gpu_device_plugin::rules::usage::{Inventory, Keys, Ledger};
     use gpu_sim::apiserver::{ApiServerSim, PodContainer};
     use k8s_openapi::api::core::v1::Pod;
     use kube::api::{ListParams, Patch, PatchParams};

@@ -19,13 +19,13 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpu_device_plugin::device::Resource;
 use gpu_device_plugin::extender::wire::{ExtenderArgs, ExtenderBindingArgs};
 use gpu_device_plugin::extender::{Extender, ExtenderConfig, Index, PodName, start};
-use gpu_device_plugin::matcher::matching::{Ask, decide, record, usage};
-use gpu_device_plugin::matcher::pods::PodView;
-use gpu_device_plugin::matcher::report::withdrawn;
-use gpu_device_plugin::usage::{Inventory, Keys, Ledger};
+use gpu_device_plugin::node::matcher::report::withdrawn;
+use gpu_device_plugin::rules::device::Resource;
+use gpu_device_plugin::rules::matching::pods::PodView;
+use gpu_device_plugin::rules::matching::{Ask, decide, record, usage};
+use gpu_device_plugin::rules::usage::{Inventory, Keys, Ledger};
 use gpu_sim::apiserver::PodContainer;
 use gpu_sim::figures::{percentile, report};
 use gpu_sim::fill::StandIn;

@@ -6,29 +6,13 @@
 // sees what nobody uses.
 #![warn(unreachable_pub)]
 
-pub mod app;
-mod authority;
 pub mod config;
-pub mod config_watch;
-pub mod device;
-pub mod dra;
-pub mod enforcement;
 pub mod extender;
-pub(crate) mod health;
-pub(crate) mod http;
-pub mod inspect;
-pub(crate) mod inventory;
-pub mod kube_client;
-pub(crate) mod kubelet_watch;
-pub mod matcher;
-pub(crate) mod metrics;
 #[cfg(test)]
-mod mock_api;
-pub(crate) mod mps;
-pub mod plugin;
-pub(crate) mod supervisor;
-pub mod uds;
-pub mod usage;
+mod layering;
+pub mod net;
+pub mod node;
+pub mod rules;
 
 /// The git revision the binary was built from ("unknown" without git).
 pub(crate) const GIT_REVISION: &str = env!("GIT_REVISION");

@@ -7,9 +7,9 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use futures::StreamExt;
-use gpu_device_plugin::app::{self, Control};
 use gpu_device_plugin::config::{Config, LogFormat};
 use gpu_device_plugin::extender::ExtenderConfig;
+use gpu_device_plugin::node::app::{self, Control};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::field::{RecordFields, Visit};
@@ -157,7 +157,7 @@ fn read(path: Option<&PathBuf>) -> anyhow::Result<Config> {
 }
 
 /// check-config's report: the GPUs and what each resource advertises on them.
-fn print_plan(config: &Config, plan: &gpu_device_plugin::device::Plan) {
+fn print_plan(config: &Config, plan: &gpu_device_plugin::rules::device::Plan) {
     for gpu in plan.gpus() {
         let numa = gpu
             .numa_node
@@ -174,7 +174,8 @@ fn print_plan(config: &Config, plan: &gpu_device_plugin::device::Plan) {
             config.resource_name(m.resource()),
             m.device_count(),
             bytes,
-            100.0 * bytes as f64 / gpu_device_plugin::device::KUBELET_MAX_MESSAGE_BYTES as f64
+            100.0 * bytes as f64
+                / gpu_device_plugin::rules::device::KUBELET_MAX_MESSAGE_BYTES as f64
         );
     }
 }
@@ -189,7 +190,7 @@ fn controls(
         .context("cannot install signal handlers")?;
     let edits = match watched {
         Some(path) => Some(
-            gpu_device_plugin::config_watch::watch(path)
+            gpu_device_plugin::node::config_watch::watch(path)
                 .with_context(|| format!("cannot watch {} for edits", path.display()))?,
         ),
         None => None,
@@ -262,18 +263,21 @@ async fn main() -> anyhow::Result<()> {
                 (None, None) => Config::default().device_plugin_dir,
             };
             anyhow::ensure!(dir.is_dir(), "{} is not a directory", dir.display());
-            let reports = gpu_device_plugin::inspect::inspect(&dir).await;
-            print!("{}", gpu_device_plugin::inspect::render(&dir, &reports));
+            let reports = gpu_device_plugin::node::inspect::inspect(&dir).await;
+            print!(
+                "{}",
+                gpu_device_plugin::node::inspect::render(&dir, &reports)
+            );
             if reports.iter().any(|r| r.outcome.is_err()) {
                 std::process::exit(2);
             }
         }
         Command::InstallEnforcement { from, to } => {
             init_logging(LogFormat::Text, "info");
-            let done = gpu_device_plugin::enforcement::install_library(&from, &to)?;
+            let done = gpu_device_plugin::node::enforcement::install_library(&from, &to)?;
             println!(
                 "{}: {done:?}",
-                to.join(gpu_device_plugin::enforcement::LIBRARY_FILE)
+                to.join(gpu_device_plugin::node::enforcement::LIBRARY_FILE)
                     .display()
             );
         }

@@ -13,7 +13,7 @@ use gpu_device_plugin::api::{
     AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest,
     PreferredAllocationRequest, RegisterRequest,
 };
-use gpu_device_plugin::plugin::codec::MAX_CONTAINERS;
+use gpu_device_plugin::node::plugin::codec::MAX_CONTAINERS;
 use gpu_sim::kubelet::{AllocatedResource, merged_envs};
 use support::*;
 use tonic::Code;
@@ -323,10 +323,12 @@ async fn sigterm_sends_empty_lists_removes_sockets_and_exits_0() {
 async fn the_kubelet_stand_in_refuses_a_plugin_that_is_not_serving() {
     let dir = tempfile::tempdir().unwrap();
     let kubelet = KubeletSim::start(dir.path()).unwrap();
-    let channel =
-        gpu_device_plugin::uds::connect(&dir.path().join("kubelet.sock"), Duration::from_secs(2))
-            .await
-            .unwrap();
+    let channel = gpu_device_plugin::net::uds::connect(
+        &dir.path().join("kubelet.sock"),
+        Duration::from_secs(2),
+    )
+    .await
+    .unwrap();
     let mut client = gpu_device_plugin::api::registration_client::RegistrationClient::new(channel);
     let register = |endpoint: &str, name: &str, version: &str| RegisterRequest {
         version: version.into(),

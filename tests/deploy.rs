@@ -466,7 +466,7 @@ fn the_chart_and_kustomize_render_the_same_objects() {
                 gpu_device_plugin::config::Config::from_toml(&text, Some("n".into())).unwrap();
             assert_eq!(
                 config.dra,
-                gpu_device_plugin::dra::DraConfig {
+                gpu_device_plugin::node::dra::DraConfig {
                     enabled: true,
                     ..Default::default()
                 }
@@ -1408,7 +1408,10 @@ fn the_gpu_scheduler_is_a_second_kube_scheduler_with_the_extender_beside_it() {
     let extender =
         gpu_device_plugin::extender::ExtenderConfig::from_toml(&cm.data.unwrap()["extender.toml"])
             .unwrap();
-    assert_eq!(extender.policy, gpu_device_plugin::usage::Policy::Spread);
+    assert_eq!(
+        extender.policy,
+        gpu_device_plugin::rules::usage::Policy::Spread
+    );
     assert_eq!(extender.listen, "127.0.0.1:9999");
 }
 
@@ -1832,7 +1835,7 @@ fn assert_init_container_installs(objs: &[Value]) {
     }
     let installed = host
         .path()
-        .join(gpu_device_plugin::enforcement::LIBRARY_FILE);
+        .join(gpu_device_plugin::node::enforcement::LIBRARY_FILE);
     assert_eq!(
         std::fs::read(&installed).unwrap(),
         std::fs::read(real_shared_object()).unwrap()
@@ -1851,7 +1854,7 @@ fn assert_init_container_installs(objs: &[Value]) {
 /// directories at their host paths (Allocate hands those paths to the
 /// kubelet), the library read-only; with it off, neither is mounted.
 fn assert_enforcement_dirs_follow_config(objs: &[Value]) {
-    use gpu_device_plugin::enforcement::Mode;
+    use gpu_device_plugin::node::enforcement::Mode;
     let config =
         gpu_device_plugin::config::Config::from_toml(&config_toml(objs), Some("n".into())).unwrap();
     let e = &config.enforcement;
@@ -1907,7 +1910,7 @@ fn enforcement_installs_the_library_and_mounts_the_host_directories() {
             .unwrap();
     assert_eq!(
         config.enforcement.mode,
-        gpu_device_plugin::enforcement::Mode::None
+        gpu_device_plugin::node::enforcement::Mode::None
     );
     assert_enforcement_dirs_follow_config(&objs);
 }
@@ -1919,7 +1922,7 @@ fn enforcement_installs_the_library_and_mounts_the_host_directories() {
 /// capabilities to start a server as its client's user. Off, none of it.
 #[test]
 fn mps_mounts_the_control_daemons_directories_as_the_config_says() {
-    use gpu_device_plugin::enforcement::Compute;
+    use gpu_device_plugin::node::enforcement::Compute;
     let objs = chart(&[
         "--set",
         "enforcement.compute=mps",

@@ -14,13 +14,13 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use gpu_device_plugin::dra::proto::registration::registration_client::RegistrationClient;
-use gpu_device_plugin::dra::proto::registration::{InfoRequest, RegistrationStatus};
-use gpu_device_plugin::dra::proto::v1::dra_plugin_client::DraPluginClient;
-use gpu_device_plugin::dra::proto::v1::{
+use gpu_device_plugin::node::dra::proto::registration::registration_client::RegistrationClient;
+use gpu_device_plugin::node::dra::proto::registration::{InfoRequest, RegistrationStatus};
+use gpu_device_plugin::node::dra::proto::v1::dra_plugin_client::DraPluginClient;
+use gpu_device_plugin::node::dra::proto::v1::{
     Claim, NodePrepareResourcesRequest, NodeUnprepareResourcesRequest,
 };
-use gpu_device_plugin::dra::proto::v1beta1;
+use gpu_device_plugin::node::dra::proto::v1beta1;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::api::{Api, Patch, PatchParams, PostParams};
@@ -89,7 +89,7 @@ async fn channel(path: &Path) -> Channel {
     let deadline = Instant::now() + WAIT;
     loop {
         if path.exists()
-            && let Ok(c) = gpu_device_plugin::uds::connect(path, Duration::from_secs(5)).await
+            && let Ok(c) = gpu_device_plugin::net::uds::connect(path, Duration::from_secs(5)).await
         {
             return c;
         }

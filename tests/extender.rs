@@ -9,7 +9,7 @@ mod support;
 use std::sync::Arc;
 
 use gpu_device_plugin::extender::{BindError, Binder, Extender, ExtenderConfig, KubeBinder, start};
-use gpu_device_plugin::kube_client::from_kubeconfig;
+use gpu_device_plugin::net::kube_client::from_kubeconfig;
 use gpu_sim::apiserver::PodContainer;
 use gpu_sim::memory::{MemoryCluster, gpu_node, gpu_pod, node_with};
 use k8s_openapi::api::core::v1::Pod;

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use gpu_device_plugin::api::registration_server::{Registration, RegistrationServer};
 use gpu_device_plugin::api::{Empty, RegisterRequest};
-use gpu_device_plugin::config_watch::digest;
+use gpu_device_plugin::node::config_watch::digest;
 use support::*;
 use tonic::{Request, Response, Status};
 

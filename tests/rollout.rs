@@ -7,7 +7,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use gpu_device_plugin::config_watch::digest;
+use gpu_device_plugin::node::config_watch::digest;
 use gpu_sim::apiserver::{ApiServerSim, PodContainer};
 use gpu_sim::kubelet::swap_configmap;
 use support::*;

@@ -15,7 +15,7 @@ use kube::{Api, Client, Resource};
 use tokio::task::JoinHandle;
 
 use super::index::{Index, PodName, pod_name};
-use crate::kube_client::{relisting, status_code};
+use crate::net::kube_client::{relisting, status_code};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum BindError {

@@ -15,7 +15,7 @@ use serde_json::{Value, json};
 
 use super::wire::{ExtenderArgs, ExtenderBindingArgs};
 use super::{Extender, ExtenderConfig, Index, KubeBinder};
-use crate::mock_api::{self, MockApi, annotations_patch, status};
+use crate::net::mock_api::{self, MockApi, annotations_patch, status};
 
 const POD: &str = "/api/v1/namespaces/ns/pods/p";
 const PATCH: &str = "/api/v1/namespaces/ns/pods/p?";

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 
-use crate::usage::{
+use crate::rules::usage::{
     Assignment, ContainerAsk, Inventory, InventoryError, Keys, Ledger, NodeUsage, PodAsks, Records,
     finished, pod_holdings,
 };
@@ -34,7 +34,7 @@ pub(crate) enum Gpus {
 /// What a pod holds, read once from its spec and annotations: its node, its
 /// containers' asks, its ledger and its assignment. A malformed annotation
 /// is logged and counted failing closed, as on the node
-/// ([`crate::usage::pod_holdings`]): it never frees room.
+/// ([`crate::rules::usage::pod_holdings`]): it never frees room.
 #[derive(Debug)]
 struct PodRecord {
     node: Option<String>,

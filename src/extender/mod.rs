@@ -536,7 +536,7 @@ fn best_of(ranks: &[Option<plan::Rank>], names: &[String]) -> Option<usize> {
 #[derive(Debug, thiserror::Error)]
 pub enum ExtenderError {
     #[error(transparent)]
-    Client(#[from] crate::kube_client::KubeClientError),
+    Client(#[from] crate::net::kube_client::KubeClientError),
     #[error("cannot listen on {addr} (config key `extender.listen`): {source}")]
     Listen {
         addr: String,
@@ -564,7 +564,7 @@ impl Started {
 /// Starts the reflectors and the HTTP server.
 pub async fn launch(config: &ExtenderConfig) -> Result<Started, ExtenderError> {
     let client =
-        crate::kube_client::from_kubeconfig(&config.kubeconfig, "extender.kubeconfig").await?;
+        crate::net::kube_client::from_kubeconfig(&config.kubeconfig, "extender.kubeconfig").await?;
     let index = Arc::new(RwLock::new(Index::new(&config.resource_domain)));
     let reflectors = Reflectors::start(&client, index.clone());
     let extender = Arc::new(Extender::new(

@@ -11,7 +11,9 @@ use std::sync::Mutex;
 use k8s_openapi::api::core::v1::Pod;
 
 use super::index::{Gpus, Index};
-use crate::usage::{Assignment, Inventory, Keys, NodeUsage, PodAsks, Policy, fit, leftover, score};
+use crate::rules::usage::{
+    Assignment, Inventory, Keys, NodeUsage, PodAsks, Policy, fit, leftover, score,
+};
 
 /// Why a node is filtered out.
 #[derive(Debug, Clone, PartialEq, Eq)]

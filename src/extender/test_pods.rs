@@ -10,9 +10,9 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use serde_json::{Value, json};
 
 use crate::config::Config;
-use crate::device::{Gpu, Resource};
-use crate::usage::Inventory;
-use crate::usage::quantity::canonical;
+use crate::rules::device::{Gpu, Resource};
+use crate::rules::usage::Inventory;
+use crate::rules::usage::quantity::canonical;
 
 /// One container of a test pod: its name, whether it is an init container,
 /// and the devices it asks of gpu-memory, gpu-core and gpu-count.

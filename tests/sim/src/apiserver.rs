@@ -27,8 +27,8 @@ use serde_json::{Value, json};
 use tokio::sync::broadcast;
 use tokio::task::JoinHandle;
 
-use gpu_device_plugin::device::Resource;
-use gpu_device_plugin::usage::quantity;
+use gpu_device_plugin::rules::device::Resource;
+use gpu_device_plugin::rules::usage::quantity;
 
 /// One container of a pod to create: name, init or not, and the devices it
 /// asks of gpu-memory, gpu-core and gpu-count.

@@ -11,7 +11,7 @@ use crate::apiserver::{ApiServerSim, PodContainer, admission_order};
 use crate::kubelet::{KubeletSim, ResourceView, merged_envs, plugin_sockets};
 use gpu_device_plugin::api::{AllocateRequest, ContainerAllocateRequest};
 use gpu_device_plugin::config::{Config, ConfigError};
-use gpu_device_plugin::device::{KUBELET_MAX_MESSAGE_BYTES, PerResource, Resource};
+use gpu_device_plugin::rules::device::{KUBELET_MAX_MESSAGE_BYTES, PerResource, Resource};
 
 /// The demo's config: mock GPUs, pod matching on.
 const DEMO_TOML: &str = include_str!("../../../config/demo.toml");
@@ -23,7 +23,7 @@ pub enum DemoError {
     #[error("temporary directory: {0}")]
     Io(#[from] std::io::Error),
     #[error(transparent)]
-    Run(#[from] gpu_device_plugin::app::RunError),
+    Run(#[from] gpu_device_plugin::node::app::RunError),
     #[error(transparent)]
     Extender(#[from] gpu_device_plugin::extender::ExtenderError),
     #[error("{0}")]
@@ -93,7 +93,7 @@ fn table(config: &Config, kubelet: &BTreeMap<String, ResourceView>, out: &mut St
 /// The real daemon on `config`, in this process, until stopped.
 pub(super) struct InProcess {
     stop: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<Result<(), gpu_device_plugin::app::RunError>>,
+    task: tokio::task::JoinHandle<Result<(), gpu_device_plugin::node::app::RunError>>,
 }
 
 impl InProcess {
@@ -101,9 +101,9 @@ impl InProcess {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let controls = Box::pin(futures::stream::once(async {
             let _ = stopped.await;
-            gpu_device_plugin::app::Control::Stop
+            gpu_device_plugin::node::app::Control::Stop
         }));
-        let task = tokio::spawn(gpu_device_plugin::app::run(config, None, controls));
+        let task = tokio::spawn(gpu_device_plugin::node::app::run(config, None, controls));
         InProcess { stop, task }
     }
 
@@ -143,7 +143,7 @@ async fn one_node() -> Result<String, DemoError> {
     );
     let _ = writeln!(out, "device-plugin dir: {}\n", dir.path().display());
 
-    let plan = gpu_device_plugin::app::plan(&config).await?;
+    let plan = gpu_device_plugin::node::app::plan(&config).await?;
     let _ = writeln!(out, "GPUs (mock backend):");
     for g in plan.gpus() {
         let _ = writeln!(

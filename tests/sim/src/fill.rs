@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use gpu_device_plugin::extender::{ExtenderConfig, Started, launch};
-use gpu_device_plugin::usage::Keys;
+use gpu_device_plugin::rules::usage::Keys;
 
 use crate::apiserver::{ApiServerSim, PodContainer};
 use crate::memory::gpu_node;

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use crate::apiserver::ApiServerSim;
 use crate::kubelet::ResourceView;
-use gpu_device_plugin::device::Resource;
+use gpu_device_plugin::rules::device::Resource;
 
 /// Pods a kubelet admits by default (the Node's `pods` allocatable).
 const MAX_PODS: u64 = 110;

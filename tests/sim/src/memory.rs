@@ -11,9 +11,9 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::{Node, Pod};
 
 use gpu_device_plugin::config::Config;
-use gpu_device_plugin::device::Gpu;
 use gpu_device_plugin::extender::{BindError, Binder, ExtenderConfig, Index, PodName, pod_name};
-use gpu_device_plugin::usage::Inventory;
+use gpu_device_plugin::rules::device::Gpu;
+use gpu_device_plugin::rules::usage::Inventory;
 
 use crate::apiserver::PodContainer;
 

@@ -224,7 +224,7 @@ pub struct SchedulerSim {
 impl SchedulerSim {
     /// Starts placing pods through the API server `kubeconfig` reaches.
     pub async fn start(kubeconfig: &Path, config: SchedulerConfig) -> Result<SchedulerSim, String> {
-        let client = gpu_device_plugin::kube_client::from_kubeconfig(kubeconfig, "kubeconfig")
+        let client = gpu_device_plugin::net::kube_client::from_kubeconfig(kubeconfig, "kubeconfig")
             .await
             .map_err(|e| e.to_string())?;
         let shared: Arc<Mutex<LoopState>> = Arc::default();
@@ -309,7 +309,7 @@ fn key(pod: &Pod) -> String {
 /// A quantity in thousandths, rounded up (`100m` CPU is 100, `1` is
 /// 1000, `1Ki` is 1 024 000); `None` when it does not parse.
 fn milli(q: &Quantity) -> Option<i128> {
-    gpu_device_plugin::usage::quantity::Quantity::parse(&q.0)
+    gpu_device_plugin::rules::usage::quantity::Quantity::parse(&q.0)
         .ok()?
         .milli()
 }
@@ -916,9 +916,12 @@ mod tests {
         }
 
         async fn client(&self) -> Client {
-            gpu_device_plugin::kube_client::from_kubeconfig(self.kubeconfig.path(), "kubeconfig")
-                .await
-                .unwrap()
+            gpu_device_plugin::net::kube_client::from_kubeconfig(
+                self.kubeconfig.path(),
+                "kubeconfig",
+            )
+            .await
+            .unwrap()
         }
 
         async fn scheduler(&self, extender: Option<ExtenderConfig>) -> SchedulerSim {

@@ -17,8 +17,8 @@ use serde_json::Value;
 
 use super::{AllocatedResource, KubeletSim, SimState};
 use crate::apiserver::{ApiServerSim, PodContainer, admission_order};
-use gpu_device_plugin::device::Resource;
-use gpu_device_plugin::usage::quantity::parse_count;
+use gpu_device_plugin::rules::device::Resource;
+use gpu_device_plugin::rules::usage::quantity::parse_count;
 
 /// One pod the kubelet admitted or refused.
 #[derive(Debug)]

@@ -95,7 +95,7 @@ impl KubeletState {
     }
 }
 
-pub use gpu_device_plugin::uds::plugin_sockets;
+pub use gpu_device_plugin::net::uds::plugin_sockets;
 
 /// The device manager's checkpoint: the one file a restart keeps.
 pub(crate) const CHECKPOINT: &str = "kubelet_internal_checkpoint";
@@ -157,7 +157,7 @@ impl KubeletSim {
     }
 
     fn serve(&mut self) -> std::io::Result<()> {
-        let incoming = gpu_device_plugin::uds::bind(&self.dir.join("kubelet.sock"))?;
+        let incoming = gpu_device_plugin::net::uds::bind(&self.dir.join("kubelet.sock"))?;
         let service = registration::RegistrationService {
             dir: self.dir.clone(),
             shared: self.shared.clone(),
@@ -168,7 +168,7 @@ impl KubeletSim {
             let stopped = async {
                 let _ = stop_rx.await;
             };
-            if let Err(e) = gpu_device_plugin::uds::serve(routes, incoming, stopped).await {
+            if let Err(e) = gpu_device_plugin::net::uds::serve(routes, incoming, stopped).await {
                 tracing::error!(error = %e, "kubelet simulator server failed");
             }
         });
@@ -204,7 +204,7 @@ impl KubeletSim {
         for entry in std::fs::read_dir(&self.dir)? {
             let entry = entry?;
             if entry.file_name() != CHECKPOINT && entry.file_type()?.is_file()
-                || gpu_device_plugin::uds::is_socket(&entry)
+                || gpu_device_plugin::net::uds::is_socket(&entry)
             {
                 std::fs::remove_file(entry.path())?;
             }

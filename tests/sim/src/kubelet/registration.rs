@@ -60,7 +60,7 @@ impl Registration for RegistrationService {
                 path.display()
             ))
         };
-        let channel = gpu_device_plugin::uds::connect(&path, Duration::from_secs(10))
+        let channel = gpu_device_plugin::net::uds::connect(&path, Duration::from_secs(10))
             .await
             .map_err(|e| dial(&e))?;
         let mut client =

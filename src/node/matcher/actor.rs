@@ -1,0 +1,502 @@
+//! The pod-matcher actor. It owns the API-server side (client, pod cache,
+//! ledger writes) and answers one lookup at a time, so two Allocates on
+//! different sockets can never claim the same container. Between an
+//! Allocate's decision and its record the caller readies the grant
+//! (enforcement's file work, in the caller's task): the decision is held
+//! as a reservation meanwhile, so the matcher serves other Allocates and
+//! none is decided onto it. Its Events are handed to `events`, which posts
+//! them beside it.
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::{Api, Client};
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use tokio::sync::watch;
+
+use super::api::{
+    LiveContainer, MatcherError, MatcherHandle, MatcherMsg, Recorded, Refusal, Reserved, Steer,
+    UNSEEN_POD_WAIT,
+};
+use super::cache::PodCache;
+use super::events::Events;
+use super::report::Withdrawn;
+use super::write::{self, WriteError};
+use crate::node::metrics::{Hold, Metrics};
+use crate::rules::matching::pods::{PodKey, PodView};
+use crate::rules::matching::{
+    Ask, Decision, MatchError, decide, decide_with, deleting, record, usage,
+};
+use crate::rules::usage::{Inventory, Keys, Ledger};
+
+pub(crate) struct PodMatcher;
+
+#[derive(Debug, Clone)]
+pub(crate) struct MatcherArgs {
+    pub(crate) node_name: String,
+    /// This node's GPUs: what matching needs of the config and no more.
+    pub(crate) node: Inventory,
+    pub(crate) keys: Keys,
+    pub(crate) wait: Duration,
+    pub(crate) kubeconfig: PathBuf,
+    pub(crate) metrics: Arc<Metrics>,
+    /// Where to publish the devices withdrawn from the kubelet's lists;
+    /// None with `matcher.withdraw_exclusive = false`.
+    pub(crate) withdrawals: Option<watch::Sender<Withdrawn>>,
+}
+
+impl MatcherArgs {
+    pub(crate) fn new(
+        config: &crate::config::Config,
+        gpus: &[crate::rules::device::Gpu],
+        metrics: Arc<Metrics>,
+        handle: &MatcherHandle,
+    ) -> Self {
+        MatcherArgs {
+            node_name: config.node_name.clone(),
+            node: Inventory::new(gpus, &config.offer()),
+            keys: Keys::new(&config.resource_domain),
+            wait: Duration::from_millis(config.matcher.wait_ms),
+            kubeconfig: config.matcher.kubeconfig.clone(),
+            metrics,
+            withdrawals: config
+                .matcher
+                .withdraw_exclusive
+                .then(|| handle.withdrawals().clone()),
+        }
+    }
+
+    /// What restarts a running matcher when a reload changes it. Left out:
+    /// the metrics registry, the supervisor's, the same across reloads;
+    /// and the withdrawals channel, the supervisor's matcher handle's
+    /// (only whether it is used is the config's). Taken apart field by
+    /// field, so a field added here does not compile until it is sorted.
+    pub(crate) fn restart_key(&self) -> impl PartialEq + '_ {
+        let MatcherArgs {
+            node_name,
+            node,
+            keys,
+            wait,
+            kubeconfig,
+            withdrawals,
+            metrics: _,
+        } = self;
+        (
+            node_name,
+            node,
+            keys,
+            wait,
+            kubeconfig,
+            withdrawals.is_some(),
+        )
+    }
+}
+
+/// What `/readyz` calls the matcher.
+pub(crate) const READY_NAME: &str = "pod matcher";
+
+pub(crate) struct MatcherState {
+    args: MatcherArgs,
+    client: Client,
+    cache: PodCache,
+    /// Clears the matcher's unready mark once the pod cache has synced.
+    synced: tokio::task::JoinHandle<()>,
+    /// Keeps the per-GPU usage metrics current.
+    report: tokio::task::JoinHandle<()>,
+    /// Warning Events on pods it could not place, posted beside it.
+    events: Events,
+    /// Our writes by pod UID: the next Allocate may come before the watch
+    /// event does.
+    written: HashMap<String, Written>,
+    /// Decisions handed out and not yet recorded or released, by ticket:
+    /// every other decision counts them as served.
+    reserved: HashMap<u64, Reservation>,
+    /// The last ticket handed out.
+    ticket: u64,
+    /// Pods our writes found gone that the cache still holds.
+    gone: HashSet<String>,
+}
+
+/// A decision its caller is readying (enforcement) before it is recorded.
+struct Reservation {
+    ask: Ask,
+    decision: Decision,
+    /// The caller's deadline: it has given up by then, whatever it got.
+    expires: Instant,
+}
+
+struct Written {
+    ledger: Ledger,
+    /// The resourceVersions our patches replaced, and the one the last one
+    /// made: a cached pod still at an older one is really at `after`, so the
+    /// next patch's precondition holds without a conflict and a re-read.
+    before: HashSet<String>,
+    after: String,
+}
+
+impl MatcherState {
+    /// The pods as recorded: the cache, with our writes it has not shown
+    /// yet, less the pods our writes found gone.
+    fn views(&mut self) -> Vec<PodView> {
+        let pods = self.cache.pods();
+        let mut views = Vec::with_capacity(pods.len());
+        let mut cached = HashSet::with_capacity(pods.len());
+        for pod in pods {
+            let (mut view, warnings) = PodView::from_pod(&self.args.keys, &pod);
+            for w in warnings {
+                tracing::debug!(pod = %view.key, warning = %w, "pod annotation");
+            }
+            cached.insert(view.uid.clone());
+            if self.gone.contains(&view.uid) {
+                continue;
+            }
+            if let Some(w) = self.written.get(&view.uid) {
+                view.ledger.merge(&w.ledger);
+                if w.before.contains(&view.resource_version) {
+                    view.resource_version.clone_from(&w.after);
+                }
+            }
+            if pod.metadata.deletion_timestamp.is_some() {
+                deleting(&mut view);
+            }
+            views.push(view);
+        }
+        let live: HashSet<&str> = views.iter().map(|v| v.uid.as_str()).collect();
+        self.written.retain(|uid, _| live.contains(uid.as_str()));
+        self.gone.retain(|uid| cached.contains(uid));
+        views
+    }
+
+    /// The pods as a new decision must see them: `recorded` with every
+    /// live reservation on its pod's ledger, so no two callers are handed
+    /// the same container or the same room on a GPU.
+    fn reserving(&mut self, mut recorded: Vec<PodView>) -> Vec<PodView> {
+        let now = Instant::now();
+        self.reserved.retain(|_, r| r.expires > now);
+        for r in self.reserved.values() {
+            if let Some(view) = recorded.iter_mut().find(|v| v.uid == r.decision.uid) {
+                record(&mut view.ledger, &self.args.node, &r.ask, &r.decision);
+            }
+        }
+        recorded
+    }
+
+    fn deciding(&mut self) -> Vec<PodView> {
+        let recorded = self.views();
+        self.reserving(recorded)
+    }
+
+    fn pods(&self, namespace: &str) -> Api<Pod> {
+        Api::namespaced(self.client.clone(), namespace)
+    }
+
+    fn failure(&self, ask: &Ask, why: impl Into<Refusal>) -> MatcherError {
+        let resource = ask.resource;
+        MatcherError::Refused {
+            node: self.args.node_name.clone(),
+            amount: ask.devices * self.args.node.unit()[resource],
+            resource,
+            devices: ask.devices,
+            why: why.into(),
+        }
+    }
+
+    /// Finds the container and places it, by `caller` (the caller's
+    /// deadline) at the latest, and holds the decision for the caller
+    /// (none for a repeat: nothing to record).
+    async fn decide(&mut self, ask: &Ask, caller: Instant) -> Result<Reserved, MatcherError> {
+        let deadline = caller.min(Instant::now() + self.args.wait);
+        if !self.cache.ready(deadline).await {
+            return Err(self.failure(ask, Refusal::NotSynced(self.args.wait.as_millis())));
+        }
+        loop {
+            let views = self.deciding();
+            match decide(&self.args.node, &views, ask) {
+                Ok(decision) if decision.repeat => {
+                    self.log(ask, &decision);
+                    return Ok(Reserved {
+                        decision,
+                        ticket: None,
+                    });
+                }
+                Ok(decision) => {
+                    self.ticket += 1;
+                    let reservation = Reservation {
+                        ask: ask.clone(),
+                        decision: decision.clone(),
+                        expires: caller,
+                    };
+                    self.reserved.insert(self.ticket, reservation);
+                    return Ok(Reserved {
+                        decision,
+                        ticket: Some(self.ticket),
+                    });
+                }
+                Err(e) => {
+                    // The pod may not have reached the cache yet.
+                    if matches!(e, MatchError::NoCandidate { .. })
+                        && self.cache.changed(deadline).await
+                    {
+                        continue;
+                    }
+                    let pod = e.pod().cloned();
+                    let failure = self.failure(ask, e);
+                    if let Some(pod) = &pod {
+                        self.events.warn(pod, &failure.to_string());
+                    }
+                    return Err(failure);
+                }
+            }
+        }
+    }
+
+    /// Records the reservation `ticket` on its pod's ledger, if the same
+    /// lookup still decides the same: the pods may have changed while the
+    /// caller readied it (gone, an assignment written, another pod now
+    /// first), and then it must be decided again.
+    async fn record(&mut self, ticket: u64) -> Result<Recorded, MatcherError> {
+        let Some(r) = self.reserved.remove(&ticket) else {
+            return Ok(Recorded::Again);
+        };
+        if r.expires <= Instant::now() {
+            return Ok(Recorded::Again);
+        }
+        let recorded = self.views();
+        let deciding = self.reserving(recorded.clone());
+        if decide(&self.args.node, &deciding, &r.ask).as_ref() != Ok(&r.decision) {
+            tracing::info!(pod = %r.decision.pod, "decision moved while being readied; deciding again");
+            return Ok(Recorded::Again);
+        }
+        let view = recorded
+            .into_iter()
+            .find(|v| v.uid == r.decision.uid)
+            .expect("decided on it");
+        let deadline = r.expires.min(Instant::now() + self.args.wait);
+        match self.write(view, &r.ask, &r.decision, deadline).await {
+            Ok(()) => {
+                self.log(&r.ask, &r.decision);
+                Ok(Recorded::Done)
+            }
+            Err(WriteError::Gone) => {
+                tracing::info!(pod = %r.decision.pod, "pod went away while being served");
+                self.gone.insert(r.decision.uid);
+                Ok(Recorded::Again)
+            }
+            Err(WriteError::Unreachable(e)) => Err(self.failure(&r.ask, Refusal::ApiServer(e))),
+        }
+    }
+
+    /// Writes `d` into the pod's ledger ([`write::ledger`]) and keeps
+    /// what was written until the watch shows it.
+    async fn write(
+        &mut self,
+        view: PodView,
+        ask: &Ask,
+        d: &Decision,
+        deadline: Instant,
+    ) -> Result<(), WriteError> {
+        let api = self.pods(&d.pod.namespace);
+        let landed = write::ledger(&api, &self.args, view, ask, d, deadline).await?;
+        let w = self.written.entry(d.uid.clone()).or_insert(Written {
+            ledger: Ledger::default(),
+            before: HashSet::new(),
+            after: String::new(),
+        });
+        w.ledger = landed.ledger;
+        w.before.insert(landed.replaced);
+        w.after = landed.resource_version;
+        Ok(())
+    }
+
+    /// Says what an Allocate was matched to.
+    fn log(&self, ask: &Ask, d: &Decision) {
+        tracing::info!(
+            pod = %d.pod,
+            container = %d.container,
+            resource = %ask.resource,
+            amount = d.amount,
+            gpus = ?d.gpus.iter().map(|&g| &self.args.node.gpus[g].uuid).collect::<Vec<_>>(),
+            repeat = d.repeat,
+            "matched"
+        );
+    }
+
+    async fn prefer(&mut self, ask: &Ask, caller: Instant) -> Steer {
+        // Waiting a little for a pod the cache has not seen keeps an
+        // assigned pod's IDs on its GPU.
+        let deadline = caller.min(Instant::now() + UNSEEN_POD_WAIT);
+        let (views, usage, decided) = loop {
+            let views = self.deciding();
+            let usage = usage(&self.args.node, &views);
+            match decide_with(&self.args.node, &views, &usage, ask) {
+                Err(MatchError::NoCandidate { .. }) if self.cache.changed(deadline).await => {}
+                d => break (views, usage, d.ok()),
+            }
+        };
+        let inv = &self.args.node;
+        let assigned = decided.as_ref().is_some_and(|d| {
+            views
+                .iter()
+                .any(|v| v.uid == d.uid && v.assignment.0.contains_key(&d.container))
+        });
+        // A container asking whole GPUs has its GPUs fixed once one of its
+        // resources is served: the rest follow them, and its own whole GPUs
+        // are no GPUs to keep its share off.
+        let fixed = assigned
+            || decided
+                .as_ref()
+                .is_some_and(|d| d.whole && !d.gpus.is_empty());
+        match decided {
+            // The extender's (or the container's own) GPUs and no others:
+            // the kubelet takes a hint for each GPU it is not told to avoid.
+            Some(d) if fixed => Steer {
+                avoid: (0..inv.gpus.len()).map(|g| !d.gpus.contains(&g)).collect(),
+                gpus: d.gpus,
+            },
+            d => Steer {
+                gpus: d.map(|d| d.gpus).unwrap_or_default(),
+                avoid: usage.avoid(inv, ask.resource),
+            },
+        }
+    }
+
+    /// Every container of the cached pods, once the cache has synced.
+    async fn live(&self) -> Option<Vec<LiveContainer>> {
+        if !self.cache.ready(Instant::now()).await {
+            return None;
+        }
+        let mut live = Vec::new();
+        for pod in self.cache.pods() {
+            let (meta, Some(spec)) = (&pod.metadata, pod.spec.as_ref()) else {
+                continue;
+            };
+            let key = PodKey {
+                namespace: meta.namespace.clone().unwrap_or_default(),
+                name: meta.name.clone().unwrap_or_default(),
+            };
+            let uid = meta.uid.clone().unwrap_or_default();
+            let inits = spec.init_containers.iter().flatten();
+            for c in inits.chain(&spec.containers) {
+                live.push(LiveContainer {
+                    pod: key.clone(),
+                    uid: uid.clone(),
+                    container: c.name.clone(),
+                });
+            }
+        }
+        Some(live)
+    }
+}
+
+impl Actor for PodMatcher {
+    type Msg = MatcherMsg;
+    type State = MatcherState;
+    type Arguments = MatcherArgs;
+
+    async fn pre_start(
+        &self,
+        _: ActorRef<MatcherMsg>,
+        args: MatcherArgs,
+    ) -> Result<MatcherState, ActorProcessingErr> {
+        let client =
+            crate::net::kube_client::from_kubeconfig(&args.kubeconfig, "matcher.kubeconfig")
+                .await?;
+        let cache = PodCache::start(client.clone(), &args.node_name);
+        tracing::info!(node = %args.node_name, "pod matcher watching this node's pods");
+        let (sync, metrics) = (cache.synced(), args.metrics.clone());
+        let synced = tokio::spawn(async move {
+            sync.await;
+            tracing::info!("pod cache synced with the API server");
+            metrics.hold(READY_NAME, Hold::Waiting, None);
+        });
+        let report = super::report::spawn(&cache, &args);
+        let events = Events::start(client.clone(), &args.node_name);
+        Ok(MatcherState {
+            args,
+            client,
+            cache,
+            synced,
+            report,
+            events,
+            written: HashMap::new(),
+            reserved: HashMap::new(),
+            ticket: 0,
+            gone: HashSet::new(),
+        })
+    }
+
+    async fn handle(
+        &self,
+        _: ActorRef<MatcherMsg>,
+        msg: MatcherMsg,
+        state: &mut MatcherState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            // A caller that has gone (timed out, or its RPC was cancelled)
+            // reads no answer: serving it would record a grant no container
+            // gets.
+            MatcherMsg::Decide { ask, reply, .. } if reply.is_closed() => {
+                tracing::info!(resource = %ask.resource, "skipping an Allocate whose caller has gone");
+            }
+            MatcherMsg::Record { ticket, reply } if reply.is_closed() => {
+                state.reserved.remove(&ticket);
+            }
+            MatcherMsg::Prefer { reply, .. } if reply.is_closed() => {}
+            MatcherMsg::Decide {
+                ask,
+                deadline,
+                reply,
+            } => {
+                let result = state.decide(&ask, deadline).await;
+                if let Err(e) = &result {
+                    tracing::warn!(error = %e, "no match");
+                }
+                // The plugin may have timed out; the reservation expires.
+                let _ = reply.send(result);
+            }
+            MatcherMsg::Record { ticket, reply } => {
+                let result = state.record(ticket).await;
+                if let Err(e) = &result {
+                    tracing::warn!(error = %e, "not recorded");
+                }
+                let _ = reply.send(result);
+            }
+            MatcherMsg::Release { ticket } => {
+                state.reserved.remove(&ticket);
+            }
+            MatcherMsg::Warn { pod, note } => state.events.warn(&pod, &note),
+            MatcherMsg::Prefer {
+                ask,
+                deadline,
+                reply,
+            } => {
+                let _ = reply.send(state.prefer(&ask, deadline).await);
+            }
+            MatcherMsg::Live { reply } => {
+                let _ = reply.send(state.live().await);
+            }
+        }
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _: ActorRef<MatcherMsg>,
+        state: &mut MatcherState,
+    ) -> Result<(), ActorProcessingErr> {
+        // A successor's cache is not ours: this one must not mark it synced.
+        state.synced.abort();
+        // Without a matcher there is no usage to show, rather than a stale one.
+        state.report.abort();
+        state.args.metrics.set_gpus(Vec::new());
+        // Nor withdrawals nobody keeps current: every device the GPUs'
+        // health allows goes back on the kubelet's lists.
+        if let Some(tx) = &state.args.withdrawals {
+            super::report::publish(tx, Withdrawn::default());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,165 @@
+//! The matcher actor against the API-server stand-in: an Allocate's
+//! enforcement step runs in its caller, so another Allocate is answered
+//! while one is being readied, and the reservation keeps the two apart.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use gpu_sim::apiserver::{ApiServerSim, PodContainer};
+use ractor::Actor;
+use tokio::sync::oneshot;
+
+use super::{MatcherArgs, MatcherHandle, PodMatcher, Prepare};
+use crate::config::Config;
+use crate::node::metrics::Metrics;
+use crate::rules::device::{DeviceRef, Resource};
+
+const NODE: &str = "n";
+/// Far longer than a match takes: only a matcher stuck on the other
+/// Allocate's enforcement step runs out of it.
+const ANSWER: Duration = Duration::from_secs(10);
+
+/// A running matcher for one mock GPU of 1024 MiB, against `api`.
+async fn matcher(api: &ApiServerSim, dir: &std::path::Path) -> (MatcherHandle, Duration) {
+    let kubeconfig = dir.join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig).unwrap();
+    let toml = format!(
+        "pod_matching = true\nhttp_listen = \"\"\n[matcher]\nkubeconfig = {:?}\n\
+         [devices]\nbackend = \"mock\"\n[[devices.mock]]\nuuid = \"GPU-a\"\nmemory_mib = 1024\n",
+        kubeconfig.display().to_string()
+    );
+    let config = Config::from_toml(&toml, Some(NODE.into())).unwrap();
+    let gpus = crate::rules::device::discover(&config).unwrap();
+    let handle = MatcherHandle::default();
+    let args = MatcherArgs::new(&config, &gpus, Arc::new(Metrics::default()), &handle);
+    let wait = args.wait;
+    let (actor, _) = Actor::spawn(None, PodMatcher, args).await.unwrap();
+    handle.set(Some(actor));
+    (handle, wait)
+}
+
+fn app(memory: u64) -> PodContainer {
+    PodContainer {
+        name: "app".into(),
+        init: false,
+        restartable: false,
+        wants: [memory, 0, 0],
+    }
+}
+
+fn ledger(api: &ApiServerSim, pod: &str) -> Option<serde_json::Value> {
+    api.pod("default", pod).unwrap()["metadata"]["annotations"]
+        .get("doslab.io/gpu-ledger")
+        .cloned()
+}
+
+/// An Allocate of 4 gpu-memory devices named `ids`.
+async fn allocate(
+    handle: MatcherHandle,
+    wait: Duration,
+    ids: [&'static str; 4],
+    prepare: Prepare,
+) -> Result<String, String> {
+    let devices: Vec<DeviceRef> = (0..4).map(|unit| DeviceRef { gpu: 0, unit }).collect();
+    handle
+        .allocate(
+            Resource::GpuMemory,
+            &devices,
+            ids.into_iter(),
+            wait,
+            Some(prepare),
+        )
+        .await
+        .map(|(d, _)| d.pod.name)
+        .map_err(|e| e.to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_allocate_is_answered_while_another_ones_enforcement_step_is_blocked() {
+    let api = ApiServerSim::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    // Two pods asking the same: the first Allocate is first's (created
+    // first), and its reservation must send the second to second.
+    api.add_pod("default", "first", NODE, &[app(4)], &[]);
+    api.add_pod("default", "second", NODE, &[app(4)], &[]);
+    let (handle, wait) = matcher(&api, dir.path()).await;
+
+    // The enforcement step of first's grant blocks until released; that of
+    // any other grant returns at once.
+    let (entered, blocked) = oneshot::channel::<()>();
+    let (release, released) = oneshot::channel::<()>();
+    let gate = Arc::new(Mutex::new(Some((entered, released))));
+    let prepare: Prepare = Arc::new(move |d| {
+        let gate = (d.pod.name == "first")
+            .then(|| gate.lock().unwrap().take())
+            .flatten();
+        Box::pin(async move {
+            if let Some((entered, released)) = gate {
+                let _ = entered.send(());
+                let _ = released.await;
+            }
+            Ok(None)
+        })
+    });
+
+    let slow = tokio::spawn(allocate(
+        handle.clone(),
+        wait,
+        ["a0", "a1", "a2", "a3"],
+        prepare.clone(),
+    ));
+    blocked.await.expect("first's enforcement step began");
+    let fast = tokio::time::timeout(
+        ANSWER,
+        allocate(handle.clone(), wait, ["b0", "b1", "b2", "b3"], prepare),
+    )
+    .await
+    .expect("answered while the other Allocate's enforcement step is blocked");
+    assert_eq!(fast.as_deref(), Ok("second"));
+    assert!(ledger(&api, "second").is_some(), "second's grant recorded");
+    assert_eq!(ledger(&api, "first"), None, "first's is not, yet");
+
+    release.send(()).unwrap();
+    let slow = tokio::time::timeout(ANSWER, slow).await.unwrap().unwrap();
+    assert_eq!(slow.as_deref(), Ok("first"));
+    assert!(ledger(&api, "first").is_some(), "first's grant recorded");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_enforcement_step_records_nothing_and_releases_the_container() {
+    let api = ApiServerSim::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    api.add_pod("default", "only", NODE, &[app(4)], &[]);
+    let (handle, wait) = matcher(&api, dir.path()).await;
+    let refuse: Prepare = Arc::new(|_| {
+        Box::pin(async {
+            Err(crate::node::enforcement::EnforcementError::Io {
+                action: "create",
+                path: "/nowhere".into(),
+                source: std::io::Error::other("refused by the test"),
+            })
+        })
+    });
+    let ids = ["a0", "a1", "a2", "a3"];
+    let err = allocate(handle.clone(), wait, ids, refuse)
+        .await
+        .unwrap_err();
+    assert!(err.contains("refused by the test"), "{err}");
+    assert_eq!(ledger(&api, "only"), None);
+    let events = api.wait_for_events(1, ANSWER).await;
+    assert!(
+        events[0]["note"]
+            .as_str()
+            .unwrap()
+            .contains("refused by the test"),
+        "{events:?}"
+    );
+    // The reservation went with the refusal: the same container is served
+    // by the kubelet's next try.
+    let ok: Prepare = Arc::new(|_| Box::pin(async { Ok(None) }));
+    let served = tokio::time::timeout(ANSWER, allocate(handle, wait, ids, ok))
+        .await
+        .unwrap();
+    assert_eq!(served.as_deref(), Ok("only"));
+    assert!(ledger(&api, "only").is_some());
+}

@@ -1,0 +1,508 @@
+//! The typed handle the plugins call, the matcher's messages, its errors
+//! and its time bounds. The supervisor fills the handle when it (re)starts
+//! the matcher, so plugins never hold a stale actor.
+
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+
+use ractor::{ActorRef, RactorErr, RpcReplyPort, call_t};
+use tokio::sync::watch;
+
+use super::report::Withdrawn;
+use crate::node::enforcement::{EnforcementError, Preload};
+use crate::rules::device::{DeviceRef, Resource};
+use crate::rules::matching::pods::PodKey;
+use crate::rules::matching::{Ask, Decision, MatchError};
+use crate::rules::usage::ids_digest;
+
+/// Beyond the matcher's own wait (`matcher.wait_ms`), what an Allocate
+/// allows for its queue: it answers one lookup at a time.
+const QUEUE_SLACK: Duration = Duration::from_secs(5);
+/// GetPreferredAllocation must stay fast; without an answer by then the
+/// plugin packs on its own.
+const PREFER_TIMEOUT: Duration = Duration::from_millis(500);
+/// A cleanup pass skips a round rather than wait long for the live pods.
+const LIVE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long GetPreferredAllocation waits for a pod the pod cache has not
+/// seen yet (the kubelet may ask before the pod's watch event arrives):
+/// half of [`PREFER_TIMEOUT`], leaving the rest for the lookup and reply.
+pub(super) const UNSEEN_POD_WAIT: Duration =
+    Duration::from_millis(PREFER_TIMEOUT.as_millis() as u64 / 2);
+
+/// Where GetPreferredAllocation should take devices from.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Steer {
+    /// The GPUs the container will get (empty: no opinion).
+    pub(crate) gpus: Vec<usize>,
+    /// Per GPU: keep off it (whole and shared work do not mix).
+    pub(crate) avoid: Vec<bool>,
+}
+
+/// Readies what a decision needs before the matcher records it
+/// (enforcement's cache directory): an error refuses the Allocate with
+/// nothing recorded. Run by the caller, never by the matcher (it is file
+/// work on the blocking pool, and every other Allocate would wait on it);
+/// called again if the decision moves (the pod went away, another is
+/// decided on).
+pub(crate) type Prepare = Arc<
+    dyn Fn(&Decision) -> BoxFuture<'static, Result<Option<Preload>, EnforcementError>>
+        + Send
+        + Sync,
+>;
+
+/// What an Allocate gets from the matcher.
+pub(crate) type Allocated = Result<(Decision, Option<Preload>), MatcherError>;
+
+/// A decision the matcher holds for its caller: no other Allocate is
+/// decided onto it until the caller records or releases it.
+#[derive(Debug)]
+pub(crate) struct Reserved {
+    pub(crate) decision: Decision,
+    /// The reservation to record; None for a repeat (nothing to record).
+    pub(crate) ticket: Option<u64>,
+}
+
+/// How a reservation's record went.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Recorded {
+    /// It is on the pod's ledger.
+    Done,
+    /// Not recorded: the decision no longer holds (its pod went away, the
+    /// pods changed, the reservation outlived its caller's deadline).
+    /// Decide again.
+    Again,
+}
+
+/// What the matcher is asked, one at a time; each call carries the port
+/// its answer goes to. A call whose caller has gone by the time its turn
+/// comes is skipped unanswered.
+///
+/// An Allocate is three steps so that the matcher never waits on
+/// enforcement's file work: `Decide` (pure, fast: the container, its GPU,
+/// held as a reservation), the caller's [`Prepare`] outside the matcher,
+/// then `Record` (the ledger patch). Prepared first, recorded second: a
+/// grant enforcement cannot ready leaves no ledger entry, only a
+/// reservation that `Release` drops; the other order would leave a ledger
+/// entry to take back by another API write, which can fail too.
+pub(crate) enum MatcherMsg {
+    /// Find the container an Allocate is for and place it, giving up by
+    /// `deadline` (the caller's). Reply with the decision, held for the
+    /// caller until `deadline` at the latest, or why not; a refusal also
+    /// lands as an Event on the pod when one was found.
+    Decide {
+        ask: Ask,
+        deadline: Instant,
+        reply: RpcReplyPort<Result<Reserved, MatcherError>>,
+    },
+    /// Record the reservation `ticket` on its pod's ledger if its decision
+    /// still holds.
+    Record {
+        ticket: u64,
+        reply: RpcReplyPort<Result<Recorded, MatcherError>>,
+    },
+    /// Drop the reservation `ticket`, unrecorded (a no-op once recorded).
+    Release { ticket: u64 },
+    /// Post a Warning Event with `note` on `pod`: why its container was
+    /// refused after the matcher decided on it.
+    Warn { pod: PodKey, note: String },
+    /// The same lookup for GetPreferredAllocation, recording nothing, by
+    /// `deadline` (the caller's). Reply with where the devices should come
+    /// from (no opinion when nothing was found).
+    Prefer {
+        ask: Ask,
+        deadline: Instant,
+        reply: RpcReplyPort<Steer>,
+    },
+    /// Reply with every container of every pod in the pod cache; None
+    /// before the cache's first full list (nothing yet says which pods are
+    /// gone).
+    Live {
+        reply: RpcReplyPort<Option<Vec<LiveContainer>>>,
+    },
+}
+
+/// Releases a reservation on every way out of an Allocate (a refusal, a
+/// timeout, the RPC cancelled); after its record the release is a no-op.
+struct Held {
+    actor: ActorRef<MatcherMsg>,
+    ticket: u64,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let ticket = self.ticket;
+        let _ = self.actor.cast(MatcherMsg::Release { ticket });
+    }
+}
+
+/// A container of a pod the pod cache holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct LiveContainer {
+    pub(crate) pod: PodKey,
+    pub(crate) uid: String,
+    pub(crate) container: String,
+}
+
+/// Why the matcher gave no container for an Allocate. The text is what
+/// the kubelet shows; [`MatcherError::reason`] is what metrics count.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum MatcherError {
+    #[error("the pod matcher is not running (see the log for why)")]
+    Down,
+    /// The call failed: `timed_out`, or the matcher stopped meanwhile.
+    #[error("the pod matcher did not answer: {detail}")]
+    NoAnswer { timed_out: bool, detail: String },
+    /// Enforcement could not ready the decided container's cap.
+    #[error("{resource}: {source}")]
+    Enforcement {
+        resource: Resource,
+        source: EnforcementError,
+    },
+    #[error("node {node}: cannot allocate {amount} {resource} ({devices} devices): {why}")]
+    Refused {
+        node: String,
+        amount: u64,
+        resource: Resource,
+        devices: u64,
+        why: Refusal,
+    },
+}
+
+/// Why the matcher refused.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum Refusal {
+    #[error("the pod cache has not synced with the API server within {0} ms")]
+    NotSynced(u128),
+    #[error("the API server: {0}")]
+    ApiServer(String),
+    #[error(transparent)]
+    Match(#[from] MatchError),
+}
+
+impl MatcherError {
+    /// The kind of failure, for `rpc_failures_total{reason}`.
+    pub(crate) fn reason(&self) -> &'static str {
+        match self {
+            MatcherError::Down
+            | MatcherError::NoAnswer {
+                timed_out: false, ..
+            } => "matcher_down",
+            MatcherError::NoAnswer {
+                timed_out: true, ..
+            } => "timeout",
+            MatcherError::Enforcement { .. } => "enforcement",
+            MatcherError::Refused { why, .. } => match why {
+                Refusal::NotSynced(_) => "not_synced",
+                Refusal::ApiServer(_) => "api_server",
+                Refusal::Match(e) => match e {
+                    MatchError::NoCandidate { .. } => "no_match",
+                    MatchError::UnknownGpu { .. } => "unknown_gpu",
+                    MatchError::SpansGpus { .. } => "spans_gpus",
+                    MatchError::Contradicts { .. } => "contradicts_assignment",
+                    MatchError::HeldWhole { .. } => "held_whole",
+                    MatchError::CarriesShared { .. } => "carries_shared",
+                    MatchError::Splits { .. } => "splits_container",
+                    MatchError::NoWholeGpus { .. } => "no_whole_gpus",
+                    MatchError::Full { .. } => "full",
+                },
+            },
+        }
+    }
+}
+
+fn no_answer<T>(e: RactorErr<T>) -> MatcherError {
+    MatcherError::NoAnswer {
+        timed_out: matches!(e, RactorErr::Timeout),
+        detail: e.to_string(),
+    }
+}
+
+/// The matcher as the plugins see it, across its restarts: the running
+/// actor, and the devices it withdraws from the kubelet's lists.
+#[derive(Debug, Clone)]
+pub(crate) struct MatcherHandle {
+    actor: Arc<RwLock<Option<ActorRef<MatcherMsg>>>>,
+    /// Outlives every matcher, so a plugin follows one channel for good.
+    withdrawals: watch::Sender<Withdrawn>,
+}
+
+impl Default for MatcherHandle {
+    fn default() -> Self {
+        MatcherHandle {
+            actor: Arc::default(),
+            withdrawals: watch::Sender::new(Withdrawn::default()),
+        }
+    }
+}
+
+impl MatcherHandle {
+    pub(crate) fn set(&self, actor: Option<ActorRef<MatcherMsg>>) {
+        *self.actor.write().expect("matcher handle poisoned") = actor;
+    }
+
+    fn actor(&self) -> Option<ActorRef<MatcherMsg>> {
+        self.actor.read().expect("matcher handle poisoned").clone()
+    }
+
+    /// Where a matcher publishes what it withdraws.
+    pub(crate) fn withdrawals(&self) -> &watch::Sender<Withdrawn> {
+        &self.withdrawals
+    }
+
+    /// What the matcher withdraws now and after every change.
+    pub(crate) fn follow_withdrawals(&self) -> watch::Receiver<Withdrawn> {
+        self.withdrawals.subscribe()
+    }
+
+    /// The container granted `devices` of `resource`, named by `ids` (the
+    /// same devices, as the kubelet sent them), readied by `prepare` before
+    /// it is recorded. `wait` is the matcher's own bound
+    /// (`matcher.wait_ms`); the call allows for its queue too. `prepare`
+    /// runs here, in the caller's task, while the matcher serves others.
+    pub(crate) async fn allocate<'a>(
+        &self,
+        resource: Resource,
+        devices: &[DeviceRef],
+        ids: impl Iterator<Item = &'a str>,
+        wait: Duration,
+        prepare: Option<Prepare>,
+    ) -> Allocated {
+        let actor = self.actor().ok_or(MatcherError::Down)?;
+        let ask = allocate_ask(resource, devices, ids);
+        let deadline = Instant::now() + wait + QUEUE_SLACK;
+        let left = || {
+            deadline
+                .saturating_duration_since(Instant::now())
+                .as_millis() as u64
+        };
+        loop {
+            let decide = |reply| MatcherMsg::Decide {
+                ask: ask.clone(),
+                deadline,
+                reply,
+            };
+            let reserved = call_t!(actor, decide, left()).map_err(no_answer)??;
+            let (d, ticket) = (reserved.decision, reserved.ticket);
+            let _held = ticket.map(|ticket| Held {
+                actor: actor.clone(),
+                ticket,
+            });
+            let preload = match &prepare {
+                Some(p) => match tokio::time::timeout_at(deadline.into(), p(&d)).await {
+                    Ok(Ok(preload)) => preload,
+                    Ok(Err(source)) => {
+                        let e = MatcherError::Enforcement { resource, source };
+                        let (pod, note) = (d.pod.clone(), e.to_string());
+                        let _ = actor.cast(MatcherMsg::Warn { pod, note });
+                        return Err(e);
+                    }
+                    Err(_) => {
+                        return Err(MatcherError::NoAnswer {
+                            timed_out: true,
+                            detail: "enforcement did not ready the grant in time".into(),
+                        });
+                    }
+                },
+                None => None,
+            };
+            let Some(ticket) = ticket else {
+                return Ok((d, preload));
+            };
+            // A grant prepared for a decision that no longer holds keeps
+            // what was made for it: the cache directory is the container's,
+            // not this grant's (its other resource's grant may use the same
+            // one), an empty one grants nothing (the ledger is the record),
+            // and the sweeper removes it with its pod.
+            let record = |reply| MatcherMsg::Record { ticket, reply };
+            match call_t!(actor, record, left()).map_err(no_answer)?? {
+                Recorded::Done => return Ok((d, preload)),
+                Recorded::Again => continue,
+            }
+        }
+    }
+
+    /// The containers of the pods in the pod cache; None when the matcher
+    /// is down, slow, or has not synced its cache.
+    pub(crate) async fn live(&self) -> Option<Vec<LiveContainer>> {
+        let actor = self.actor()?;
+        let ms = LIVE_TIMEOUT.as_millis() as u64;
+        call_t!(actor, |reply| MatcherMsg::Live { reply }, ms)
+            .ok()
+            .flatten()
+    }
+
+    /// Where `size` devices of `resource` should come from; no opinion
+    /// when the matcher is down or slow.
+    pub(crate) async fn prefer(&self, resource: Resource, size: usize) -> Steer {
+        let Some(actor) = self.actor() else {
+            return Steer::default();
+        };
+        let ask = Ask {
+            resource,
+            devices: size as u64,
+            digest: None,
+            id_gpus: Vec::new(),
+        };
+        let (ms, deadline) = (
+            PREFER_TIMEOUT.as_millis() as u64,
+            Instant::now() + PREFER_TIMEOUT,
+        );
+        let prefer = |reply| MatcherMsg::Prefer {
+            ask,
+            deadline,
+            reply,
+        };
+        call_t!(actor, prefer, ms).unwrap_or_default()
+    }
+}
+
+/// The lookup of an Allocate of `devices`, named by `ids`.
+fn allocate_ask<'a>(
+    resource: Resource,
+    devices: &[DeviceRef],
+    ids: impl Iterator<Item = &'a str>,
+) -> Ask {
+    let mut id_gpus: Vec<usize> = Vec::new();
+    for d in devices {
+        if !id_gpus.contains(&d.gpu) {
+            id_gpus.push(d.gpu);
+        }
+    }
+    Ask {
+        resource,
+        devices: devices.len() as u64,
+        digest: Some(ids_digest(ids)),
+        id_gpus,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ractor::{Actor, ActorProcessingErr};
+
+    fn refused(e: MatchError) -> MatcherError {
+        MatcherError::Refused {
+            node: "n".into(),
+            amount: 512,
+            resource: Resource::GpuMemory,
+            devices: 4,
+            why: e.into(),
+        }
+    }
+
+    #[test]
+    fn failures_are_counted_by_kind_and_read_as_before() {
+        let pod = PodKey {
+            namespace: "default".into(),
+            name: "p".into(),
+        };
+        let e = refused(MatchError::NoCandidate {
+            resource: Resource::GpuMemory,
+            devices: 4,
+            best: None,
+        });
+        assert_eq!(e.reason(), "no_match");
+        assert_eq!(
+            e.to_string(),
+            "node n: cannot allocate 512 gpu-memory (4 devices): no pending pod on this node has \
+             a container waiting for 4 gpu-memory devices"
+        );
+        let full = refused(MatchError::Full {
+            pod: pod.clone(),
+            uuid: "GPU-a".into(),
+            resource: Resource::GpuMemory,
+            free: 1,
+            capacity: 2,
+            amount: 3,
+        });
+        assert_eq!(full.reason(), "full");
+        let held = refused(MatchError::HeldWhole {
+            pod,
+            uuid: "GPU-a".into(),
+        });
+        assert_eq!(held.reason(), "held_whole");
+        let synced = MatcherError::Refused {
+            node: "n".into(),
+            amount: 5,
+            resource: Resource::GpuCore,
+            devices: 1,
+            why: Refusal::NotSynced(500),
+        };
+        assert_eq!(synced.reason(), "not_synced");
+        assert_eq!(
+            synced.to_string(),
+            "node n: cannot allocate 5 gpu-core (1 devices): the pod cache has not synced with \
+             the API server within 500 ms"
+        );
+    }
+
+    /// A matcher that drops every Allocate unanswered, as one stopping
+    /// mid-call does.
+    struct Dropping;
+
+    impl Actor for Dropping {
+        type Msg = MatcherMsg;
+        type State = ();
+        type Arguments = ();
+
+        async fn pre_start(
+            &self,
+            _: ActorRef<MatcherMsg>,
+            _: (),
+        ) -> Result<(), ActorProcessingErr> {
+            Ok(())
+        }
+
+        async fn handle(
+            &self,
+            _: ActorRef<MatcherMsg>,
+            _: MatcherMsg,
+            _: &mut (),
+        ) -> Result<(), ActorProcessingErr> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_missing_matcher_a_lost_call_and_a_timeout_fail_by_kind() {
+        let handle = MatcherHandle::default();
+        let devices = [DeviceRef { gpu: 0, unit: 0 }];
+        let ask = |h: MatcherHandle| async move {
+            h.allocate(
+                Resource::GpuMemory,
+                &devices,
+                ["a"].into_iter(),
+                Duration::ZERO,
+                None,
+            )
+            .await
+            .unwrap_err()
+        };
+        let down = ask(handle.clone()).await;
+        assert_eq!(down.reason(), "matcher_down");
+        assert_eq!(
+            down.to_string(),
+            "the pod matcher is not running (see the log for why)"
+        );
+        let (actor, task) = Actor::spawn(None, Dropping, ()).await.unwrap();
+        handle.set(Some(actor.clone()));
+        let lost = ask(handle).await;
+        assert_eq!(lost.reason(), "matcher_down");
+        assert!(
+            lost.to_string()
+                .starts_with("the pod matcher did not answer: "),
+            "{lost}"
+        );
+        actor.stop(None);
+        task.await.unwrap();
+        let late = no_answer(RactorErr::<()>::Timeout);
+        assert_eq!(late.reason(), "timeout");
+        assert!(
+            late.to_string()
+                .starts_with("the pod matcher did not answer: ")
+        );
+    }
+}
