@@ -12,8 +12,12 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-pub use crate::node::http::HttpConfig;
+pub mod dra;
+pub mod enforcement;
+mod http;
 use crate::rules::device::{Gpu, GpuSource, Offer, Resource, Units, UnitsError};
+pub use http::HttpConfig;
+pub(crate) use http::{DAEMON_LIMITS, EXTENDER_LIMITS};
 
 /// The config a node runs when nothing else is said: the in-cluster default.
 pub const DEFAULT_TOML: &str = include_str!("../../config/gpu-device-plugin.toml");
@@ -52,7 +56,7 @@ pub struct Config {
     pub log_format: LogFormat,
     /// `/metrics`, `/healthz`, `/readyz`; empty turns the endpoint off.
     pub http_listen: String,
-    /// The endpoint's bounds (`crate::node::http::DAEMON_LIMITS` by default).
+    /// The endpoint's bounds (`DAEMON_LIMITS` by default).
     pub http: HttpConfig,
     /// Reload when the config file's content changes (a ConfigMap edit
     /// reaching the node), as on SIGHUP.
@@ -61,8 +65,8 @@ pub struct Config {
     pub health: Health,
     pub matcher: Matcher,
     pub allocate: AllocateExtras,
-    pub enforcement: crate::node::enforcement::EnforcementConfig,
-    pub dra: crate::node::dra::DraConfig,
+    pub enforcement: enforcement::EnforcementConfig,
+    pub dra: dra::DraConfig,
 }
 
 impl Default for Config {
@@ -311,8 +315,7 @@ impl Config {
                 ),
             ));
         }
-        self.http
-            .validate("http", &crate::node::http::DAEMON_LIMITS)?;
+        self.http.validate("http", &DAEMON_LIMITS)?;
         self.validate_devices()?;
         if self.health.poll_ms < 10 {
             return Err(invalid(
@@ -577,12 +580,9 @@ pub(crate) mod tests {
         assert!(err_of("[http]\nidle_timeout_ms = 10").contains("`http.idle_timeout_ms`"));
         assert!(err_of("[http]\nmax_body = 5").contains("max_body"));
         let c = parse("[http]\nheader_timeout_ms = 900").unwrap();
-        let limits = c.http.limits(&crate::node::http::DAEMON_LIMITS);
+        let limits = c.http.limits(&DAEMON_LIMITS);
         assert_eq!(limits.header_timeout, std::time::Duration::from_millis(900));
-        assert_eq!(
-            limits.max_body_bytes,
-            crate::node::http::DAEMON_LIMITS.max_body_bytes
-        );
+        assert_eq!(limits.max_body_bytes, DAEMON_LIMITS.max_body_bytes);
     }
 
     #[test]

@@ -61,8 +61,8 @@ pub struct ExtenderConfig {
     /// and at the cap the server would close an idle one the scheduler may
     /// be about to send on (it does not resend a POST: `EOF`).
     max_binds_queued: Option<usize>,
-    /// The HTTP server's bounds (`crate::node::http::EXTENDER_LIMITS` by default).
-    pub(crate) http: crate::node::http::HttpConfig,
+    /// The HTTP server's bounds (`crate::config::EXTENDER_LIMITS` by default).
+    pub(crate) http: crate::config::HttpConfig,
 }
 
 impl Default for ExtenderConfig {
@@ -78,7 +78,7 @@ impl Default for ExtenderConfig {
             max_binds_queued: None,
             filter_wait_ms: 1_000,
             choose_at_filter: true,
-            http: crate::node::http::HttpConfig::default(),
+            http: crate::config::HttpConfig::default(),
         }
     }
 }
@@ -122,7 +122,7 @@ impl ExtenderConfig {
 
     fn connections(&self) -> usize {
         self.http
-            .limits(&crate::node::http::EXTENDER_LIMITS)
+            .limits(&crate::config::EXTENDER_LIMITS)
             .max_connections
     }
 
@@ -170,7 +170,7 @@ impl ExtenderConfig {
             ));
         }
         self.http
-            .validate("extender.http", &crate::node::http::EXTENDER_LIMITS)?;
+            .validate("extender.http", &crate::config::EXTENDER_LIMITS)?;
         let connections = self.connections();
         if let Some(n) = self.max_binds_queued
             && !(1..connections).contains(&n)
@@ -231,7 +231,7 @@ mod tests {
         assert!(e.contains("`extender.reservation_ttl_ms`"), "{e}");
 
         let c = ExtenderConfig::from_toml("[extender.http]\nmax_connections = 8\n").unwrap();
-        let limits = c.http.limits(&crate::node::http::EXTENDER_LIMITS);
+        let limits = c.http.limits(&crate::config::EXTENDER_LIMITS);
         assert_eq!(limits.max_connections, 8);
         // An absent key keeps the extender's own default, not the daemon's.
         assert_eq!(limits.max_body_bytes, 4 << 20);

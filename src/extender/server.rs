@@ -12,7 +12,7 @@
 //! use gets 400 with the reason as text (the scheduler ignores prioritize
 //! failures and scores with the rest).
 //!
-//! It runs within `[extender.http]`'s bounds (see `crate::node::http`): a body
+//! It runs within `[extender.http]`'s bounds (see `crate::net::http`): a body
 //! over `max_body_bytes` gets 413 before it is decoded.
 
 use std::net::SocketAddr;
@@ -89,10 +89,10 @@ pub async fn start<B: Binder>(
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz::<B>))
         .with_state(x);
-    tokio::spawn(crate::node::http::serve_bounded(
+    tokio::spawn(crate::net::http::serve_bounded(
         listener,
         app,
-        config.http.limits(&crate::node::http::EXTENDER_LIMITS),
+        config.http.limits(&crate::config::EXTENDER_LIMITS),
     ));
     Ok(bound)
 }

@@ -269,7 +269,7 @@ impl Serving {
 /// within those bounds, or off.
 struct Http {
     listen: String,
-    limits: crate::node::http::HttpLimits,
+    limits: crate::net::http::HttpLimits,
     /// Held: dropping it closes the listener.
     endpoint: Option<crate::node::http::Endpoint>,
 }
@@ -277,7 +277,7 @@ struct Http {
 impl Http {
     async fn start(config: &Config, metrics: &Arc<Metrics>) -> Result<Http, RunError> {
         let listen = &config.http_listen;
-        let limits = config.http.limits(&crate::node::http::DAEMON_LIMITS);
+        let limits = config.http.limits(&crate::config::DAEMON_LIMITS);
         let endpoint = if listen.is_empty() {
             None
         } else {
@@ -304,7 +304,7 @@ impl Http {
         metrics: &Arc<Metrics>,
     ) -> Result<Option<Http>, RunError> {
         if config.http_listen == self.listen {
-            let limits = config.http.limits(&crate::node::http::DAEMON_LIMITS);
+            let limits = config.http.limits(&crate::config::DAEMON_LIMITS);
             if limits != self.limits {
                 if let Some(e) = &mut self.endpoint {
                     e.rebound(limits, metrics.clone());

@@ -2,7 +2,7 @@
 //! (`[dra]` in the config), beside or instead of the device-plugin
 //! resources, on GPUs of its own.
 //!
-//! - `config`: the `[dra]` section and which GPUs DRA serves.
+//! - `crate::config::dra`: the `[dra]` section and which GPUs DRA serves.
 //! - `proto`: the kubelet's registration and DRA plugin APIs.
 //! - `grant`: what an allocated claim grants on this node (pure).
 //! - `cdi`: a claim's CDI spec.
@@ -15,13 +15,12 @@
 mod actor;
 mod cdi;
 mod checkpoint;
-mod config;
 mod grant;
 mod prepare;
 pub mod proto;
 mod service;
 mod slices;
 
+pub use crate::config::dra::{DraConfig, UnknownGpu};
 pub(crate) use actor::{DraActor, DraArgs, DraMsg};
 pub use checkpoint::CheckpointError;
-pub use config::{DraConfig, UnknownGpu};

@@ -7,11 +7,10 @@
 //! a shared Allocate is refused rather than answered with a container that
 //! would run unlimited.
 //!
-//! `config` and `plan` are pure; `library`, `state` and `region` do the
+//! `plan` is pure (its config is `crate::config::enforcement`); `library`, `state` and `region` do the
 //! file work; [`Enforcer`] ties them to one config for the plugin, and
 //! [`AllocateEnforcement`] readies one Allocate RPC's shared grants.
 
-pub(crate) mod config;
 pub(crate) mod library;
 pub(crate) mod mps;
 pub(crate) mod plan;
@@ -24,8 +23,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::SystemTime;
 
-pub(crate) use config::EnforcementConfig;
-pub use config::{Compute, CorePolicy, Mode, MpsConfig};
+pub(crate) use crate::config::enforcement::EnforcementConfig;
+pub use crate::config::enforcement::{Compute, CorePolicy, Mode, MpsConfig};
 pub use library::install_library;
 pub(crate) use library::{LibraryError, check_library, write_atomically};
 pub use plan::LIBRARY_FILE;

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use crate::api::Mount;
 
 use super::EnforcementConfig;
-use super::config::{Compute, Mode};
+use crate::config::enforcement::{Compute, Mode};
 
 /// The library's file name in `library_dir`, as HAMi-core's build names it.
 pub const LIBRARY_FILE: &str = "libvgpu.so";
