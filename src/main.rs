@@ -210,7 +210,9 @@ fn controls(
     });
     Ok(futures::stream::select(
         signals,
-        futures::stream::iter(edits).flatten(),
+        futures::stream::iter(edits)
+            .flatten()
+            .map(|_edited| Control::Edited),
     ))
 }
 

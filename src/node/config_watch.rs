@@ -18,7 +18,6 @@ use futures::Stream;
 use notify::{RecursiveMode, Watcher};
 use tokio::sync::mpsc;
 
-use crate::node::app::Control;
 
 /// How long the directory must be quiet before the file is read: the
 /// kubelet's swap is a handful of renames in a row.
@@ -52,9 +51,14 @@ struct FileWatch {
     _watcher: notify::RecommendedWatcher,
 }
 
-/// `Control::Edited` each time the content of `path` changes from what it
-/// was when the watch began, or when it was last reported.
-pub fn watch(path: &Path) -> notify::Result<impl Stream<Item = Control> + Unpin + use<>> {
+/// The file's content changed: the daemon reloads it (`Control::Edited`)
+/// unless those very bytes were the last it tried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Edited;
+
+/// [`Edited`] each time the content of `path` changes from what it was
+/// when the watch began, or when it was last reported.
+pub fn watch(path: &Path) -> notify::Result<impl Stream<Item = Edited> + Unpin + use<>> {
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
@@ -76,7 +80,7 @@ pub fn watch(path: &Path) -> notify::Result<impl Stream<Item = Control> + Unpin 
     Ok(Box::pin(futures::stream::unfold(state, next)))
 }
 
-async fn next(mut s: FileWatch) -> Option<(Control, FileWatch)> {
+async fn next(mut s: FileWatch) -> Option<(Edited, FileWatch)> {
     loop {
         tokio::select! {
             event = s.events.recv() => {
@@ -91,7 +95,7 @@ async fn next(mut s: FileWatch) -> Option<(Control, FileWatch)> {
         if now.is_some() && now != s.last {
             tracing::info!(config = %s.path.display(), "config file changed");
             s.last = now;
-            return Some((Control::Edited, s));
+            return Some((Edited, s));
         }
     }
 }
@@ -122,7 +126,7 @@ mod tests {
         assert!(early.is_err(), "{early:?}");
         swap_configmap(dir.path(), 2, "memory_unit_mib = 2\n").unwrap();
         let got = tokio::time::timeout(Duration::from_secs(3), reloads.next()).await;
-        assert!(matches!(got, Ok(Some(Control::Edited))), "{got:?}");
+        assert!(matches!(got, Ok(Some(Edited))), "{got:?}");
         // The same bytes again (a resync): no reload.
         swap_configmap(dir.path(), 3, "memory_unit_mib = 2\n").unwrap();
         let again = tokio::time::timeout(Duration::from_millis(600), reloads.next()).await;
