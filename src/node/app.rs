@@ -13,7 +13,9 @@ use ractor::{Actor, ActorRef};
 use crate::config::{Backend, Config, ConfigError};
 use crate::node::config_watch::digest;
 use crate::node::enforcement::{EnforcementError, Enforcer};
+use crate::node::http::Reports;
 use crate::node::metrics::Metrics;
+use crate::node::readiness::Readiness;
 use crate::node::supervisor::{Supervisor, SupervisorArgs, SupervisorMsg};
 use crate::rules::device::{DiscoverError, Gpu, Plan, PlanError, discover};
 
@@ -187,7 +189,11 @@ pub async fn run(
         %health,
         "starting"
     );
-    let metrics = Arc::new(Metrics::default());
+    let reports = Reports {
+        metrics: Arc::new(Metrics::default()),
+        readiness: Arc::new(Readiness::default()),
+    };
+    let metrics = reports.metrics.clone();
     // The bytes `config` came from; the file may since have changed, which
     // the watch then reports.
     let tried = match source.as_deref() {
@@ -196,15 +202,16 @@ pub async fn run(
     };
     metrics.config_loaded(tried.clone());
     let mut serving = Serving {
-        http: Http::start(&config, &metrics).await?,
+        http: Http::start(&config, &reports).await?,
         source,
         tried,
-        metrics: metrics.clone(),
+        reports: reports.clone(),
     };
     let args = SupervisorArgs {
         config,
         plan,
         metrics,
+        readiness: reports.readiness,
     };
     let (supervisor, handle) = Actor::spawn(None, Supervisor, args)
         .await
@@ -214,7 +221,7 @@ pub async fn run(
             break;
         }
         if let Err(e) = serving.reload(control, &supervisor).await {
-            serving.metrics.config_refused();
+            serving.reports.metrics.config_refused();
             tracing::error!(error = %e, "reload refused; still serving the previous config");
         }
     }
@@ -235,7 +242,7 @@ struct Serving {
     /// The SHA-256 of the bytes last loaded or refused.
     tried: String,
     http: Http,
-    metrics: Arc<Metrics>,
+    reports: Reports,
 }
 
 impl Serving {
@@ -253,14 +260,14 @@ impl Serving {
         }
         self.tried.clone_from(&sha256);
         let (config, plan) = load(&bytes).await?;
-        let moved = self.http.moved(&config, &self.metrics).await?;
+        let moved = self.http.moved(&config, &self.reports).await?;
         let config = Box::new(config);
         let _ = supervisor.send_message(SupervisorMsg::Reload { config, plan });
         // The new endpoint listens before the old one closes.
         if let Some(moved) = moved {
             self.http = moved;
         }
-        self.metrics.config_loaded(sha256);
+        self.reports.metrics.config_loaded(sha256);
         Ok(())
     }
 }
@@ -275,13 +282,13 @@ struct Http {
 }
 
 impl Http {
-    async fn start(config: &Config, metrics: &Arc<Metrics>) -> Result<Http, RunError> {
+    async fn start(config: &Config, reports: &Reports) -> Result<Http, RunError> {
         let listen = &config.http_listen;
         let limits = config.http.limits(&crate::config::DAEMON_LIMITS);
         let endpoint = if listen.is_empty() {
             None
         } else {
-            let e = crate::node::http::serve(listen, limits, metrics.clone())
+            let e = crate::node::http::serve(listen, limits, reports.clone())
                 .await
                 .map_err(|e| RunError::Http(listen.to_owned(), e))?;
             tracing::info!(addr = %e.addr, "HTTP endpoint listening (/metrics, /healthz, /readyz)");
@@ -301,19 +308,19 @@ impl Http {
     async fn moved(
         &mut self,
         config: &Config,
-        metrics: &Arc<Metrics>,
+        reports: &Reports,
     ) -> Result<Option<Http>, RunError> {
         if config.http_listen == self.listen {
             let limits = config.http.limits(&crate::config::DAEMON_LIMITS);
             if limits != self.limits {
                 if let Some(e) = &mut self.endpoint {
-                    e.rebound(limits, metrics.clone());
+                    e.rebound(limits, reports.clone());
                 }
                 self.limits = limits;
             }
             return Ok(None);
         }
-        let next = Http::start(config, metrics).await?;
+        let next = Http::start(config, reports).await?;
         tracing::info!(from = %self.listen, to = %config.http_listen, "http_listen changed; the old endpoint closes");
         Ok(Some(next))
     }

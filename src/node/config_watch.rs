@@ -18,7 +18,6 @@ use futures::Stream;
 use notify::{RecursiveMode, Watcher};
 use tokio::sync::mpsc;
 
-
 /// How long the directory must be quiet before the file is read: the
 /// kubelet's swap is a handful of renames in a row.
 const SETTLE: Duration = Duration::from_millis(100);

@@ -18,11 +18,20 @@ use tokio::net::TcpListener;
 use crate::net::http::HttpLimits;
 use crate::net::http::serve_bounded;
 use crate::node::metrics::Metrics;
+use crate::node::readiness::Readiness;
 
-async fn metrics(State(m): State<Arc<Metrics>>) -> impl IntoResponse {
+/// What the endpoint reports: the series, and what holds readiness back
+/// besides the resources.
+#[derive(Debug, Clone)]
+pub(crate) struct Reports {
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) readiness: Arc<Readiness>,
+}
+
+async fn metrics(State(r): State<Reports>) -> impl IntoResponse {
     (
         [(header::CONTENT_TYPE, crate::node::metrics::CONTENT_TYPE)],
-        m.render(),
+        r.metrics.render(),
     )
 }
 
@@ -30,8 +39,9 @@ async fn healthz() -> &'static str {
     "ok\n"
 }
 
-async fn readyz(State(m): State<Arc<Metrics>>) -> (StatusCode, String) {
-    let waiting = m.not_ready();
+async fn readyz(State(r): State<Reports>) -> (StatusCode, String) {
+    let mut waiting = r.metrics.resources_not_ready();
+    waiting.extend(r.readiness.held());
     if waiting.is_empty() {
         (StatusCode::OK, "ready\n".into())
     } else {
@@ -61,30 +71,26 @@ impl Endpoint {
     /// Serves on within new bounds: the listener stays bound (no gap, no
     /// second bind of the same port); connections already open keep the
     /// bounds they started with.
-    pub(crate) fn rebound(&mut self, limits: HttpLimits, m: Arc<Metrics>) {
+    pub(crate) fn rebound(&mut self, limits: HttpLimits, r: Reports) {
         self.task.abort();
-        self.task = tokio::spawn(serve_bounded(self.listener.clone(), router(m), limits));
+        self.task = tokio::spawn(serve_bounded(self.listener.clone(), router(r), limits));
     }
 }
 
-fn router(m: Arc<Metrics>) -> Router {
+fn router(r: Reports) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .with_state(m)
+        .with_state(r)
 }
 
 /// Binds `addr` and serves within `limits` until the [`Endpoint`] is
 /// dropped; `:0` picks a free port, which the endpoint's `addr` tells.
-pub(crate) async fn serve(
-    addr: &str,
-    limits: HttpLimits,
-    m: Arc<Metrics>,
-) -> std::io::Result<Endpoint> {
+pub(crate) async fn serve(addr: &str, limits: HttpLimits, r: Reports) -> std::io::Result<Endpoint> {
     let listener = Arc::new(TcpListener::bind(addr).await?);
     let addr = listener.local_addr()?;
-    let task = tokio::spawn(serve_bounded(listener.clone(), router(m), limits));
+    let task = tokio::spawn(serve_bounded(listener.clone(), router(r), limits));
     Ok(Endpoint {
         addr,
         listener,

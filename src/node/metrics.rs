@@ -1,6 +1,6 @@
 //! The daemon's series for `/metrics`, on the Prometheus project's own
 //! client (`prometheus-client`: types, escaping and the OpenMetrics text
-//! come from it), and the readiness of `/readyz`.
+//! come from it).
 //!
 //! Series come two ways:
 //! - counted as things happen, in the library's typed counters, gauges and
@@ -14,9 +14,9 @@
 //!   an update.
 //!
 //! One [`ResourceMetrics`] per resource, created by the supervisor and kept
-//! across plugin restarts, so counters accumulate. Readiness also waits for
-//! the other parts that mark themselves unready: the pod matcher until its
-//! pod cache synced, and any actor that keeps failing.
+//! across plugin restarts, so counters accumulate. A resource is ready when
+//! registered and streaming; the other parts' readiness is
+//! [`crate::node::readiness`]'s.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -246,26 +246,12 @@ impl ResourceMetrics {
     }
 }
 
-/// Why a part other than a resource holds readiness back.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub(crate) enum Hold {
-    /// Not up yet (the pod matcher before its pod cache synced).
-    Waiting,
-    /// Restarted again and again.
-    Failing,
-    /// Behind the API server (the pod matcher's watch failed and the list
-    /// after it has not arrived), so an Allocate waits and may fail.
-    Stale,
-}
-
-/// Every series of the daemon, and the parts holding readiness back.
+/// Every series of the daemon.
 #[derive(Debug)]
 pub(crate) struct Metrics {
     /// The process-wide series below and the [`Scraped`] collector.
     registry: Registry,
     scraped: Arc<Scraped>,
-    /// Parts holding readiness back: (name, hold) → why.
-    held: Mutex<BTreeMap<(String, Hold), String>>,
     /// Pods of this node in the matcher's cache.
     pod_cache: Level,
     /// API-server requests the matcher made outside its watch.
@@ -400,7 +386,6 @@ impl Default for Metrics {
         Metrics {
             registry,
             scraped,
-            held: Mutex::default(),
             pod_cache,
             api_requests,
             config_reloads,
@@ -481,36 +466,14 @@ impl Metrics {
         *self.scraped.enforcement.lock().expect("metrics lock") = series;
     }
 
-    /// Marks `part` unready for `hold` with the reason `why`, or clears
-    /// that mark with None.
-    pub(crate) fn hold(&self, part: &str, hold: Hold, why: Option<String>) {
-        let mut held = self.held.lock().expect("metrics lock");
-        let key = (part.to_owned(), hold);
-        match why {
-            Some(why) => held.insert(key, why),
-            None => held.remove(&key),
-        };
-    }
-
-    /// Clears every mark of `part` (it stopped on purpose; a successor
-    /// marks its own).
-    pub(crate) fn release(&self, part: &str) {
-        self.held
-            .lock()
-            .expect("metrics lock")
-            .retain(|(p, _), _| p != part);
-    }
-
-    /// What is not ready yet, each with why; empty when all is.
-    pub(crate) fn not_ready(&self) -> Vec<String> {
+    /// The resources not registered with the kubelet or not streaming to
+    /// it, each with why; empty when all are.
+    pub(crate) fn resources_not_ready(&self) -> Vec<String> {
         let all = self.scraped.resources.read().expect("metrics lock");
-        let resources = all
-            .iter()
+        all.iter()
             .filter(|(_, m)| !m.ready())
-            .map(|(n, _)| format!("{n}: not registered or not streaming"));
-        let held = self.held.lock().expect("metrics lock");
-        let parts = held.iter().map(|((part, _), why)| format!("{part}: {why}"));
-        resources.chain(parts).collect()
+            .map(|(n, _)| format!("{n}: not registered or not streaming"))
+            .collect()
     }
 
     /// The scrape, in the OpenMetrics text format ([`CONTENT_TYPE`]).
@@ -901,37 +864,36 @@ mod tests {
             crate::GIT_REVISION
         ));
         assert_eq!(
-            metrics.not_ready(),
+            metrics.resources_not_ready(),
             ["doslab.io/gpu-core: not registered or not streaming"]
         );
         metrics.retain(&[]);
         assert!(!metrics.render().contains("doslab.io/gpu-core"));
-        assert!(metrics.not_ready().is_empty());
-        metrics.hold("pod matcher", Hold::Waiting, Some("not synced".into()));
-        metrics.hold("pod matcher", Hold::Failing, Some("failed".into()));
-        metrics.hold("pod matcher", Hold::Waiting, None);
-        assert_eq!(metrics.not_ready(), ["pod matcher: failed"]);
+        assert!(metrics.resources_not_ready().is_empty());
     }
 
     #[test]
     fn a_resource_is_ready_while_registered_with_a_stream_open() {
         let metrics = Metrics::default();
         let m = metrics.resource("doslab.io/gpu-memory");
-        assert!(!metrics.not_ready().is_empty(), "no plugin yet");
+        assert!(!metrics.resources_not_ready().is_empty(), "no plugin yet");
         let streams = Arc::new(AtomicUsize::new(0));
         let open = streams.clone();
         m.read_streams(move || open.load(Ordering::SeqCst));
         m.set_registered(true);
-        assert!(!metrics.not_ready().is_empty(), "no stream yet");
+        assert!(!metrics.resources_not_ready().is_empty(), "no stream yet");
         streams.store(1, Ordering::SeqCst);
-        assert!(metrics.not_ready().is_empty());
+        assert!(metrics.resources_not_ready().is_empty());
         assert!(
             metrics
                 .render()
                 .contains("gpu_device_plugin_list_streams{resource=\"doslab.io/gpu-memory\"} 1\n")
         );
         streams.store(0, Ordering::SeqCst);
-        assert!(!metrics.not_ready().is_empty(), "the kubelet dropped it");
+        assert!(
+            !metrics.resources_not_ready().is_empty(),
+            "the kubelet dropped it"
+        );
     }
 
     #[test]

@@ -14,4 +14,5 @@ pub(crate) mod kubelet_watch;
 pub mod matcher;
 pub(crate) mod metrics;
 pub mod plugin;
+pub(crate) mod readiness;
 pub(crate) mod supervisor;

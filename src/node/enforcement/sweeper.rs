@@ -12,10 +12,8 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use super::{CacheOwner, Enforcer, Keep, Region, RegionError, cache_key};
 use crate::node::matcher::{LiveContainer, MatcherHandle};
-use crate::node::metrics::{ContainerMemory, EnforcementSeries, Hold, Metrics};
-
-/// What `/readyz` calls enforcement.
-pub(crate) const READY_NAME: &str = "enforcement";
+use crate::node::metrics::{ContainerMemory, EnforcementSeries, Metrics};
+use crate::node::readiness::{Child, Hold, Readiness};
 
 pub(crate) struct Sweeper;
 
@@ -27,11 +25,12 @@ pub(crate) struct SweeperArgs {
     pub(crate) matcher: Option<MatcherHandle>,
     pub(crate) tick: Duration,
     pub(crate) metrics: Arc<Metrics>,
+    pub(crate) readiness: Arc<Readiness>,
 }
 
 impl SweeperArgs {
     /// What restarts a running sweeper when a reload changes it. Left out:
-    /// the metrics registry, the supervisor's; and which matcher handle it
+    /// the metrics registry and the readiness marks, the supervisor's; and which matcher handle it
     /// asks, the supervisor's, the same across reloads (only whether it
     /// asks one is the config's).
     pub(crate) fn restart_key(&self) -> impl PartialEq + '_ {
@@ -40,6 +39,7 @@ impl SweeperArgs {
             matcher,
             tick,
             metrics: _,
+            readiness: _,
         } = self;
         (enforcer, matcher.is_some(), tick)
     }
@@ -107,9 +107,8 @@ impl SweeperState {
                 "enforcement library usable"
             ),
         }
-        self.args
-            .metrics
-            .hold(READY_NAME, Hold::Waiting, why.clone());
+        let readiness = &self.args.readiness;
+        readiness.hold(Child::Enforcement, Hold::Waiting, why.clone());
         self.library = Some(why);
     }
 
@@ -240,7 +239,7 @@ impl Actor for Sweeper {
     ) -> Result<(), ActorProcessingErr> {
         // Enforcement switched off (or a successor takes over): its
         // readiness and series go with it.
-        state.args.metrics.hold(READY_NAME, Hold::Waiting, None);
+        state.args.readiness.release(Child::Enforcement);
         state.args.metrics.set_enforcement(None);
         Ok(())
     }
@@ -300,6 +299,7 @@ mod tests {
                 matcher: None,
                 tick: Duration::from_secs(1),
                 metrics: Arc::default(),
+                readiness: Arc::default(),
             },
             library: None,
             unreadable: HashSet::new(),
@@ -376,8 +376,11 @@ mod tests {
         assert!(why.contains(&*e.library_path().to_string_lossy()), "{why}");
         let mut s = state(&e);
         s.report_library(Some(why.clone()));
-        assert_eq!(s.args.metrics.not_ready(), [format!("enforcement: {why}")]);
+        assert_eq!(
+            s.args.readiness.held(),
+            [format!("enforcement sweeper: {why}")]
+        );
         s.report_library(None);
-        assert!(s.args.metrics.not_ready().is_empty());
+        assert!(s.args.readiness.held().is_empty());
     }
 }

@@ -25,7 +25,8 @@ use super::cache::PodCache;
 use super::events::Events;
 use super::report::Withdrawn;
 use super::write::{self, WriteError};
-use crate::node::metrics::{Hold, Metrics};
+use crate::node::metrics::Metrics;
+use crate::node::readiness::{Child, Hold, Readiness};
 use crate::rules::matching::pods::{PodKey, PodView};
 use crate::rules::matching::{
     Ask, Decision, MatchError, decide, decide_with, deleting, record, usage,
@@ -43,6 +44,7 @@ pub(crate) struct MatcherArgs {
     pub(crate) wait: Duration,
     pub(crate) kubeconfig: PathBuf,
     pub(crate) metrics: Arc<Metrics>,
+    pub(crate) readiness: Arc<Readiness>,
     /// Where to publish the devices withdrawn from the kubelet's lists;
     /// None with `matcher.withdraw_exclusive = false`.
     pub(crate) withdrawals: Option<watch::Sender<Withdrawn>>,
@@ -53,6 +55,7 @@ impl MatcherArgs {
         config: &crate::config::Config,
         gpus: &[crate::rules::device::Gpu],
         metrics: Arc<Metrics>,
+        readiness: Arc<Readiness>,
         handle: &MatcherHandle,
     ) -> Self {
         MatcherArgs {
@@ -62,6 +65,7 @@ impl MatcherArgs {
             wait: Duration::from_millis(config.matcher.wait_ms),
             kubeconfig: config.matcher.kubeconfig.clone(),
             metrics,
+            readiness,
             withdrawals: config
                 .matcher
                 .withdraw_exclusive
@@ -70,7 +74,8 @@ impl MatcherArgs {
     }
 
     /// What restarts a running matcher when a reload changes it. Left out:
-    /// the metrics registry, the supervisor's, the same across reloads;
+    /// the metrics registry and the readiness marks, the supervisor's, the
+    /// same across reloads;
     /// and the withdrawals channel, the supervisor's matcher handle's
     /// (only whether it is used is the config's). Taken apart field by
     /// field, so a field added here does not compile until it is sorted.
@@ -83,6 +88,7 @@ impl MatcherArgs {
             kubeconfig,
             withdrawals,
             metrics: _,
+            readiness: _,
         } = self;
         (
             node_name,
@@ -94,9 +100,6 @@ impl MatcherArgs {
         )
     }
 }
-
-/// What `/readyz` calls the matcher.
-pub(crate) const READY_NAME: &str = "pod matcher";
 
 pub(crate) struct MatcherState {
     args: MatcherArgs,
@@ -406,11 +409,11 @@ impl Actor for PodMatcher {
                 .await?;
         let cache = PodCache::start(client.clone(), &args.node_name);
         tracing::info!(node = %args.node_name, "pod matcher watching this node's pods");
-        let (sync, metrics) = (cache.synced(), args.metrics.clone());
+        let (sync, readiness) = (cache.synced(), args.readiness.clone());
         let synced = tokio::spawn(async move {
             sync.await;
             tracing::info!("pod cache synced with the API server");
-            metrics.hold(READY_NAME, Hold::Waiting, None);
+            readiness.hold(Child::Matcher, Hold::Waiting, None);
         });
         let report = super::report::spawn(&cache, &args);
         let events = Events::start(client.clone(), &args.node_name);

@@ -31,7 +31,13 @@ async fn matcher(api: &ApiServerSim, dir: &std::path::Path) -> (MatcherHandle, D
     let config = Config::from_toml(&toml, Some(NODE.into())).unwrap();
     let gpus = crate::rules::device::discover(&config).unwrap();
     let handle = MatcherHandle::default();
-    let args = MatcherArgs::new(&config, &gpus, Arc::new(Metrics::default()), &handle);
+    let args = MatcherArgs::new(
+        &config,
+        &gpus,
+        Arc::new(Metrics::default()),
+        Arc::default(),
+        &handle,
+    );
     let wait = args.wait;
     let (actor, _) = Actor::spawn(None, PodMatcher, args).await.unwrap();
     handle.set(Some(actor));

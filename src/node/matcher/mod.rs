@@ -14,7 +14,7 @@ pub mod report;
 mod write;
 
 pub(crate) use crate::rules::matching::Decision;
-pub(crate) use actor::{MatcherArgs, PodMatcher, READY_NAME};
+pub(crate) use actor::{MatcherArgs, PodMatcher};
 pub(crate) use api::{LiveContainer, MatcherError, MatcherHandle, MatcherMsg, Prepare, Steer};
 
 #[cfg(test)]

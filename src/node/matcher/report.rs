@@ -17,9 +17,10 @@ use std::sync::Arc;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::actor::{MatcherArgs, READY_NAME};
+use super::actor::MatcherArgs;
 use super::cache::PodCache;
-use crate::node::metrics::{GpuMode, GpuSample, Hold};
+use crate::node::metrics::{GpuMode, GpuSample};
+use crate::node::readiness::{Child, Hold};
 use crate::rules::device::{PerResource, Resource};
 use crate::rules::matching::pods::PodView;
 use crate::rules::matching::usage;
@@ -36,6 +37,7 @@ pub(super) fn spawn(cache: &PodCache, args: &MatcherArgs) -> JoinHandle<()> {
     let (pods, mut changes) = cache.reader();
     let mut stale = cache.stale();
     let (node, keys, metrics) = (args.node.clone(), args.keys.clone(), args.metrics.clone());
+    let readiness = args.readiness.clone();
     let withdrawals = args.withdrawals.clone();
     tokio::spawn(async move {
         // (pod UID, warning) already logged.
@@ -77,7 +79,7 @@ pub(super) fn spawn(cache: &PodCache, args: &MatcherArgs) -> JoinHandle<()> {
                     let why = stale.borrow_and_update().as_ref().map(|e| {
                         format!("pod cache stale, listing again through the API server: {e}")
                     });
-                    metrics.hold(READY_NAME, Hold::Stale, why);
+                    readiness.hold(Child::Matcher, Hold::Stale, why);
                 }
             }
         }

@@ -34,6 +34,7 @@ fn args() -> MatcherArgs {
         wait: Duration::from_secs(1),
         kubeconfig: Default::default(),
         metrics: Arc::new(Metrics::default()),
+        readiness: Arc::default(),
         withdrawals: None,
     }
 }

@@ -17,9 +17,10 @@ use crate::node::dra::DraMsg;
 use crate::node::health::HealthReport;
 use crate::node::inventory::{InventoryMsg, Published};
 use crate::node::kubelet_watch::CheckPlugins;
-use crate::node::matcher::{self, MatcherHandle};
-use crate::node::metrics::{GpuStatus, Hold, Metrics};
+use crate::node::matcher::MatcherHandle;
+use crate::node::metrics::{GpuStatus, Metrics};
 use crate::node::plugin::{PairingBook, Placement, PluginMsg, SETTLE};
+use crate::node::readiness::{Hold, Readiness};
 use crate::rules::device::{Plan, Resource};
 
 /// A child that ran this long works again: its backoff starts afresh and
@@ -36,6 +37,7 @@ pub(crate) struct SupervisorArgs {
     pub(crate) config: Config,
     pub(crate) plan: Plan,
     pub(crate) metrics: Arc<Metrics>,
+    pub(crate) readiness: Arc<Readiness>,
 }
 
 /// What the supervisor is told. Only the test-only `Children` is a call;
@@ -83,6 +85,7 @@ pub(crate) struct SupervisorState {
     matcher: MatcherHandle,
     healthy: Arc<[bool]>,
     metrics: Arc<Metrics>,
+    readiness: Arc<Readiness>,
     /// The children's two messages to the supervisor.
     report_health: HealthReport,
     check_plugins: CheckPlugins,
@@ -104,14 +107,14 @@ impl SupervisorState {
     /// readiness back.
     fn steady(&mut self, child: Child) {
         if self.failures.remove(&child).is_some() {
-            self.metrics.hold(&child.to_string(), Hold::Failing, None);
+            self.readiness.hold(child, Hold::Failing, None);
         }
     }
 
     /// `child` goes on purpose: whatever it held back goes with it (a
     /// successor marks its own).
     fn release(&mut self, child: Child) {
-        self.metrics.release(&child.to_string());
+        self.readiness.release(child);
         self.failures.remove(&child);
     }
 
@@ -119,6 +122,7 @@ impl SupervisorState {
     fn args(&self, child: Child) -> Option<Args> {
         let context = ChildContext {
             metrics: &self.metrics,
+            readiness: &self.readiness,
             healthy: &self.healthy,
             placement: self.placement(),
             report_health: &self.report_health,
@@ -194,8 +198,8 @@ impl Supervisor {
             }
             (Args::Matcher(_), _) => {
                 let why = "has not synced its pod cache with the API server";
-                let metrics = &state.metrics;
-                metrics.hold(matcher::READY_NAME, Hold::Waiting, Some(why.into()));
+                let readiness = &state.readiness;
+                readiness.hold(Child::Matcher, Hold::Waiting, Some(why.into()));
             }
             _ => {}
         }
@@ -231,8 +235,7 @@ impl Supervisor {
         let delay = restart_delay(*failures);
         if *failures >= FAILING_AFTER {
             let why = format!("failed {failures} times in a row, last: {reason}");
-            let metrics = &state.metrics;
-            metrics.hold(&child.to_string(), Hold::Failing, Some(why));
+            state.readiness.hold(child, Hold::Failing, Some(why));
         }
         tracing::warn!(
             %child,
@@ -415,6 +418,7 @@ impl Actor for Supervisor {
             config: args.config,
             plan: args.plan,
             metrics: args.metrics,
+            readiness: args.readiness,
             pairing: PairingBook::default(),
             matcher: MatcherHandle::default(),
             children: BTreeMap::new(),
@@ -497,6 +501,10 @@ impl Actor for Supervisor {
             return Ok(()); // stopped on purpose
         };
         let running = state.remove(child).expect("found above");
+        // Its marks spoke for an actor that is gone (one that panicked or
+        // was killed never cleared them): from here the supervisor says
+        // whether it holds readiness back, and its successor marks its own.
+        state.readiness.release(child);
         if running.started.elapsed() >= STABLE_AFTER {
             state.steady(child);
         }

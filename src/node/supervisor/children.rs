@@ -20,37 +20,12 @@ use crate::node::kubelet_watch::{CheckPlugins, KubeletWatcher, WatcherArgs};
 use crate::node::matcher::{MatcherArgs, MatcherMsg, PodMatcher};
 use crate::node::metrics::Metrics;
 use crate::node::plugin::{Placement, PluginActor, PluginArgs, PluginMsg};
-use crate::rules::device::{Plan, Resource};
+pub(crate) use crate::node::readiness::Child;
+use crate::node::readiness::Readiness;
+use crate::rules::device::Plan;
 
 /// The watcher's periodic check, for filesystem events that never came.
 const WATCH_TICK: Duration = Duration::from_secs(5);
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub(crate) enum Child {
-    Matcher,
-    Plugin(Resource),
-    Inventory,
-    Watcher,
-    Health,
-    Enforcement,
-    Mps,
-    Dra,
-}
-
-impl std::fmt::Display for Child {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Child::Matcher => f.write_str("pod matcher"),
-            Child::Plugin(r) => write!(f, "plugin {r}"),
-            Child::Inventory => f.write_str("inventory publisher"),
-            Child::Watcher => f.write_str("kubelet watcher"),
-            Child::Health => f.write_str("health monitor"),
-            Child::Enforcement => f.write_str("enforcement sweeper"),
-            Child::Mps => f.write_str(crate::node::enforcement::mps::actor::READY_NAME),
-            Child::Dra => f.write_str("DRA plugin"),
-        }
-    }
-}
 
 /// The children `config` and `plan` call for, in start order: the matcher
 /// before the plugins that ask it. The inventory on the Node serves the
@@ -82,6 +57,7 @@ pub(crate) fn wanted(config: &Config, plan: &Plan) -> Vec<Child> {
 /// them, beside the config and plan.
 pub(crate) struct ChildContext<'a> {
     pub(crate) metrics: &'a Arc<Metrics>,
+    pub(crate) readiness: &'a Arc<Readiness>,
     pub(crate) healthy: &'a Arc<[bool]>,
     pub(crate) placement: Placement,
     pub(crate) report_health: &'a HealthReport,
@@ -139,6 +115,7 @@ impl Args {
                 config,
                 plan.gpus(),
                 context.metrics.clone(),
+                context.readiness.clone(),
                 match &context.placement {
                     Placement::Matcher { handle, .. } => handle,
                     // Wanted only with pod matching, whose placement it is.
@@ -177,6 +154,7 @@ impl Args {
                 // The library is checked as often as the GPUs' health.
                 tick: Duration::from_millis(config.health.poll_ms),
                 metrics: context.metrics.clone(),
+                readiness: context.readiness.clone(),
             }),
             Child::Mps => Args::Mps(MpsArgs {
                 // Shares of DRA's GPUs are MPS clients too.
@@ -185,7 +163,7 @@ impl Args {
                     .collect(),
                 // Asked as often as the GPUs' health is.
                 tick: Duration::from_millis(config.health.poll_ms),
-                metrics: context.metrics.clone(),
+                readiness: context.readiness.clone(),
             }),
             Child::Dra => Args::Dra(Box::new(DraArgs::new(config, plan.dra_gpus().to_vec()))),
         })

@@ -90,6 +90,7 @@ mod tests {
         let check_plugins: CheckPlugins = Arc::new(|| {});
         let context = ChildContext {
             metrics: &Arc::new(Metrics::default()),
+            readiness: &Arc::default(),
             healthy: &vec![true; plan.gpus().len()].into(),
             placement,
             report_health: &report_health,

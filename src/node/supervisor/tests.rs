@@ -14,6 +14,7 @@ use super::children::Child;
 use super::{Supervisor, SupervisorArgs, SupervisorMsg};
 use crate::config::Config;
 use crate::node::metrics::Metrics;
+use crate::node::readiness::Readiness;
 use crate::rules::device::Resource;
 // The kubelet stand-in is reached through its socket directory, so no type
 // of this crate crosses to the copy of it that gpu-sim links.
@@ -34,25 +35,34 @@ fn config(dir: &Path, extra: &str) -> Config {
 
 struct Tree {
     supervisor: ActorRef<SupervisorMsg>,
+    readiness: Arc<Readiness>,
     kubelet: KubeletSim,
     dir: tempfile::TempDir,
 }
 
 impl Tree {
     async fn start() -> Tree {
+        Tree::start_with("").await
+    }
+
+    /// The tree on the mock config with `extra` keys.
+    async fn start_with(extra: &str) -> Tree {
         let dir = tempfile::tempdir().unwrap();
         let kubelet = KubeletSim::start(dir.path()).unwrap();
-        let config = config(dir.path(), "");
+        let config = config(dir.path(), extra);
         let plan = crate::node::app::plan(&config).await.unwrap();
         let metrics = Arc::new(Metrics::default());
+        let readiness = Arc::new(Readiness::default());
         let args = SupervisorArgs {
             config,
             plan,
             metrics,
+            readiness: readiness.clone(),
         };
         let (supervisor, _) = Actor::spawn(None, Supervisor, args).await.unwrap();
         let tree = Tree {
             supervisor,
+            readiness,
             kubelet,
             dir,
         };
@@ -187,4 +197,47 @@ async fn a_killed_child_comes_back_and_the_others_run_on() {
         ("gpu-count", 1, 1),
     ])
     .await;
+}
+
+/// Polls `held` until `done` says so or [`WAIT`] runs out; the last look.
+async fn readiness_until(tree: &Tree, done: impl Fn(&[String]) -> bool) -> Vec<String> {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let held = tree.readiness.held();
+        if done(&held) || tokio::time::Instant::now() > deadline {
+            return held;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_child_dying_while_it_holds_readiness_back_leaves_it_to_the_supervisor() {
+    // HAMi-core preloaded from a directory with no library: the sweeper
+    // holds readiness back until one is installed.
+    let empty = tempfile::tempdir().unwrap();
+    let enforcing = format!(
+        "[enforcement]\nmode = \"hami-core\"\nlibrary_dir = {:?}\nstate_dir = {:?}\n",
+        empty.path().display().to_string(),
+        empty.path().join("state").display().to_string(),
+    );
+    let tree = Tree::start_with(&enforcing).await;
+    let sweeper = "enforcement sweeper: ";
+    let held = readiness_until(&tree, |h| h.iter().any(|w| w.starts_with(sweeper))).await;
+    assert!(held.iter().any(|w| w.starts_with(sweeper)), "{held:?}");
+
+    // Killed, it never clears its own mark (no post_stop runs), and a
+    // reload switching enforcement off does not start it again: only the
+    // supervisor can clear the mark, and it must.
+    tree.children().await[&Child::Enforcement].kill();
+    let config = config(tree.dir.path(), "");
+    let plan = crate::node::app::plan(&config).await.unwrap();
+    let reload = SupervisorMsg::Reload {
+        config: Box::new(config),
+        plan,
+    };
+    tree.supervisor.send_message(reload).unwrap();
+    assert!(!tree.children().await.contains_key(&Child::Enforcement));
+    let held = readiness_until(&tree, |h| h.is_empty()).await;
+    assert!(held.is_empty(), "readiness stuck on a gone child: {held:?}");
 }

@@ -13,11 +13,8 @@ use std::time::{Duration, Instant};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use super::Control;
-use crate::node::metrics::{Hold, Metrics};
+use crate::node::readiness::{Child, Hold, Readiness};
 
-/// What `/readyz` calls this part: the supervisor's name for the child, so
-/// that stopping it on purpose (a reload to another backend) clears it.
-pub(crate) const READY_NAME: &str = "mps control daemons";
 /// How long a control daemon just started may take to answer.
 const START_GRACE: Duration = Duration::from_secs(3);
 
@@ -28,17 +25,17 @@ pub(crate) struct MpsArgs {
     /// One per GPU, in plan order.
     pub(crate) controls: Vec<Control>,
     pub(crate) tick: Duration,
-    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) readiness: Arc<Readiness>,
 }
 
 impl MpsArgs {
     /// What restarts the running actor when a reload changes it. Left
-    /// out: the metrics registry, the supervisor's.
+    /// out: the readiness marks, the supervisor's.
     pub(crate) fn restart_key(&self) -> impl PartialEq + '_ {
         let MpsArgs {
             controls,
             tick,
-            metrics: _,
+            readiness: _,
         } = self;
         (controls, tick)
     }
@@ -91,7 +88,7 @@ fn check(c: &Control, start: bool) -> Result<(), super::MpsError> {
 
 impl MpsState {
     fn report(&self, why: Option<String>) {
-        self.args.metrics.hold(READY_NAME, Hold::Waiting, why);
+        self.args.readiness.hold(Child::Mps, Hold::Waiting, why);
     }
 }
 
