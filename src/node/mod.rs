@@ -6,6 +6,7 @@ pub mod app;
 pub mod config_watch;
 pub mod dra;
 pub mod enforcement;
+pub(crate) mod grant;
 pub(crate) mod health;
 pub(crate) mod http;
 pub mod inspect;

@@ -22,8 +22,8 @@ use super::service::{DraService, RegistrationService};
 use super::slices::{self, Facts, Shape};
 use crate::config::Config;
 use crate::node::enforcement::Enforcer;
+use crate::node::grant::ResponseComposer;
 use crate::node::health::{HealthArgs, HealthMonitor, ProbeSpec};
-use crate::node::plugin::ResponseComposer;
 use crate::rules::device::{Gpu, GpuSource};
 
 /// How soon a slice that could not be published is tried again.

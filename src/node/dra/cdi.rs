@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::node::enforcement::{EnforcementError, write_atomically};
-use crate::node::plugin::ContainerEdits;
+use crate::node::grant::ContainerEdits;
 
 /// The spec version: 0.5.0 is the first that takes the `kind`/`name`
 /// forms used here with env and bind mounts, and what the runtimes of

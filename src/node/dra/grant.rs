@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::resource::v1::{DeviceRequestAllocationResult, ResourceClaim};
 
-use crate::node::plugin::Limits;
+use crate::node::grant::Limits;
 use crate::rules::device::Gpu;
 use crate::rules::usage::quantity::parse_count;
 

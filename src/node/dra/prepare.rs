@@ -22,7 +22,7 @@ use super::checkpoint::{Checkpoint, CheckpointError, Prepared, PreparedDevice};
 use super::grant::{Node, RequestGrant, grant};
 use super::proto::v1;
 use crate::node::enforcement::{AllocateEnforcement, Enforcer};
-use crate::node::plugin::{OwnedBy, ResponseComposer, prepare_grant};
+use crate::node::grant::{self, OwnedBy, ResponseComposer};
 
 /// The most claims one call may name: a kubelet asks for one pod's claims.
 pub(crate) const MAX_CLAIMS: usize = 1024;
@@ -263,7 +263,7 @@ impl Preparer {
                         uid: c.uid.clone(),
                         share: share.clone(),
                     };
-                    let p = prepare_grant(rpc, uuids[0].to_owned(), Some(owner))
+                    let p = grant::ready(rpc, uuids[0].to_owned(), Some(owner))
                         .await
                         .map_err(|e| format!("request {}: {e}", g.request))?;
                     caches.extend(p.cache_dir.clone());

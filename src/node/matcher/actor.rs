@@ -1,20 +1,23 @@
 //! The pod-matcher actor. It owns the API-server side (client, pod cache,
 //! ledger writes) and answers one lookup at a time, so two Allocates on
-//! different sockets can never claim the same container. Between an
-//! Allocate's decision and its record the caller readies the grant
-//! (enforcement's file work, in the caller's task): the decision is held
-//! as a reservation meanwhile, so the matcher serves other Allocates and
-//! none is decided onto it. Its Events are handed to `events`, which posts
+//! different sockets can never claim the same container. A decision is
+//! held as a reservation from the moment it is made until its ledger
+//! write lands or fails: between them the caller readies the grant (in
+//! its own task) and the write runs in a task of its own, whose result
+//! comes back as a message, so the matcher serves other Allocates all the
+//! while and none is decided onto the reservation. Writes to one pod go
+//! one after another (each sees the last one's ledger); writes to
+//! different pods overlap. Its Events are handed to `events`, which posts
 //! them beside it.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::{Api, Client};
-use ractor::{Actor, ActorProcessingErr, ActorRef};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::sync::watch;
 
 use super::api::{
@@ -24,7 +27,7 @@ use super::api::{
 use super::cache::PodCache;
 use super::events::Events;
 use super::report::Withdrawn;
-use super::write::{self, WriteError};
+use super::write::{self, Landed, WriteError};
 use crate::node::metrics::Metrics;
 use crate::node::readiness::{Child, Hold, Readiness};
 use crate::rules::matching::pods::{PodKey, PodView};
@@ -119,6 +122,9 @@ pub(crate) struct MatcherState {
     reserved: HashMap<u64, Reservation>,
     /// The last ticket handed out.
     ticket: u64,
+    /// Pods with a ledger write in flight, each with the records waiting
+    /// for it to land (by ticket, with their callers' ports).
+    writing: HashMap<String, VecDeque<(u64, RecordReply)>>,
     /// Pods our writes found gone that the cache still holds.
     gone: HashSet<String>,
 }
@@ -129,7 +135,13 @@ struct Reservation {
     decision: Decision,
     /// The caller's deadline: it has given up by then, whatever it got.
     expires: Instant,
+    /// Its ledger write is in flight: it holds its place until the write's
+    /// answer, whatever the deadline (the write may land).
+    writing: bool,
 }
+
+/// Where a record's answer goes.
+type RecordReply = RpcReplyPort<Result<Recorded, MatcherError>>;
 
 struct Written {
     ledger: Ledger,
@@ -178,7 +190,7 @@ impl MatcherState {
     /// the same container or the same room on a GPU.
     fn reserving(&mut self, mut recorded: Vec<PodView>) -> Vec<PodView> {
         let now = Instant::now();
-        self.reserved.retain(|_, r| r.expires > now);
+        self.reserved.retain(|_, r| r.writing || r.expires > now);
         for r in self.reserved.values() {
             if let Some(view) = recorded.iter_mut().find(|v| v.uid == r.decision.uid) {
                 record(&mut view.ledger, &self.args.node, &r.ask, &r.decision);
@@ -231,6 +243,7 @@ impl MatcherState {
                         ask: ask.clone(),
                         decision: decision.clone(),
                         expires: caller,
+                        writing: false,
                     };
                     self.reserved.insert(self.ticket, reservation);
                     return Ok(Reserved {
@@ -256,62 +269,121 @@ impl MatcherState {
         }
     }
 
-    /// Records the reservation `ticket` on its pod's ledger, if the same
+    /// Records the reservation `ticket` on its pod's ledger, after the
+    /// write in flight on the same pod if there is one.
+    fn record(&mut self, myself: &ActorRef<MatcherMsg>, ticket: u64, reply: RecordReply) {
+        let Some(r) = self.reserved.get(&ticket) else {
+            let _ = reply.send(Ok(Recorded::Again));
+            return;
+        };
+        match self.writing.get_mut(&r.decision.uid) {
+            Some(queue) => queue.push_back((ticket, reply)),
+            None => {
+                let uid = r.decision.uid.clone();
+                if self.start_write(myself, ticket, reply) {
+                    self.writing.insert(uid, VecDeque::new());
+                }
+            }
+        }
+    }
+
+    /// Starts the ledger write of the reservation `ticket` if the same
     /// lookup still decides the same: the pods may have changed while the
     /// caller readied it (gone, an assignment written, another pod now
-    /// first), and then it must be decided again.
-    async fn record(&mut self, ticket: u64) -> Result<Recorded, MatcherError> {
-        let Some(r) = self.reserved.remove(&ticket) else {
-            return Ok(Recorded::Again);
+    /// first), and then it must be decided again. The write runs in its
+    /// own task and answers with [`MatcherMsg::Written`]. False when no
+    /// write started (the caller was answered).
+    fn start_write(
+        &mut self,
+        myself: &ActorRef<MatcherMsg>,
+        ticket: u64,
+        reply: RecordReply,
+    ) -> bool {
+        let Some(mut r) = self.reserved.remove(&ticket) else {
+            let _ = reply.send(Ok(Recorded::Again));
+            return false;
         };
-        if r.expires <= Instant::now() {
-            return Ok(Recorded::Again);
+        if r.expires <= Instant::now() || reply.is_closed() {
+            let _ = reply.send(Ok(Recorded::Again));
+            return false;
         }
         let recorded = self.views();
         let deciding = self.reserving(recorded.clone());
         if decide(&self.args.node, &deciding, &r.ask).as_ref() != Ok(&r.decision) {
             tracing::info!(pod = %r.decision.pod, "decision moved while being readied; deciding again");
-            return Ok(Recorded::Again);
+            let _ = reply.send(Ok(Recorded::Again));
+            return false;
         }
         let view = recorded
             .into_iter()
             .find(|v| v.uid == r.decision.uid)
             .expect("decided on it");
         let deadline = r.expires.min(Instant::now() + self.args.wait);
-        match self.write(view, &r.ask, &r.decision, deadline).await {
-            Ok(()) => {
+        let (api, args, myself) = (
+            self.pods(&r.decision.pod.namespace),
+            self.args.clone(),
+            myself.clone(),
+        );
+        let (ask, decision) = (r.ask.clone(), r.decision.clone());
+        r.writing = true;
+        self.reserved.insert(ticket, r);
+        tokio::spawn(async move {
+            let landed = write::ledger(&api, &args, view, &ask, &decision, deadline).await;
+            // A matcher stopped meanwhile drops the port: its caller reads
+            // no answer, as from any matcher that stops mid-call.
+            let _ = myself.cast(MatcherMsg::Written {
+                ticket,
+                landed,
+                reply,
+            });
+        });
+        true
+    }
+
+    /// The answer of the write of `ticket`: keeps what was written until
+    /// the watch shows it (or that the pod is gone), answers its caller,
+    /// and starts the next write waiting on the same pod.
+    fn written(
+        &mut self,
+        myself: &ActorRef<MatcherMsg>,
+        ticket: u64,
+        landed: Result<Landed, WriteError>,
+        reply: RecordReply,
+    ) {
+        let Some(r) = self.reserved.remove(&ticket) else {
+            return;
+        };
+        let uid = r.decision.uid.clone();
+        let answer = match landed {
+            Ok(landed) => {
+                let w = self.written.entry(uid.clone()).or_insert(Written {
+                    ledger: Ledger::default(),
+                    before: HashSet::new(),
+                    after: String::new(),
+                });
+                w.ledger = landed.ledger;
+                w.before.insert(landed.replaced);
+                w.after = landed.resource_version;
                 self.log(&r.ask, &r.decision);
                 Ok(Recorded::Done)
             }
             Err(WriteError::Gone) => {
                 tracing::info!(pod = %r.decision.pod, "pod went away while being served");
-                self.gone.insert(r.decision.uid);
+                self.gone.insert(uid.clone());
                 Ok(Recorded::Again)
             }
             Err(WriteError::Unreachable(e)) => Err(self.failure(&r.ask, Refusal::ApiServer(e))),
+        };
+        if let Err(e) = &answer {
+            tracing::warn!(error = %e, "not recorded");
         }
-    }
-
-    /// Writes `d` into the pod's ledger ([`write::ledger`]) and keeps
-    /// what was written until the watch shows it.
-    async fn write(
-        &mut self,
-        view: PodView,
-        ask: &Ask,
-        d: &Decision,
-        deadline: Instant,
-    ) -> Result<(), WriteError> {
-        let api = self.pods(&d.pod.namespace);
-        let landed = write::ledger(&api, &self.args, view, ask, d, deadline).await?;
-        let w = self.written.entry(d.uid.clone()).or_insert(Written {
-            ledger: Ledger::default(),
-            before: HashSet::new(),
-            after: String::new(),
-        });
-        w.ledger = landed.ledger;
-        w.before.insert(landed.replaced);
-        w.after = landed.resource_version;
-        Ok(())
+        let _ = reply.send(answer);
+        while let Some((next, reply)) = self.writing.get_mut(&uid).and_then(VecDeque::pop_front) {
+            if self.start_write(myself, next, reply) {
+                return;
+            }
+        }
+        self.writing.remove(&uid);
     }
 
     /// Says what an Allocate was matched to.
@@ -427,13 +499,14 @@ impl Actor for PodMatcher {
             written: HashMap::new(),
             reserved: HashMap::new(),
             ticket: 0,
+            writing: HashMap::new(),
             gone: HashSet::new(),
         })
     }
 
     async fn handle(
         &self,
-        _: ActorRef<MatcherMsg>,
+        myself: ActorRef<MatcherMsg>,
         msg: MatcherMsg,
         state: &mut MatcherState,
     ) -> Result<(), ActorProcessingErr> {
@@ -460,15 +533,18 @@ impl Actor for PodMatcher {
                 // The plugin may have timed out; the reservation expires.
                 let _ = reply.send(result);
             }
-            MatcherMsg::Record { ticket, reply } => {
-                let result = state.record(ticket).await;
-                if let Err(e) = &result {
-                    tracing::warn!(error = %e, "not recorded");
-                }
-                let _ = reply.send(result);
-            }
+            MatcherMsg::Record { ticket, reply } => state.record(&myself, ticket, reply),
+            MatcherMsg::Written {
+                ticket,
+                landed,
+                reply,
+            } => state.written(&myself, ticket, landed, reply),
+            // A write in flight holds its place until its answer: it may
+            // land after its caller gave up.
             MatcherMsg::Release { ticket } => {
-                state.reserved.remove(&ticket);
+                if state.reserved.get(&ticket).is_some_and(|r| !r.writing) {
+                    state.reserved.remove(&ticket);
+                }
             }
             MatcherMsg::Warn { pod, note } => state.events.warn(&pod, &note),
             MatcherMsg::Prefer {

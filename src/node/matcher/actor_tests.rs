@@ -1,6 +1,7 @@
 //! The matcher actor against the API-server stand-in: an Allocate's
-//! enforcement step runs in its caller, so another Allocate is answered
-//! while one is being readied, and the reservation keeps the two apart.
+//! enforcement step runs in its caller between `reserve` and `commit` (as
+//! the plugin's placement runs it), so another Allocate is answered while
+//! one is being readied, and the reservation keeps the two apart.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -9,10 +10,14 @@ use gpu_sim::apiserver::{ApiServerSim, PodContainer};
 use ractor::Actor;
 use tokio::sync::oneshot;
 
-use super::{MatcherArgs, MatcherHandle, PodMatcher, Prepare};
+use futures::future::BoxFuture;
+
+use super::{MatcherArgs, MatcherHandle, PodMatcher, Recorded, allocate_ask};
 use crate::config::Config;
+use crate::node::enforcement::EnforcementError;
 use crate::node::metrics::Metrics;
 use crate::rules::device::{DeviceRef, Resource};
+use crate::rules::matching::Decision;
 
 const NODE: &str = "n";
 /// Far longer than a match takes: only a matcher stuck on the other
@@ -59,7 +64,12 @@ fn ledger(api: &ApiServerSim, pod: &str) -> Option<serde_json::Value> {
         .cloned()
 }
 
-/// An Allocate of 4 gpu-memory devices named `ids`.
+/// The enforcement step a test puts between a decision and its record.
+type Prepare =
+    Arc<dyn Fn(&Decision) -> BoxFuture<'static, Result<(), EnforcementError>> + Send + Sync>;
+
+/// An Allocate of 4 gpu-memory devices named `ids`, readied by `prepare`
+/// between its reservation and its record.
 async fn allocate(
     handle: MatcherHandle,
     wait: Duration,
@@ -67,17 +77,22 @@ async fn allocate(
     prepare: Prepare,
 ) -> Result<String, String> {
     let devices: Vec<DeviceRef> = (0..4).map(|unit| DeviceRef { gpu: 0, unit }).collect();
-    handle
-        .allocate(
-            Resource::GpuMemory,
-            &devices,
-            ids.into_iter(),
-            wait,
-            Some(prepare),
-        )
-        .await
-        .map(|(d, _)| d.pod.name)
-        .map_err(|e| e.to_string())
+    let (ask, deadline) = allocate_ask(Resource::GpuMemory, &devices, ids.into_iter(), wait);
+    loop {
+        let reserved = handle
+            .reserve(&ask, deadline)
+            .await
+            .map_err(|e| e.to_string())?;
+        let pod = reserved.decision.pod.clone();
+        if let Err(e) = prepare(&reserved.decision).await {
+            handle.warn(pod, e.to_string());
+            return Err(e.to_string());
+        }
+        match handle.commit(reserved).await.map_err(|e| e.to_string())? {
+            Recorded::Done => return Ok(pod.name),
+            Recorded::Again => continue,
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -104,7 +119,7 @@ async fn an_allocate_is_answered_while_another_ones_enforcement_step_is_blocked(
                 let _ = entered.send(());
                 let _ = released.await;
             }
-            Ok(None)
+            Ok(())
         })
     });
 
@@ -139,7 +154,7 @@ async fn a_refused_enforcement_step_records_nothing_and_releases_the_container()
     let (handle, wait) = matcher(&api, dir.path()).await;
     let refuse: Prepare = Arc::new(|_| {
         Box::pin(async {
-            Err(crate::node::enforcement::EnforcementError::Io {
+            Err(EnforcementError::Io {
                 action: "create",
                 path: "/nowhere".into(),
                 source: std::io::Error::other("refused by the test"),
@@ -162,7 +177,7 @@ async fn a_refused_enforcement_step_records_nothing_and_releases_the_container()
     );
     // The reservation went with the refusal: the same container is served
     // by the kubelet's next try.
-    let ok: Prepare = Arc::new(|_| Box::pin(async { Ok(None) }));
+    let ok: Prepare = Arc::new(|_| Box::pin(async { Ok(()) }));
     let served = tokio::time::timeout(ANSWER, allocate(handle, wait, ids, ok))
         .await
         .unwrap();

@@ -5,13 +5,11 @@
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use futures::future::BoxFuture;
-
 use ractor::{ActorRef, RactorErr, RpcReplyPort, call_t};
 use tokio::sync::watch;
 
 use super::report::Withdrawn;
-use crate::node::enforcement::{EnforcementError, Preload};
+use super::write::{Landed, WriteError};
 use crate::rules::device::{DeviceRef, Resource};
 use crate::rules::matching::pods::PodKey;
 use crate::rules::matching::{Ask, Decision, MatchError};
@@ -40,21 +38,6 @@ pub(crate) struct Steer {
     pub(crate) avoid: Vec<bool>,
 }
 
-/// Readies what a decision needs before the matcher records it
-/// (enforcement's cache directory): an error refuses the Allocate with
-/// nothing recorded. Run by the caller, never by the matcher (it is file
-/// work on the blocking pool, and every other Allocate would wait on it);
-/// called again if the decision moves (the pod went away, another is
-/// decided on).
-pub(crate) type Prepare = Arc<
-    dyn Fn(&Decision) -> BoxFuture<'static, Result<Option<Preload>, EnforcementError>>
-        + Send
-        + Sync,
->;
-
-/// What an Allocate gets from the matcher.
-pub(crate) type Allocated = Result<(Decision, Option<Preload>), MatcherError>;
-
 /// A decision the matcher holds for its caller: no other Allocate is
 /// decided onto it until the caller records or releases it.
 #[derive(Debug)]
@@ -79,13 +62,14 @@ pub(crate) enum Recorded {
 /// its answer goes to. A call whose caller has gone by the time its turn
 /// comes is skipped unanswered.
 ///
-/// An Allocate is three steps so that the matcher never waits on
-/// enforcement's file work: `Decide` (pure, fast: the container, its GPU,
-/// held as a reservation), the caller's [`Prepare`] outside the matcher,
-/// then `Record` (the ledger patch). Prepared first, recorded second: a
-/// grant enforcement cannot ready leaves no ledger entry, only a
-/// reservation that `Release` drops; the other order would leave a ledger
-/// entry to take back by another API write, which can fail too.
+/// An Allocate is three steps so that the matcher never waits on its
+/// caller's readying nor on the API server: `Decide` (pure, fast: the
+/// container, its GPU, held as a reservation), the caller readies the
+/// grant in its own task, then `Record` (the ledger patch, in a task of
+/// its own, answered by `Written`). Readied first, recorded second: a
+/// grant that cannot be readied leaves no ledger entry, only a reservation
+/// that `Release` drops; the other order would leave a ledger entry to
+/// take back by another API write, which can fail too.
 pub(crate) enum MatcherMsg {
     /// Find the container an Allocate is for and place it, giving up by
     /// `deadline` (the caller's). Reply with the decision, held for the
@@ -102,7 +86,14 @@ pub(crate) enum MatcherMsg {
         ticket: u64,
         reply: RpcReplyPort<Result<Recorded, MatcherError>>,
     },
-    /// Drop the reservation `ticket`, unrecorded (a no-op once recorded).
+    /// The ledger write of `ticket` ended with `landed`: answer `reply`.
+    Written {
+        ticket: u64,
+        landed: Result<Landed, WriteError>,
+        reply: RpcReplyPort<Result<Recorded, MatcherError>>,
+    },
+    /// Drop the reservation `ticket`, unrecorded (a no-op once recorded or
+    /// while its write is in flight).
     Release { ticket: u64 },
     /// Post a Warning Event with `note` on `pod`: why its container was
     /// refused after the matcher decided on it.
@@ -125,6 +116,7 @@ pub(crate) enum MatcherMsg {
 
 /// Releases a reservation on every way out of an Allocate (a refusal, a
 /// timeout, the RPC cancelled); after its record the release is a no-op.
+#[derive(Debug)]
 struct Held {
     actor: ActorRef<MatcherMsg>,
     ticket: u64,
@@ -154,12 +146,6 @@ pub(crate) enum MatcherError {
     /// The call failed: `timed_out`, or the matcher stopped meanwhile.
     #[error("the pod matcher did not answer: {detail}")]
     NoAnswer { timed_out: bool, detail: String },
-    /// Enforcement could not ready the decided container's cap.
-    #[error("{resource}: {source}")]
-    Enforcement {
-        resource: Resource,
-        source: EnforcementError,
-    },
     #[error("node {node}: cannot allocate {amount} {resource} ({devices} devices): {why}")]
     Refused {
         node: String,
@@ -192,7 +178,6 @@ impl MatcherError {
             MatcherError::NoAnswer {
                 timed_out: true, ..
             } => "timeout",
-            MatcherError::Enforcement { .. } => "enforcement",
             MatcherError::Refused { why, .. } => match why {
                 Refusal::NotSynced(_) => "not_synced",
                 Refusal::ApiServer(_) => "api_server",
@@ -256,70 +241,48 @@ impl MatcherHandle {
         self.withdrawals.subscribe()
     }
 
-    /// The container granted `devices` of `resource`, named by `ids` (the
-    /// same devices, as the kubelet sent them), readied by `prepare` before
-    /// it is recorded. `wait` is the matcher's own bound
-    /// (`matcher.wait_ms`); the call allows for its queue too. `prepare`
-    /// runs here, in the caller's task, while the matcher serves others.
-    pub(crate) async fn allocate<'a>(
+    /// Decides which container an Allocate of `ask` is for and holds the
+    /// decision for the caller until it commits it, drops it, or
+    /// `deadline` passes.
+    pub(crate) async fn reserve(
         &self,
-        resource: Resource,
-        devices: &[DeviceRef],
-        ids: impl Iterator<Item = &'a str>,
-        wait: Duration,
-        prepare: Option<Prepare>,
-    ) -> Allocated {
+        ask: &Ask,
+        deadline: Instant,
+    ) -> Result<Reservation, MatcherError> {
         let actor = self.actor().ok_or(MatcherError::Down)?;
-        let ask = allocate_ask(resource, devices, ids);
-        let deadline = Instant::now() + wait + QUEUE_SLACK;
-        let left = || {
-            deadline
-                .saturating_duration_since(Instant::now())
-                .as_millis() as u64
+        let decide = |reply| MatcherMsg::Decide {
+            ask: ask.clone(),
+            deadline,
+            reply,
         };
-        loop {
-            let decide = |reply| MatcherMsg::Decide {
-                ask: ask.clone(),
-                deadline,
-                reply,
-            };
-            let reserved = call_t!(actor, decide, left()).map_err(no_answer)??;
-            let (d, ticket) = (reserved.decision, reserved.ticket);
-            let _held = ticket.map(|ticket| Held {
-                actor: actor.clone(),
-                ticket,
-            });
-            let preload = match &prepare {
-                Some(p) => match tokio::time::timeout_at(deadline.into(), p(&d)).await {
-                    Ok(Ok(preload)) => preload,
-                    Ok(Err(source)) => {
-                        let e = MatcherError::Enforcement { resource, source };
-                        let (pod, note) = (d.pod.clone(), e.to_string());
-                        let _ = actor.cast(MatcherMsg::Warn { pod, note });
-                        return Err(e);
-                    }
-                    Err(_) => {
-                        return Err(MatcherError::NoAnswer {
-                            timed_out: true,
-                            detail: "enforcement did not ready the grant in time".into(),
-                        });
-                    }
-                },
-                None => None,
-            };
-            let Some(ticket) = ticket else {
-                return Ok((d, preload));
-            };
-            // A grant prepared for a decision that no longer holds keeps
-            // what was made for it: the cache directory is the container's,
-            // not this grant's (its other resource's grant may use the same
-            // one), an empty one grants nothing (the ledger is the record),
-            // and the sweeper removes it with its pod.
-            let record = |reply| MatcherMsg::Record { ticket, reply };
-            match call_t!(actor, record, left()).map_err(no_answer)?? {
-                Recorded::Done => return Ok((d, preload)),
-                Recorded::Again => continue,
-            }
+        let reserved = call_t!(actor, decide, left(deadline)).map_err(no_answer)??;
+        let held = reserved.ticket.map(|ticket| Held {
+            actor: actor.clone(),
+            ticket,
+        });
+        Ok(Reservation {
+            decision: reserved.decision,
+            held,
+            deadline,
+        })
+    }
+
+    /// Records `reservation` on its pod's ledger. [`Recorded::Again`]: the
+    /// decision no longer holds; reserve again.
+    pub(crate) async fn commit(&self, reservation: Reservation) -> Result<Recorded, MatcherError> {
+        let Some(held) = &reservation.held else {
+            return Ok(Recorded::Done); // a repeat: already on the ledger
+        };
+        let ticket = held.ticket;
+        let record = |reply| MatcherMsg::Record { ticket, reply };
+        call_t!(held.actor, record, left(reservation.deadline)).map_err(no_answer)?
+    }
+
+    /// Posts a Warning Event with `note` on `pod`: why its container was
+    /// refused after the matcher decided on it.
+    pub(crate) fn warn(&self, pod: PodKey, note: String) {
+        if let Some(actor) = self.actor() {
+            let _ = actor.cast(MatcherMsg::Warn { pod, note });
         }
     }
 
@@ -358,8 +321,41 @@ impl MatcherHandle {
     }
 }
 
+/// The milliseconds left until `deadline`, for a call's timeout.
+fn left(deadline: Instant) -> u64 {
+    deadline
+        .saturating_duration_since(Instant::now())
+        .as_millis() as u64
+}
+
+/// A decision held for its caller, by [`MatcherHandle::reserve`]: no other
+/// Allocate is decided onto it until it is committed or dropped (dropping
+/// releases it).
+#[derive(Debug)]
+pub(crate) struct Reservation {
+    pub(crate) decision: Decision,
+    /// None for a repeat: nothing to record.
+    held: Option<Held>,
+    /// The caller's: it has given up by then.
+    pub(crate) deadline: Instant,
+}
+
+/// The lookup of an Allocate of `devices`, named by `ids`, and the time
+/// its caller allows for it: the matcher's own `wait` and its queue.
+pub(crate) fn allocate_ask<'a>(
+    resource: Resource,
+    devices: &[DeviceRef],
+    ids: impl Iterator<Item = &'a str>,
+    wait: Duration,
+) -> (Ask, Instant) {
+    (
+        lookup(resource, devices, ids),
+        Instant::now() + wait + QUEUE_SLACK,
+    )
+}
+
 /// The lookup of an Allocate of `devices`, named by `ids`.
-fn allocate_ask<'a>(
+fn lookup<'a>(
     resource: Resource,
     devices: &[DeviceRef],
     ids: impl Iterator<Item = &'a str>,
@@ -471,15 +467,9 @@ mod tests {
         let handle = MatcherHandle::default();
         let devices = [DeviceRef { gpu: 0, unit: 0 }];
         let ask = |h: MatcherHandle| async move {
-            h.allocate(
-                Resource::GpuMemory,
-                &devices,
-                ["a"].into_iter(),
-                Duration::ZERO,
-                None,
-            )
-            .await
-            .unwrap_err()
+            let ids = ["a"].into_iter();
+            let (ask, deadline) = allocate_ask(Resource::GpuMemory, &devices, ids, Duration::ZERO);
+            h.reserve(&ask, deadline).await.unwrap_err()
         };
         let down = ask(handle.clone()).await;
         assert_eq!(down.reason(), "matcher_down");

@@ -15,7 +15,10 @@ mod write;
 
 pub(crate) use crate::rules::matching::Decision;
 pub(crate) use actor::{MatcherArgs, PodMatcher};
-pub(crate) use api::{LiveContainer, MatcherError, MatcherHandle, MatcherMsg, Prepare, Steer};
+pub(crate) use api::{
+    LiveContainer, MatcherError, MatcherHandle, MatcherMsg, Recorded, Reservation, Steer,
+    allocate_ask,
+};
 
 #[cfg(test)]
 mod actor_tests;

@@ -19,7 +19,7 @@ const RETRY: Duration = Duration::from_millis(200);
 
 /// Why a ledger write did not land.
 #[derive(Debug, PartialEq, Eq)]
-pub(super) enum WriteError {
+pub(crate) enum WriteError {
     /// The pod was deleted (or replaced by one of the same name).
     Gone,
     Unreachable(String),
@@ -27,7 +27,7 @@ pub(super) enum WriteError {
 
 /// A write that landed.
 #[derive(Debug, PartialEq, Eq)]
-pub(super) struct Landed {
+pub(crate) struct Landed {
     /// The pod's ledger as written.
     pub(super) ledger: Ledger,
     /// The resourceVersion the patch replaced (its precondition).

@@ -22,11 +22,11 @@ use tokio::task::JoinHandle;
 use super::codec::DeviceListMessage;
 use super::placement::Placement;
 use super::registration::{RegisterError, register};
-use super::response::ResponseComposer;
 use super::service::{DevicePluginService, StreamItem};
 use crate::api::lazy::device_plugin_server::DevicePluginServer;
 use crate::config::Config;
 use crate::node::enforcement::Enforcer;
+use crate::node::grant::ResponseComposer;
 use crate::node::metrics::{Metrics, ResourceMetrics};
 use crate::rules::device::{DeviceModel, Resource};
 

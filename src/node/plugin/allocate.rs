@@ -1,22 +1,10 @@
 //! What a container is granted: its GPUs and the amount in its resource's
 //! unit, read from the devices the kubelet granted when no pod matching
 //! places it ([`ids_grant`]). The response it gets is composed from this
-//! in [`super::response`].
+//! in [`crate::node::grant`].
 
+use crate::node::grant::ContainerGrant;
 use crate::rules::device::{DeviceModel, DeviceRef, Resource};
-
-/// What a container gets: GPUs (indexes; one for a shared resource of a
-/// container asking no whole GPU) and an amount in the resource's unit.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct ContainerGrant {
-    pub(crate) gpus: Vec<usize>,
-    pub(crate) amount: u64,
-    /// The container holds `gpus` whole
-    /// ([`ContainerAsk::rides_whole`](crate::rules::usage::ContainerAsk::rides_whole)):
-    /// a shared amount rides inside them, so its response is the whole
-    /// GPUs' and caps nothing, whichever resource the kubelet served first.
-    pub(crate) whole: bool,
-}
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub(crate) enum AllocateError {
@@ -77,7 +65,7 @@ pub(crate) fn ids_grant(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::node::plugin::response::tests::setup;
+    use crate::node::grant::compose::tests::setup;
 
     fn on(gpu: usize, n: u32) -> Vec<DeviceRef> {
         (0..n).map(|unit| DeviceRef { gpu, unit }).collect()

@@ -15,18 +15,16 @@
 //! - `registration`: the Register call to the kubelet.
 
 mod actor;
-mod allocate;
+pub(crate) mod allocate;
 pub mod codec;
 mod pairing;
 mod placement;
 pub mod preferred;
 mod registration;
-mod response;
 #[cfg(test)]
 mod same_choice;
 pub(crate) mod service;
 
 pub(crate) use actor::{PluginActor, PluginArgs, PluginMsg, SETTLE};
 pub(crate) use pairing::PairingBook;
-pub(crate) use placement::{OwnedBy, Placement, prepare_grant};
-pub(crate) use response::{ContainerEdits, Limits, ResponseComposer};
+pub(crate) use placement::Placement;

@@ -3,21 +3,24 @@
 //! book's hints). Both paths sit behind [`Placement::steer`] (for
 //! GetPreferredAllocation) and [`Placement::grant`] (for Allocate), so the
 //! gRPC service only decodes, delegates and has the response composed. A
-//! shared grant under enforcement is readied (library checked, cache
-//! directory made) before anything is recorded: a container is never placed
-//! to run unlimited, and a refused grant leaves no ledger entry or pairing
-//! behind. That file work runs here, in the Allocate's own task (on the
-//! blocking pool), never inside the pod matcher: it decides, this readies,
-//! it records ([`crate::node::matcher::MatcherMsg`]).
+//! shared grant under enforcement is readied ([`grant::ready`]) between its
+//! decision and its record: a container is never placed to run unlimited,
+//! and a refused grant leaves no ledger entry or pairing behind. The
+//! readying runs here, in the Allocate's own task, never inside the pod
+//! matcher: it decides, this readies, it records (the flow is drawn in
+//! [`crate::node::grant`]).
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::allocate::{AllocateError, ContainerGrant, ids_grant};
+use super::allocate::{AllocateError, ids_grant};
 use super::pairing::{PairingBook, SplitError};
 use super::preferred;
-use crate::node::enforcement::{AllocateEnforcement, CacheOwner, EnforcementError, Owner, Preload};
-use crate::node::matcher::{Decision, MatcherError, MatcherHandle, Prepare};
+use crate::node::enforcement::{AllocateEnforcement, EnforcementError, Preload};
+use crate::node::grant::{self, ContainerGrant, OwnedBy};
+use crate::node::matcher::{
+    Decision, MatcherError, MatcherHandle, Recorded, Reservation, allocate_ask,
+};
 use crate::rules::device::{DeviceModel, DeviceRef, Resource};
 
 #[derive(Debug, Clone)]
@@ -106,22 +109,55 @@ impl Placement {
                 Ok((grant, preload))
             }
             Placement::Matcher { handle, wait } => {
-                let prepare = enforcement.map(|e| {
-                    let (e, uuids) = (e.clone(), uuids.clone());
-                    let hook: Prepare = Arc::new(move |d: &Decision| {
-                        let (e, uuids, grant) = (e.clone(), uuids.clone(), grant_of(d));
-                        let owner = Some((d.uid.clone(), d.container.clone()));
-                        Box::pin(async move { prepare(&e, &uuids, &grant, owner).await })
-                    });
-                    hook
-                });
-                let resource = model.resource();
-                let (d, preload) = handle
-                    .allocate(resource, devices, ids.iter().copied(), *wait, prepare)
-                    .await?;
-                Ok((grant_of(&d), preload))
+                let (ask, deadline) =
+                    allocate_ask(model.resource(), devices, ids.iter().copied(), *wait);
+                loop {
+                    let reserved = handle.reserve(&ask, deadline).await?;
+                    let grant = grant_of(&reserved.decision);
+                    let preload = match enforcement {
+                        Some(e) => readied(handle, e, &uuids, &reserved, ask.resource).await?,
+                        None => None,
+                    };
+                    // A grant readied for a decision that no longer holds
+                    // keeps what was made for it: the cache directory is
+                    // the container's, not this grant's (its other
+                    // resource's grant may use the same one), an empty one
+                    // grants nothing (the ledger is the record), and the
+                    // sweeper removes it with its pod.
+                    match handle.commit(reserved).await? {
+                        Recorded::Done => return Ok((grant, preload)),
+                        Recorded::Again => continue,
+                    }
+                }
             }
         }
+    }
+}
+
+/// Enforcement readied for a reservation, by its caller's deadline; a
+/// refusal is posted on the pod too, which the matcher found.
+async fn readied(
+    handle: &MatcherHandle,
+    e: &AllocateEnforcement,
+    uuids: &[String],
+    reserved: &Reservation,
+    resource: Resource,
+) -> Result<Option<Preload>, PlaceError> {
+    let d = &reserved.decision;
+    let owner = Some((d.uid.clone(), d.container.clone()));
+    let grant = grant_of(d);
+    let readying = prepare(e, uuids, &grant, owner);
+    match tokio::time::timeout_at(reserved.deadline.into(), readying).await {
+        Ok(Ok(preload)) => Ok(preload),
+        Ok(Err(e)) => {
+            handle.warn(d.pod.clone(), format!("{resource}: {e}"));
+            Err(e.into())
+        }
+        Err(_) => Err(MatcherError::NoAnswer {
+            timed_out: true,
+            detail: "enforcement did not ready the grant in time".into(),
+        }
+        .into()),
     }
 }
 
@@ -134,58 +170,17 @@ fn grant_of(d: &Decision) -> ContainerGrant {
     }
 }
 
-/// Enforcement's cap for `grant` (on GPUs whose UUIDs are `uuids`), owned by the
-/// container (pod UID, name) when pod matching knows it; a grant riding
-/// inside whole GPUs has nothing to cap (and no MPS client on it: a whole
-/// GPU is its container's alone).
+/// Enforcement's cap for `grant` (on GPUs whose UUIDs are `uuids`), owned
+/// by the container (pod UID, name) when pod matching knows it.
 async fn prepare(
     e: &AllocateEnforcement,
     uuids: &[String],
     grant: &ContainerGrant,
     owner: Option<(String, String)>,
 ) -> Result<Option<Preload>, EnforcementError> {
-    // A shared grant is on one GPU.
-    let Some(&gpu) = grant.gpus.first().filter(|_| !grant.whole) else {
+    let Some(gpu) = grant.shared_gpu() else {
         return Ok(None);
     };
     let owner = owner.map(|(pod_uid, container)| OwnedBy::Container { pod_uid, container });
-    prepare_grant(e, uuids[gpu].clone(), owner).await.map(Some)
-}
-
-/// Who owns a grant's cache directory, owned so it can go to the blocking
-/// pool.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum OwnedBy {
-    Container { pod_uid: String, container: String },
-    Claim { uid: String, share: String },
-}
-
-/// The one prepare step of a shared grant on the GPU `uuid`, whichever API
-/// granted it (an Allocate, a DRA claim): enforcement's file work and MPS
-/// check, off the async threads.
-pub(crate) async fn prepare_grant(
-    e: &AllocateEnforcement,
-    uuid: String,
-    owner: Option<OwnedBy>,
-) -> Result<Preload, EnforcementError> {
-    let e = e.clone();
-    blocking(move || {
-        let owner = owner.as_ref().map(|o| match o {
-            OwnedBy::Container { pod_uid, container } => {
-                Owner::Container(CacheOwner { pod_uid, container })
-            }
-            OwnedBy::Claim { uid, share } => Owner::Claim { uid, share },
-        });
-        e.prepare(owner, &uuid)
-    })
-    .await
-}
-
-/// Enforcement's file work, off the async threads.
-async fn blocking<T: Send + 'static>(
-    work: impl FnOnce() -> Result<T, EnforcementError> + Send + 'static,
-) -> Result<T, EnforcementError> {
-    tokio::task::spawn_blocking(work)
-        .await
-        .expect("enforcement file work panicked")
+    grant::ready(e, uuids[gpu].clone(), owner).await.map(Some)
 }

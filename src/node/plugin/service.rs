@@ -16,13 +16,13 @@ use tonic::{Request, Response, Status};
 use super::actor::OpenStreams;
 use super::codec::{AllocateIdsRequest, DeviceListMessage, Oversize, PreferredRequest};
 use super::placement::{PlaceError, Placement};
-use super::response::ResponseComposer;
 use crate::api::lazy::device_plugin_server::DevicePlugin;
 use crate::api::{
     AllocateResponse, ContainerPreferredAllocationResponse, DevicePluginOptions, Empty,
     PreStartContainerRequest, PreStartContainerResponse, PreferredAllocationResponse,
 };
 use crate::node::enforcement::Enforcer;
+use crate::node::grant::ResponseComposer;
 use crate::node::metrics::{ResourceMetrics, Rpc};
 use crate::rules::device::{DeviceModel, DeviceRef, IdError, Resource};
 
@@ -270,9 +270,9 @@ mod tests {
 
     use super::*;
     use crate::config::Config;
+    use crate::node::grant::ResponseComposer;
     use crate::node::matcher::MatcherHandle;
     use crate::node::metrics::Metrics;
-    use crate::node::plugin::response::ResponseComposer;
     use crate::rules::device::Plan;
 
     #[tokio::test]

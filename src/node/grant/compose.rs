@@ -23,7 +23,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use super::allocate::ContainerGrant;
+use super::ContainerGrant;
 use crate::api::{ContainerAllocateResponse, Mount};
 use crate::config::Config;
 use crate::node::enforcement::Preload;
@@ -185,14 +185,14 @@ impl ResponseComposer {
 }
 
 #[cfg(test)]
-pub(super) mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::node::enforcement::{Compute, EnforcementConfig, Mode, plan};
     use crate::node::plugin::allocate::ids_grant;
     use crate::rules::device::{DeviceRef, Plan};
 
     /// Two mock GPUs of 1024 MiB, 4 MiB and 5 % units, `extra` added.
-    pub(in crate::node::plugin) fn setup(extra: &str) -> (Config, Plan) {
+    pub(crate) fn setup(extra: &str) -> (Config, Plan) {
         let text = format!(
             "pod_matching = false\nmemory_unit_mib = 4\ncores_per_gpu = 20\n{extra}\n[devices]\nbackend = \"mock\"\n\
              [[devices.mock]]\nuuid = \"GPU-a\"\nmemory_mib = 1024\n[[devices.mock]]\nuuid = \"GPU-b\"\nmemory_mib = 1024"
