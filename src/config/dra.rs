@@ -138,7 +138,7 @@ impl DraConfig {
             return Ok(());
         }
         let driver = self.driver_name(resource_domain);
-        validate_driver(&driver).map_err(|reason| invalid("driver", reason))?;
+        validate_driver(&driver)?;
         for (key, path) in [
             ("plugins_registry_dir", &self.plugins_registry_dir),
             ("plugins_dir", &self.plugins_dir),
@@ -197,7 +197,7 @@ impl DraConfig {
 
 /// A DRA driver name is a DNS subdomain of at most 63 characters (the
 /// ResourceSlice's `spec.driver`).
-fn validate_driver(d: &str) -> Result<(), String> {
+fn validate_driver(d: &str) -> Result<(), ConfigError> {
     let labels_ok = d.split('.').all(|l| {
         !l.is_empty()
             && l.bytes()
@@ -206,9 +206,12 @@ fn validate_driver(d: &str) -> Result<(), String> {
             && !l.ends_with('-')
     });
     if d.is_empty() || d.len() > 63 || !labels_ok {
-        return Err(format!(
-            "{d:?} is not a DNS subdomain of at most 63 characters (lowercase letters, digits, \
-             '-', '.'), as a DRA driver name must be"
+        return Err(invalid(
+            "driver",
+            format!(
+                "{d:?} is not a DNS subdomain of at most 63 characters (lowercase letters, \
+                 digits, '-', '.'), as a DRA driver name must be"
+            ),
         ));
     }
     Ok(())

@@ -163,18 +163,19 @@ fn path_char_ok(c: char) -> bool {
 }
 
 /// An absolute, normalised path of plain characters, or why not.
-pub(crate) fn check_path(path: &Path) -> Result<(), String> {
+pub(crate) fn check_path(key: &str, path: &Path) -> Result<(), ConfigError> {
+    let bad = |reason: String| Err(invalid(key, reason));
     let text = path
         .to_str()
-        .ok_or_else(|| format!("{} is not UTF-8", path.display()))?;
-    if let Some(bad) = text.chars().find(|&c| !path_char_ok(c)) {
-        return Err(format!(
-            "{text:?} holds {bad:?}; use letters, digits and / . _ - + @ only \
+        .ok_or_else(|| invalid(key, format!("{} is not UTF-8", path.display())))?;
+    if let Some(c) = text.chars().find(|&c| !path_char_ok(c)) {
+        return bad(format!(
+            "{text:?} holds {c:?}; use letters, digits and / . _ - + @ only \
              (whitespace or a colon would split the ld.so.preload entry)"
         ));
     }
     if !path.is_absolute() {
-        return Err(format!("{text:?} is not an absolute path"));
+        return bad(format!("{text:?} is not an absolute path"));
     }
     if path
         .components()
@@ -182,12 +183,12 @@ pub(crate) fn check_path(path: &Path) -> Result<(), String> {
         || text.contains("//")
         || (text.len() > 1 && text.ends_with('/'))
     {
-        return Err(format!(
+        return bad(format!(
             "{text:?} is not normalised (no ., .., // or trailing /)"
         ));
     }
     if path.parent().is_none() {
-        return Err("the root directory is not allowed".into());
+        return bad("the root directory is not allowed".into());
     }
     Ok(())
 }
@@ -216,7 +217,7 @@ impl EnforcementConfig {
             ("mps.shm_dir", &mps.shm_dir),
             ("mps.container_pipe_dir", &mps.container_pipe_dir),
         ] {
-            check_path(path).map_err(|reason| invalid(key, reason))?;
+            check_path(key, path)?;
         }
         if self.compute() == Compute::HamiCore && self.mode != Mode::HamiCore {
             return Err(invalid(

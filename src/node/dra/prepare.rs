@@ -12,6 +12,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -19,9 +20,9 @@ use kube::Api;
 
 use super::cdi::{self, CdiDir};
 use super::checkpoint::{Checkpoint, CheckpointError, Prepared, PreparedDevice};
-use super::grant::{Node, RequestGrant, grant};
+use super::grant::{GrantError, Node, RequestGrant, grant};
 use super::proto::v1;
-use crate::node::enforcement::{AllocateEnforcement, Enforcer};
+use crate::node::enforcement::{AllocateEnforcement, EnforcementError, Enforcer};
 use crate::node::grant::{self, OwnedBy, ResponseComposer};
 
 /// The most claims one call may name: a kubelet asks for one pod's claims.
@@ -32,6 +33,52 @@ const READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// and namespaces DNS names).
 const MAX_UID: usize = 128;
 const MAX_NAME: usize = 253;
+
+/// Why one claim was not prepared or unprepared: the text is the claim's
+/// `error` in the kubelet's answer, the one place it is written
+/// ([`answer_error`]).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ClaimError {
+    #[error("claim {uid:?}: {what}")]
+    BadName { uid: String, what: String },
+    #[error("{claim}: the API server did not answer within {} s", READ_TIMEOUT.as_secs())]
+    ReadTimeout { claim: String },
+    #[error("{claim} does not exist")]
+    Missing { claim: String },
+    #[error("{claim}: cannot read it: {source}")]
+    Read { claim: String, source: kube::Error },
+    #[error(transparent)]
+    Grant(#[from] GrantError),
+    /// Enforcement could not ready a share of the request.
+    #[error("request {request}: {source}")]
+    Readying {
+        request: String,
+        source: EnforcementError,
+    },
+    /// The CDI spec could not be written or removed.
+    #[error(transparent)]
+    Spec(EnforcementError),
+    #[error("cannot remove {}: {source}", path.display())]
+    Remove {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// The checkpoint could not record the call's claims (one error for
+    /// each of them).
+    #[error(transparent)]
+    Checkpoint(Arc<CheckpointError>),
+}
+
+/// The kubelet's `error` for a claim: empty when it went well.
+fn answer_error<T>(uid: &str, verb: &str, a: &Result<T, ClaimError>) -> String {
+    match a {
+        Ok(_) => String::new(),
+        Err(error) => {
+            tracing::warn!(claim = %uid, %error, "claim not {verb}");
+            error.to_string()
+        }
+    }
+}
 
 /// What prepares claims on this node.
 pub(crate) struct Preparer {
@@ -110,25 +157,19 @@ impl Preparer {
         {
             // Not recorded: the kubelet calls again for these.
             tracing::error!(error = %e, "cannot record prepared claims");
+            let e = Arc::new(e);
             for uid in changed {
-                answers.insert(uid, Err(e.to_string()));
+                answers.insert(uid, Err(ClaimError::Checkpoint(e.clone())));
             }
         }
         let claims = answers
             .into_iter()
             .map(|(uid, a)| {
-                let answer = match a {
-                    Ok(devices) => v1::NodePrepareResourceResponse {
-                        devices: devices.into_iter().map(wire_device).collect(),
-                        error: String::new(),
-                    },
-                    Err(error) => {
-                        tracing::warn!(claim = %uid, %error, "claim not prepared");
-                        v1::NodePrepareResourceResponse {
-                            devices: Vec::new(),
-                            error,
-                        }
-                    }
+                let error = answer_error(&uid, "prepared", &a);
+                let devices = a.unwrap_or_default();
+                let answer = v1::NodePrepareResourceResponse {
+                    devices: devices.into_iter().map(wire_device).collect(),
+                    error,
                 };
                 (uid, answer)
             })
@@ -173,33 +214,28 @@ impl Preparer {
         {
             // Its files are gone; a repeated call finds nothing to do.
             tracing::error!(error = %e, "cannot record unprepared claims");
+            let e = Arc::new(e);
             for uid in removed {
-                answers.insert(uid, Err(e.to_string()));
+                answers.insert(uid, Err(ClaimError::Checkpoint(e.clone())));
             }
         }
         let claims = answers
             .into_iter()
             .map(|(uid, a)| {
-                let error = a.err().unwrap_or_default();
-                if !error.is_empty() {
-                    tracing::warn!(claim = %uid, %error, "claim not unprepared");
-                }
+                let error = answer_error(&uid, "unprepared", &a);
                 (uid, v1::NodeUnprepareResourceResponse { error })
             })
             .collect();
         v1::NodeUnprepareResourcesResponse { claims }
     }
 
-    async fn read(&self, c: &v1::Claim) -> Result<ResourceClaim, String> {
+    async fn read(&self, c: &v1::Claim) -> Result<ResourceClaim, ClaimError> {
         let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &c.namespace);
-        let what = format!("claim {}/{}", c.namespace, c.name);
+        let claim = format!("claim {}/{}", c.namespace, c.name);
         match tokio::time::timeout(READ_TIMEOUT, api.get(&c.name)).await {
-            Err(_) => Err(format!(
-                "{what}: the API server did not answer within {} s",
-                READ_TIMEOUT.as_secs()
-            )),
-            Ok(Err(kube::Error::Api(s))) if s.code == 404 => Err(format!("{what} does not exist")),
-            Ok(Err(e)) => Err(format!("{what}: cannot read it: {e}")),
+            Err(_) => Err(ClaimError::ReadTimeout { claim }),
+            Ok(Err(kube::Error::Api(s))) if s.code == 404 => Err(ClaimError::Missing { claim }),
+            Ok(Err(source)) => Err(ClaimError::Read { claim, source }),
             Ok(Ok(claim)) => Ok(claim),
         }
     }
@@ -211,14 +247,14 @@ impl Preparer {
         c: &v1::Claim,
         claim: &ResourceClaim,
         rpc: Option<&AllocateEnforcement>,
-    ) -> Result<Prepared, String> {
-        let grants = grant(claim, &c.uid, &self.node).map_err(|e| e.to_string())?;
+    ) -> Result<Prepared, ClaimError> {
+        let grants = grant(claim, &c.uid, &self.node)?;
         let mut caches = Vec::new();
         let composed = self.compose(c, &grants, rpc, &mut caches).await;
         let written = match composed {
             Ok((spec_devices, devices)) => {
                 let (cdi, uid) = (self.cdi.clone(), c.uid.clone());
-                blocking(move || cdi.write(&uid, spec_devices).map_err(|e| e.to_string()))
+                blocking(move || cdi.write(&uid, spec_devices).map_err(ClaimError::Spec))
                     .await
                     .map(|spec| (spec, devices))
             }
@@ -247,7 +283,7 @@ impl Preparer {
         grants: &[RequestGrant],
         rpc: Option<&AllocateEnforcement>,
         caches: &mut Vec<PathBuf>,
-    ) -> Result<(Vec<cdi::Device>, Vec<PreparedDevice>), String> {
+    ) -> Result<(Vec<cdi::Device>, Vec<PreparedDevice>), ClaimError> {
         let mut spec_devices = Vec::new();
         let mut devices = Vec::new();
         for g in grants {
@@ -265,7 +301,10 @@ impl Preparer {
                     };
                     let p = grant::ready(rpc, uuids[0].to_owned(), Some(owner))
                         .await
-                        .map_err(|e| format!("request {}: {e}", g.request))?;
+                        .map_err(|source| ClaimError::Readying {
+                            request: g.request.clone(),
+                            source,
+                        })?;
                     caches.extend(p.cache_dir.clone());
                     Some(p)
                 }
@@ -314,8 +353,13 @@ fn dedup(claims: Vec<v1::Claim>) -> Vec<v1::Claim> {
         .collect()
 }
 
-fn check_names(c: &v1::Claim) -> Result<(), String> {
-    let bad = |what: &str| Err(format!("claim {:?}: {what}", c.uid));
+fn check_names(c: &v1::Claim) -> Result<(), ClaimError> {
+    let bad = |what: &str| {
+        Err(ClaimError::BadName {
+            uid: c.uid.clone(),
+            what: what.to_owned(),
+        })
+    };
     if c.uid.is_empty() || c.uid.len() > MAX_UID {
         return bad("the UID must be 1 to 128 bytes");
     }
@@ -342,16 +386,17 @@ fn wire_device(d: PreparedDevice) -> v1::Device {
 }
 
 /// Removes a prepared claim's spec and cache directories.
-fn undo(p: &Prepared) -> Result<(), String> {
-    CdiDir::remove(&p.spec).map_err(|e| e.to_string())?;
+fn undo(p: &Prepared) -> Result<(), ClaimError> {
+    CdiDir::remove(&p.spec).map_err(ClaimError::Spec)?;
     p.caches.iter().try_for_each(|d| remove_dir(d))
 }
 
-fn remove_dir(dir: &Path) -> Result<(), String> {
+fn remove_dir(dir: &Path) -> Result<(), ClaimError> {
     match std::fs::remove_dir_all(dir) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            Err(format!("cannot remove {}: {e}", dir.display()))
-        }
+        Err(source) if source.kind() != std::io::ErrorKind::NotFound => Err(ClaimError::Remove {
+            path: dir.to_owned(),
+            source,
+        }),
         _ => Ok(()),
     }
 }
