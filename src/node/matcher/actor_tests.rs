@@ -184,3 +184,41 @@ async fn a_refused_enforcement_step_records_nothing_and_releases_the_container()
     assert_eq!(served.as_deref(), Ok("only"));
     assert!(ledger(&api, "only").is_some());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_allocate_is_decided_while_another_ones_ledger_write_is_in_flight() {
+    let api = ApiServerSim::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    api.add_pod("default", "first", NODE, &[app(4)], &[]);
+    api.add_pod("default", "second", NODE, &[app(4)], &[]);
+    let (handle, wait) = matcher(&api, dir.path()).await;
+    let devices: Vec<DeviceRef> = (0..4).map(|unit| DeviceRef { gpu: 0, unit }).collect();
+    let ask =
+        |ids: [&'static str; 4]| allocate_ask(Resource::GpuMemory, &devices, ids.into_iter(), wait);
+
+    // First's decision, then its ledger PATCH held by the API server far
+    // longer than the test runs.
+    let (first, deadline) = ask(["a0", "a1", "a2", "a3"]);
+    let reserved = handle.reserve(&first, deadline).await.unwrap();
+    assert_eq!(reserved.decision.pod.name, "first");
+    api.delay(Duration::from_secs(3600));
+    let commit = tokio::spawn({
+        let handle = handle.clone();
+        async move { handle.commit(reserved).await }
+    });
+    let patching = tokio::time::Instant::now() + ANSWER;
+    while api.requests().get("patch").copied().unwrap_or(0) == 0 {
+        assert!(tokio::time::Instant::now() < patching, "no PATCH sent");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    // The matcher decides the next Allocate meanwhile, and the write in
+    // flight keeps first's container reserved.
+    let (second, deadline) = ask(["b0", "b1", "b2", "b3"]);
+    let decided = tokio::time::timeout(ANSWER, handle.reserve(&second, deadline))
+        .await
+        .expect("decided while the other Allocate's ledger write is in flight")
+        .unwrap();
+    assert_eq!(decided.decision.pod.name, "second");
+    commit.abort();
+}
