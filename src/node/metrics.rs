@@ -550,96 +550,108 @@ type ResourceSeries = (
 /// A per-GPU gauge: name, help, how to read it from `T`.
 type PerGpu<T> = (&'static str, &'static str, fn(&T) -> u64);
 
+/// The RPC families (calls, refusals by reason, latency): their series
+/// are per resource and RPC, not per resource alone.
+fn encode_rpcs(
+    all: &BTreeMap<String, Arc<ResourceMetrics>>,
+    encoder: &mut DescriptorEncoder,
+) -> fmt::Result {
+    use MetricType::Counter;
+    let rpcs = || {
+        all.iter().flat_map(|(resource, m)| {
+            Rpc::ALL.map(|rpc| (resource.clone(), rpc.name(), m.rpc(rpc)))
+        })
+    };
+    let mut f = family(encoder, "rpc", "RPCs served.", Counter)?;
+    for (resource, rpc, m) in rpcs() {
+        m.calls
+            .encode(f.encode_family(&RpcLabels { resource, rpc })?)?;
+    }
+    let mut f = family(encoder, "rpc_failures", "RPCs refused, by reason.", Counter)?;
+    for (resource, rpc, m) in rpcs() {
+        for (&reason, &n) in m.failures.lock().expect("metrics lock").iter() {
+            let resource = resource.clone();
+            let labels = FailureLabels {
+                resource,
+                rpc,
+                reason,
+            };
+            ConstCounter::new(n).encode(f.encode_family(&labels)?)?;
+        }
+    }
+    let kind = MetricType::Histogram;
+    let mut f = family(encoder, "rpc_duration_seconds", "RPC latency.", kind)?;
+    for (resource, rpc, m) in rpcs() {
+        m.latency
+            .encode(f.encode_family(&RpcLabels { resource, rpc })?)?;
+    }
+    Ok(())
+}
+
+/// The per-resource series each resource's metrics hold as they are.
+const RESOURCE_SERIES: [ResourceSeries; 7] = [
+    (
+        "devices",
+        "Devices advertised to the kubelet.",
+        MetricType::Gauge,
+        |m| &m.devices,
+    ),
+    (
+        "devices_healthy",
+        "Devices advertised Healthy.",
+        MetricType::Gauge,
+        |m| &m.healthy,
+    ),
+    (
+        "registered",
+        "1 when registered with the current kubelet.",
+        MetricType::Gauge,
+        |m| &m.registered,
+    ),
+    (
+        "registrations",
+        "Successful registrations with the kubelet.",
+        MetricType::Counter,
+        |m| &m.registrations,
+    ),
+    (
+        "reregistrations",
+        "Registrations after the first (kubelet restarts, reloads, repairs).",
+        MetricType::Counter,
+        |m| &m.reregistrations,
+    ),
+    (
+        "list_messages",
+        "ListAndWatch messages sent.",
+        MetricType::Counter,
+        |m| &m.lists_sent,
+    ),
+    (
+        "list_message_bytes",
+        "Encoded size of the last ListAndWatch message (kubelet limit 4194304).",
+        MetricType::Gauge,
+        |m| &m.list_bytes,
+    ),
+];
+
 impl Scraped {
     fn encode_resources(&self, encoder: &mut DescriptorEncoder) -> fmt::Result {
-        use MetricType::{Counter, Gauge};
         let all = self.resources.read().expect("metrics lock");
         let label = |resource: &str| ResourceLabels {
             resource: resource.to_owned(),
         };
-        let series: [ResourceSeries; 7] = [
-            (
-                "devices",
-                "Devices advertised to the kubelet.",
-                Gauge,
-                |m| &m.devices,
-            ),
-            (
-                "devices_healthy",
-                "Devices advertised Healthy.",
-                Gauge,
-                |m| &m.healthy,
-            ),
-            (
-                "registered",
-                "1 when registered with the current kubelet.",
-                Gauge,
-                |m| &m.registered,
-            ),
-            (
-                "registrations",
-                "Successful registrations with the kubelet.",
-                Counter,
-                |m| &m.registrations,
-            ),
-            (
-                "reregistrations",
-                "Registrations after the first (kubelet restarts, reloads, repairs).",
-                Counter,
-                |m| &m.reregistrations,
-            ),
-            (
-                "list_messages",
-                "ListAndWatch messages sent.",
-                Counter,
-                |m| &m.lists_sent,
-            ),
-            (
-                "list_message_bytes",
-                "Encoded size of the last ListAndWatch message (kubelet limit 4194304).",
-                Gauge,
-                |m| &m.list_bytes,
-            ),
-        ];
-        for (name, help, kind, metric) in series {
+        for (name, help, kind, metric) in RESOURCE_SERIES {
             let mut f = family(encoder, name, help, kind)?;
             for (resource, m) in all.iter() {
                 metric(m).encode(f.encode_family(&label(resource))?)?;
             }
         }
-        let mut f = family(encoder, "list_streams", "Open ListAndWatch streams.", Gauge)?;
+        let help = "Open ListAndWatch streams.";
+        let mut f = family(encoder, "list_streams", help, MetricType::Gauge)?;
         for (resource, m) in all.iter() {
             gauge(&mut f, &label(resource), m.open_streams() as u64)?;
         }
-        let rpcs = || {
-            all.iter().flat_map(|(resource, m)| {
-                Rpc::ALL.map(|rpc| (resource.clone(), rpc.name(), m.rpc(rpc)))
-            })
-        };
-        let mut f = family(encoder, "rpc", "RPCs served.", Counter)?;
-        for (resource, rpc, m) in rpcs() {
-            m.calls
-                .encode(f.encode_family(&RpcLabels { resource, rpc })?)?;
-        }
-        let mut f = family(encoder, "rpc_failures", "RPCs refused, by reason.", Counter)?;
-        for (resource, rpc, m) in rpcs() {
-            for (&reason, &n) in m.failures.lock().expect("metrics lock").iter() {
-                let resource = resource.clone();
-                let labels = FailureLabels {
-                    resource,
-                    rpc,
-                    reason,
-                };
-                ConstCounter::new(n).encode(f.encode_family(&labels)?)?;
-            }
-        }
-        let kind = MetricType::Histogram;
-        let mut f = family(encoder, "rpc_duration_seconds", "RPC latency.", kind)?;
-        for (resource, rpc, m) in rpcs() {
-            m.latency
-                .encode(f.encode_family(&RpcLabels { resource, rpc })?)?;
-        }
-        Ok(())
+        encode_rpcs(&all, encoder)
     }
 
     fn encode_config(&self, encoder: &mut DescriptorEncoder) -> fmt::Result {
