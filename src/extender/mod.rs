@@ -84,7 +84,8 @@ enum Recorded<'a> {
     /// and the bind holds its place in the node's line.
     Written {
         ticket: NodeTicket<'a>,
-        patched: Option<Patched>,
+        /// Boxed: a Pod is large beside the other variant.
+        patched: Option<Box<Patched>>,
     },
 }
 
@@ -393,7 +394,7 @@ impl<B: Binder> Extender<B> {
         let node = args.node.as_str();
         let (ticket, patched) = match self.record_assignment(key, args, deadline).await? {
             Recorded::AlreadyBound => return Ok(()),
-            Recorded::Written { ticket, patched } => (ticket, patched),
+            Recorded::Written { ticket, patched } => (ticket, patched.map(|p| *p)),
         };
         let patched_at = Instant::now();
         if !ticket.turn(writes_end).await {
@@ -456,7 +457,7 @@ impl<B: Binder> Extender<B> {
             let rv = pod.metadata.resource_version.as_deref();
             let patch = self.binder.annotate(key, rv, &plan.annotations);
             match self.within(writes_end, patch).await {
-                Ok(written) => break Some((plan.annotations, written)),
+                Ok(written) => break Some(Box::new((plan.annotations, written))),
                 Err(e) => {
                     self.write().release(key);
                     attempts += 1;

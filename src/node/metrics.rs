@@ -588,66 +588,64 @@ fn encode_rpcs(
     Ok(())
 }
 
-/// The per-resource series each resource's metrics hold as they are.
-const RESOURCE_SERIES: [ResourceSeries; 7] = [
-    (
-        "devices",
-        "Devices advertised to the kubelet.",
-        MetricType::Gauge,
-        |m| &m.devices,
-    ),
-    (
-        "devices_healthy",
-        "Devices advertised Healthy.",
-        MetricType::Gauge,
-        |m| &m.healthy,
-    ),
-    (
-        "registered",
-        "1 when registered with the current kubelet.",
-        MetricType::Gauge,
-        |m| &m.registered,
-    ),
-    (
-        "registrations",
-        "Successful registrations with the kubelet.",
-        MetricType::Counter,
-        |m| &m.registrations,
-    ),
-    (
-        "reregistrations",
-        "Registrations after the first (kubelet restarts, reloads, repairs).",
-        MetricType::Counter,
-        |m| &m.reregistrations,
-    ),
-    (
-        "list_messages",
-        "ListAndWatch messages sent.",
-        MetricType::Counter,
-        |m| &m.lists_sent,
-    ),
-    (
-        "list_message_bytes",
-        "Encoded size of the last ListAndWatch message (kubelet limit 4194304).",
-        MetricType::Gauge,
-        |m| &m.list_bytes,
-    ),
-];
-
 impl Scraped {
     fn encode_resources(&self, encoder: &mut DescriptorEncoder) -> fmt::Result {
+        use MetricType::{Counter, Gauge};
         let all = self.resources.read().expect("metrics lock");
         let label = |resource: &str| ResourceLabels {
             resource: resource.to_owned(),
         };
-        for (name, help, kind, metric) in RESOURCE_SERIES {
+        let series: [ResourceSeries; 7] = [
+            (
+                "devices",
+                "Devices advertised to the kubelet.",
+                Gauge,
+                |m| &m.devices,
+            ),
+            (
+                "devices_healthy",
+                "Devices advertised Healthy.",
+                Gauge,
+                |m| &m.healthy,
+            ),
+            (
+                "registered",
+                "1 when registered with the current kubelet.",
+                Gauge,
+                |m| &m.registered,
+            ),
+            (
+                "registrations",
+                "Successful registrations with the kubelet.",
+                Counter,
+                |m| &m.registrations,
+            ),
+            (
+                "reregistrations",
+                "Registrations after the first (kubelet restarts, reloads, repairs).",
+                Counter,
+                |m| &m.reregistrations,
+            ),
+            (
+                "list_messages",
+                "ListAndWatch messages sent.",
+                Counter,
+                |m| &m.lists_sent,
+            ),
+            (
+                "list_message_bytes",
+                "Encoded size of the last ListAndWatch message (kubelet limit 4194304).",
+                Gauge,
+                |m| &m.list_bytes,
+            ),
+        ];
+        for (name, help, kind, metric) in series {
             let mut f = family(encoder, name, help, kind)?;
             for (resource, m) in all.iter() {
                 metric(m).encode(f.encode_family(&label(resource))?)?;
             }
         }
-        let help = "Open ListAndWatch streams.";
-        let mut f = family(encoder, "list_streams", help, MetricType::Gauge)?;
+        let mut f = family(encoder, "list_streams", "Open ListAndWatch streams.", Gauge)?;
         for (resource, m) in all.iter() {
             gauge(&mut f, &label(resource), m.open_streams() as u64)?;
         }

@@ -368,10 +368,10 @@ impl<'a> Placing<'a> {
 
     /// The GPU `u` names, refused when this node has none: `key` says who
     /// named it.
-    fn known(&self, u: &String, key: &str) -> Result<usize, MatchError> {
+    fn known(&self, u: &str, key: &str) -> Result<usize, MatchError> {
         self.inv.index(u).ok_or_else(|| MatchError::UnknownGpu {
             pod: self.pod.key.clone(),
-            uuid: u.clone(),
+            uuid: u.to_owned(),
             key: key.into(),
         })
     }
