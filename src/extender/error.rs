@@ -10,6 +10,7 @@ use super::index::PodName;
 /// What filter and bind answer while the index is stale.
 const NOT_SYNCED: &str = "not synced with the API server; try again shortly";
 
+/// Why the extender refused a filter, prioritize or bind.
 #[derive(Debug, thiserror::Error)]
 pub enum RequestError {
     #[error("gpu extender: {verb} request is not the JSON kube-scheduler sends: {source}")]

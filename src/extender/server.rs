@@ -54,8 +54,8 @@ enum Verb {
 impl RequestError {
     /// The one mapping of a refusal to HTTP: kube-scheduler drops the
     /// message of any non-200 answer, so filter and bind answer 200 with
-    /// the reason in `Error`; prioritize has no `Error` field, and a 400
-    /// makes the scheduler score with the other extenders.
+    /// the reason in `Error`; prioritize has no `Error` field, so a 400,
+    /// which the scheduler ignores, scoring with the rest.
     fn answer(&self, verb: Verb) -> Response {
         let reason = self.to_string();
         match verb {
