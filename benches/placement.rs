@@ -339,7 +339,8 @@ impl Scheduler for ExtenderScheduler {
             .extender
             .filter(&args(self.names.clone()))
             .await
-            .node_names
+            .ok()
+            .and_then(|r| r.node_names)
             .unwrap_or_default();
         let scores = self.extender.prioritize(&args(passed)).unwrap();
         let Some(best) = self

@@ -402,7 +402,7 @@ impl Config {
         for (i, gpu) in mock.iter().enumerate() {
             let key = format!("devices.mock[{i}].uuid");
             crate::rules::device::validate_uuid(&gpu.uuid)
-                .map_err(|reason| invalid(&key, reason))?;
+                .map_err(|reason| invalid(&key, reason.to_string()))?;
             if mock[..i].iter().any(|g| g.uuid == gpu.uuid) {
                 return Err(invalid(key, format!("{:?} is listed twice", gpu.uuid)));
             }

@@ -68,7 +68,7 @@ struct NodeLine {
 }
 
 #[derive(Debug, thiserror::Error)]
-pub(super) enum Busy {
+pub enum Busy {
     #[error(
         "{0} binds are admitted or expected, the most extender.max_binds_queued allows; \
          the scheduler tries again after its backoff"

@@ -18,6 +18,7 @@ mod cluster;
 #[cfg(test)]
 mod cluster_tests;
 pub(crate) mod config;
+mod error;
 mod index;
 mod plan;
 mod server;
@@ -29,9 +30,10 @@ use std::collections::HashSet;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use admission::InFlight;
+use admission::{InFlight, NodeTicket};
 pub use cluster::{BindError, Binder, KubeBinder, Reflectors};
 pub use config::ExtenderConfig;
+pub use error::RequestError;
 use index::Stage;
 pub use index::{Index, PodName, pod_name};
 pub use plan::Planner;
@@ -62,15 +64,30 @@ pub struct Extender<B> {
 /// 2, InterPodAffinity 2, ImageLocality 1, VolumeBinding 1: at most 1,100).
 const RUNNER_UP: i64 = wire::MAX_SCORE - 2;
 
-/// What filter and bind answer while the index is stale.
-const NOT_SYNCED: &str = "not synced with the API server; try again shortly";
-
 /// How often a bind re-reads and re-plans a pod that changed under it.
 const BIND_ATTEMPTS: usize = 3;
 
 /// The share of `bind_timeout` a bind keeps for finding out whether a
 /// Binding without an answer landed, and undoing the assignment if not.
 const CHECK_SHARE: u32 = 4;
+
+/// The annotations a bind wrote on the pod and the pod as written: what
+/// a bind that goes no further removes.
+type Patched = (std::collections::BTreeMap<String, Option<String>>, Pod);
+
+/// How writing a bind's assignment ended, when it did not fail.
+enum Recorded<'a> {
+    /// The pod is bound to the node asked already: a retried bind after
+    /// one that worked is answered the same.
+    AlreadyBound,
+    /// The assignment is on the pod (none for a pod that asks no GPU),
+    /// and the bind holds its place in the node's line.
+    Written {
+        ticket: NodeTicket<'a>,
+        /// Boxed: a Pod is large beside the other variant.
+        patched: Option<Box<Patched>>,
+    },
+}
 
 /// A bind's reservation while the bind runs. Unless the bind settled it,
 /// it ends at once if no Binding was sent, or becomes a nomination that
@@ -163,9 +180,9 @@ impl<B: Binder> Extender<B> {
     /// The nodes where the pod fits. A GPU pod's filter first waits up to
     /// `filter_wait_ms` for a place for its bind and keeps it (see
     /// `admission`), answering a retryable error if none frees.
-    pub async fn filter(&self, args: &ExtenderArgs) -> ExtenderFilterResult {
+    pub async fn filter(&self, args: &ExtenderArgs) -> Result<ExtenderFilterResult, RequestError> {
         let Some(pod) = &args.pod else {
-            return ExtenderFilterResult::error("gpu extender: the filter request has no Pod");
+            return Err(RequestError::NoPod { verb: "filter" });
         };
         let names = args.names();
         let mut result = ExtenderFilterResult::default();
@@ -175,13 +192,13 @@ impl<B: Binder> Extender<B> {
             None => passed = names,
             Some(asks) => {
                 if !self.index.read().expect("index lock poisoned").synced() {
-                    return ExtenderFilterResult::error(format!("gpu extender: {NOT_SYNCED}"));
+                    return Err(RequestError::Filter(Box::new(RequestError::NotSynced)));
                 }
                 let key = index::pod_name(pod);
                 let start = Instant::now();
                 if let Err(busy) = self.in_flight.expect(&key, self.filter_wait).await {
                     tracing::info!(pod = ?key, error = %busy, "filter refused: no place for a bind");
-                    return ExtenderFilterResult::error(format!("gpu extender: {busy}"));
+                    return Err(RequestError::Filter(Box::new(busy.into())));
                 }
                 let waited_us = start.elapsed().as_micros();
                 let mut ix = self.fresh(pod);
@@ -234,7 +251,7 @@ impl<B: Binder> Extender<B> {
             }
             _ => result.node_names = Some(passed),
         }
-        result
+        Ok(result)
     }
 
     /// Why the extender cannot place GPU pods now (a kind not listed yet,
@@ -248,11 +265,11 @@ impl<B: Binder> Extender<B> {
     /// the best one [`wire::MAX_SCORE`] and every other node its policy
     /// score capped at [`RUNNER_UP`], so that the scheduler takes the node
     /// the policy chose and nominated, not one tied with it at random.
-    pub fn prioritize(&self, args: &ExtenderArgs) -> Result<Vec<HostPriority>, String> {
+    pub fn prioritize(&self, args: &ExtenderArgs) -> Result<Vec<HostPriority>, RequestError> {
         let pod = args
             .pod
             .as_ref()
-            .ok_or("gpu extender: the prioritize request has no Pod")?;
+            .ok_or(RequestError::NoPod { verb: "prioritize" })?;
         let names = args.names();
         let Some(asks) = self.planner.asks(pod) else {
             let zero = |host| HostPriority { host, score: 0 };
@@ -291,14 +308,14 @@ impl<B: Binder> Extender<B> {
     /// `bind_timeout_ms`. On failure nothing stays reserved and the pod's
     /// annotations are as before, except where the Binding's fate is
     /// unknown: then the reservation lives on as an expiring nomination.
-    pub async fn bind(&self, args: &ExtenderBindingArgs) -> Result<(), String> {
+    pub async fn bind(&self, args: &ExtenderBindingArgs) -> Result<(), RequestError> {
         let start = Instant::now();
         let deadline = start + self.bind_timeout;
         let key: PodName = (args.pod_namespace.clone(), args.pod_name.clone());
         let who = format!("pod {}/{}", key.0, key.1);
         let result = match self.in_flight.admit(&key) {
             Ok(_admitted) => self.bind_admitted(&key, args, deadline).await,
-            Err(busy) => Err(busy.to_string()),
+            Err(busy) => Err(busy.into()),
         };
         let took_ms = start.elapsed().as_millis();
         match &result {
@@ -307,7 +324,11 @@ impl<B: Binder> Extender<B> {
                 tracing::warn!(pod = %who, node = %args.node, error = %e, took_ms, "bind refused")
             }
         }
-        result.map_err(|e| format!("gpu extender: cannot bind {who} to node {}: {e}", args.node))
+        result.map_err(|reason| RequestError::Bind {
+            pod: key,
+            node: args.node.clone(),
+            reason: Box::new(reason),
+        })
     }
 
     /// When a bind's writes stop: early enough to leave time to check and
@@ -331,10 +352,10 @@ impl<B: Binder> Extender<B> {
         key: &PodName,
         args: &ExtenderBindingArgs,
         deadline: Instant,
-    ) -> Result<(), String> {
+    ) -> Result<(), RequestError> {
         // A stale index may count GPUs free that a pod bound meanwhile holds.
         if !self.index.read().expect("index lock poisoned").synced() {
-            return Err(NOT_SYNCED.into());
+            return Err(RequestError::NotSynced);
         }
         // A bind that waited for its turn past its writes' time has none
         // left to write and undo.
@@ -342,7 +363,7 @@ impl<B: Binder> Extender<B> {
         let queued = Instant::now();
         let turn = self.in_flight.running.acquire();
         let Ok(Ok(_turn)) = tokio::time::timeout_at(writes_end.into(), turn).await else {
-            return Err("the binds before it in extender.max_binds_in_flight took too long".into());
+            return Err(RequestError::QueuedTooLong);
         };
         let queued = queued.elapsed();
         let mut held = BindReservation {
@@ -366,88 +387,15 @@ impl<B: Binder> Extender<B> {
         args: &ExtenderBindingArgs,
         deadline: Instant,
         queued: Duration,
-    ) -> Result<(), String> {
+    ) -> Result<(), RequestError> {
         let key = held.key;
         let start = Instant::now();
         let writes_end = self.writes_end(deadline);
         let node = args.node.as_str();
-        let mut attempts = 0;
-        // The node's line, taken with the first plan; its assume time
-        // stays for every try.
-        let mut ticket = None;
-        let patched = loop {
-            // The first try writes on the pod as the reflector showed it;
-            // if that is behind, the write's precondition fails and the
-            // next try reads it.
-            let cached = (attempts == 0)
-                .then(|| {
-                    self.index
-                        .read()
-                        .expect("index lock poisoned")
-                        .unbound_pod(key)
-                })
-                .flatten()
-                .filter(|p| {
-                    args.pod_uid.is_empty() || p.metadata.uid.as_ref() == Some(&args.pod_uid)
-                });
-            let pod = match cached {
-                Some(pod) => pod,
-                None => self
-                    .within(writes_end, self.binder.get_pod(key))
-                    .await
-                    .map_err(|e| e.to_string())?
-                    .ok_or("the pod does not exist")
-                    .map(Arc::new)?,
-            };
-            let uid = pod.metadata.uid.as_deref().unwrap_or_default();
-            if !args.pod_uid.is_empty() && uid != args.pod_uid {
-                return Err(format!(
-                    "the pod is now another one (UID {uid}, the scheduler bound UID {})",
-                    args.pod_uid
-                ));
-            }
-            if let Some(bound) = pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) {
-                // A retried bind after one that worked is answered the same.
-                return if bound == node {
-                    Ok(())
-                } else {
-                    Err(format!("it is already bound to node {bound}"))
-                };
-            }
-            let plan = {
-                // The pod's own nomination (wherever it was) gives way to
-                // the node the scheduler chose.
-                let mut ix = self.fresh(&pod);
-                let now = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .unwrap_or_default()
-                    .as_nanos();
-                let assumed = ticket
-                    .get_or_insert_with(|| self.in_flight.ticket(node, now))
-                    .assumed;
-                let plan = self.planner.plan_bind(&ix, &pod, node, assumed)?;
-                if let Some(p) = &plan {
-                    let until = deadline + self.reservation_ttl;
-                    ix.reserve(p.reserved.clone(), Stage::Binding, until);
-                }
-                plan
-            };
-            let Some(plan) = plan else { break None };
-            let rv = pod.metadata.resource_version.as_deref();
-            let patch = self.binder.annotate(key, rv, &plan.annotations);
-            match self.within(writes_end, patch).await {
-                Ok(written) => break Some((plan.annotations, written)),
-                Err(e) => {
-                    self.write().release(key);
-                    attempts += 1;
-                    if e != BindError::Conflict || attempts == BIND_ATTEMPTS {
-                        return Err(format!("recording the GPU assignment failed: {e}"));
-                    }
-                }
-            }
+        let (ticket, patched) = match self.record_assignment(key, args, deadline).await? {
+            Recorded::AlreadyBound => return Ok(()),
+            Recorded::Written { ticket, patched } => (ticket, patched.map(|p| *p)),
         };
-        // Every try above planned, so the line was joined.
-        let ticket = ticket.expect("a bind that planned has its node's ticket");
         let patched_at = Instant::now();
         if !ticket.turn(writes_end).await {
             // No Binding was sent: the pod as patched loses the assignment
@@ -457,7 +405,7 @@ impl<B: Binder> Extender<B> {
                 let rv = written.metadata.resource_version.as_deref();
                 self.undo(key, rv, annotations, deadline).await;
             }
-            return Err("the Bindings before it on this node took too long".into());
+            return Err(RequestError::NodeLineTooLong);
         }
         let uid = args.pod_uid.as_str();
         held.binding_sent = true;
@@ -473,22 +421,150 @@ impl<B: Binder> Extender<B> {
                 binding_us = turn_at.elapsed().as_micros(), "bind steps");
             return Ok(());
         };
-        // The Binding may have landed although its answer did not: a
-        // bound pod keeps its assignment, whatever the Binding answered.
+        self.settle_failed_binding(held, node, e, patched, deadline)
+            .await
+    }
+
+    /// Writes the pod's GPU assignment for `args.node`, re-reading and
+    /// re-planning a pod that changed under it: up to [`BIND_ATTEMPTS`]
+    /// tries, each under the node's one ticket, taken with the first plan,
+    /// so that its assume time stays for every try.
+    async fn record_assignment(
+        &self,
+        key: &PodName,
+        args: &ExtenderBindingArgs,
+        deadline: Instant,
+    ) -> Result<Recorded<'_>, RequestError> {
+        let writes_end = self.writes_end(deadline);
+        let node = args.node.as_str();
+        let mut attempts = 0;
+        let mut ticket = None;
+        let patched = loop {
+            let pod = self
+                .pod_to_bind(key, args, attempts == 0, writes_end)
+                .await?;
+            if let Some(bound) = pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) {
+                // A retried bind after one that worked is answered the same.
+                return if bound == node {
+                    Ok(Recorded::AlreadyBound)
+                } else {
+                    Err(RequestError::BoundElsewhere(bound.to_owned()))
+                };
+            }
+            let Some(plan) = self.plan_and_reserve(&pod, node, &mut ticket, deadline)? else {
+                break None;
+            };
+            let rv = pod.metadata.resource_version.as_deref();
+            let patch = self.binder.annotate(key, rv, &plan.annotations);
+            match self.within(writes_end, patch).await {
+                Ok(written) => break Some(Box::new((plan.annotations, written))),
+                Err(e) => {
+                    self.write().release(key);
+                    attempts += 1;
+                    if e != BindError::Conflict || attempts == BIND_ATTEMPTS {
+                        return Err(RequestError::Record(e));
+                    }
+                }
+            }
+        };
+        // Every try above planned, so the line was joined.
+        let ticket = ticket.expect("a bind that planned has its node's ticket");
+        Ok(Recorded::Written { ticket, patched })
+    }
+
+    /// The pod to bind, refused when it is not the one the scheduler
+    /// bound. The first try takes the pod as the reflector showed it; if
+    /// that is behind, the write's precondition fails and the next try
+    /// reads it from the API server.
+    async fn pod_to_bind(
+        &self,
+        key: &PodName,
+        args: &ExtenderBindingArgs,
+        first_try: bool,
+        writes_end: Instant,
+    ) -> Result<Arc<Pod>, RequestError> {
+        let cached = first_try
+            .then(|| {
+                self.index
+                    .read()
+                    .expect("index lock poisoned")
+                    .unbound_pod(key)
+            })
+            .flatten()
+            .filter(|p| args.pod_uid.is_empty() || p.metadata.uid.as_ref() == Some(&args.pod_uid));
+        let pod = match cached {
+            Some(pod) => pod,
+            None => self
+                .within(writes_end, self.binder.get_pod(key))
+                .await
+                .map_err(RequestError::ReadPod)?
+                .map(Arc::new)
+                .ok_or(RequestError::PodGone)?,
+        };
+        let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+        if !args.pod_uid.is_empty() && uid != args.pod_uid {
+            return Err(RequestError::Replaced {
+                now: uid.to_owned(),
+                scheduled: args.pod_uid.clone(),
+            });
+        }
+        Ok(pod)
+    }
+
+    /// Plans the pod on `node` and reserves its GPUs until the bind's
+    /// deadline, in one step under the index's lock so that no other bind
+    /// plans on the same free GPUs; the node's ticket is taken there too
+    /// on the first try.
+    fn plan_and_reserve<'a>(
+        &'a self,
+        pod: &Pod,
+        node: &str,
+        ticket: &mut Option<NodeTicket<'a>>,
+        deadline: Instant,
+    ) -> Result<Option<plan::BindPlan>, RequestError> {
+        // The pod's own nomination (wherever it was) gives way to the
+        // node the scheduler chose.
+        let mut ix = self.fresh(pod);
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos();
+        let assumed = ticket
+            .get_or_insert_with(|| self.in_flight.ticket(node, now))
+            .assumed;
+        let plan = self.planner.plan_bind(&ix, pod, node, assumed)?;
+        if let Some(p) = &plan {
+            let until = deadline + self.reservation_ttl;
+            ix.reserve(p.reserved.clone(), Stage::Binding, until);
+        }
+        Ok(plan)
+    }
+
+    /// After a Binding that answered an error. It may have landed although
+    /// its answer did not, and a bound pod keeps its assignment whatever
+    /// the Binding answered; a pod not bound loses the assignment and its
+    /// reservation.
+    async fn settle_failed_binding(
+        &self,
+        held: &mut BindReservation<'_>,
+        node: &str,
+        e: BindError,
+        patched: Option<Patched>,
+        deadline: Instant,
+    ) -> Result<(), RequestError> {
+        let key = held.key;
         let pod = match self.within(deadline, self.binder.get_pod(key)).await {
             Ok(Some(pod)) => pod,
             Ok(None) => {
                 held.settled = true;
                 self.write().release(key);
-                return Err(format!("creating the Binding failed: {e}; the pod is gone"));
+                return Err(RequestError::BindingPodGone(e));
             }
             Err(check) => {
                 // Unknown: neither undo (the pod may be bound) nor release
                 // (its GPUs may be in use); the guard leaves a nomination
                 // that expires.
-                return Err(format!(
-                    "creating the Binding failed: {e}; whether it landed is unknown ({check})"
-                ));
+                return Err(RequestError::BindingUnknown { failed: e, check });
             }
         };
         if pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node) {
@@ -502,7 +578,7 @@ impl<B: Binder> Extender<B> {
         }
         held.settled = true;
         self.write().release(key);
-        Err(format!("creating the Binding failed: {e}"))
+        Err(RequestError::Binding(e))
     }
 
     /// Removes the annotations a failed bind wrote, by `deadline`, and only

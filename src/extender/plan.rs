@@ -10,6 +10,7 @@ use std::sync::Mutex;
 
 use k8s_openapi::api::core::v1::Pod;
 
+use super::RequestError;
 use super::index::{Gpus, Index};
 use crate::rules::usage::{
     Assignment, Inventory, Keys, NodeUsage, PodAsks, Policy, fit, leftover, score,
@@ -195,11 +196,13 @@ impl Planner {
         pod: &Pod,
         node: &str,
         now_nanos: u128,
-    ) -> Result<Option<BindPlan>, String> {
+    ) -> Result<Option<BindPlan>, RequestError> {
         let Some(asks) = self.asks(pod) else {
             return Ok(None);
         };
-        let f = self.place(ix, node, &asks).map_err(|r| r.reason)?;
+        let f = self
+            .place(ix, node, &asks)
+            .map_err(|r| RequestError::NoRoom(r.reason))?;
         let k = &self.keys;
         let annotations: BTreeMap<String, Option<String>> = [
             (k.assignment.clone(), Some(f.assignment.to_json())),
@@ -433,7 +436,7 @@ mod tests {
         assert!(p.plan_bind(&ix, &cpu, "n", 44).unwrap().is_none());
         let huge = gpu_pod("ns", "huge", &[c("app", false, 50000, 0, 0)]);
         let e = p.plan_bind(&ix, &huge, "n", 45).unwrap_err();
-        assert!(e.contains("50000 MiB"), "{e}");
+        assert!(e.to_string().contains("50000 MiB"), "{e}");
     }
 
     #[test]

@@ -29,12 +29,13 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::cluster::Binder;
 use super::wire::{ExtenderBindingResult, ExtenderFilterResult};
-use super::{Extender, ExtenderConfig};
+use super::{Extender, ExtenderConfig, RequestError};
 
-fn decode<T: serde::de::DeserializeOwned>(verb: &str, body: &[u8]) -> Result<T, String> {
-    serde_json::from_slice(body).map_err(|e| {
-        format!("gpu extender: {verb} request is not the JSON kube-scheduler sends: {e}")
-    })
+fn decode<T: serde::de::DeserializeOwned>(
+    verb: &'static str,
+    body: &[u8],
+) -> Result<T, RequestError> {
+    serde_json::from_slice(body).map_err(|source| RequestError::Malformed { verb, source })
 }
 
 fn json(answer: &impl serde::Serialize) -> Response {
@@ -42,27 +43,60 @@ fn json(answer: &impl serde::Serialize) -> Response {
     ([(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
 
-async fn filter<B: Binder>(State(x): State<Arc<Extender<B>>>, body: Bytes) -> Response {
-    let answer = match decode("filter", &body) {
-        Ok(args) => x.filter(&args).await,
-        Err(e) => ExtenderFilterResult::error(e),
-    };
-    json(&answer)
+/// The verbs kube-scheduler asks, each answering a refusal its own way.
+#[derive(Clone, Copy)]
+enum Verb {
+    Filter,
+    Prioritize,
+    Bind,
 }
 
-async fn prioritize<B: Binder>(State(x): State<Arc<Extender<B>>>, body: Bytes) -> Response {
-    match decode("prioritize", &body).and_then(|args| x.prioritize(&args)) {
-        Ok(list) => json(&list),
-        Err(e) => (StatusCode::BAD_REQUEST, e).into_response(),
+impl RequestError {
+    /// The one mapping of a refusal to HTTP: kube-scheduler drops the
+    /// message of any non-200 answer, so filter and bind answer 200 with
+    /// the reason in `Error`; prioritize has no `Error` field, so a 400,
+    /// which the scheduler ignores, scoring with the rest.
+    fn answer(&self, verb: Verb) -> Response {
+        let reason = self.to_string();
+        match verb {
+            Verb::Filter => json(&ExtenderFilterResult::error(reason)),
+            Verb::Prioritize => (StatusCode::BAD_REQUEST, reason).into_response(),
+            Verb::Bind => json(&ExtenderBindingResult { error: reason }),
+        }
     }
 }
 
-async fn bind<B: Binder>(State(x): State<Arc<Extender<B>>>, body: Bytes) -> Response {
-    let error = match decode("bind", &body) {
-        Ok(args) => x.bind(&args).await.err().unwrap_or_default(),
-        Err(e) => e,
+/// A handler's answer: the verb's own on success, [`RequestError::answer`]
+/// otherwise.
+fn reply(verb: Verb, answer: Result<impl serde::Serialize, RequestError>) -> Response {
+    match answer {
+        Ok(answer) => json(&answer),
+        Err(e) => e.answer(verb),
+    }
+}
+
+async fn filter<B: Binder>(State(x): State<Arc<Extender<B>>>, body: Bytes) -> Response {
+    let answer = match decode("filter", &body) {
+        Ok(args) => x.filter(&args).await,
+        Err(e) => Err(e),
     };
-    json(&ExtenderBindingResult { error })
+    reply(Verb::Filter, answer)
+}
+
+async fn prioritize<B: Binder>(State(x): State<Arc<Extender<B>>>, body: Bytes) -> Response {
+    let answer = decode("prioritize", &body).and_then(|args| x.prioritize(&args));
+    reply(Verb::Prioritize, answer)
+}
+
+async fn bind<B: Binder>(State(x): State<Arc<Extender<B>>>, body: Bytes) -> Response {
+    let answer = match decode("bind", &body) {
+        Ok(args) => x.bind(&args).await,
+        Err(e) => Err(e),
+    };
+    reply(
+        Verb::Bind,
+        answer.map(|()| ExtenderBindingResult::default()),
+    )
 }
 
 async fn readyz<B: Binder>(State(x): State<Arc<Extender<B>>>) -> Response {

@@ -15,10 +15,26 @@ use crate::rules::device::KUBELET_MAX_MESSAGE_BYTES;
 
 const TIMEOUT: Duration = Duration::from_secs(5);
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct Report {
     pub(crate) socket: String,
-    pub outcome: Result<Served, String>,
+    pub outcome: Result<Served, ProbeError>,
+}
+
+/// Why a socket serves nothing the kubelet could use, in the words the
+/// report prints after the socket's name.
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    #[error("cannot connect: {0}")]
+    Connect(tonic::transport::Error),
+    #[error("GetDevicePluginOptions: {}", .0.message())]
+    Options(tonic::Status),
+    #[error("ListAndWatch: {}", .0.message())]
+    ListAndWatch(tonic::Status),
+    #[error("ListAndWatch sent nothing within 5 s")]
+    Silent,
+    #[error("ListAndWatch ended without a list")]
+    Ended,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,27 +46,27 @@ pub struct Served {
     pub(crate) list_bytes: usize,
 }
 
-async fn probe(path: &Path) -> Result<Served, String> {
+async fn probe(path: &Path) -> Result<Served, ProbeError> {
     let channel = crate::net::uds::connect(path, TIMEOUT)
         .await
-        .map_err(|e| format!("cannot connect: {e}"))?;
+        .map_err(ProbeError::Connect)?;
     // Larger than the kubelet's limit, so an oversize list is reported, not hidden.
     let mut client = DevicePluginClient::new(channel).max_decoding_message_size(64 << 20);
     let options = client
         .get_device_plugin_options(Empty {})
         .await
-        .map_err(|s| format!("GetDevicePluginOptions: {}", s.message()))?
+        .map_err(ProbeError::Options)?
         .into_inner();
     let mut stream = client
         .list_and_watch(Empty {})
         .await
-        .map_err(|s| format!("ListAndWatch: {}", s.message()))?
+        .map_err(ProbeError::ListAndWatch)?
         .into_inner();
     let list = tokio::time::timeout(TIMEOUT, stream.message())
         .await
-        .map_err(|_| "ListAndWatch sent nothing within 5 s".to_owned())?
-        .map_err(|s| format!("ListAndWatch: {}", s.message()))?
-        .ok_or("ListAndWatch ended without a list")?;
+        .map_err(|_| ProbeError::Silent)?
+        .map_err(ProbeError::ListAndWatch)?
+        .ok_or(ProbeError::Ended)?;
     Ok(Served {
         preferred_allocation: options.get_preferred_allocation_available,
         pre_start_required: options.pre_start_required,

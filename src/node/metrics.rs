@@ -513,6 +513,44 @@ type ResourceSeries = (
 /// A per-GPU gauge: name, help, how to read it from `T`.
 type PerGpu<T> = (&'static str, &'static str, fn(&T) -> u64);
 
+/// The RPC families (calls, refusals by reason, latency): their series
+/// are per resource and RPC, not per resource alone.
+fn encode_rpcs(
+    all: &BTreeMap<String, Arc<ResourceMetrics>>,
+    encoder: &mut DescriptorEncoder,
+) -> fmt::Result {
+    use MetricType::Counter;
+    let rpcs = || {
+        all.iter().flat_map(|(resource, m)| {
+            Rpc::ALL.map(|rpc| (resource.clone(), rpc.name(), m.rpc(rpc)))
+        })
+    };
+    let mut f = family(encoder, "rpc", "RPCs served.", Counter)?;
+    for (resource, rpc, m) in rpcs() {
+        m.calls
+            .encode(f.encode_family(&RpcLabels { resource, rpc })?)?;
+    }
+    let mut f = family(encoder, "rpc_failures", "RPCs refused, by reason.", Counter)?;
+    for (resource, rpc, m) in rpcs() {
+        for (&reason, &n) in m.failures.lock().expect("metrics lock").iter() {
+            let resource = resource.clone();
+            let labels = FailureLabels {
+                resource,
+                rpc,
+                reason,
+            };
+            ConstCounter::new(n).encode(f.encode_family(&labels)?)?;
+        }
+    }
+    let kind = MetricType::Histogram;
+    let mut f = family(encoder, "rpc_duration_seconds", "RPC latency.", kind)?;
+    for (resource, rpc, m) in rpcs() {
+        m.latency
+            .encode(f.encode_family(&RpcLabels { resource, rpc })?)?;
+    }
+    Ok(())
+}
+
 impl Scraped {
     fn encode_resources(&self, encoder: &mut DescriptorEncoder) -> fmt::Result {
         use MetricType::{Counter, Gauge};
@@ -574,35 +612,7 @@ impl Scraped {
         for (resource, m) in all.iter() {
             gauge(&mut f, &label(resource), m.open_streams() as u64)?;
         }
-        let rpcs = || {
-            all.iter().flat_map(|(resource, m)| {
-                Rpc::ALL.map(|rpc| (resource.clone(), rpc.name(), m.rpc(rpc)))
-            })
-        };
-        let mut f = family(encoder, "rpc", "RPCs served.", Counter)?;
-        for (resource, rpc, m) in rpcs() {
-            m.calls
-                .encode(f.encode_family(&RpcLabels { resource, rpc })?)?;
-        }
-        let mut f = family(encoder, "rpc_failures", "RPCs refused, by reason.", Counter)?;
-        for (resource, rpc, m) in rpcs() {
-            for (&reason, &n) in m.failures.lock().expect("metrics lock").iter() {
-                let resource = resource.clone();
-                let labels = FailureLabels {
-                    resource,
-                    rpc,
-                    reason,
-                };
-                ConstCounter::new(n).encode(f.encode_family(&labels)?)?;
-            }
-        }
-        let kind = MetricType::Histogram;
-        let mut f = family(encoder, "rpc_duration_seconds", "RPC latency.", kind)?;
-        for (resource, rpc, m) in rpcs() {
-            m.latency
-                .encode(f.encode_family(&RpcLabels { resource, rpc })?)?;
-        }
-        Ok(())
+        encode_rpcs(&all, encoder)
     }
 
     fn encode_config(&self, encoder: &mut DescriptorEncoder) -> fmt::Result {

@@ -27,6 +27,7 @@ use kube::Api;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
 
 use super::grant::{CORES, MEMORY, Node, device_name};
+use crate::rules::device::Gpu;
 
 pub(crate) use crate::rules::device::Facts;
 
@@ -77,92 +78,13 @@ pub(crate) fn slice(
         .gpus
         .iter()
         .enumerate()
-        .map(|(i, gpu)| {
-            let mut attributes = BTreeMap::from([
-                ("uuid".to_owned(), string(&gpu.uuid)),
-                ("index".to_owned(), int(gpu.index.into())),
-            ]);
-            if let Some(numa) = gpu.numa_node {
-                attributes.insert("numaNode".into(), int(numa.into()));
-            }
-            if let Some(p) = facts.products.get(&gpu.uuid) {
-                attributes.insert("productName".into(), string(p));
-            }
-            // Strings: NVIDIA's driver versions ("580.159.04") are no semver.
-            for (key, v) in [
-                ("driverVersion", &facts.driver_version),
-                ("cudaVersion", &facts.cuda_version),
-            ] {
-                if let Some(v) = v {
-                    attributes.insert(key.into(), string(v));
-                }
-            }
-            let memory = mib(gpu.memory_mib);
-            let cores = Quantity(node.cores_per_gpu.to_string());
-            let policy = |default: Quantity, min: Quantity, max: &Quantity, step: Quantity| {
-                CapacityRequestPolicy {
-                    default: Some(default),
-                    valid_range: Some(CapacityRequestPolicyRange {
-                        min,
-                        max: Some(max.clone()),
-                        step: Some(step),
-                    }),
-                    valid_values: None,
-                }
-            };
-            let unit = mib(shape.memory_unit_mib);
-            let capacity = if shape.consumable {
-                BTreeMap::from([
-                    (
-                        MEMORY.to_owned(),
-                        DeviceCapacity {
-                            request_policy: Some(policy(
-                                memory.clone(),
-                                unit.clone(),
-                                &memory,
-                                unit,
-                            )),
-                            value: memory,
-                        },
-                    ),
-                    (
-                        CORES.to_owned(),
-                        DeviceCapacity {
-                            request_policy: Some(policy(
-                                Quantity("0".into()),
-                                Quantity("0".into()),
-                                &cores,
-                                Quantity("1".into()),
-                            )),
-                            value: cores,
-                        },
-                    ),
-                ])
-            } else {
-                BTreeMap::from([(
-                    MEMORY.to_owned(),
-                    DeviceCapacity {
-                        request_policy: None,
-                        value: memory,
-                    },
-                )])
-            };
-            let taints = (!healthy.get(i).copied().unwrap_or(true)).then(|| {
-                vec![DeviceTaint {
-                    key: unhealthy_key(&node.driver),
-                    value: None,
-                    effect: "NoSchedule".into(),
-                    time_added: None,
-                }]
-            });
-            Device {
-                name: device_name(gpu),
-                attributes: Some(attributes),
-                capacity: Some(capacity),
-                allow_multiple_allocations: shape.consumable.then_some(true),
-                taints,
-                ..Default::default()
-            }
+        .map(|(i, gpu)| Device {
+            name: device_name(gpu),
+            attributes: Some(attributes(gpu, facts)),
+            capacity: Some(capacity(gpu, node.cores_per_gpu, shape)),
+            allow_multiple_allocations: shape.consumable.then_some(true),
+            taints: (!healthy.get(i).copied().unwrap_or(true)).then(|| unhealthy(&node.driver)),
+            ..Default::default()
         })
         .collect();
     ResourceSlice {
@@ -182,6 +104,84 @@ pub(crate) fn slice(
             ..Default::default()
         },
     }
+}
+
+/// What a claim's selectors can read of a GPU: its identity, its NUMA
+/// node, and the product and driver the node reports.
+fn attributes(gpu: &Gpu, facts: &Facts) -> BTreeMap<String, DeviceAttribute> {
+    let mut attributes = BTreeMap::from([
+        ("uuid".to_owned(), string(&gpu.uuid)),
+        ("index".to_owned(), int(gpu.index.into())),
+    ]);
+    if let Some(numa) = gpu.numa_node {
+        attributes.insert("numaNode".into(), int(numa.into()));
+    }
+    if let Some(p) = facts.products.get(&gpu.uuid) {
+        attributes.insert("productName".into(), string(p));
+    }
+    // Strings: NVIDIA's driver versions ("580.159.04") are no semver.
+    for (key, v) in [
+        ("driverVersion", &facts.driver_version),
+        ("cudaVersion", &facts.cuda_version),
+    ] {
+        if let Some(v) = v {
+            attributes.insert(key.into(), string(v));
+        }
+    }
+    attributes
+}
+
+/// A GPU's capacity: its memory alone, or with consumable capacity memory
+/// and cores that each allocation consumes in steps (see the module doc
+/// for the defaults).
+fn capacity(gpu: &Gpu, cores_per_gpu: u32, shape: &Shape) -> BTreeMap<String, DeviceCapacity> {
+    let memory = mib(gpu.memory_mib);
+    if !shape.consumable {
+        let whole = DeviceCapacity {
+            request_policy: None,
+            value: memory,
+        };
+        return BTreeMap::from([(MEMORY.to_owned(), whole)]);
+    }
+    let cores = Quantity(cores_per_gpu.to_string());
+    let policy =
+        |default: Quantity, min: Quantity, max: &Quantity, step: Quantity| CapacityRequestPolicy {
+            default: Some(default),
+            valid_range: Some(CapacityRequestPolicyRange {
+                min,
+                max: Some(max.clone()),
+                step: Some(step),
+            }),
+            valid_values: None,
+        };
+    let unit = mib(shape.memory_unit_mib);
+    let zero = || Quantity("0".into());
+    BTreeMap::from([
+        (
+            MEMORY.to_owned(),
+            DeviceCapacity {
+                request_policy: Some(policy(memory.clone(), unit.clone(), &memory, unit)),
+                value: memory,
+            },
+        ),
+        (
+            CORES.to_owned(),
+            DeviceCapacity {
+                request_policy: Some(policy(zero(), zero(), &cores, Quantity("1".into()))),
+                value: cores,
+            },
+        ),
+    ])
+}
+
+/// The taint that keeps new claims off an unhealthy GPU.
+fn unhealthy(driver: &str) -> Vec<DeviceTaint> {
+    vec![DeviceTaint {
+        key: unhealthy_key(driver),
+        value: None,
+        effect: "NoSchedule".into(),
+        time_added: None,
+    }]
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
-use super::{CacheOwner, Enforcer, Keep, Region, RegionError, cache_key};
+use super::{CacheOwner, EnforcementError, Enforcer, Keep, Region, RegionError, cache_key};
 use crate::node::matcher::{LiveContainer, MatcherHandle};
 use crate::node::metrics::{ContainerMemory, EnforcementSeries, Metrics};
 use crate::node::readiness::{Child, Hold, Readiness};
@@ -65,7 +65,7 @@ pub(crate) struct SweeperState {
 /// What one pass found on disk.
 struct Found {
     library: Option<String>,
-    cache_dirs: Result<u64, String>,
+    cache_dirs: Result<u64, EnforcementError>,
     regions: Vec<(LiveContainer, String, Result<Option<Region>, RegionError>)>,
 }
 
@@ -165,10 +165,7 @@ fn scan(enforcer: &Enforcer, matching: bool, live: Option<Vec<LiveContainer>>) -
     // Without a sweep (nothing says what is stale), keep everything and
     // still count.
     let keep = keep.unwrap_or(Keep::NewerThan(SystemTime::UNIX_EPOCH));
-    let cache_dirs = enforcer
-        .sweep(&keep)
-        .map(|s| s.remaining as u64)
-        .map_err(|e| e.to_string());
+    let cache_dirs = enforcer.sweep(&keep).map(|s| s.remaining as u64);
     let regions = live
         .into_iter()
         .flatten()
@@ -333,12 +330,12 @@ mod tests {
         // The matcher has not synced: nothing is removed, all are counted.
         let found = scan(&e, true, None);
         assert_eq!(found.library, None);
-        assert_eq!(found.cache_dirs, Ok(3));
+        assert_eq!(found.cache_dirs.ok(), Some(3));
         assert!(dir_gone.is_dir());
 
         let live = vec![a.clone(), b.clone(), container("r", "not-started")];
         let found = scan(&e, true, Some(live));
-        assert_eq!(found.cache_dirs, Ok(2));
+        assert_eq!(found.cache_dirs.ok(), Some(2));
         assert!(!dir_gone.exists() && dir_a.is_dir() && dir_b.is_dir());
         let mut s = state(&e);
         let rows = s.memory_used(found.regions);
@@ -360,7 +357,7 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let e = enforcer(tmp.path(), 3600);
         let dir = allocate(&e, &container("p", "a"));
-        assert_eq!(scan(&e, false, None).cache_dirs, Ok(1));
+        assert_eq!(scan(&e, false, None).cache_dirs.ok(), Some(1));
         assert!(dir.is_dir(), "a fresh directory was swept");
         // Made long ago.
         let old = SystemTime::now() - Duration::from_secs(7200);
@@ -368,7 +365,7 @@ mod tests {
             .unwrap()
             .set_modified(old)
             .unwrap();
-        assert_eq!(scan(&e, false, None).cache_dirs, Ok(0));
+        assert_eq!(scan(&e, false, None).cache_dirs.ok(), Some(0));
         assert!(!dir.exists());
 
         std::fs::remove_file(e.library_path()).unwrap();

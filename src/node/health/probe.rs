@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enums::event::XidError;
-use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::error::{NvmlError, NvmlErrorWithSource};
 use nvml_wrapper::{EventSet, Nvml};
 
 use crate::config::{Backend, Config};
@@ -65,24 +65,37 @@ pub(crate) fn mode(spec: &ProbeSpec, uuids: &[String]) -> HealthMode {
             Err(e) => HealthMode::Polling(format!("NVML: {e}")),
             Ok(nvml) => match xid_events(&nvml, uuids) {
                 Ok((_, n)) => HealthMode::XidEvents(n),
-                Err(why) => HealthMode::Polling(why),
+                Err(why) => HealthMode::Polling(why.to_string()),
             },
         },
     }
 }
 
+/// Why XID events are not available, so health is polled only.
+#[derive(Debug, thiserror::Error)]
+enum NoEvents {
+    #[error("no NVML event set: {0}")]
+    NoSet(NvmlError),
+    #[error("XID events not supported on {uuid}: {source}")]
+    Unsupported {
+        uuid: String,
+        source: NvmlErrorWithSource,
+    },
+}
+
 /// An event set with critical XID events registered on every GPU NVML
-/// finds, and how many that is; Err says why events are not available.
-fn xid_events<'n>(nvml: &'n Nvml, uuids: &[String]) -> Result<(EventSet<'n>, usize), String> {
-    let mut set = nvml
-        .create_event_set()
-        .map_err(|e| format!("no NVML event set: {e}"))?;
+/// finds, and how many that is.
+fn xid_events<'n>(nvml: &'n Nvml, uuids: &[String]) -> Result<(EventSet<'n>, usize), NoEvents> {
+    let mut set = nvml.create_event_set().map_err(NoEvents::NoSet)?;
     let mut registered = 0;
     for u in uuids {
         if let Ok(d) = nvml.device_by_uuid(u.as_str()) {
             set = d
                 .register_events(EventTypes::CRITICAL_XID_ERROR, set)
-                .map_err(|e| format!("XID events not supported on {u}: {e}"))?;
+                .map_err(|source| NoEvents::Unsupported {
+                    uuid: u.clone(),
+                    source,
+                })?;
             registered += 1;
         }
     }
@@ -133,7 +146,8 @@ fn run_nvml(uuids: &[String], poll: Duration, report: &impl Fn(Round) -> bool) {
     // Without events (not supported on some GPU) the polled query still runs.
     let events = xid_events(&nvml, uuids).ok().map(|(set, _)| set);
     loop {
-        let mut round: Round = uuids.iter().map(|u| query(&nvml, u).err()).collect();
+        let failed = |u: &String| query(&nvml, u).err().map(|e| e.to_string());
+        let mut round: Round = uuids.iter().map(failed).collect();
         let wait_ms = u32::try_from(poll.as_millis()).unwrap_or(u32::MAX);
         match &events {
             Some(set) => {
@@ -160,14 +174,19 @@ fn run_nvml(uuids: &[String], poll: Duration, report: &impl Fn(Round) -> bool) {
     }
 }
 
+/// Why a GPU failed its polled query: the reason its round reports.
+#[derive(Debug, thiserror::Error)]
+enum QueryError {
+    #[error("NVML lost the GPU: {0}")]
+    Lost(NvmlError),
+    #[error("NVML query failed: {0}")]
+    Failed(NvmlError),
+}
+
 /// A query that fails when a GPU fell off the bus or lost its handle.
-fn query(nvml: &Nvml, uuid: &str) -> Result<(), String> {
-    let d = nvml
-        .device_by_uuid(uuid)
-        .map_err(|e: NvmlError| format!("NVML lost the GPU: {e}"))?;
-    d.memory_info()
-        .map(|_| ())
-        .map_err(|e| format!("NVML query failed: {e}"))
+fn query(nvml: &Nvml, uuid: &str) -> Result<(), QueryError> {
+    let d = nvml.device_by_uuid(uuid).map_err(QueryError::Lost)?;
+    d.memory_info().map(|_| ()).map_err(QueryError::Failed)
 }
 
 #[cfg(test)]

@@ -78,7 +78,7 @@ pub(crate) struct InventoryState {
 }
 
 impl InventoryState {
-    async fn sync(&mut self) -> Result<(), String> {
+    async fn sync(&mut self) -> Result<(), PublishError> {
         let client = match &self.client {
             Some(c) => c.clone(),
             None => {
@@ -86,16 +86,19 @@ impl InventoryState {
                     &self.kubeconfig,
                     "matcher.kubeconfig",
                 )
-                .await
-                .map_err(|e| e.to_string())?;
+                .await?;
                 self.client = Some(c.clone());
                 c
             }
         };
         let nodes: Api<Node> = Api::all(client);
-        let node = within(nodes.get(&self.node_name))
-            .await
-            .map_err(|e| format!("cannot read Node {}: {e}", self.node_name))?;
+        let node =
+            within(nodes.get(&self.node_name))
+                .await
+                .map_err(|source| PublishError::Read {
+                    node: self.node_name.clone(),
+                    source,
+                })?;
         let annotations = node.metadata.annotations.unwrap_or_default();
         let Some(body) = patch(&annotations, &self.wanted, &self.stale) else {
             self.stale.clear();
@@ -104,7 +107,10 @@ impl InventoryState {
         let params = PatchParams::default();
         within(nodes.patch(&self.node_name, &params, &Patch::Merge(&body)))
             .await
-            .map_err(|e| format!("cannot patch Node {}: {e}", self.node_name))?;
+            .map_err(|source| PublishError::Patch {
+                node: self.node_name.clone(),
+                source,
+            })?;
         self.stale.clear();
         let gpus = &self.wanted.inventory.gpus;
         tracing::info!(
@@ -137,10 +143,31 @@ impl InventoryState {
     }
 }
 
-async fn within<T>(call: impl Future<Output = Result<T, kube::Error>>) -> Result<T, String> {
+/// Why the inventory did not reach the Node this time; the next sync tries
+/// again.
+#[derive(Debug, thiserror::Error)]
+enum PublishError {
+    #[error(transparent)]
+    Client(#[from] crate::net::kube_client::KubeClientError),
+    #[error("cannot read Node {node}: {source}")]
+    Read { node: String, source: CallError },
+    #[error("cannot patch Node {node}: {source}")]
+    Patch { node: String, source: CallError },
+}
+
+/// An API call that failed, or did not answer within [`CALL_TIMEOUT`].
+#[derive(Debug, thiserror::Error)]
+enum CallError {
+    #[error(transparent)]
+    Api(#[from] kube::Error),
+    #[error("no answer within {} s", CALL_TIMEOUT.as_secs())]
+    Timeout,
+}
+
+async fn within<T>(call: impl Future<Output = Result<T, kube::Error>>) -> Result<T, CallError> {
     match tokio::time::timeout(CALL_TIMEOUT, call).await {
-        Ok(r) => r.map_err(|e| e.to_string()),
-        Err(_) => Err(format!("no answer within {} s", CALL_TIMEOUT.as_secs())),
+        Ok(r) => Ok(r?),
+        Err(_) => Err(CallError::Timeout),
     }
 }
 

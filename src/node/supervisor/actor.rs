@@ -277,6 +277,26 @@ impl Supervisor {
         config: Config,
         plan: Plan,
     ) {
+        Self::adopt(state, config, plan);
+        // Plugins leave the matcher before it stops, and join it once it
+        // runs, so no Allocate finds it missing.
+        Self::push_placements(state, false).await;
+        let restarts = Self::restarts(state).await;
+        Self::stop_for_restart(state, restarts).await;
+        Self::start_wanted(myself, state).await;
+        Self::push_placements(state, true).await;
+        state.publish_inventory();
+        state.metrics.config_applied();
+        tracing::info!(
+            resources = ?state.plan.models().map(|m| m.resource().name()).collect::<Vec<_>>(),
+            "config reloaded"
+        );
+    }
+
+    /// Takes the new config and plan: the GPUs' health carries over while
+    /// they are the same GPUs, and the metrics keep only the resources
+    /// still served.
+    fn adopt(state: &mut SupervisorState, config: Config, plan: Plan) {
         let uuids = |plan: &Plan| {
             plan.gpus()
                 .iter()
@@ -296,21 +316,21 @@ impl Supervisor {
             .map(|m| state.config.resource_name(m.resource()))
             .collect();
         state.metrics.retain(&names);
-        // Plugins leave the matcher before it stops, and join it once it
-        // runs, so no Allocate finds it missing.
-        Self::push_placements(state, false).await;
-        let running: Vec<Child> = state.children.keys().copied().collect();
+    }
+
+    /// The running children the new config changes, each with why; a DRA
+    /// plugin switched off removes its slice first.
+    async fn restarts(state: &SupervisorState) -> Vec<(Child, &'static str)> {
         let mut restarts = Vec::new();
-        for child in running {
+        for (&child, running) in &state.children {
             let wanted = state.args(child);
-            let Some(reason) = reload::restart(&state.children[&child].args, wanted.as_ref())
-            else {
+            let Some(reason) = reload::restart(&running.args, wanted.as_ref()) else {
                 continue;
             };
             // DRA switched off takes its slice with it; restarted, it keeps
             // it (its successor publishes one generation on).
             if wanted.is_none()
-                && let Spawned::Dra(actor) = &state.children[&child].spawned
+                && let Spawned::Dra(actor) = &running.spawned
             {
                 let withdraw = |reply| DraMsg::Withdraw { reply };
                 let ms = CHILD_STOP_TIMEOUT.as_millis() as u64;
@@ -320,17 +340,25 @@ impl Supervisor {
             }
             restarts.push((child, reason));
         }
-        // Stopped and awaited before their successors start: each old
-        // stream ends before its new registration (kubernetes#121994),
-        // which waits SETTLE from that end. Side by side, so one slow stop
-        // holds back no other resource.
+        restarts
+    }
+
+    /// Stopped and awaited before their successors start: each old stream
+    /// ends before its new registration (kubernetes#121994), which waits
+    /// SETTLE from that end. Side by side, so one slow stop holds back no
+    /// other resource.
+    async fn stop_for_restart(state: &mut SupervisorState, restarts: Vec<(Child, &'static str)>) {
         for (child, ended) in Self::stop(state, restarts).await {
             if let Child::Plugin(r) = child {
                 state.settling.insert(r, ended + SETTLE);
             }
         }
-        // A child waiting out a restart backoff that is no longer wanted
-        // holds nothing back any more.
+    }
+
+    /// Starts every child the config wants that is not running; a child
+    /// waiting out a restart backoff that is no longer wanted holds
+    /// nothing back any more.
+    async fn start_wanted(myself: &ActorRef<SupervisorMsg>, state: &mut SupervisorState) {
         let wanted = wanted(&state.config, &state.plan);
         let dropped: Vec<Child> = (state.failures.keys())
             .filter(|c| !wanted.contains(c))
@@ -345,13 +373,6 @@ impl Supervisor {
                 Self::start(myself, state, child).await;
             }
         }
-        Self::push_placements(state, true).await;
-        state.publish_inventory();
-        state.metrics.config_applied();
-        tracing::info!(
-            resources = ?state.plan.models().map(|m| m.resource().name()).collect::<Vec<_>>(),
-            "config reloaded"
-        );
     }
 
     /// Gives running plugins the config's placement, those switching to

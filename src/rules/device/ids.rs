@@ -13,18 +13,25 @@ const MAX_TAG_LEN: usize = 13;
 const MAX_INDEX_LEN: usize = 7;
 pub(crate) const MAX_ID_LEN: usize = MAX_TAG_LEN + MAX_INDEX_LEN;
 
+/// Why a GPU UUID cannot be a device ID.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum UuidError {
+    #[error("{0:?} must be 1 to 63 characters (it is a gpu-count device ID)")]
+    Length(String),
+    #[error("{0:?} may hold only [A-Za-z0-9-_.]")]
+    Characters(String),
+}
+
 /// The kubelet's (and our) rule for a GPU UUID used as a device ID.
-pub(crate) fn validate_uuid(uuid: &str) -> Result<(), String> {
+pub(crate) fn validate_uuid(uuid: &str) -> Result<(), UuidError> {
     if uuid.is_empty() || uuid.len() > 63 {
-        return Err(format!(
-            "{uuid:?} must be 1 to 63 characters (it is a gpu-count device ID)"
-        ));
+        return Err(UuidError::Length(uuid.to_owned()));
     }
     if !uuid
         .chars()
         .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
     {
-        return Err(format!("{uuid:?} may hold only [A-Za-z0-9-_.]"));
+        return Err(UuidError::Characters(uuid.to_owned()));
     }
     Ok(())
 }

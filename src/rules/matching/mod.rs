@@ -8,7 +8,8 @@ pub(crate) mod tests;
 
 use crate::rules::device::Resource;
 use crate::rules::usage::{
-    ContainerAsk, Holding, Inventory, Ledger, NodeUsage, best_shared, pod_holdings, whole_gpus,
+    ContainerAsk, Holding, Inventory, Ledger, LedgerEntry, NodeUsage, best_shared, pod_holdings,
+    whole_gpus,
 };
 use pods::{PodKey, PodView};
 
@@ -276,109 +277,185 @@ fn place(
     ask: &Ask,
     ids: Ids,
 ) -> Result<Decision, MatchError> {
-    let r = ask.resource;
-    let amount = ask.devices * inv.unit()[r];
-    let decision = |gpus: Vec<usize>| Decision {
-        pod: pod.key.clone(),
-        uid: pod.uid.clone(),
-        container: c.name.clone(),
-        gpus,
-        amount,
-        repeat: false,
-        whole: c.whole(),
+    let p = Placing::new(inv, usage, pod, c, ask)?;
+    p.check_assignment(ids)?;
+    let gpus = if ask.resource == Resource::GpuCount {
+        p.counted_gpus()?
+    } else if c.rides_whole(ask.resource) {
+        p.riding_gpus()?
+    } else {
+        p.shared_gpus()?
     };
-    let uuid = |g: usize| inv.gpus[g].uuid.clone();
-    let known = |u: &String, key: &str| {
-        inv.index(u).ok_or_else(|| MatchError::UnknownGpu {
-            pod: pod.key.clone(),
-            uuid: u.clone(),
-            key: key.into(),
-        })
-    };
-    let own = pod.ledger.0.get(&c.name);
-    let assignment = pod.assignment.0.get(&c.name);
-    let assigned: Option<Vec<usize>> = assignment
-        .map(|uuids| uuids.iter().map(|u| known(u, "the extender")).collect())
-        .transpose()?;
-    let others = without_own(inv, usage, pod, c);
-    let usage = &others;
-    // Whole GPUs the pod's init containers still hand on go to the next
-    // container before any fresh one, whichever the kubelet picks of them:
-    // never a contradiction. The ledger says exactly which those are, so
-    // whole GPUs are checked even when handed on; shared IDs handed on are
-    // not followed per GPU, and the assignment says where they run.
-    let handed = match c.whole() {
-        true => handed_whole(inv, pod, c),
-        false => Vec::new(),
-    };
-    let checked = ids == Ids::Chosen || r == Resource::GpuCount;
-    if let Some(assigned) = &assigned {
-        let contradicts = ask
-            .id_gpus
-            .iter()
-            .any(|g| !assigned.contains(g) && !handed.contains(g));
-        if checked && !ask.id_gpus.is_empty() && contradicts {
-            return Err(MatchError::Contradicts {
-                pod: pod.key.clone(),
-                container: c.name.clone(),
-                resource: r,
-                ids: ask.id_gpus.iter().map(|&g| uuid(g)).collect(),
-                assigned: assigned.iter().map(|&g| uuid(g)).collect(),
-            });
+    Ok(p.decision(gpus))
+}
+
+/// One container's placement under way: what each of [`place`]'s
+/// decisions reads.
+struct Placing<'a> {
+    inv: &'a Inventory,
+    /// What the other pods and containers hold: the container must not
+    /// stand in its own way.
+    usage: NodeUsage,
+    pod: &'a PodView,
+    c: &'a ContainerAsk,
+    ask: &'a Ask,
+    /// The ask in the resource's unit.
+    amount: u64,
+    /// What the ledger records of the container, if anything yet.
+    own: Option<&'a LedgerEntry>,
+    /// The extender's assignment of the container, if any.
+    assigned: Option<Vec<usize>>,
+    /// The whole GPUs the pod's init containers still hand on to it.
+    handed: Vec<usize>,
+}
+
+impl<'a> Placing<'a> {
+    fn new(
+        inv: &'a Inventory,
+        usage: &NodeUsage,
+        pod: &'a PodView,
+        c: &'a ContainerAsk,
+        ask: &'a Ask,
+    ) -> Result<Self, MatchError> {
+        let mut p = Placing {
+            inv,
+            usage: without_own(inv, usage, pod, c),
+            pod,
+            c,
+            ask,
+            amount: ask.devices * inv.unit()[ask.resource],
+            own: pod.ledger.0.get(&c.name),
+            assigned: None,
+            handed: Vec::new(),
+        };
+        p.assigned = pod
+            .assignment
+            .0
+            .get(&c.name)
+            .map(|uuids| uuids.iter().map(|u| p.known(u, "the extender")).collect())
+            .transpose()?;
+        // Whole GPUs the pod's init containers still hand on go to the next
+        // container before any fresh one, whichever the kubelet picks of
+        // them: never a contradiction. The ledger says exactly which those
+        // are, so whole GPUs are checked even when handed on; shared IDs
+        // handed on are not followed per GPU, and the assignment says where
+        // they run.
+        if c.whole() {
+            p.handed = handed_whole(inv, pod, c);
+        }
+        Ok(p)
+    }
+
+    fn decision(&self, gpus: Vec<usize>) -> Decision {
+        Decision {
+            pod: self.pod.key.clone(),
+            uid: self.pod.uid.clone(),
+            container: self.c.name.clone(),
+            gpus,
+            amount: self.amount,
+            repeat: false,
+            whole: self.c.whole(),
         }
     }
-    // What the ledger records fixes the GPUs of a container asking whole
-    // ones, whichever of its resources came first.
-    let recorded: Option<Vec<usize>> = own
-        .filter(|g| !g.gpus.is_empty())
-        .map(|g| g.gpus.iter().filter_map(|u| inv.index(u)).collect());
-    if r == Resource::GpuCount {
-        // The kubelet holds the IDs' GPUs for the container, exclusive:
-        // those are its GPUs, also when handed on from an init container
-        // to another than the assigned one.
-        let gpus = match (recorded, assigned) {
-            (Some(fixed), _) if !ask.id_gpus.is_empty() && !same_set(&ask.id_gpus, &fixed) => {
+
+    fn uuid(&self, g: usize) -> String {
+        self.inv.gpus[g].uuid.clone()
+    }
+
+    fn uuids(&self, gpus: &[usize]) -> Vec<String> {
+        gpus.iter().map(|&g| self.uuid(g)).collect()
+    }
+
+    /// The GPU `u` names, refused when this node has none: `key` says who
+    /// named it.
+    fn known(&self, u: &str, key: &str) -> Result<usize, MatchError> {
+        self.inv.index(u).ok_or_else(|| MatchError::UnknownGpu {
+            pod: self.pod.key.clone(),
+            uuid: u.to_owned(),
+            key: key.into(),
+        })
+    }
+
+    /// The kubelet's IDs may not leave the extender's assignment, when
+    /// it chose them (or they are whole GPUs, which the ledger follows).
+    fn check_assignment(&self, ids: Ids) -> Result<(), MatchError> {
+        let Some(assigned) = &self.assigned else {
+            return Ok(());
+        };
+        let checked = ids == Ids::Chosen || self.ask.resource == Resource::GpuCount;
+        let id_gpus = &self.ask.id_gpus;
+        let contradicts = id_gpus
+            .iter()
+            .any(|g| !assigned.contains(g) && !self.handed.contains(g));
+        if checked && !id_gpus.is_empty() && contradicts {
+            return Err(MatchError::Contradicts {
+                pod: self.pod.key.clone(),
+                container: self.c.name.clone(),
+                resource: self.ask.resource,
+                ids: self.uuids(id_gpus),
+                assigned: self.uuids(assigned),
+            });
+        }
+        Ok(())
+    }
+
+    /// What the ledger records fixes the GPUs of a container asking whole
+    /// ones, whichever of its resources came first.
+    fn recorded(&self) -> Option<Vec<usize>> {
+        self.own
+            .filter(|g| !g.gpus.is_empty())
+            .map(|g| g.gpus.iter().filter_map(|u| self.inv.index(u)).collect())
+    }
+
+    /// A gpu-count ask's GPUs. The kubelet holds the IDs' GPUs for the
+    /// container, exclusive: those are its GPUs, also when handed on from
+    /// an init container to another than the assigned one.
+    fn counted_gpus(&self) -> Result<Vec<usize>, MatchError> {
+        let id_gpus = &self.ask.id_gpus;
+        let gpus = match (self.recorded(), &self.assigned) {
+            (Some(fixed), _) if !id_gpus.is_empty() && !same_set(id_gpus, &fixed) => {
                 let first = Resource::ALL
                     .into_iter()
-                    .find(|&s| own.and_then(|g| g.amount(s)).is_some())
+                    .find(|&s| self.own.and_then(|g| g.amount(s)).is_some())
                     .unwrap_or(Resource::GpuMemory);
                 return Err(MatchError::Splits {
-                    pod: pod.key.clone(),
-                    container: c.name.clone(),
+                    pod: self.pod.key.clone(),
+                    container: self.c.name.clone(),
                     first,
-                    resource: r,
-                    gpus: fixed.iter().map(|&g| uuid(g)).collect(),
-                    ids: ask.id_gpus.iter().map(|&g| uuid(g)).collect(),
+                    resource: self.ask.resource,
+                    gpus: self.uuids(&fixed),
+                    ids: self.uuids(id_gpus),
                 });
             }
             (Some(fixed), _) => fixed,
-            (None, Some(a)) if ask.id_gpus.is_empty() || same_set(&ask.id_gpus, &a) => a,
-            _ => ask.id_gpus.clone(),
+            (None, Some(a)) if id_gpus.is_empty() || same_set(id_gpus, a) => a.clone(),
+            _ => id_gpus.clone(),
         };
-        if let Some(&g) = gpus.iter().find(|&&g| usage.gpus[g].carries_shared()) {
-            return Err(MatchError::CarriesShared {
-                pod: pod.key.clone(),
-                uuid: uuid(g),
-            });
-        }
-        return Ok(decision(gpus));
+        self.refuse_shared(&gpus)?;
+        Ok(gpus)
     }
-    if c.rides_whole(r) {
-        // Its share rides inside its whole GPUs: once its count (or another
-        // share) is recorded, those; else the extender's; else as many GPUs
-        // clear of other work as it asks, those the kubelet's IDs or an init
-        // container point at first, then as its count's hint would take
-        // them, so its count can follow.
-        let gpus = match recorded.or(assigned) {
+
+    /// The whole GPUs a share rides inside: once its count (or another
+    /// share) is recorded, those; else the extender's; else as many GPUs
+    /// clear of other work as it asks, those the kubelet's IDs or an init
+    /// container point at first, then as its count's hint would take them,
+    /// so its count can follow.
+    fn riding_gpus(&self) -> Result<Vec<usize>, MatchError> {
+        let gpus = match self.recorded().or_else(|| self.assigned.clone()) {
             Some(gpus) => gpus,
             None => {
-                let wanted = c.wants(Resource::GpuCount);
-                let first: Vec<usize> = handed.iter().chain(&ask.id_gpus).copied().collect();
+                let wanted = self.c.wants(Resource::GpuCount);
+                let first: Vec<usize> = self
+                    .handed
+                    .iter()
+                    .chain(&self.ask.id_gpus)
+                    .copied()
+                    .collect();
                 let n = usize::try_from(wanted).unwrap_or(usize::MAX);
-                let gpus = whole_gpus(inv, usage, &first, n);
+                let gpus = whole_gpus(self.inv, &self.usage, &first, n);
                 if (gpus.len() as u64) < wanted {
                     return Err(MatchError::NoWholeGpus {
-                        pod: pod.key.clone(),
+                        pod: self.pod.key.clone(),
                         wanted,
                         clear: gpus.len() as u64,
                     });
@@ -386,62 +463,89 @@ fn place(
                 gpus
             }
         };
-        if let Some(&g) = gpus.iter().find(|&&g| usage.gpus[g].held_whole()) {
-            return Err(MatchError::HeldWhole {
-                pod: pod.key.clone(),
-                uuid: uuid(g),
-            });
+        if let Some(&g) = gpus.iter().find(|&&g| self.usage.gpus[g].held_whole()) {
+            return Err(self.held_whole(g));
         }
-        if let Some(&g) = gpus.iter().find(|&&g| usage.gpus[g].carries_shared()) {
-            return Err(MatchError::CarriesShared {
-                pod: pod.key.clone(),
-                uuid: uuid(g),
-            });
-        }
-        return Ok(decision(gpus));
+        self.refuse_shared(&gpus)?;
+        Ok(gpus)
     }
-    let recorded = own.and_then(|g| g.gpus.first());
-    let target = match (assigned.as_deref(), &pod.gpu_uuid, recorded) {
-        (Some([g, ..]), _, _) => Some(*g),
-        (_, Some(u), _) => Some(known(u, "the scheduler")?),
-        (_, None, Some(u)) => inv.index(u),
-        _ => None,
-    };
-    let gpu = match (target, ask.id_gpus.as_slice()) {
-        (Some(g), _) => g,
-        (None, [g]) => *g,
-        (None, []) => {
-            let need = inv.amount(&c.devices);
-            return Ok(decision(
-                best_shared(inv, usage, &need).into_iter().collect(),
-            ));
+
+    /// A GPU taken whole must carry no shared work.
+    fn refuse_shared(&self, gpus: &[usize]) -> Result<(), MatchError> {
+        match gpus.iter().find(|&&g| self.usage.gpus[g].carries_shared()) {
+            Some(&g) => Err(MatchError::CarriesShared {
+                pod: self.pod.key.clone(),
+                uuid: self.uuid(g),
+            }),
+            None => Ok(()),
         }
-        (None, many) => {
-            return Err(MatchError::SpansGpus {
-                pod: pod.key.clone(),
+    }
+
+    fn held_whole(&self, g: usize) -> MatchError {
+        MatchError::HeldWhole {
+            pod: self.pod.key.clone(),
+            uuid: self.uuid(g),
+        }
+    }
+
+    /// A share's one GPU, with room for it; with nothing pointing at one,
+    /// the best fit (none when nothing fits).
+    fn shared_gpus(&self) -> Result<Vec<usize>, MatchError> {
+        let gpu = match (self.shared_target()?, self.ask.id_gpus.as_slice()) {
+            (Some(g), _) => g,
+            (None, [g]) => *g,
+            (None, []) => {
+                let need = self.inv.amount(&self.c.devices);
+                return Ok(best_shared(self.inv, &self.usage, &need)
+                    .into_iter()
+                    .collect());
+            }
+            (None, many) => {
+                return Err(MatchError::SpansGpus {
+                    pod: self.pod.key.clone(),
+                    resource: self.ask.resource,
+                    gpus: self.uuids(many),
+                });
+            }
+        };
+        self.check_room(gpu)?;
+        Ok(vec![gpu])
+    }
+
+    /// The GPU a share was pointed at before the kubelet's IDs: the
+    /// extender's assignment, the scheduler's `gpu-uuid`, or the GPU its
+    /// other resource is recorded on.
+    fn shared_target(&self) -> Result<Option<usize>, MatchError> {
+        let recorded = self.own.and_then(|g| g.gpus.first());
+        Ok(
+            match (self.assigned.as_deref(), &self.pod.gpu_uuid, recorded) {
+                (Some([g, ..]), _, _) => Some(*g),
+                (_, Some(u), _) => Some(self.known(u, "the scheduler")?),
+                (_, None, Some(u)) => self.inv.index(u),
+                _ => None,
+            },
+        )
+    }
+
+    /// A share fits only on a GPU nobody holds whole, within what is left.
+    fn check_room(&self, gpu: usize) -> Result<(), MatchError> {
+        if self.usage.gpus[gpu].held_whole() {
+            return Err(self.held_whole(gpu));
+        }
+        let (r, amount) = (self.ask.resource, self.amount);
+        let free = self.usage.free(self.inv, gpu, r);
+        if amount > free {
+            return Err(MatchError::Full {
+                pod: self.pod.key.clone(),
+                uuid: self.uuid(gpu),
                 resource: r,
-                gpus: many.iter().map(|&g| uuid(g)).collect(),
+                free,
+                capacity: self.inv.capacity(gpu)[r],
+                amount,
             });
         }
-    };
-    if usage.gpus[gpu].held_whole() {
-        return Err(MatchError::HeldWhole {
-            pod: pod.key.clone(),
-            uuid: uuid(gpu),
-        });
+        Ok(())
     }
-    let free = usage.free(inv, gpu, r);
-    if amount > free {
-        return Err(MatchError::Full {
-            pod: pod.key.clone(),
-            uuid: uuid(gpu),
-            resource: r,
-            free,
-            capacity: inv.capacity(gpu)[r],
-            amount,
-        });
-    }
-    Ok(decision(vec![gpu]))
 }
 
 /// `usage` less what container `c` of `pod` holds and is assigned, as the

@@ -299,93 +299,175 @@ impl Layout {
         let free = (0..inv.gpus.len())
             .filter(|&g| free_of_work(inv, usage, g))
             .count();
-        let units = inv.units();
-        let most = |r: Resource| {
-            inv.gpus
-                .iter()
-                .map(|g| u64::from(units.per_gpu(r, g.memory_mib)))
-                .max()
-                .unwrap_or(0)
-        };
-        let most = PerResource::from_fn(most);
+        let most = most_per_gpu(inv);
         let mut places = Vec::with_capacity(asks.containers.len());
-        // Whole GPUs handed on, as slots; shared devices handed on, per
-        // resource: how many, and a container of the group they are from.
-        let mut handed: Vec<usize> = Vec::new();
-        let mut slots = 0;
-        let mut devices: PerResource<(u64, usize)> = PerResource::default();
-        // A union-find over the containers: each shared one's group.
-        let mut parent: Vec<usize> = (0..asks.containers.len()).collect();
+        let mut hand_on = HandOn::new(asks.containers.len());
         for (i, c) in asks.containers.iter().enumerate() {
-            let fail = |reason: String| FitError {
-                container: c.name.clone(),
-                reason,
-                unresolvable: false,
-            };
-            if let Some(r) = Resource::ALL
-                .into_iter()
-                .find(|&r| c.wants(r) > 0 && !inv.offers(r))
-            {
-                return Err(fail(format!("asks {r}, which this node does not offer")));
-            }
-            if let Some(why) = inv.overflow(&c.devices) {
-                return Err(fail(why));
-            }
-            if c.whole() {
-                let k = c.devices.count;
-                let reused = handed.len().min(usize::try_from(k).unwrap_or(usize::MAX));
-                let fresh = k - reused as u64;
-                let left = free - slots;
-                if fresh > left as u64 {
-                    let handed = match reused {
-                        0 => String::new(),
-                        n => format!(", {n} of them handed on by its init containers"),
-                    };
-                    return Err(fail(format!(
-                        "wants {k} whole GPUs{handed}; {left} of {} are healthy and free of \
-                         other work",
-                        inv.gpus.len()
-                    )));
-                }
-                let fresh = fresh as usize;
-                let mine: Vec<usize> = handed[..reused]
-                    .iter()
-                    .copied()
-                    .chain(slots..slots + fresh)
-                    .collect();
-                slots += fresh;
-                c.pass_on(&mut handed, &mine);
-                places.push(Place::Whole(mine));
+            check_countable(inv, c)?;
+            let place = if c.whole() {
+                hand_on.whole(inv, c, free)?
             } else if c.shared() {
-                // More than any GPU has: refused before any arithmetic on
-                // an ask that may be absurd (hostile limits overflow).
-                if SHARED.into_iter().any(|r| c.wants(r) > most[r]) {
-                    let unit = inv.unit();
-                    let need = c.devices.map(|r, &d| d.saturating_mul(unit[r]));
-                    return Err(fail(shortfall(inv, usage, &need)));
-                }
-                for r in SHARED.into_iter().filter(|&r| c.wants(r) > 0) {
-                    let (left, from) = &mut devices[r];
-                    if *left > 0 {
-                        let (a, b) = (find(&mut parent, i), find(&mut parent, *from));
-                        parent[a] = b;
-                    } else {
-                        *from = i;
-                    }
-                    *left = c.pass_on_count(*left, c.wants(r));
-                }
-                places.push(Place::Shared(0));
+                check_under_largest(inv, usage, c, &most)?;
+                hand_on.shared(i, c);
+                Place::Shared(0)
             } else {
-                places.push(Place::None);
-            }
+                Place::None
+            };
+            places.push(place);
         }
+        let slots = hand_on.slots;
+        let groups = hand_on.groups(inv, asks, &mut places);
+        let groups = largest_first(inv, &most, groups, &mut places);
+        let containers = asks.containers.iter().filter(asking).count();
+        Ok(Layout {
+            places,
+            groups,
+            slots,
+            containers,
+        })
+    }
+}
+
+/// A refusal of container `c` that waiting may lift.
+fn refusal(c: &ContainerAsk, reason: String) -> FitError {
+    FitError {
+        container: c.name.clone(),
+        reason,
+        unresolvable: false,
+    }
+}
+
+/// The most devices of each resource any one GPU of the node has.
+fn most_per_gpu(inv: &Inventory) -> PerResource<u64> {
+    let units = inv.units();
+    PerResource::from_fn(|r: Resource| {
+        inv.gpus
+            .iter()
+            .map(|g| u64::from(units.per_gpu(r, g.memory_mib)))
+            .max()
+            .unwrap_or(0)
+    })
+}
+
+/// Container `c` asks only resources the node offers, in amounts real
+/// units can count.
+fn check_countable(inv: &Inventory, c: &ContainerAsk) -> Result<(), FitError> {
+    if let Some(r) = Resource::ALL
+        .into_iter()
+        .find(|&r| c.wants(r) > 0 && !inv.offers(r))
+    {
+        return Err(refusal(
+            c,
+            format!("asks {r}, which this node does not offer"),
+        ));
+    }
+    match inv.overflow(&c.devices) {
+        Some(why) => Err(refusal(c, why)),
+        None => Ok(()),
+    }
+}
+
+/// A shared ask of more than any GPU has is refused before any arithmetic
+/// on an ask that may be absurd (hostile limits overflow).
+fn check_under_largest(
+    inv: &Inventory,
+    usage: &NodeUsage,
+    c: &ContainerAsk,
+    most: &PerResource<u64>,
+) -> Result<(), FitError> {
+    if SHARED.into_iter().any(|r| c.wants(r) > most[r]) {
+        let unit = inv.unit();
+        let need = c.devices.map(|r, &d| d.saturating_mul(unit[r]));
+        return Err(refusal(c, shortfall(inv, usage, &need)));
+    }
+    Ok(())
+}
+
+/// The kubelet's hand-on followed through the pod's containers in spec
+/// order: which whole GPUs each takes, and which shared containers must
+/// share a GPU because one is handed the other's devices.
+struct HandOn {
+    /// Whole GPUs handed on, as slots.
+    handed: Vec<usize>,
+    /// The fresh whole GPUs taken so far.
+    slots: usize,
+    /// Shared devices handed on, per resource: how many, and a container
+    /// of the group they are from.
+    devices: PerResource<(u64, usize)>,
+    /// A union-find over the containers: each shared one's group.
+    parent: Vec<usize>,
+}
+
+impl HandOn {
+    fn new(containers: usize) -> Self {
+        HandOn {
+            handed: Vec::new(),
+            slots: 0,
+            devices: PerResource::default(),
+            parent: (0..containers).collect(),
+        }
+    }
+
+    /// A whole-GPU container's slots: those handed on to it first, then
+    /// fresh ones, as long as the `free` GPUs free of other work last.
+    fn whole(&mut self, inv: &Inventory, c: &ContainerAsk, free: usize) -> Result<Place, FitError> {
+        let k = c.devices.count;
+        let reused = self
+            .handed
+            .len()
+            .min(usize::try_from(k).unwrap_or(usize::MAX));
+        let fresh = k - reused as u64;
+        let left = free - self.slots;
+        if fresh > left as u64 {
+            let handed = match reused {
+                0 => String::new(),
+                n => format!(", {n} of them handed on by its init containers"),
+            };
+            return Err(refusal(
+                c,
+                format!(
+                    "wants {k} whole GPUs{handed}; {left} of {} are healthy and free of other \
+                     work",
+                    inv.gpus.len()
+                ),
+            ));
+        }
+        let fresh = fresh as usize;
+        let mine: Vec<usize> = self.handed[..reused]
+            .iter()
+            .copied()
+            .chain(self.slots..self.slots + fresh)
+            .collect();
+        self.slots += fresh;
+        c.pass_on(&mut self.handed, &mine);
+        Ok(Place::Whole(mine))
+    }
+
+    /// Shared container `i` joins the group whose devices it is handed.
+    fn shared(&mut self, i: usize, c: &ContainerAsk) {
+        for r in SHARED.into_iter().filter(|&r| c.wants(r) > 0) {
+            let (left, from) = &mut self.devices[r];
+            if *left > 0 {
+                let (a, b) = (find(&mut self.parent, i), find(&mut self.parent, *from));
+                self.parent[a] = b;
+            } else {
+                *from = i;
+            }
+            *left = c.pass_on_count(*left, c.wants(r));
+        }
+    }
+
+    /// The groups of shared containers, in the order their first member
+    /// comes, each with what it needs together; `places` gets each shared
+    /// container's group.
+    fn groups(mut self, inv: &Inventory, asks: &PodAsks, places: &mut [Place]) -> Vec<Group> {
         let mut groups: Vec<Group> = Vec::new();
         let mut group_of: Vec<Option<usize>> = vec![None; asks.containers.len()];
         for (i, c) in asks.containers.iter().enumerate() {
             let Place::Shared(group) = &mut places[i] else {
                 continue;
             };
-            let root = find(&mut parent, i);
+            let root = find(&mut self.parent, i);
             let g = *group_of[root].get_or_insert_with(|| {
                 groups.push(Group {
                     members: Vec::new(),
@@ -401,33 +483,36 @@ impl Layout {
                 gr.need[r] += need[r];
             }
         }
-        // Largest first by the sum of its shares of the largest GPU; a
-        // stable sort keeps spec order among equals.
-        let cap = PerResource::from_fn(|r| most[r] * inv.unit()[r]);
-        let size = |g: &Group| {
-            u128::from(g.need.memory) * u128::from(cap.core)
-                + u128::from(g.need.core) * u128::from(cap.memory)
-        };
-        let mut sorted: Vec<(usize, Group)> = groups.into_iter().enumerate().collect();
-        sorted.sort_by_key(|(_, g)| std::cmp::Reverse(size(g)));
-        let mut new_index = vec![0; sorted.len()];
-        for (new, (old, _)) in sorted.iter().enumerate() {
-            new_index[*old] = new;
-        }
-        for p in &mut places {
-            if let Place::Shared(g) = p {
-                *g = new_index[*g];
-            }
-        }
-        let groups = sorted.into_iter().map(|(_, g)| g).collect();
-        let containers = asks.containers.iter().filter(asking).count();
-        Ok(Layout {
-            places,
-            groups,
-            slots,
-            containers,
-        })
+        groups
     }
+}
+
+/// `groups` largest first by the sum of their shares of the largest GPU
+/// (first-fit decreasing), `places` renumbered to match; a stable sort
+/// keeps spec order among equals.
+fn largest_first(
+    inv: &Inventory,
+    most: &PerResource<u64>,
+    groups: Vec<Group>,
+    places: &mut [Place],
+) -> Vec<Group> {
+    let cap = PerResource::from_fn(|r| most[r] * inv.unit()[r]);
+    let size = |g: &Group| {
+        u128::from(g.need.memory) * u128::from(cap.core)
+            + u128::from(g.need.core) * u128::from(cap.memory)
+    };
+    let mut sorted: Vec<(usize, Group)> = groups.into_iter().enumerate().collect();
+    sorted.sort_by_key(|(_, g)| std::cmp::Reverse(size(g)));
+    let mut new_index = vec![0; sorted.len()];
+    for (new, (old, _)) in sorted.iter().enumerate() {
+        new_index[*old] = new;
+    }
+    for p in places.iter_mut() {
+        if let Place::Shared(g) = p {
+            *g = new_index[*g];
+        }
+    }
+    sorted.into_iter().map(|(_, g)| g).collect()
 }
 
 /// The root of `i`'s set, halving the path on the way.

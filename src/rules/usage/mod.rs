@@ -21,6 +21,7 @@ mod node;
 pub mod quantity;
 mod select;
 
+pub(crate) use annotations::ledger::LedgerEntry;
 pub(crate) use annotations::{Assignment, InventoryError, Records, ids_digest};
 pub use annotations::{Inventory, Keys, Ledger};
 pub(crate) use asks::{ContainerAsk, PodAsks};

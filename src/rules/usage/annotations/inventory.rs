@@ -43,7 +43,41 @@ pub enum InventoryError {
     )]
     Version(u32),
     #[error("the GPU inventory is unusable: {0}")]
-    Invalid(String),
+    Invalid(#[from] Unusable),
+}
+
+/// Why an inventory's numbers cannot be computed with.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unusable {
+    #[error("memoryUnitMiB is 0")]
+    MemoryUnitZero,
+    #[error("coresPerGpu {0} does not divide 100")]
+    CoresNotDividing100(u32),
+    #[error("GPU {0} has an empty uuid")]
+    EmptyUuid(usize),
+    #[error("GPU uuid {0:?} is listed twice")]
+    ListedTwice(String),
+    #[error("GPU {uuid} has {memory_mib} MiB, less than one memoryUnitMiB ({unit_mib})")]
+    UnderOneUnit {
+        uuid: String,
+        memory_mib: u64,
+        unit_mib: u64,
+    },
+    #[error("GPU {uuid} has {memory_mib} MiB, more than 2^32 devices of {unit_mib} MiB")]
+    OverU32Units {
+        uuid: String,
+        memory_mib: u64,
+        unit_mib: u64,
+    },
+}
+
+impl From<UnitsError> for Unusable {
+    fn from(e: UnitsError) -> Self {
+        match e {
+            UnitsError::MemoryUnitZero => Unusable::MemoryUnitZero,
+            UnitsError::CoresNotDividing100(cores) => Unusable::CoresNotDividing100(cores),
+        }
+    }
 }
 
 impl Inventory {
@@ -79,41 +113,37 @@ impl Inventory {
             return Err(InventoryError::Version(v.version));
         }
         let inv: Inventory = serde_json::from_str(text).map_err(json)?;
-        inv.units().check().map_err(|e| {
-            InventoryError::Invalid(match e {
-                UnitsError::MemoryUnitZero => "memoryUnitMiB is 0".into(),
-                UnitsError::CoresNotDividing100(cores) => {
-                    format!("coresPerGpu {cores} does not divide 100")
-                }
-            })
-        })?;
-        inv.check_gpus().map_err(InventoryError::Invalid)?;
+        inv.units().check().map_err(Unusable::from)?;
+        inv.check_gpus()?;
         Ok(inv)
     }
 
     /// Every GPU is named once (usage is counted by UUID: two GPUs of one
     /// name would each count the other's pods, or neither) and holds a
     /// countable number of memory devices.
-    fn check_gpus(&self) -> Result<(), String> {
+    fn check_gpus(&self) -> Result<(), Unusable> {
         let mut seen = std::collections::HashSet::new();
         for (i, g) in self.gpus.iter().enumerate() {
             if g.uuid.trim().is_empty() {
-                return Err(format!("GPU {i} has an empty uuid"));
+                return Err(Unusable::EmptyUuid(i));
             }
             if !seen.insert(g.uuid.as_str()) {
-                return Err(format!("GPU uuid {:?} is listed twice", g.uuid));
+                return Err(Unusable::ListedTwice(g.uuid.clone()));
             }
-            if g.memory_mib < self.memory_unit_mib {
-                return Err(format!(
-                    "GPU {} has {} MiB, less than one memoryUnitMiB ({})",
-                    g.uuid, g.memory_mib, self.memory_unit_mib
-                ));
+            let (memory_mib, unit_mib) = (g.memory_mib, self.memory_unit_mib);
+            if memory_mib < unit_mib {
+                return Err(Unusable::UnderOneUnit {
+                    uuid: g.uuid.clone(),
+                    memory_mib,
+                    unit_mib,
+                });
             }
-            if u32::try_from(g.memory_mib / self.memory_unit_mib).is_err() {
-                return Err(format!(
-                    "GPU {} has {} MiB, more than 2^32 devices of {} MiB",
-                    g.uuid, g.memory_mib, self.memory_unit_mib
-                ));
+            if u32::try_from(memory_mib / unit_mib).is_err() {
+                return Err(Unusable::OverU32Units {
+                    uuid: g.uuid.clone(),
+                    memory_mib,
+                    unit_mib,
+                });
             }
         }
         Ok(())
