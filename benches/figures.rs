@@ -1,4 +1,4 @@
-//! `cargo bench`: prints the figures the README quotes. Nothing here
+//! `cargo bench`: prints the figures benches/README.md quotes. Nothing here
 //! asserts a time; the machines are noisy, the numbers are for reading.
 
 use std::path::Path;

@@ -3,7 +3,7 @@
 //! alone), what filter and bind cost at 1,000 nodes, and (`burst`) how the
 //! real extender behind the kube-scheduler stand-in binds a 40-pod burst
 //! and how full binpack and spread let the GPUs get. Prints figures for
-//! the README; nothing here asserts a number.
+//! benches/README.md; nothing here asserts a number.
 //!
 //! Both schedulers hand their pods to the same node side: a kubelet
 //! stand-in that admits each container resource by resource through the

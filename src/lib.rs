@@ -1,5 +1,5 @@
 //! gpu-device-plugin: a Kubernetes device plugin that shares NVIDIA GPUs by
-//! memory and compute. See the README for the design; `main.rs` is the CLI.
+//! memory and compute. The design is in `src/DESIGN.md`; `main.rs` is the CLI.
 
 // What main.rs, the stand-ins (gpu-sim, tests/sim), the tests and the
 // benches use is `pub`; the rest is `pub(crate)`, so the dead-code lint

@@ -40,7 +40,7 @@ pub enum CorePolicy {
 /// Who limits a gpu-core grant. Two keys rather than one backend name,
 /// because the two limits are separate choices: HAMi-core's memory cap and
 /// usage region are worth having under MPS too, while its compute limit does
-/// not hold for few-block kernels (see README, *Enforcement*).
+/// not hold for few-block kernels (see deploy/README.md, *What a gpu-core grant guarantees*).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Compute {

@@ -911,7 +911,7 @@ mod search {
     }
 
     /// `cargo test --lib fit_figures -- --ignored --nocapture`: what one
-    /// fit costs per node, printed for the README (nothing asserted on
+    /// fit costs per node, printed for benches/README.md (nothing asserted on
     /// time).
     #[test]
     #[ignore = "prints figures"]
