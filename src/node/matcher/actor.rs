@@ -125,6 +125,9 @@ pub(crate) struct MatcherState {
     /// Pods with a ledger write in flight, each with the records waiting
     /// for it to land (by ticket, with their callers' ports).
     writing: HashMap<String, VecDeque<(u64, RecordReply)>>,
+    /// Lookups that found a repeat on a pod with a write in flight, by pod
+    /// UID: decided again once its writes are done.
+    deferred: HashMap<String, Vec<(Ask, Instant, DecideReply)>>,
     /// Pods our writes found gone that the cache still holds.
     gone: HashSet<String>,
 }
@@ -142,6 +145,8 @@ struct Reservation {
 
 /// Where a record's answer goes.
 type RecordReply = RpcReplyPort<Result<Recorded, MatcherError>>;
+/// Where a decision goes.
+type DecideReply = RpcReplyPort<Result<Reserved, MatcherError>>;
 
 struct Written {
     ledger: Ledger,
@@ -384,6 +389,14 @@ impl MatcherState {
             }
         }
         self.writing.remove(&uid);
+        for (ask, deadline, reply) in self.deferred.remove(&uid).unwrap_or_default() {
+            let decide = MatcherMsg::Decide {
+                ask,
+                deadline,
+                reply,
+            };
+            let _ = myself.send_message(decide);
+        }
     }
 
     /// Says what an Allocate was matched to.
@@ -500,6 +513,7 @@ impl Actor for PodMatcher {
             reserved: HashMap::new(),
             ticket: 0,
             writing: HashMap::new(),
+            deferred: HashMap::new(),
             gone: HashSet::new(),
         })
     }
@@ -525,14 +539,24 @@ impl Actor for PodMatcher {
                 ask,
                 deadline,
                 reply,
-            } => {
-                let result = state.decide(&ask, deadline).await;
-                if let Err(e) = &result {
-                    tracing::warn!(error = %e, "no match");
+            } => match state.decide(&ask, deadline).await {
+                // A repeat read off a ledger write still in flight: the
+                // write may yet fail, so the answer waits for it.
+                Ok(Reserved {
+                    decision,
+                    ticket: None,
+                }) if state.writing.contains_key(&decision.uid) => {
+                    let deferred = state.deferred.entry(decision.uid).or_default();
+                    deferred.push((ask, deadline, reply));
                 }
-                // The plugin may have timed out; the reservation expires.
-                let _ = reply.send(result);
-            }
+                result => {
+                    if let Err(e) = &result {
+                        tracing::warn!(error = %e, "no match");
+                    }
+                    // The plugin may have timed out; the reservation expires.
+                    let _ = reply.send(result);
+                }
+            },
             MatcherMsg::Record { ticket, reply } => state.record(&myself, ticket, reply),
             MatcherMsg::Written {
                 ticket,

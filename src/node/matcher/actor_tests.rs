@@ -26,10 +26,19 @@ const ANSWER: Duration = Duration::from_secs(10);
 
 /// A running matcher for one mock GPU of 1024 MiB, against `api`.
 async fn matcher(api: &ApiServerSim, dir: &std::path::Path) -> (MatcherHandle, Duration) {
+    matcher_with(api, dir, "").await
+}
+
+/// [`matcher`] with more `[matcher]` keys.
+async fn matcher_with(
+    api: &ApiServerSim,
+    dir: &std::path::Path,
+    keys: &str,
+) -> (MatcherHandle, Duration) {
     let kubeconfig = dir.join("kubeconfig");
     api.write_kubeconfig(&kubeconfig).unwrap();
     let toml = format!(
-        "pod_matching = true\nhttp_listen = \"\"\n[matcher]\nkubeconfig = {:?}\n\
+        "pod_matching = true\nhttp_listen = \"\"\n[matcher]\nkubeconfig = {:?}\n{keys}\n\
          [devices]\nbackend = \"mock\"\n[[devices.mock]]\nuuid = \"GPU-a\"\nmemory_mib = 1024\n",
         kubeconfig.display().to_string()
     );
@@ -201,16 +210,7 @@ async fn an_allocate_is_decided_while_another_ones_ledger_write_is_in_flight() {
     let (first, deadline) = ask(["a0", "a1", "a2", "a3"]);
     let reserved = handle.reserve(&first, deadline).await.unwrap();
     assert_eq!(reserved.decision.pod.name, "first");
-    api.delay(Duration::from_secs(3600));
-    let commit = tokio::spawn({
-        let handle = handle.clone();
-        async move { handle.commit(reserved).await }
-    });
-    let patching = tokio::time::Instant::now() + ANSWER;
-    while api.requests().get("patch").copied().unwrap_or(0) == 0 {
-        assert!(tokio::time::Instant::now() < patching, "no PATCH sent");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let commit = commit_held(&api, &handle, reserved).await;
 
     // The matcher decides the next Allocate meanwhile, and the write in
     // flight keeps first's container reserved.
@@ -221,4 +221,58 @@ async fn an_allocate_is_decided_while_another_ones_ledger_write_is_in_flight() {
         .unwrap();
     assert_eq!(decided.decision.pod.name, "second");
     commit.abort();
+}
+
+/// Commits `reserved` with the API server holding every request far longer
+/// than a test runs, once its ledger PATCH has been sent.
+async fn commit_held(
+    api: &ApiServerSim,
+    handle: &MatcherHandle,
+    reserved: super::Reservation,
+) -> tokio::task::JoinHandle<Result<Recorded, super::MatcherError>> {
+    api.delay(Duration::from_secs(3600));
+    let handle = handle.clone();
+    let commit = tokio::spawn(async move { handle.commit(reserved).await });
+    let patching = tokio::time::Instant::now() + ANSWER;
+    while api.requests().get("patch").copied().unwrap_or(0) == 0 {
+        assert!(tokio::time::Instant::now() < patching, "no PATCH sent");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    commit
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_is_not_answered_from_a_ledger_write_still_in_flight() {
+    let api = ApiServerSim::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    api.add_pod("default", "only", NODE, &[app(4)], &[]);
+    // A short wait, so the held write fails soon.
+    let (handle, wait) = matcher_with(&api, dir.path(), "wait_ms = 1000").await;
+    let devices: Vec<DeviceRef> = (0..4).map(|unit| DeviceRef { gpu: 0, unit }).collect();
+    let ids = ["a0", "a1", "a2", "a3"];
+    let ask = || allocate_ask(Resource::GpuMemory, &devices, ids.into_iter(), wait);
+    let (first, deadline) = ask();
+    let reserved = handle.reserve(&first, deadline).await.unwrap();
+    let commit = commit_held(&api, &handle, reserved).await;
+
+    // The kubelet's retry of the same Allocate while that write is in
+    // flight: the reservation makes it look recorded, but it is not yet.
+    let (again, deadline) = ask();
+    let retry = tokio::spawn({
+        let handle = handle.clone();
+        async move { handle.reserve(&again, deadline).await }
+    });
+    let failed = tokio::time::timeout(ANSWER, commit).await.unwrap().unwrap();
+    assert!(failed.is_err(), "the held write fails: {failed:?}");
+    api.delay(Duration::ZERO);
+    let retried = tokio::time::timeout(ANSWER, retry)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(handle.commit(retried).await.unwrap(), Recorded::Done);
+    assert!(
+        ledger(&api, "only").is_some(),
+        "the retry recorded its grant rather than taking the failed write for it"
+    );
 }
