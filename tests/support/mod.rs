@@ -45,6 +45,17 @@ pub fn mock_config(dir: &Path, extra: &str, gpus: &[(&str, u64)]) -> String {
     toml
 }
 
+/// The `extra` of [`mock_config`] for pod matching on node `node` against
+/// the API server `kubeconfig` reaches: what the binary would take from
+/// `$KUBECONFIG`, in the config (the environment is the whole test
+/// process's). It opens `[matcher]`: more of that section may follow.
+pub fn matching(node: &str, kubeconfig: &Path) -> String {
+    format!(
+        "pod_matching = true\nnode_name = \"{node}\"\n[matcher]\nkubeconfig = {:?}\n",
+        kubeconfig.display().to_string()
+    )
+}
+
 pub struct Daemon {
     pub child: Child,
     pub log: PathBuf,
