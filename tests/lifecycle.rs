@@ -52,7 +52,7 @@ async fn started(extra: &str) -> (tempfile::TempDir, App, KubeletSim) {
     (dir, daemon, kubelet)
 }
 
-async fn expect(kubelet: &KubeletSim, daemon: &impl Shown, want: &[(&str, u32, usize)]) {
+async fn expect(kubelet: &KubeletSim, daemon: &impl Observed, want: &[(&str, u32, usize)]) {
     expect_kubelet(kubelet, daemon, &want, registered_times(want)).await;
 }
 

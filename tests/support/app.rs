@@ -154,21 +154,30 @@ impl Drop for App {
     }
 }
 
-/// What a failing test shows of a daemon: its log (a binary) or its
-/// endpoints (in-process, where the log is the whole test process's).
-pub trait Shown {
+/// What a test sees of a daemon, in-process or the binary.
+pub trait Observed {
+    /// What a failing test shows: the log (a binary) or the endpoints
+    /// (in-process, where the log is the whole test process's).
     fn shown(&self) -> String;
+    /// The HTTP endpoint's address.
+    fn http_addr(&self) -> String;
 }
 
-impl Shown for App {
+impl Observed for App {
     fn shown(&self) -> String {
         self.state()
     }
+    fn http_addr(&self) -> String {
+        self.http.clone()
+    }
 }
 
-impl Shown for super::Daemon {
+impl Observed for super::Daemon {
     fn shown(&self) -> String {
         self.log_text()
+    }
+    fn http_addr(&self) -> String {
+        self.listening()
     }
 }
 

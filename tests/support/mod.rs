@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 mod app;
 pub mod kube;
 
-pub use app::{App, Shown};
+pub use app::{App, Observed};
 
 pub use gpu_sim::apiserver::PodContainer;
 pub use gpu_sim::kubelet::{KubeletSim, ResourceView, plugin_sockets};
@@ -216,7 +216,7 @@ pub async fn start_listed(dir: &Path, toml: &str, listed: &[(&str, usize)]) -> (
 /// that view and the daemon.
 pub async fn expect_kubelet(
     kubelet: &KubeletSim,
-    daemon: &impl Shown,
+    daemon: &impl Observed,
     want: &dyn std::fmt::Debug,
     done: impl Fn(&std::collections::BTreeMap<String, ResourceView>) -> bool,
 ) {
@@ -259,9 +259,9 @@ pub fn registered_times<'a>(
     }
 }
 
-/// The HTTP endpoint's address of the binary `daemon`.
-pub fn http_addr(daemon: &Daemon) -> String {
-    daemon.listening()
+/// The HTTP endpoint's address of `daemon`.
+pub fn http_addr(daemon: &impl Observed) -> String {
+    daemon.http_addr()
 }
 
 /// The IPv4 or IPv6 address a TCP socket of process `pid` listens on, from
