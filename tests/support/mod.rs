@@ -449,7 +449,21 @@ pub async fn poll_until(
     mut done: impl FnMut() -> bool,
     why: impl Fn() -> String,
 ) {
-    while !done() {
+    poll_for(deadline, async || done().then_some(()), why).await
+}
+
+/// Polls `probe` until it answers Some, and returns that; once `deadline`
+/// passes, panics with `why()`. The one place the tests pause between
+/// looks at a condition.
+pub async fn poll_for<T>(
+    deadline: Instant,
+    mut probe: impl AsyncFnMut() -> Option<T>,
+    why: impl Fn() -> String,
+) -> T {
+    loop {
+        if let Some(found) = probe().await {
+            return found;
+        }
         assert!(Instant::now() < deadline, "{}", why());
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
