@@ -41,23 +41,6 @@ struct Cluster<D = App> {
     daemon: D,
 }
 
-/// How a [`Cluster`] starts its daemon on a config.
-trait Start: Observed + Sized {
-    async fn start(toml: &str) -> Self;
-}
-
-impl Start for App {
-    async fn start(toml: &str) -> App {
-        App::start(toml).await
-    }
-}
-
-impl Start for Daemon {
-    async fn start(toml: &str) -> Daemon {
-        Daemon::start(toml)
-    }
-}
-
 impl Cluster {
     async fn start(extra: &str) -> Cluster {
         Cluster::start_matching(true, extra).await

@@ -13,7 +13,7 @@ use futures::StreamExt;
 use gpu_device_plugin::config::Config;
 use gpu_device_plugin::node::app::{self, Control, RunError, Running};
 
-use super::{WAIT, http_get, poll_until, sample};
+use super::{WAIT, http_get, poll_for, sample};
 
 pub struct App {
     /// The HTTP endpoint's address as bound at start.
@@ -125,17 +125,7 @@ impl App {
     /// Polls `path` until its (status, body) satisfies `done`; returns
     /// them.
     pub async fn get_until(&self, path: &str, done: impl Fn(u16, &str) -> bool) -> (u16, String) {
-        let mut last = (0, String::new());
-        poll_until(
-            Instant::now() + WAIT,
-            || {
-                last = http_get(&self.http, path);
-                done(last.0, &last.1)
-            },
-            || format!("{path} never as wanted"),
-        )
-        .await;
-        last
+        get_until(&self.http, path, done).await
     }
 
     /// Waits until the daemon says it is ready.
@@ -170,6 +160,39 @@ impl Observed for App {
     fn http_addr(&self) -> String {
         self.http.clone()
     }
+}
+
+/// How a test starts a daemon on a config: in-process or the binary.
+pub trait Start: Observed + Sized {
+    async fn start(toml: &str) -> Self;
+}
+
+impl Start for App {
+    async fn start(toml: &str) -> App {
+        App::start(toml).await
+    }
+}
+
+impl Start for super::Daemon {
+    async fn start(toml: &str) -> super::Daemon {
+        super::Daemon::start(toml)
+    }
+}
+
+/// Polls `path` at `addr` until its (status, body) satisfies `done`;
+/// returns them.
+pub async fn get_until(addr: &str, path: &str, done: impl Fn(u16, &str) -> bool) -> (u16, String) {
+    poll_for(
+        Instant::now() + WAIT,
+        async || Some(http_get(addr, path)).filter(|(c, b)| done(*c, b)),
+        || {
+            format!(
+                "{path} at {addr} never as wanted: {:?}",
+                http_get(addr, path)
+            )
+        },
+    )
+    .await
 }
 
 impl Observed for super::Daemon {

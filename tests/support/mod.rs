@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 mod app;
 pub mod kube;
 
-pub use app::{App, Observed};
+pub use app::{App, Observed, Start, get_until};
 
 pub use gpu_sim::apiserver::PodContainer;
 pub use gpu_sim::kubelet::{KubeletSim, ResourceView, plugin_sockets};
