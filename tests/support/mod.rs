@@ -264,10 +264,16 @@ pub fn http_addr(daemon: &impl Observed) -> String {
     daemon.http_addr()
 }
 
-/// The IPv4 or IPv6 address a TCP socket of process `pid` listens on, from
-/// /proc: the sockets among its descriptors, looked up in the kernel's
-/// table of its network namespace.
+/// The IPv4 or IPv6 address a TCP socket of process `pid` listens on.
 pub fn listening_addr(pid: u32) -> Option<std::net::SocketAddr> {
+    listening_socket(pid).map(|(addr, _)| addr)
+}
+
+/// A TCP socket process `pid` listens on, from /proc (the sockets among
+/// its descriptors, looked up in the kernel's table of its network
+/// namespace): its address, and the connections waiting in its accept
+/// queue.
+pub fn listening_socket(pid: u32) -> Option<(std::net::SocketAddr, u64)> {
     let inodes: std::collections::HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
         .ok()?
         .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
@@ -280,8 +286,13 @@ pub fn listening_addr(pid: u32) -> Option<std::net::SocketAddr> {
         let text = std::fs::read_to_string(format!("/proc/{pid}/net/{table}")).ok()?;
         text.lines().skip(1).find_map(|line| {
             let f: Vec<&str> = line.split_whitespace().collect();
-            // local_address st ... inode; 0A: LISTEN.
-            (f.len() > 9 && f[3] == "0A" && inodes.contains(f[9])).then(|| proc_addr(f[1]))?
+            // local_address st tx_queue:rx_queue ... inode; 0A: LISTEN,
+            // whose rx_queue is its accept queue.
+            if f.len() <= 9 || f[3] != "0A" || !inodes.contains(f[9]) {
+                return None;
+            }
+            let queued = u64::from_str_radix(f[4].split_once(':')?.1, 16).ok()?;
+            Some((proc_addr(f[1])?, queued))
         })
     })
 }
