@@ -464,18 +464,31 @@ pub async fn poll_until(
 }
 
 /// Polls `probe` until it answers Some, and returns that; once `deadline`
-/// passes, panics with `why()`. The one place the tests pause between
-/// looks at a condition.
+/// passes, panics with `why()`.
 pub async fn poll_for<T>(
     deadline: Instant,
-    mut probe: impl AsyncFnMut() -> Option<T>,
+    probe: impl AsyncFnMut() -> Option<T>,
     why: impl Fn() -> String,
 ) -> T {
+    match poll_within(deadline, probe).await {
+        Some(found) => found,
+        None => panic!("{}", why()),
+    }
+}
+
+/// Polls `probe` until it answers Some, and returns that; None once
+/// `deadline` passes. The one place async waits pause between looks.
+pub async fn poll_within<T>(
+    deadline: Instant,
+    mut probe: impl AsyncFnMut() -> Option<T>,
+) -> Option<T> {
     loop {
         if let Some(found) = probe().await {
-            return found;
+            return Some(found);
         }
-        assert!(Instant::now() < deadline, "{}", why());
+        if Instant::now() >= deadline {
+            return None;
+        }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
