@@ -90,23 +90,23 @@ async fn a_reload_to_a_socket_directory_that_cannot_work_is_refused() {
         ("doslab.io/gpu-core", 100),
         ("doslab.io/gpu-count", 1),
     ];
-    // The binary: why the reload was refused is told only in its log.
-    let daemon = Daemon::start(&mock_config(dir.path(), "", &gpus));
-    let kubelet = KubeletSim::start(dir.path()).unwrap();
-    expect_kubelet(&kubelet, &daemon, &want, all_listed(&want)).await;
+    let (daemon, kubelet) =
+        start_listed(dir.path(), &mock_config(dir.path(), "", &gpus), &want).await;
     let file = dir.path().join("file");
     std::fs::write(&file, "").unwrap();
-    std::fs::write(&daemon.config, mock_config(&file, "", &gpus)).unwrap();
-    daemon.signal(libc::SIGHUP);
-    let addr = http_addr(&daemon);
-    wait_for_sample(&addr, RELOADS_REFUSED, 1.0).await;
-    assert_eq!(metric(&addr, RELOADS_APPLIED), Some(0.0));
-    // Why is told only in the log.
-    let log = daemon.log_text();
-    assert!(log.contains("device_plugin_dir"), "{log}");
+    daemon.rewrite(&mock_config(&file, "", &gpus));
+    let addr = &daemon.http;
+    wait_for_sample(addr, RELOADS_REFUSED, 1.0).await;
+    assert_eq!(metric(addr, RELOADS_APPLIED), Some(0.0));
+    // Why: the log says, and so does the reload's outcome.
+    let why = daemon.last_reload();
+    assert!(
+        matches!(&why, Some(Reloaded::Refused(e)) if e.contains("device_plugin_dir")),
+        "{why:?}"
+    );
     // The old config keeps serving, on the same sockets: the refusal was
     // counted once decided, and nothing moved.
-    assert!(kubelet.wait_until(WAIT, all_listed(&want)).await, "{log}");
+    assert!(kubelet.wait_until(WAIT, all_listed(&want)).await);
     assert_eq!(plugin_sockets(dir.path()).len(), 3);
 }
 

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use futures::{Stream, StreamExt};
 use ractor::{Actor, ActorRef};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 use crate::config::{Backend, Config, ConfigError};
@@ -171,10 +171,27 @@ pub struct Running {
     /// the endpoint, and this address then no longer answers.
     pub http: Option<SocketAddr>,
     controls: mpsc::UnboundedSender<Control>,
+    reloads: watch::Receiver<Option<Reloaded>>,
     done: JoinHandle<Result<(), RunError>>,
 }
 
+/// How the last reload went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reloaded {
+    /// The file's new content passed every check and went to the actors
+    /// (the applied-reloads count follows once every one took it).
+    Applied,
+    /// Refused, and why (what the log says); the previous config serves on.
+    Refused(String),
+}
+
 impl Running {
+    /// The outcome of the last reload that read new bytes (None before
+    /// the first), changing as reloads are applied or refused.
+    pub fn reloads(&self) -> watch::Receiver<Option<Reloaded>> {
+        self.reloads.clone()
+    }
+
     /// Tells the daemon `control`; false once it has stopped.
     pub fn send(&self, control: Control) -> bool {
         self.controls.send(control).is_ok()
@@ -239,11 +256,13 @@ pub async fn start(config: Config, source: Option<PathBuf>) -> Result<Running, R
         None => digest(crate::config::DEFAULT_TOML.as_bytes()),
     };
     metrics.config_loaded(tried.clone());
+    let (told_reloads, reloads) = watch::channel(None);
     let serving = Serving {
         http: Http::start(&config, &metrics).await?,
         source,
         tried,
         metrics: metrics.clone(),
+        reloads: told_reloads,
     };
     let http = serving.http.endpoint.as_ref().map(|e| e.addr);
     let args = SupervisorArgs {
@@ -259,6 +278,7 @@ pub async fn start(config: Config, source: Option<PathBuf>) -> Result<Running, R
     Ok(Running {
         http,
         controls,
+        reloads,
         done,
     })
 }
@@ -294,6 +314,9 @@ async fn serve(
         if let Err(e) = serving.reload(control, &supervisor).await {
             serving.metrics.config_refused();
             tracing::error!(error = %e, "reload refused; still serving the previous config");
+            serving
+                .reloads
+                .send_replace(Some(Reloaded::Refused(e.to_string())));
         }
     }
     tracing::info!("shutting down");
@@ -314,6 +337,7 @@ struct Serving {
     tried: String,
     http: Http,
     metrics: Arc<Metrics>,
+    reloads: watch::Sender<Option<Reloaded>>,
 }
 
 impl Serving {
@@ -339,6 +363,7 @@ impl Serving {
             self.http = moved;
         }
         self.metrics.config_loaded(sha256);
+        self.reloads.send_replace(Some(Reloaded::Applied));
         Ok(())
     }
 }

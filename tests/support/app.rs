@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use futures::StreamExt;
 use gpu_device_plugin::config::Config;
-use gpu_device_plugin::node::app::{self, Control, RunError, Running};
+use gpu_device_plugin::node::app::{self, Control, Reloaded, RunError, Running};
 
 use super::{WAIT, http_get, poll_for, sample};
 
@@ -78,6 +78,11 @@ impl App {
     pub fn rewrite(&self, toml: &str) {
         std::fs::write(&self.config, toml).unwrap();
         self.reload();
+    }
+
+    /// How the last reload went (None before the first).
+    pub fn last_reload(&self) -> Option<Reloaded> {
+        self.running().reloads().borrow().clone()
     }
 
     /// Whether the daemon has stopped on its own.

@@ -13,6 +13,7 @@ mod app;
 pub mod kube;
 
 pub use app::{App, Observed, Start, get_until};
+pub use gpu_device_plugin::node::app::Reloaded;
 
 pub use gpu_sim::apiserver::PodContainer;
 pub use gpu_sim::kubelet::{KubeletSim, ResourceView, plugin_sockets};
