@@ -94,17 +94,19 @@ async fn a_reload_to_a_socket_directory_that_cannot_work_is_refused() {
         start_listed(dir.path(), &mock_config(dir.path(), "", &gpus), &want).await;
     let file = dir.path().join("file");
     std::fs::write(&file, "").unwrap();
-    std::fs::write(&daemon.config, mock_config(&file, "", &gpus)).unwrap();
-    daemon.signal(libc::SIGHUP);
-    let addr = http_addr(&daemon);
-    wait_for_sample(&addr, RELOADS_REFUSED, 1.0).await;
-    assert_eq!(metric(&addr, RELOADS_APPLIED), Some(0.0));
-    // Why is told only in the log.
-    let log = daemon.log_text();
-    assert!(log.contains("device_plugin_dir"), "{log}");
-    // The old config keeps serving, on the same sockets.
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-    assert!(kubelet.wait_until(WAIT, all_listed(&want)).await, "{log}");
+    daemon.rewrite(&mock_config(&file, "", &gpus));
+    let addr = &daemon.http;
+    wait_for_sample(addr, RELOADS_REFUSED, 1.0).await;
+    assert_eq!(metric(addr, RELOADS_APPLIED), Some(0.0));
+    // Why: the log says, and so does the reload's outcome.
+    let why = daemon.last_reload();
+    assert!(
+        matches!(&why, Some(Reloaded::Refused(e)) if e.contains("device_plugin_dir")),
+        "{why:?}"
+    );
+    // The old config keeps serving, on the same sockets: the refusal was
+    // counted once decided, and nothing moved.
+    assert!(kubelet.wait_until(WAIT, all_listed(&want)).await);
     assert_eq!(plugin_sockets(dir.path()).len(), 3);
 }
 
@@ -208,12 +210,11 @@ fn json_logs_are_one_object_per_line() {
     let dir = tempfile::tempdir().unwrap();
     let toml = mock_config(dir.path(), "log_format = \"json\"", &[("GPU-a", 64)]);
     let mut daemon = Daemon::start(&toml);
-    let deadline = std::time::Instant::now() + WAIT;
-    while !daemon.log_text().contains("waiting for the kubelet")
-        && std::time::Instant::now() < deadline
-    {
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    // Serving, with no kubelet: the start-up lines are all written.
+    let serving = poll_sync(std::time::Instant::now() + WAIT, || {
+        plugin_sockets(dir.path()).len() == 3
+    });
+    assert!(serving, "{}", daemon.log_text());
     daemon.signal(libc::SIGTERM);
     assert!(daemon.wait_exit(WAIT).unwrap().success());
     let log = daemon.log_text();

@@ -1,4 +1,5 @@
-//! The real binary against the kubelet simulator: registration, device
+//! The daemon (in-process; the real binary where the log or a signal is
+//! what is tested) against the kubelet simulator: registration, device
 //! lists, preferred allocations, Allocate, bad input, and a clean stop.
 //! Without pod matching (these daemons): admission orders that used to put
 //! one container's gpu-memory and gpu-core on two GPUs or shared work on a
@@ -27,13 +28,13 @@ const COUNT: &str = "doslab.io/gpu-count";
 /// Two GPUs of 4 GiB and 2 GiB: 6144 memory devices, 200 core, 2 count.
 const LISTED: &[(&str, usize)] = &[(MEM, 6144), (CORE, 200), (COUNT, 2)];
 
-async fn started() -> (tempfile::TempDir, Daemon, KubeletSim) {
+fn two_gpus(dir: &std::path::Path) -> String {
+    mock_config(dir, "", &[(GPU_A, 4096), (GPU_B, 2048)])
+}
+
+async fn started() -> (tempfile::TempDir, App, KubeletSim) {
     let dir = tempfile::tempdir().unwrap();
-    let toml = mock_config(dir.path(), "", &[(GPU_A, 4096), (GPU_B, 2048)]);
-    let daemon = Daemon::start(&toml);
-    let kubelet = KubeletSim::start(dir.path()).unwrap();
-    let ok = kubelet.wait_until(WAIT, all_listed(LISTED)).await;
-    assert!(ok, "{:?}\n{}", kubelet.snapshot(), daemon.log_text());
+    let (daemon, kubelet) = start_listed(dir.path(), &two_gpus(dir.path()), LISTED).await;
     (dir, daemon, kubelet)
 }
 
@@ -41,25 +42,25 @@ async fn started() -> (tempfile::TempDir, Daemon, KubeletSim) {
 async fn registers_all_three_resources_with_every_device_healthy() {
     let (_dir, daemon, kubelet) = started().await;
     let snap = kubelet.snapshot();
-    let addr = http_addr(&daemon);
+    let addr = &daemon.http;
     for (name, _) in LISTED {
         assert_eq!(snap[*name].registrations, 1, "{name}");
         assert!(snap[*name].stream_error.is_none());
         // The daemon's own count agrees with the kubelet's.
         let registered = format!("gpu_device_plugin_registrations_total{{resource=\"{name}\"}}");
-        wait_for_sample(&addr, &registered, 1.0).await;
+        wait_for_sample(addr, &registered, 1.0).await;
     }
     // Short IDs: 2 tag chars at most for two GPUs, so < 20 bytes a device.
     let mem = &snap[MEM];
     assert!(mem.last_message_bytes < 20 * mem.devices, "{mem:?}");
-    assert_eq!(http_get(&addr, "/readyz").0, 200);
+    assert_eq!(http_get(addr, "/readyz").0, 200);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waits_for_a_kubelet_that_is_not_there_yet() {
     let dir = tempfile::tempdir().unwrap();
-    let toml = mock_config(dir.path(), "", &[(GPU_A, 4096), (GPU_B, 2048)]);
-    let daemon = Daemon::start(&toml);
+    // The binary: its log is what is tested.
+    let daemon = Daemon::start(&two_gpus(dir.path()));
     // Long enough for several failed attempts and their backoff; the
     // sockets are polled for, as a loaded machine may start them late.
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -70,7 +71,7 @@ async fn waits_for_a_kubelet_that_is_not_there_yet() {
             format!(
                 "plugins serve before any kubelet
 {}",
-                daemon.log_text()
+                daemon.shown()
             )
         },
     )
@@ -79,7 +80,7 @@ async fn waits_for_a_kubelet_that_is_not_there_yet() {
     assert_eq!(code, 503, "not ready before it registered: {body}");
     let kubelet = KubeletSim::start(dir.path()).unwrap();
     let ok = kubelet.wait_until(WAIT, all_listed(LISTED)).await;
-    assert!(ok, "{:?}\n{}", kubelet.snapshot(), daemon.log_text());
+    assert!(ok, "{:?}\n{}", kubelet.snapshot(), daemon.shown());
     // A kubelet that is not up yet is normal at boot: the log says so
     // once per resource, not per retry (the log is what is tested here).
     let log = daemon.log_text();
@@ -93,10 +94,10 @@ async fn waits_for_a_kubelet_that_is_not_there_yet() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn device_ids_are_the_same_after_a_restart() {
     let dir = tempfile::tempdir().unwrap();
-    let toml = mock_config(dir.path(), "", &[(GPU_A, 4096), (GPU_B, 2048)]);
+    let toml = two_gpus(dir.path());
     let mut ids = Vec::new();
     for _ in 0..2 {
-        let mut daemon = Daemon::start(&toml);
+        let daemon = App::start(&toml).await;
         let kubelet = KubeletSim::start(dir.path()).unwrap();
         assert!(kubelet.wait_until(WAIT, all_listed(LISTED)).await);
         // IDs are unique within a resource; memory and core IDs may coincide.
@@ -105,8 +106,7 @@ async fn device_ids_are_the_same_after_a_restart() {
             .flat_map(|(n, _)| kubelet.free_devices(n).into_iter().map(|id| (*n, id)))
             .collect();
         ids.push(set);
-        daemon.signal(libc::SIGTERM);
-        assert!(daemon.wait_exit(Duration::from_secs(5)).unwrap().success());
+        daemon.stop().await;
         kubelet.stop().await;
     }
     assert_eq!(ids[0].len(), 6144 + 200 + 2);
@@ -262,12 +262,7 @@ async fn huge_preferred_allocation_requests_are_accepted() {
         "resources = [\"gpu-memory\"]",
         &[(GPU_A, 81920), (GPU_B, 81920)],
     );
-    let daemon = Daemon::start(&toml);
-    let kubelet = KubeletSim::start(dir.path()).unwrap();
-    let ok = kubelet
-        .wait_until(WAIT, all_listed(&[(MEM, 163_840)]))
-        .await;
-    assert!(ok, "{:?}\n{}", kubelet.snapshot(), daemon.log_text());
+    let (_daemon, kubelet) = start_listed(dir.path(), &toml, &[(MEM, 163_840)]).await;
     let free = kubelet.free_devices(MEM);
     let one = ContainerPreferredAllocationRequest {
         available_device_i_ds: free,
@@ -296,12 +291,16 @@ async fn huge_preferred_allocation_requests_are_accepted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_sends_empty_lists_removes_sockets_and_exits_0() {
-    let (dir, mut daemon, kubelet) = started().await;
+    // The binary: the signal and the exit status are what is tested.
+    let dir = tempfile::tempdir().unwrap();
+    let mut daemon = Daemon::start(&two_gpus(dir.path()));
+    let kubelet = KubeletSim::start(dir.path()).unwrap();
+    expect_kubelet(&kubelet, &daemon, &LISTED, all_listed(LISTED)).await;
     daemon.signal(libc::SIGTERM);
     let status = daemon
         .wait_exit(Duration::from_secs(5))
         .expect("exit within 5 s");
-    assert!(status.success(), "{status:?}\n{}", daemon.log_text());
+    assert!(status.success(), "{status:?}\n{}", daemon.shown());
     let emptied = kubelet
         .wait_until(WAIT, |s| {
             LISTED
@@ -440,7 +439,7 @@ async fn a_second_grant_that_cannot_join_the_first_is_refused() {
     // A memory-only container, then another pod's core-only container: not
     // one container, and not refused.
     let gpus = admit_all(&kubelet, &[&[(MEM, 100)], &[(CORE, 10)]]).await;
-    assert_eq!(gpus.len(), 2, "{}", daemon.log_text());
+    assert_eq!(gpus.len(), 2, "{}", daemon.shown());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -495,5 +494,5 @@ async fn oversized_requests_are_refused_by_their_bound() {
     }
     // Still serving.
     let grants = kubelet.admit(&[(MEM, 10)]).await;
-    assert!(grants.is_ok(), "{grants:?}\n{}", daemon.log_text());
+    assert!(grants.is_ok(), "{grants:?}\n{}", daemon.shown());
 }

@@ -26,7 +26,7 @@ use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use support::kube::{ControlPlane, namespace};
-use support::{Daemon, WAIT, mock_config, real_shared_object};
+use support::{App, WAIT, mock_config, poll_for, real_shared_object};
 use tonic::transport::Channel;
 
 const NS: &str = "dra";
@@ -86,16 +86,17 @@ impl Host {
 }
 
 async fn channel(path: &Path) -> Channel {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        if path.exists()
-            && let Ok(c) = gpu_device_plugin::net::uds::connect(path, Duration::from_secs(5)).await
-        {
-            return c;
-        }
-        assert!(Instant::now() < deadline, "{} never served", path.display());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    poll_for(
+        Instant::now() + WAIT,
+        async || match path.exists() {
+            true => gpu_device_plugin::net::uds::connect(path, Duration::from_secs(5))
+                .await
+                .ok(),
+            false => None,
+        },
+        || format!("{} never served", path.display()),
+    )
+    .await
 }
 
 /// Registers as the kubelet's plugin watcher does; the DRA endpoint.
@@ -215,7 +216,7 @@ async fn node(client: &kube::Client) -> String {
 /// The node's slice once `done` holds for it.
 async fn slice_where(
     client: &kube::Client,
-    daemon: &Daemon,
+    daemon: &App,
     done: impl Fn(&ResourceSlice) -> bool,
 ) -> ResourceSlice {
     let slices: Api<ResourceSlice> = Api::all(client.clone());
@@ -232,12 +233,13 @@ async fn slice_where(
 }
 
 /// Waits until `done` holds, polling; says `what` when it never does.
-async fn until(daemon: &Daemon, what: &str, done: impl AsyncFn() -> bool) {
-    let deadline = Instant::now() + WAIT;
-    while !done().await {
-        assert!(Instant::now() < deadline, "{what}:\n{}", daemon.log_text());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+async fn until(daemon: &App, what: &str, done: impl AsyncFn() -> bool) {
+    poll_for(
+        Instant::now() + WAIT,
+        async || done().await.then_some(()),
+        || format!("{what}:\n{}", daemon.state()),
+    )
+    .await
 }
 
 /// The real control plane with the test's namespace and Node: it, the
@@ -258,7 +260,7 @@ async fn claims_are_prepared_into_cdi_specs_from_the_device_plugins_composer() {
     std::fs::create_dir_all(host.path("lib")).unwrap();
     std::fs::copy(real_shared_object(), host.path("lib/libvgpu.so")).unwrap();
     let toml = host.config(&cp, "mode = \"hami-core\"");
-    let mut daemon = Daemon::start(&toml);
+    let daemon = App::start(&toml).await;
     let endpoint = register(&host).await;
     let mut dra = DraPluginClient::new(channel(&endpoint).await);
 
@@ -417,10 +419,8 @@ async fn claims_are_prepared_into_cdi_specs_from_the_device_plugins_composer() {
 
     // A restart keeps what was prepared: the checkpoint answers, and
     // unprepare removes the spec and the cache directory.
-    daemon.signal(libc::SIGTERM);
-    assert!(daemon.wait_exit(WAIT).is_some(), "{}", daemon.log_text());
-    drop(daemon);
-    let daemon = Daemon::start(&toml);
+    daemon.stop().await;
+    let daemon = App::start(&toml).await;
     let endpoint = register(&host).await;
     let mut dra = DraPluginClient::new(channel(&endpoint).await);
     let after = dra
@@ -482,7 +482,7 @@ async fn claims_are_prepared_into_cdi_specs_from_the_device_plugins_composer() {
         mps_host.path("log"),
         mps_host.path("shm")
     );
-    let _daemon = Daemon::start(&mps_host.config(&cp, &mps));
+    let _daemon = App::start(&mps_host.config(&cp, &mps)).await;
     let endpoint = register(&mps_host).await;
     let mut dra = DraPluginClient::new(channel(&endpoint).await);
     let mps_share = claim(
@@ -518,9 +518,8 @@ async fn claims_are_prepared_into_cdi_specs_from_the_device_plugins_composer() {
 }
 
 /// Rewrites the daemon's config to `toml` and has it reload.
-fn reload(daemon: &Daemon, toml: &str) {
-    std::fs::write(&daemon.config, toml).unwrap();
-    daemon.signal(libc::SIGHUP);
+fn reload(daemon: &App, toml: &str) {
+    daemon.rewrite(toml);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -528,7 +527,7 @@ async fn a_reload_switching_dra_off_removes_the_slice_and_sockets_and_on_again_r
     let (cp, admin, _) = cluster().await;
     let host = Host::new();
     let on = host.config(&cp, "");
-    let daemon = Daemon::start(&on);
+    let daemon = App::start(&on).await;
     let endpoint = register(&host).await;
     slice_where(&admin, &daemon, |_| true).await;
 
@@ -576,7 +575,7 @@ async fn an_unhealthy_gpu_taints_its_device_until_it_is_healthy_again() {
         "[health]\npoll_ms = 50\nrecovery_ms = 300\nmock_dir = {:?}\n",
         health.display().to_string()
     );
-    let daemon = Daemon::start(&host.config_of(&cp, "", &tail, GPUS));
+    let daemon = App::start(&host.config_of(&cp, "", &tail, GPUS)).await;
     register(&host).await;
     // (key, effect) of the taints device `name` carries.
     let taints = |s: &ResourceSlice, name: &str| -> Vec<(String, String)> {
@@ -622,7 +621,7 @@ async fn prepare_figures() {
     let uuids: Vec<String> = (0..8).map(|i| format!("GPU-{i}")).collect();
     let gpus: Vec<(&str, u64)> = uuids.iter().map(|u| (u.as_str(), 81_920)).collect();
     let hami = "mode = \"hami-core\"";
-    let mut daemon = Daemon::start(&host.config_of(&cp, hami, "", &gpus));
+    let daemon = App::start(&host.config_of(&cp, hami, "", &gpus)).await;
     let endpoint = register(&host).await;
     let mut dra = DraPluginClient::new(channel(&endpoint).await);
 
@@ -681,10 +680,9 @@ async fn prepare_figures() {
     println!(
         "ResourceSlice, 8 GPUs, consumable capacity: {all} bytes, {bare} without managedFields"
     );
-    daemon.signal(libc::SIGTERM);
-    assert!(daemon.wait_exit(WAIT).is_some(), "{}", daemon.log_text());
+    daemon.stop().await;
     let whole_only = "consumable_capacity = false";
-    let daemon = Daemon::start(&host.config_of(&cp, hami, whole_only, &gpus));
+    let daemon = App::start(&host.config_of(&cp, hami, whole_only, &gpus)).await;
     let generation = shared.spec.pool.generation;
     let whole = slice_where(&admin, &daemon, |s| {
         s.spec.pool.generation > generation && eight(s)

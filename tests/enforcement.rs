@@ -94,13 +94,14 @@ const COUNT: &str = "doslab.io/gpu-count";
 const CORE: &str = "doslab.io/gpu-core";
 const NODE: &str = "node-1";
 
-/// A node with enforcement on: the kubelet stand-in, the daemon, and the
-/// host's library and state directories in a temporary directory.
-struct Node {
+/// A node with enforcement on: the kubelet stand-in, the daemon
+/// (in-process, or the binary where its log is tested), and the host's
+/// library and state directories in a temporary directory.
+struct Node<D = support::App> {
     _dir: tempfile::TempDir,
     host: tempfile::TempDir,
     kubelet: support::KubeletSim,
-    daemon: support::Daemon,
+    daemon: D,
 }
 
 impl Node {
@@ -111,14 +112,14 @@ impl Node {
         let files = tempfile::tempdir().unwrap();
         let kubeconfig = files.path().join("kubeconfig");
         api.write_kubeconfig(&kubeconfig).unwrap();
-        let extra = format!("pod_matching = true\nnode_name = \"{NODE}\"");
-        let env = [("KUBECONFIG", kubeconfig.as_os_str())];
-        let node = Node::start(true, &extra, &env).await;
+        let node = Node::start(true, &support::matching(NODE, &kubeconfig)).await;
         (api, files, node)
     }
+}
 
+impl<D: support::Start> Node<D> {
     /// `library`: whether `libvgpu.so` is installed before the start.
-    async fn start(library: bool, extra: &str, env: &[(&str, &std::ffi::OsStr)]) -> Node {
+    async fn start(library: bool, extra: &str) -> Node<D> {
         let dir = tempfile::tempdir().unwrap();
         let host = tempfile::tempdir().unwrap();
         let lib = host.path().join("vgpu");
@@ -136,14 +137,14 @@ impl Node {
             &[("GPU-a", 1024), ("GPU-b", 1024)],
         );
         let kubelet = support::KubeletSim::start(dir.path()).unwrap();
-        let daemon = support::Daemon::start_env(&toml, env);
+        let daemon = D::start(&toml).await;
         let ok = kubelet
             .wait_until(
                 support::WAIT,
                 support::all_listed(&[(MEMORY, 2048), (CORE, 200), (COUNT, 2)]),
             )
             .await;
-        assert!(ok, "{}", daemon.log_text());
+        assert!(ok, "{}", daemon.shown());
         Node {
             _dir: dir,
             host,
@@ -171,25 +172,15 @@ impl Node {
         names
     }
 
-    /// Polls `path` until `done` holds for (status, body), or time is up.
-    fn get_until(&self, path: &str, done: impl Fn(u16, &str) -> bool) -> (u16, String) {
-        let addr = support::http_addr(&self.daemon);
-        let deadline = std::time::Instant::now() + support::WAIT;
-        loop {
-            let (code, body) = support::http_get(&addr, path);
-            if done(code, &body) || std::time::Instant::now() > deadline {
-                return (code, body);
-            }
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        }
+    async fn readyz_until(&self, done: impl Fn(u16, &str) -> bool) -> (u16, String) {
+        support::get_until(&self.daemon.http_addr(), "/readyz", done).await
     }
 
-    fn readyz_until(&self, done: impl Fn(u16, &str) -> bool) -> (u16, String) {
-        self.get_until("/readyz", done)
-    }
-
-    fn metrics_until(&self, done: impl Fn(&str) -> bool) -> String {
-        self.get_until("/metrics", |_, body| done(body)).1
+    async fn metrics_until(&self, done: impl Fn(&str) -> bool) -> String {
+        let addr = self.daemon.http_addr();
+        support::get_until(&addr, "/metrics", |_, body| done(body))
+            .await
+            .1
     }
 }
 
@@ -206,7 +197,7 @@ fn mount<'a>(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shared_grant_preloads_the_library_and_a_whole_gpu_does_not() {
-    let node = Node::start(true, "", &[]).await;
+    let node = Node::<support::App>::start(true, "").await;
     let grants = node.kubelet.admit(&[(MEMORY, 4)]).await.unwrap();
     let r = &grants[0].response;
     let preload = mount(r, "/etc/ld.so.preload").expect("no ld.so.preload mount");
@@ -253,11 +244,13 @@ async fn a_shared_grant_preloads_the_library_and_a_whole_gpu_does_not() {
             .envs
             .contains_key("CUDA_DEVICE_MEMORY_SHARED_CACHE")
     );
-    let (code, body) = node.readyz_until(|c, _| c == 200);
+    let (code, body) = node.readyz_until(|c, _| c == 200).await;
     assert_eq!(code, 200, "{body}");
-    let metrics = node.metrics_until(|m| {
-        support::sample(m, "gpu_device_plugin_enforcement_cache_dirs") == Some(0.0)
-    });
+    let metrics = node
+        .metrics_until(|m| {
+            support::sample(m, "gpu_device_plugin_enforcement_cache_dirs") == Some(0.0)
+        })
+        .await;
     assert_eq!(
         support::sample(&metrics, "gpu_device_plugin_enforcement_cache_dirs"),
         Some(0.0),
@@ -267,10 +260,13 @@ async fn a_shared_grant_preloads_the_library_and_a_whole_gpu_does_not() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_library_shared_grants_are_refused_and_readiness_is_false() {
-    let node = Node::start(false, "", &[]).await;
+    // The binary: its log is tested.
+    let node = Node::<support::Daemon>::start(false, "").await;
     let path = node.library_dir().join("libvgpu.so");
     let path = path.display().to_string();
-    let (code, body) = node.readyz_until(|c, b| c == 503 && b.contains("enforcement"));
+    let (code, body) = node
+        .readyz_until(|c, b| c == 503 && b.contains("enforcement"))
+        .await;
     assert_eq!(code, 503, "{body}");
     assert!(
         body.contains("enforcement") && body.contains(&path),
@@ -303,7 +299,7 @@ async fn without_the_library_shared_grants_are_refused_and_readiness_is_false() 
 
     // The init container installs it: ready again, and shared grants work.
     install_library(&node.library_dir());
-    let (code, body) = node.readyz_until(|c, _| c == 200);
+    let (code, body) = node.readyz_until(|c, _| c == 200).await;
     assert_eq!(code, 200, "{body}");
     let grants = node.kubelet.admit(&[(MEMORY, 4)]).await.unwrap();
     assert!(mount(&grants[0].response, "/etc/ld.so.preload").is_some());
@@ -336,27 +332,30 @@ async fn with_pod_matching_directories_follow_pods_and_refusals_reach_the_pod() 
 
     api.delete_pod("default", "p");
     let deadline = std::time::Instant::now() + support::WAIT;
-    while node.cache_dirs().len() > 1 && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    assert_eq!(node.cache_dirs(), [q], "{}", node.daemon.log_text());
+    support::poll_until(
+        deadline,
+        || node.cache_dirs().len() <= 1,
+        || node.daemon.state(),
+    )
+    .await;
+    assert_eq!(node.cache_dirs(), [q], "{}", node.daemon.state());
 
     // The library goes away: the next pod's Allocate is refused, an Event
     // on the pod says why, and its ledger records nothing.
     std::fs::remove_file(node.library_dir().join("libvgpu.so")).unwrap();
     api.add_pod("default", "r", NODE, &[app("app")], &[]);
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    node.daemon.wait_for_sample(support::POD_CACHE, 2.0).await;
     let err = node.kubelet.admit(&[(MEMORY, 4)]).await.unwrap_err();
     assert!(err.contains("libvgpu.so"), "{err}");
-    let deadline = std::time::Instant::now() + support::WAIT;
-    let event = loop {
-        let events = api.events();
-        if let Some(e) = events.into_iter().find(|e| e["regarding"]["name"] == "r") {
-            break e;
-        }
-        assert!(std::time::Instant::now() < deadline, "no event");
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    };
+    let event = support::poll_for(
+        std::time::Instant::now() + support::WAIT,
+        async || {
+            let events = api.events();
+            events.into_iter().find(|e| e["regarding"]["name"] == "r")
+        },
+        || "no event".into(),
+    )
+    .await;
     assert_eq!(event["type"], "Warning");
     assert!(
         event["note"].as_str().unwrap().contains("libvgpu.so"),
@@ -387,7 +386,7 @@ async fn a_grant_whose_cache_directory_cannot_be_made_records_nothing() {
     let state = node.host.path().join("state");
     let _ = std::fs::remove_dir_all(&state);
     std::fs::write(&state, "not a directory").unwrap();
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    node.daemon.wait_for_sample(support::POD_CACHE, 1.0).await;
     let err = node.kubelet.admit(&[(MEMORY, 4)]).await.unwrap_err();
     assert!(err.contains("enforcement state"), "{err}");
     let ledger = |api: &ApiServerSim| {

@@ -459,10 +459,21 @@ async fn pods_filtered_or_scored_count_before_their_binds_come() {
 async fn nominations_expire() {
     let s = setup_with("binpack", "reservation_ttl_ms = 200\n").await;
     let pod = |name: &str| gpu_pod("ns", name, &[c("app", 24576, 0, 0)]);
+    let nominated = std::time::Instant::now();
     assert_eq!(passes(&s, &pod("a"), &["n2"]).await, json!(["n2"]));
     assert_eq!(passes(&s, &pod("b"), &["n2"]).await, json!([]));
-    tokio::time::sleep(std::time::Duration::from_millis(250)).await;
-    assert_eq!(passes(&s, &pod("b"), &["n2"]).await, json!(["n2"]));
+    let deadline = std::time::Instant::now() + support::WAIT;
+    support::poll_for(
+        deadline,
+        async || (passes(&s, &pod("b"), &["n2"]).await == json!(["n2"])).then_some(()),
+        || "a's nomination never expired".into(),
+    )
+    .await;
+    let held = nominated.elapsed();
+    assert!(
+        held >= std::time::Duration::from_millis(200),
+        "expired after {held:?}"
+    );
 }
 
 #[tokio::test]
@@ -480,10 +491,12 @@ async fn a_bind_whose_caller_hangs_up_keeps_nothing() {
     // the server has seen the hang-up.
     let q = gpu_pod("ns", "q", &[c("app", 24576, 0, 0)]);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    while passes(&s, &q, &["n2"]).await != json!(["n2"]) {
-        assert!(std::time::Instant::now() < deadline, "n2 still held");
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    support::poll_for(
+        deadline,
+        async || (passes(&s, &q, &["n2"]).await == json!(["n2"])).then_some(()),
+        || "n2 still held".into(),
+    )
+    .await;
 }
 
 /// What the extender logged, from a subscriber on the test's own thread
@@ -548,12 +561,17 @@ async fn only_a_caller_that_hung_up_is_logged_as_abandoning_its_bind() {
     let call = tokio::time::timeout(hang_up, post(s.addr, "bind", &args)).await;
     assert!(call.is_err(), "the bind answered before the hang-up");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    let mut log = String::new();
-    while !log.contains("bind abandoned by its caller before its Binding") {
-        assert!(std::time::Instant::now() < deadline, "{log}");
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        log.push_str(&logs.take());
-    }
+    let log = std::cell::RefCell::new(String::new());
+    support::poll_until(
+        deadline,
+        || {
+            log.borrow_mut().push_str(&logs.take());
+            log.borrow()
+                .contains("bind abandoned by its caller before its Binding")
+        },
+        || log.borrow().clone(),
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -678,19 +696,19 @@ fn the_subcommand_refuses_a_bad_config_naming_the_key() {
     assert!(err.contains("extender.listen"), "{err}");
 }
 
-/// The real binary's `/readyz` against the API-server stand-in: ready once
+/// The extender's `/readyz` against the API-server stand-in: ready once
 /// nodes and pods are listed, 503 with each kind's reason from an outage
 /// until both are listed again; `extender-ready` (the container's
 /// readiness probe) exits 0 and 1 accordingly, with the reason.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_follows_the_index_and_the_probe_subcommand_reports_it() {
     use gpu_sim::apiserver::ApiServerSim;
-    use std::time::{Duration, Instant};
+    use std::time::Instant;
     let sim = ApiServerSim::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");
     sim.write_kubeconfig(&kubeconfig).unwrap();
-    let (extender, url) = support::start_extender(&kubeconfig);
+    let (_extender, url) = support::start_extender(&kubeconfig).await;
     let addr = url.trim_start_matches("http://").to_owned();
     let probe_config = dir.path().join("probe.toml");
     std::fs::write(&probe_config, format!("[extender]\nlisten = \"{addr}\"\n")).unwrap();
@@ -713,26 +731,29 @@ async fn readiness_follows_the_index_and_the_probe_subcommand_reports_it() {
             said: out + &err,
         }
     };
-    let until = |done: fn(&Seen) -> bool| {
-        let ask = ask.clone();
-        let log = extender.log_text();
-        tokio::task::spawn_blocking(move || {
-            let deadline = Instant::now() + support::WAIT;
-            loop {
-                let seen = ask();
-                if done(&seen) {
-                    return seen;
-                }
-                assert!(Instant::now() < deadline, "{seen:?}\n{log}");
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        })
+    // The extender serves on the runtime's workers while this thread
+    // waits for the probe.
+    let until = async |done: fn(&Seen) -> bool| {
+        support::poll_for(
+            Instant::now() + support::WAIT,
+            async || Some(ask()).filter(done),
+            || format!("{:?}", ask()),
+        )
+        .await
     };
     let ready = |s: &Seen| s.code == 200 && s.exit == Some(0);
-    assert_eq!(until(ready).await.unwrap().said.trim(), "ready");
+    assert_eq!(until(ready).await.said.trim(), "ready");
 
     sim.outage(true);
-    let down = until(|s| s.code == 503 && s.exit == Some(1)).await.unwrap();
+    // Each kind's reason, once each watch has failed.
+    let down = until(|s| {
+        s.code == 503
+            && s.exit == Some(1)
+            && [&s.body, &s.said]
+                .iter()
+                .all(|t| t.contains("nodes: ") && t.contains("pods: "))
+    })
+    .await;
     for text in [&down.body, &down.said] {
         assert!(
             text.contains("not ready") && text.contains("nodes: ") && text.contains("pods: "),
@@ -743,6 +764,6 @@ async fn readiness_follows_the_index_and_the_probe_subcommand_reports_it() {
 
     sim.outage(false);
     let back = Instant::now();
-    until(ready).await.unwrap();
+    until(ready).await;
     eprintln!("extender ready {:?} after the outage ended", back.elapsed());
 }

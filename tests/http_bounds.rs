@@ -61,8 +61,13 @@ fn holds_under_flood(name: &str, pid: u32, addr: &str, cap: usize) {
     let before = rss_kib(pid);
     let (fds_before, _) = fds_and_threads(pid);
     let open = flood(addr, n);
-    // Within the header timeout: the last ones are still open.
-    std::thread::sleep(Duration::from_millis(200));
+    // Within the header timeout, once the server has taken every one off
+    // its accept queue: the last ones are still open.
+    let deadline = Instant::now() + WAIT;
+    let accepted = poll_sync(deadline, || {
+        listening_socket(pid).is_some_and(|(_, q)| q == 0)
+    });
+    assert!(accepted, "{name}: connections still queued");
     let with = rss_kib(pid);
     let (fds_with, _) = fds_and_threads(pid);
     // A new connection takes the place of an idle one: the probe answers.
@@ -71,7 +76,11 @@ fn holds_under_flood(name: &str, pid: u32, addr: &str, cap: usize) {
     let probe = t.elapsed();
     assert_eq!((code, body.as_str()), (200, "ok\n"), "{name}");
     drop(open);
-    std::thread::sleep(Duration::from_millis(500));
+    // The server sees them closed and closes its ends.
+    let closed = poll_sync(Instant::now() + WAIT, || {
+        fds_and_threads(pid).0 <= fds_before
+    });
+    assert!(closed, "{name}: {:?} descriptors", fds_and_threads(pid));
     let after = rss_kib(pid);
     let (fds_after, _) = fds_and_threads(pid);
     assert_eq!(http_get(addr, "/healthz").0, 200, "{name}");
@@ -141,17 +150,12 @@ async fn the_extender_holds_under_slow_and_idle_connections() {
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");
     sim.write_kubeconfig(&kubeconfig).unwrap();
-    let extender = Daemon::start_command(
-        &["scheduler-extender"],
-        &format!(
-            "[extender]\nlisten = \"127.0.0.1:0\"\nkubeconfig = {:?}\n\
-             [extender.http]\nheader_timeout_ms = 2000\nmax_connections = 32\n\
-             max_body_bytes = 65536\n",
-            kubeconfig.display().to_string()
-        ),
-        &[],
+    let (extender, url) = start_extender_with(
+        &kubeconfig,
+        "[extender.http]\nheader_timeout_ms = 2000\nmax_connections = 32\n\
+         max_body_bytes = 65536\n",
     );
-    let addr = logged_addr(&extender, "scheduler extender listening");
+    let addr = url.trim_start_matches("http://").to_owned();
     let pid = extender.child.id();
     let a = addr.clone();
     tokio::task::spawn_blocking(move || {

@@ -1,11 +1,11 @@
-//! The node's GPU inventory on its Node, end to end: the real binary on mock
+//! The node's GPU inventory on its Node, end to end: the daemon in-process on mock
 //! GPUs against the API-server stand-in publishes `doslab.io/gpu-inventory`
 //! once the Node is there, rewrites it when a GPU turns unhealthy or a
 //! reload changes the units, and patches nothing when nothing changed.
 
 mod support;
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use gpu_sim::apiserver::ApiServerSim;
 use serde_json::{Value, json};
@@ -27,16 +27,11 @@ fn count(api: &ApiServerSim, verb: &str) -> u64 {
     api.requests().get(verb).copied().unwrap_or(0)
 }
 
-async fn wait_for(daemon: &Daemon, what: &str, done: impl Fn() -> bool) {
-    let deadline = Instant::now() + WAIT;
-    while !done() {
-        assert!(
-            Instant::now() < deadline,
-            "{what}: not within {WAIT:?}\n{}",
-            daemon.log_text()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+async fn wait_for(daemon: &App, what: &str, done: impl Fn() -> bool) {
+    poll_until(Instant::now() + WAIT, done, || {
+        format!("{what}: not within {WAIT:?}\n{}", daemon.state())
+    })
+    .await;
 }
 
 fn expected(unit: u64, a_healthy: bool) -> Value {
@@ -73,7 +68,7 @@ async fn the_node_carries_its_gpu_inventory_through_health_changes_and_reloads()
         )
     };
     let kubelet = KubeletSim::start(dir.path()).unwrap();
-    let daemon = Daemon::start(&config(256));
+    let daemon = App::start(&config(256)).await;
 
     // No Node yet: the publisher keeps trying, the plugins serve meanwhile.
     let registered = kubelet
@@ -86,7 +81,7 @@ async fn the_node_carries_its_gpu_inventory_through_health_changes_and_reloads()
             ]),
         )
         .await;
-    assert!(registered, "{}", daemon.log_text());
+    assert!(registered, "{}", daemon.state());
     wait_for(&daemon, "a first attempt", || count(&api, "get") >= 1).await;
     api.add_node(NODE, &[], &[("keep", "x")]);
     wait_for(&daemon, "the inventory", || {
@@ -111,8 +106,7 @@ async fn the_node_carries_its_gpu_inventory_through_health_changes_and_reloads()
     assert_eq!(count(&api, "patch"), 3);
 
     // A reload that changes the memory unit rewrites it.
-    std::fs::write(&daemon.config, config(512)).unwrap();
-    daemon.signal(libc::SIGHUP);
+    daemon.rewrite(&config(512));
     wait_for(&daemon, "the new unit", || {
         inventory(&api) == expected(512, true)
     })
@@ -122,22 +116,19 @@ async fn the_node_carries_its_gpu_inventory_through_health_changes_and_reloads()
     // A reload that changes nothing the inventory says: the publisher
     // reads the Node and leaves it alone.
     let gets = count(&api, "get");
-    std::fs::write(
-        &daemon.config,
-        config(512).replace("poll_ms = 20", "poll_ms = 30"),
-    )
-    .unwrap();
-    daemon.signal(libc::SIGHUP);
+    daemon.rewrite(&config(512).replace("poll_ms = 20", "poll_ms = 30"));
     wait_for(&daemon, "a look at the Node", || count(&api, "get") > gets).await;
     // So does a restarted daemon.
-    drop(daemon);
+    daemon.stop().await;
     let gets = count(&api, "get");
-    let daemon = Daemon::start(&config(512));
+    let daemon = App::start(&config(512)).await;
     wait_for(&daemon, "the restarted daemon's look", || {
         count(&api, "get") > gets
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(count(&api, "patch"), 4, "{}", daemon.log_text());
+    // Stopped, it patches nothing more: what it did after its look is all
+    // counted.
+    daemon.stop().await;
+    assert_eq!(count(&api, "patch"), 4);
     assert_eq!(inventory(&api), expected(512, true));
 }

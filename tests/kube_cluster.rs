@@ -297,8 +297,25 @@ async fn pending_pods_bind_once_room_frees() {
     for round in 0..3 {
         let waiting = format!("wait-{round}");
         create(&client, &gpu_pod(NS, &waiting, &[("main", [8, 0, 0])])).await;
-        // It stays Pending while every GPU is full.
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        // It stays Pending while every GPU is full: the scheduler tried it
+        // and found no place.
+        let events: kube::Api<k8s_openapi::api::events::v1::Event> =
+            kube::Api::namespaced(client.clone(), NS);
+        support::poll_for(
+            Instant::now() + Duration::from_secs(60),
+            async || {
+                let list = events.list(&Default::default()).await.unwrap().items;
+                list.iter()
+                    .any(|e| {
+                        e.reason.as_deref() == Some("FailedScheduling")
+                            && e.regarding.as_ref().and_then(|r| r.name.as_deref())
+                                == Some(waiting.as_str())
+                    })
+                    .then_some(())
+            },
+            || format!("{waiting} never tried"),
+        )
+        .await;
         let p = api.get(&waiting).await.unwrap();
         assert!(node_of(&p).is_empty(), "{waiting} bound on a full cluster");
         // Free one GPU's half: delete a running pod and wait until it is gone.
@@ -387,24 +404,18 @@ async fn quantities_as_stored_and_refusals_as_events() {
     assert!(message.contains("20000"), "{message}");
     let events: kube::Api<k8s_openapi::api::events::v1::Event> =
         kube::Api::namespaced(client.clone(), NS);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let list = events.list(&Default::default()).await.unwrap();
-        let found = list.items.iter().find(|e| {
-            e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("too-big")
-                && e.reason.as_deref() == Some("GpuAllocateFailed")
-        });
-        if let Some(e) = found {
-            assert_eq!(e.type_.as_deref(), Some("Warning"));
-            assert_eq!(e.reporting_instance.as_deref(), Some("node-0"));
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no GpuAllocateFailed Event: {:#?}\n{}",
-            list.items,
-            node.daemon.log_text()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let e = support::poll_for(
+        Instant::now() + Duration::from_secs(20),
+        async || {
+            let list = events.list(&Default::default()).await.unwrap();
+            list.items.into_iter().find(|e| {
+                e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("too-big")
+                    && e.reason.as_deref() == Some("GpuAllocateFailed")
+            })
+        },
+        || format!("no GpuAllocateFailed Event\n{}", node.daemon.log_text()),
+    )
+    .await;
+    assert_eq!(e.type_.as_deref(), Some("Warning"));
+    assert_eq!(e.reporting_instance.as_deref(), Some("node-0"));
 }

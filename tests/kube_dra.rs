@@ -32,14 +32,12 @@ async fn until<T>(
     logs: impl Fn() -> String,
     mut check: impl AsyncFnMut() -> Option<T>,
 ) -> T {
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(found) = check().await {
-            return found;
-        }
-        assert!(Instant::now() < deadline, "{what}\n{}", logs());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    support::poll_for(
+        Instant::now() + within,
+        async || check().await,
+        || format!("{what}\n{}", logs()),
+    )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread")]

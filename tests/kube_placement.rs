@@ -70,25 +70,25 @@ fn pod_named(name: &str, containers: &[(String, [u64; 3])]) -> Pod {
 async fn settle(pods: &Api<Pod>, cp: &ControlPlane, nodes: &[KubeNode], sched: &Scheduler) {
     let deadline = Instant::now() + Duration::from_secs(400);
     let (mut bound_before, mut since) = (usize::MAX, Instant::now());
-    loop {
+    let mut seen = (0, 0);
+    let settled = async || {
         let list = pods.list(&Default::default()).await.unwrap().items;
         let bound: Vec<&Pod> = list.iter().filter(|p| !node_of(p).is_empty()).collect();
         if bound.len() != bound_before {
             (bound_before, since) = (bound.len(), Instant::now());
         }
+        seen = (bound.len(), list.len());
         let admitted = bound.iter().all(|p| phase(p) != "Pending");
-        if admitted && since.elapsed() >= Duration::from_secs(10) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "not settled: {} of {} bound\n{}",
-            bound.len(),
-            list.len(),
-            logs(cp, nodes, sched)
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+        (admitted && since.elapsed() >= Duration::from_secs(10)).then_some(())
+    };
+    let done = support::poll_within(deadline, settled).await;
+    assert!(
+        done.is_some(),
+        "not settled: {} of {} bound\n{}",
+        seen.0,
+        seen.1,
+        logs(cp, nodes, sched)
+    );
 }
 
 fn annotation<'a>(pod: &'a Pod, key: &str) -> Option<&'a str> {
@@ -254,17 +254,21 @@ async fn a_burst_of_500_pods_over_ten_nodes_is_placed_with_no_admission_failure(
     create(&client, &gpu_pod(NS, whole, &[("train", [0, 0, 8])])).await;
     let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), NS);
     let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let tried = events.list(&Default::default()).await.unwrap().items;
-        if tried.iter().any(|e| {
-            e.reason.as_deref() == Some("FailedScheduling")
-                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(whole)
-        }) {
-            break;
-        }
-        assert!(Instant::now() < deadline, "{whole} never tried");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    support::poll_for(
+        deadline,
+        async || {
+            let tried = events.list(&Default::default()).await.unwrap().items;
+            tried
+                .iter()
+                .any(|e| {
+                    e.reason.as_deref() == Some("FailedScheduling")
+                        && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(whole)
+                })
+                .then_some(())
+        },
+        || format!("{whole} never tried"),
+    )
+    .await;
     assert!(node_of(&pods.get(whole).await.unwrap()).is_empty());
     for pod in pods.list(&Default::default()).await.unwrap().items {
         if node_of(&pod) == "node-5" {

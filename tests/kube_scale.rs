@@ -145,22 +145,26 @@ async fn burst(
         .try_collect()
         .await
         .unwrap();
-    let deadline = start + within;
-    while created.iter().any(|(name, _)| binds.at(name).is_none()) {
-        if Instant::now() > deadline {
-            let unbound: Vec<_> = created
-                .iter()
-                .filter(|(n, _)| binds.at(n).is_none())
-                .map(|(n, _)| n)
-                .collect();
-            panic!(
+    let unbound = || -> Vec<&String> {
+        created
+            .iter()
+            .filter(|(n, _)| binds.at(n).is_none())
+            .map(|(n, _)| n)
+            .collect()
+    };
+    support::poll_for(
+        start + within,
+        async || unbound().is_empty().then_some(()),
+        || {
+            let unbound = unbound();
+            format!(
                 "{} pods never bound: {unbound:?}\n{}",
                 unbound.len(),
                 logs()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+            )
+        },
+    )
+    .await;
     let mut latencies: Vec<Duration> = created
         .iter()
         .map(|(n, at)| binds.at(n).unwrap().saturating_duration_since(*at))

@@ -636,13 +636,15 @@ where
     Fut: Future<Output = Result<(), (u16, String)>>,
 {
     let deadline = std::time::Instant::now() + START;
-    loop {
+    let mut last = None;
+    let hit = support::poll_within(deadline, async || {
         let got = call().await;
-        if done(&got) || std::time::Instant::now() > deadline {
-            return got;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+        let hit = done(&got).then(|| got.clone());
+        last = Some(got);
+        hit
+    })
+    .await;
+    hit.unwrap_or_else(|| last.expect("called at least once"))
 }
 
 /// A ResourceSlice of `driver` on `node` (None: all nodes), one device.
@@ -876,15 +878,14 @@ async fn device_plugin_asks_become_claims_from_templates() {
         {"name": "memory", "image": "app", "resources": limits(json!({"doslab.io/gpu-memory": "4"}))}
     ]));
     let deadline = std::time::Instant::now() + START;
-    let mut got = stored(share.clone()).await;
-    while got["spec"]["resourceClaims"].is_null() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the claims policy never applied: {got}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        got = stored(share.clone()).await;
-    }
+    let got = support::poll_for(
+        deadline,
+        async || {
+            Some(stored(share.clone()).await).filter(|g| !g["spec"]["resourceClaims"].is_null())
+        },
+        || "the claims policy never applied".into(),
+    )
+    .await;
     assert_eq!(
         got["spec"]["resourceClaims"],
         json!([

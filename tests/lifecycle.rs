@@ -1,6 +1,7 @@
-//! The daemon through what a node goes through: kubelet restarts, SIGHUP
-//! reloads good and bad, GPUs failing and recovering, a plugin that cannot
-//! start, with the real binary and signals sent for real.
+//! The daemon through what a node goes through: kubelet restarts, reloads
+//! good and bad, GPUs failing and recovering, a plugin that cannot start.
+//! In-process, but for the leak count (the process's descriptors and
+//! threads), where the real binary runs.
 
 mod support;
 
@@ -24,9 +25,19 @@ const GPUS: &[(&str, u64)] = &[(GPU_A, 3072), (GPU_B, 1024)];
 /// re-registration loses the kubernetes#121994 race.
 const BIG: &[(&str, u64)] = &[(GPU_A, 81920), (GPU_B, 81920)];
 
-async fn start(extra: &str) -> (tempfile::TempDir, Daemon, KubeletSim) {
+async fn start(extra: &str) -> (tempfile::TempDir, App, KubeletSim) {
     let dir = tempfile::tempdir().unwrap();
-    let (daemon, kubelet) = start_with_kubelet(dir.path(), &mock_config(dir.path(), extra, GPUS));
+    let (daemon, kubelet) =
+        start_with_kubelet(dir.path(), &mock_config(dir.path(), extra, GPUS)).await;
+    (dir, daemon, kubelet)
+}
+
+/// The binary on [`GPUS`] beside a kubelet, once every resource registered.
+async fn started_binary() -> (tempfile::TempDir, Daemon, KubeletSim) {
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start(&mock_config(dir.path(), "", GPUS));
+    let kubelet = KubeletSim::start(dir.path()).unwrap();
+    expect(&kubelet, &daemon, FIRST).await;
     (dir, daemon, kubelet)
 }
 
@@ -34,27 +45,27 @@ async fn start(extra: &str) -> (tempfile::TempDir, Daemon, KubeletSim) {
 const FIRST: &[(&str, u32, usize)] = &[(MEM, 1, 4096), (CORE, 1, 200), (COUNT, 1, 2)];
 
 /// [`start`], once every resource registered.
-async fn started(extra: &str) -> (tempfile::TempDir, Daemon, KubeletSim) {
+async fn started(extra: &str) -> (tempfile::TempDir, App, KubeletSim) {
     let (dir, daemon, kubelet) = start(extra).await;
     expect(&kubelet, &daemon, FIRST).await;
     (dir, daemon, kubelet)
 }
 
-async fn expect(kubelet: &KubeletSim, daemon: &Daemon, want: &[(&str, u32, usize)]) {
+async fn expect(kubelet: &KubeletSim, daemon: &impl Observed, want: &[(&str, u32, usize)]) {
     expect_kubelet(kubelet, daemon, &want, registered_times(want)).await;
 }
 
-/// Rewrites the daemon's config to `toml`, sends SIGHUP, and waits for
-/// `want`.
-async fn reload(kubelet: &KubeletSim, daemon: &Daemon, toml: String, want: &[(&str, u32, usize)]) {
-    std::fs::write(&daemon.config, toml).unwrap();
-    daemon.signal(libc::SIGHUP);
+/// Rewrites the daemon's config to `toml`, tells it to reload, and waits
+/// for `want`.
+async fn reload(kubelet: &KubeletSim, daemon: &App, toml: String, want: &[(&str, u32, usize)]) {
+    daemon.rewrite(&toml);
     expect(kubelet, daemon, want).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn survives_100_kubelet_restarts_without_leaks() {
-    let (dir, daemon, mut kubelet) = started("").await;
+    // The binary: its descriptors and threads are counted.
+    let (dir, daemon, mut kubelet) = started_binary().await;
     let pid = daemon.child.id();
     let mut first = None;
     for i in 2..=101u32 {
@@ -90,9 +101,9 @@ async fn survives_100_kubelet_restarts_without_leaks() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_disables_enables_and_changes_only_what_changed() {
-    let (dir, mut daemon, kubelet) = start("resources = [\"gpu-memory\", \"gpu-core\"]").await;
+    let (dir, daemon, kubelet) = start("resources = [\"gpu-memory\", \"gpu-core\"]").await;
     expect(&kubelet, &daemon, &[(MEM, 1, 4096), (CORE, 1, 200)]).await;
-    let addr = http_addr(&daemon);
+    let addr = daemon.http.clone();
 
     // gpu-memory changes (2 MiB units), gpu-core goes, gpu-count comes.
     let next = mock_config(
@@ -124,15 +135,13 @@ async fn sighup_disables_enables_and_changes_only_what_changed() {
     .await;
     wait_for_sample(&addr, RELOADS_APPLIED, 2.0).await;
     assert_eq!(metric(&addr, RELOADS_REFUSED), Some(0.0));
-
-    daemon.signal(libc::SIGTERM);
-    assert!(daemon.wait_exit(Duration::from_secs(5)).unwrap().success());
+    daemon.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sighup_with_a_broken_file_keeps_the_old_config() {
+async fn a_reload_of_a_broken_file_keeps_the_old_config() {
     let (dir, daemon, kubelet) = started("").await;
-    let addr = http_addr(&daemon);
+    let addr = daemon.http.clone();
     let serving = digest(mock_config(dir.path(), "", GPUS).as_bytes());
     assert_eq!(config_sha(&addr), serving);
     let broken = [
@@ -141,21 +150,23 @@ async fn sighup_with_a_broken_file_keeps_the_old_config() {
         "[[[",
         "memory_unit_mib = 0",
     ];
-    // One at a time: pending signals of one kind coalesce.
     for (i, text) in broken.iter().enumerate() {
-        std::fs::write(&daemon.config, text).unwrap();
-        daemon.signal(libc::SIGHUP);
+        daemon.rewrite(text);
         wait_for_sample(&addr, RELOADS_REFUSED, (i + 1) as f64).await;
+        if i == 0 {
+            // Why: the log says, and so does the reload's outcome.
+            let Some(Reloaded::Refused(why)) = daemon.last_reload() else {
+                panic!("{:?}", daemon.last_reload())
+            };
+            assert!(
+                why.contains("memory_unit_mib"),
+                "the reason names the key: {why}"
+            );
+        }
     }
     assert_eq!(metric(&addr, RELOADS_APPLIED), Some(0.0));
     assert_eq!(config_sha(&addr), serving, "the old config serves on");
-    // Why a reload was refused is told only in the log.
-    let log = daemon.log_text();
-    assert!(
-        log.contains("memory_unit_mib"),
-        "the reason names the key:\n{log}"
-    );
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Each refusal was counted once it was decided: nothing moved.
     expect(&kubelet, &daemon, FIRST).await;
     assert_eq!(plugin_sockets(dir.path()).len(), 3);
 }
@@ -168,7 +179,7 @@ async fn an_unhealthy_gpu_turns_its_devices_unhealthy_everywhere_and_back() {
         health.path().display().to_string()
     );
     let (_dir, daemon, kubelet) = started(&extra).await;
-    let addr = http_addr(&daemon);
+    let addr = daemon.http.clone();
     let healthy = |uuid: &str| format!("gpu_device_plugin_gpu_healthy{{gpu=\"{uuid}\"}}");
 
     std::fs::write(health.path().join(GPU_A), "").unwrap();
@@ -212,13 +223,10 @@ async fn a_plugin_that_cannot_start_is_retried_and_the_others_keep_serving() {
     };
     assert!(kubelet.wait_until(WAIT, failing).await);
     // A child that keeps failing makes the daemon not ready, by name.
-    let addr = http_addr(&daemon);
-    let deadline = std::time::Instant::now() + WAIT;
-    let mut readyz = http_get(&addr, "/readyz");
-    while !readyz.1.contains("plugin gpu-core") && std::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        readyz = http_get(&addr, "/readyz");
-    }
+    let addr = daemon.http.clone();
+    let readyz = daemon
+        .readyz_until(|_, body| body.contains("plugin gpu-core"))
+        .await;
     assert_eq!(readyz.0, 503, "{}", readyz.1);
     assert!(readyz.1.contains("plugin gpu-core"), "{}", readyz.1);
     // Unready after three failed starts in a row, each one restarted.
@@ -244,7 +252,7 @@ async fn a_plugin_that_cannot_start_is_retried_and_the_others_keep_serving() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_reloads_in_a_row_each_re_register_the_changed_resource() {
     let dir = tempfile::tempdir().unwrap();
-    let (daemon, kubelet) = start_with_kubelet(dir.path(), &mock_config(dir.path(), "", BIG));
+    let (daemon, kubelet) = start_with_kubelet(dir.path(), &mock_config(dir.path(), "", BIG)).await;
     expect(
         &kubelet,
         &daemon,
@@ -300,24 +308,27 @@ async fn a_kubelet_socket_nobody_answers_yet_is_retried_on_time_not_per_event() 
     let dir = tempfile::tempdir().unwrap();
     // A kubelet is there, but refuses to register anything yet.
     let (attempts, refusing) = refusing_kubelet(dir.path());
-    let daemon = Daemon::start(&mock_config(
+    let daemon = App::start(&mock_config(
         dir.path(),
         "resources = [\"gpu-memory\"]",
         GPUS,
-    ));
-    // A storm of filesystem events, each one a reason to check.
+    ))
+    .await;
+    // A storm of filesystem events for 1.5 s, one every 2 ms, each one a
+    // reason to check.
     let storm = std::time::Instant::now();
+    let mut pace = tokio::time::interval(Duration::from_millis(2));
     let mut i = 0;
     while storm.elapsed() < Duration::from_millis(1500) {
+        pace.tick().await;
         let noise = dir.path().join(format!("noise-{}.sock", i % 4));
         std::fs::write(&noise, "").unwrap();
         std::fs::remove_file(&noise).unwrap();
         i += 1;
-        tokio::time::sleep(Duration::from_millis(2)).await;
     }
     refusing.abort();
     let attempts = attempts.lock().unwrap().clone();
-    assert!(attempts.len() >= 3, "{attempts:?}\n{}", daemon.log_text());
+    assert!(attempts.len() >= 3, "{attempts:?}\n{}", daemon.shown());
     // The retries are scheduled 100, 200, 400, ... ms after each failure,
     // so the k-th window opens no earlier than 100 * (2^k - 1) ms after the
     // first attempt; events bring at most one early attempt per window.
@@ -335,7 +346,7 @@ async fn a_kubelet_socket_nobody_answers_yet_is_retried_on_time_not_per_event() 
                 .iter()
                 .map(|a| a.duration_since(first).as_millis())
                 .collect::<Vec<_>>(),
-            daemon.log_text()
+            daemon.shown()
         );
     }
 
@@ -350,7 +361,7 @@ async fn a_reload_changing_two_resources_settles_them_side_by_side() {
     let next = mock_config(dir.path(), "memory_unit_mib = 2\ncores_per_gpu = 50", GPUS);
     std::fs::write(&daemon.config, next).unwrap();
     let sent = Instant::now();
-    daemon.signal(libc::SIGHUP);
+    daemon.reload();
     // When the kubelet saw each new registration. It may see one late,
     // never early, so the pauses below are never taken for longer than
     // they were.
@@ -372,7 +383,7 @@ async fn a_reload_changing_two_resources_settles_them_side_by_side() {
             settled(s)
         })
         .await;
-    assert!(ok, "{:#?}\n{}", kubelet.snapshot(), daemon.log_text());
+    assert!(ok, "{:#?}\n{}", kubelet.snapshot(), daemon.shown());
     let registered = registered.into_inner().unwrap();
     // Each new plugin waits out the settle pause (kubernetes#121994) after
     // its old stream ended, which was after the reload began...
@@ -381,7 +392,7 @@ async fn a_reload_changing_two_resources_settles_them_side_by_side() {
         assert!(
             paused >= Duration::from_millis(200),
             "{r} re-registered {paused:?} after the reload began:\n{}",
-            daemon.log_text()
+            daemon.shown()
         );
     }
     // ...but both pauses run at once: one after the other, the second
@@ -390,6 +401,6 @@ async fn a_reload_changing_two_resources_settles_them_side_by_side() {
     assert!(
         apart < Duration::from_millis(200),
         "the settle pauses ran one after the other: registrations {apart:?} apart\n{}",
-        daemon.log_text()
+        daemon.shown()
     );
 }

@@ -31,22 +31,25 @@ fn uuid(i: usize) -> String {
     format!("GPU-{i:08x}-0000-4000-8000-00000000000{i}")
 }
 
-struct Cluster {
+/// The daemon in-process ([`App`]), or the binary where a test kills it.
+struct Cluster<D = App> {
     _dir: tempfile::TempDir,
     files: tempfile::TempDir,
     toml: String,
     api: ApiServerSim,
     kubelet: KubeletSim,
-    daemon: Daemon,
+    daemon: D,
 }
 
 impl Cluster {
     async fn start(extra: &str) -> Cluster {
         Cluster::start_matching(true, extra).await
     }
+}
 
+impl<D: Start> Cluster<D> {
     /// With `pod_matching` as given (false: device IDs only).
-    async fn start_matching(matching: bool, extra: &str) -> Cluster {
+    async fn start_matching(matching: bool, extra: &str) -> Cluster<D> {
         let dir = tempfile::tempdir().unwrap();
         let files = tempfile::tempdir().unwrap();
         let api = ApiServerSim::start().await.unwrap();
@@ -54,6 +57,16 @@ impl Cluster {
             .unwrap();
         let gpus: Vec<(String, u64)> = (0..GPUS).map(|i| (uuid(i), GPU_MIB)).collect();
         let gpus: Vec<(&str, u64)> = gpus.iter().map(|(u, m)| (u.as_str(), *m)).collect();
+        // The API server the binary would find through $KUBECONFIG, in the
+        // config: the environment is the whole test process's.
+        let kubeconfig = format!(
+            "[matcher]\nkubeconfig = {:?}\n",
+            files.path().join("kubeconfig").display().to_string()
+        );
+        let extra = match extra.strip_prefix("[matcher]\n") {
+            Some(more) => format!("{kubeconfig}{more}"),
+            None => format!("{extra}\n{kubeconfig}"),
+        };
         let toml = mock_config(
             dir.path(),
             &format!(
@@ -62,7 +75,7 @@ impl Cluster {
             &gpus,
         );
         let kubelet = KubeletSim::start(dir.path()).unwrap();
-        let daemon = start_daemon(&toml, &files);
+        let daemon = D::start(&toml).await;
         let c = Cluster {
             _dir: dir,
             files,
@@ -82,16 +95,28 @@ impl Cluster {
 
     async fn wait(&self, done: impl Fn(&BTreeMap<String, ResourceView>) -> bool) {
         let ok = self.kubelet.wait_until(WAIT, done).await;
-        let (snapshot, log) = (self.kubelet.snapshot(), self.daemon.log_text());
+        let (snapshot, log) = (self.kubelet.snapshot(), self.daemon.shown());
         assert!(ok, "{snapshot:?}\n{log}");
     }
 
+    /// Polls `/metrics` until each GPU of `uuids` (comma-separated, as in
+    /// NVIDIA_VISIBLE_DEVICES) is free.
+    async fn free(&self, uuids: &str) {
+        let addr = http_addr(&self.daemon);
+        for gpu in uuids.split(',') {
+            let series = format!("gpu_device_plugin_gpu_mode{{gpu=\"{gpu}\",mode=\"free\"}}");
+            wait_for_sample(&addr, &series, 1.0).await;
+        }
+    }
+}
+
+impl Cluster<Daemon> {
     /// Kills the daemon outright and starts a new one on the same files.
     async fn crash_and_restart(&mut self) {
         self.daemon.signal(libc::SIGKILL);
         self.daemon.wait_exit(WAIT).unwrap();
         let before = self.kubelet.snapshot();
-        self.daemon = start_daemon(&self.toml, &self.files);
+        self.daemon = Daemon::start(&self.toml);
         // A list on each new stream: devices the pods' exclusive work
         // withdraws are listed unhealthy, so not all need be healthy.
         self.wait(|s| {
@@ -107,7 +132,9 @@ impl Cluster {
         })
         .await;
     }
+}
 
+impl<D> Cluster<D> {
     /// Admits every container of a pod as the kubelet does, then marks the
     /// pod Running. Returns each container's grants, or the first error.
     async fn admit(
@@ -134,11 +161,6 @@ impl Cluster {
         self.api.set_phase("default", name, "Running");
         Ok(out)
     }
-}
-
-fn start_daemon(toml: &str, files: &tempfile::TempDir) -> Daemon {
-    let kubeconfig = files.path().join("kubeconfig");
-    Daemon::start_env(toml, &[("KUBECONFIG", kubeconfig.as_os_str())])
 }
 
 /// A random pod: one to three app containers and sometimes an init
@@ -254,11 +276,11 @@ fn check_invariants(
     }
 }
 
-async fn burst(
-    c: &mut Cluster,
+async fn burst<D: Observed>(
+    c: &mut Cluster<D>,
     pods: usize,
     seed: u64,
-    mut between: impl AsyncFnMut(&mut Cluster, usize),
+    mut between: impl AsyncFnMut(&mut Cluster<D>, usize),
 ) -> BTreeMap<String, BTreeMap<String, Vec<AllocatedResource>>> {
     let mut rng = Lcg(seed);
     let specs: Vec<Vec<PodContainer>> = (0..pods).map(|i| random_pod(i, &mut rng)).collect();
@@ -273,7 +295,7 @@ async fn burst(
         let grants = c
             .admit(&name, spec, &mut rng)
             .await
-            .unwrap_or_else(|e| panic!("{e}\n{}", c.daemon.log_text()));
+            .unwrap_or_else(|e| panic!("{e}\n{}", c.daemon.shown()));
         admitted.insert(name, grants);
     }
     admitted
@@ -325,7 +347,8 @@ async fn faults_on_the_api_server_lose_nothing_and_assign_nothing_twice() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plugin_restarted_mid_burst_resumes_from_the_ledgers() {
-    let mut c = Cluster::start("").await;
+    // The binary: it is killed outright.
+    let mut c = Cluster::<Daemon>::start_matching(true, "").await;
     let admitted = burst(&mut c, 16, 5, async |c, i| {
         if i == 8 {
             c.crash_and_restart().await;
@@ -434,7 +457,7 @@ async fn a_matcher_that_cannot_start_is_retried_and_allocate_says_why() {
         "pod_matching = true\nnode_name = \"n\"\n[matcher]\nkubeconfig = \"/nonexistent/kubeconfig\"",
         &[("GPU-a", 1024)],
     );
-    let daemon = Daemon::start(&toml);
+    let daemon = App::start(&toml).await;
     let kubelet = KubeletSim::start(dir.path()).unwrap();
     // The plugins serve regardless.
     let ok = kubelet
@@ -443,21 +466,18 @@ async fn a_matcher_that_cannot_start_is_retried_and_allocate_says_why() {
             all_listed(&[(RES[0], 1024), (RES[1], 100), (RES[2], 1)]),
         )
         .await;
-    assert!(ok, "{}", daemon.log_text());
+    assert!(ok, "{}", daemon.shown());
     let err = kubelet.admit(&[(RES[0], 8)]).await.unwrap_err();
     assert!(err.contains("the pod matcher is not running"), "{err}");
     // Retried with backoff until it counts as failing: not ready, and why.
-    let addr = http_addr(&daemon);
-    let failing = |(code, body): &(u16, String)| {
-        *code == 503 && body.contains("pod matcher: failed") && body.contains("matcher.kubeconfig")
-    };
-    let deadline = std::time::Instant::now() + WAIT;
-    let mut readyz = http_get(&addr, "/readyz");
-    while !failing(&readyz) && std::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        readyz = http_get(&addr, "/readyz");
-    }
-    assert!(failing(&readyz), "{readyz:?}\n{}", daemon.log_text());
+    let addr = daemon.http.clone();
+    daemon
+        .readyz_until(|code, body| {
+            code == 503
+                && body.contains("pod matcher: failed")
+                && body.contains("matcher.kubeconfig")
+        })
+        .await;
     let restarts = "gpu_device_plugin_child_restarts_total{child=\"pod matcher\"}";
     let (_, m) = http_get(&addr, "/metrics");
     assert!(sample(&m, restarts).is_some_and(|n| n >= 2.0), "{m}");
@@ -481,8 +501,7 @@ async fn sighup_switches_pod_matching_off_and_on_without_re_registering() {
     // Done when the supervisor applied it: every plugin took the new
     // placement by then.
     let reload = async |c: &Cluster, toml: &str, reloads: usize| {
-        std::fs::write(&c.daemon.config, toml).unwrap();
-        c.daemon.signal(libc::SIGHUP);
+        c.daemon.rewrite(toml);
         wait_for_sample(&addr, RELOADS_APPLIED, reloads as f64).await;
     };
     // No pod asks: with matching the Allocate is refused...
@@ -527,7 +546,7 @@ async fn a_pod_deleted_before_the_cache_knows_is_skipped_for_the_next() {
     // "first" was served first: its ledger write found it gone.
     let patches = "gpu_device_plugin_api_requests_total{verb=\"patch\"}";
     let addr = http_addr(&c.daemon);
-    assert_eq!(metric(&addr, patches), Some(2.0), "{}", c.daemon.log_text());
+    assert_eq!(metric(&addr, patches), Some(2.0), "{}", c.daemon.shown());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -697,7 +716,7 @@ async fn whole_gpus_after(first: PodContainer, app: u64) {
     let held = &big[0].result.as_ref().unwrap()["train"][0].device_ids;
     let free: BTreeSet<String> = (0..GPUS).map(uuid).filter(|u| !held.contains(u)).collect();
     let kubeconfig = c.files.path().join("kubeconfig");
-    let (_extender, url) = start_extender(&kubeconfig);
+    let (_extender, url) = start_extender(&kubeconfig).await;
     let deadline = std::time::Instant::now() + WAIT;
     let published = || annotation(&c.api.node(NODE).unwrap(), "doslab.io/gpu-inventory").is_some();
     poll_until(deadline, published, || "inventory not published".into()).await;
@@ -801,6 +820,8 @@ async fn whole_with_shares(count: u64) {
             for core in [0, 10] {
                 n += 1;
                 let name = format!("whole-{n}");
+                let listed = c.kubelet.snapshot();
+                let before = RES.map(|r| listed[r].healthy);
                 let wants = [16, core, count];
                 let gpus: Vec<String> = (0..count as usize).map(|i| uuid(GPUS - 1 - i)).collect();
                 let assignment = serde_json::json!({ "app": gpus }).to_string();
@@ -822,7 +843,7 @@ async fn whole_with_shares(count: u64) {
                 let case = format!("{name}: assigned {assigned}, order {order:?}, wants {wants:?}");
                 let grants = match &admitted[0].result {
                     Ok(g) => &g["app"],
-                    Err(e) => panic!("{case}: {e}\n{}", c.daemon.log_text()),
+                    Err(e) => panic!("{case}: {e}\n{}", c.daemon.shown()),
                 };
                 let served: Vec<&str> = grants.iter().map(|g| g.resource.as_str()).collect();
                 let expected: Vec<&str> = order
@@ -885,7 +906,9 @@ async fn whole_with_shares(count: u64) {
                 // Done: its GPUs go back before the next case.
                 c.api.set_phase("default", &name, "Succeeded");
                 c.kubelet.admit_bound(&c.api, NODE).await;
-                tokio::time::sleep(Duration::from_millis(300)).await;
+                c.free(visible).await;
+                c.wait(|s| RES.iter().zip(before).all(|(r, h)| s[*r].healthy == h))
+                    .await;
             }
         }
     }
@@ -901,7 +924,7 @@ async fn whole_with_shares(count: u64) {
             gpu-core and gpu-memory on two GPUs (README: what IDs-only mode costs)"]
 async fn without_pod_matching_no_container_gets_two_gpus_in_any_resource_order() {
     use gpu_sim::kubelet::ResourceOrder;
-    let c = Cluster::start_matching(false, "").await;
+    let c = Cluster::<App>::start_matching(false, "").await;
     let (mut admitted, mut refused) = (0, 0);
     for seed in 1..=4u64 {
         c.kubelet.set_order(ResourceOrder::Seeded(seed));
@@ -1000,7 +1023,7 @@ async fn exclusive_devices_leave_the_kubelets_counts_while_the_work_lasts() {
         c.kubelet.set_order(ResourceOrder::Given(order));
         let admitted = c.kubelet.admit_bound(&c.api, NODE).await;
         if let Err(e) = &admitted[0].result {
-            panic!("{name}: {e}\n{}", c.daemon.log_text());
+            panic!("{name}: {e}\n{}", c.daemon.shown());
         }
         c.wait(healthy(during)).await;
         c.api.delete_pod("default", name);
@@ -1022,7 +1045,11 @@ async fn without_withdrawal_a_whole_gpu_keeps_its_shares_listed() {
     );
     let admitted = c.kubelet.admit_bound(&c.api, NODE).await;
     assert!(admitted[0].result.is_ok(), "{:?}", admitted[0].result);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Once the matcher holds a GPU whole, withdrawing would follow at once.
+    let held =
+        &admitted[0].result.as_ref().unwrap()["app"][0].response.envs["NVIDIA_VISIBLE_DEVICES"];
+    let whole = format!("gpu_device_plugin_gpu_mode{{gpu=\"{held}\",mode=\"whole\"}}");
+    c.daemon.wait_for_sample(&whole, 1.0).await;
     assert!(healthy([2048, 800, 8])(&c.kubelet.snapshot()));
 }
 
@@ -1083,5 +1110,5 @@ async fn a_forged_ledger_blocks_nothing_and_a_garbled_one_frees_nothing() {
         .map(uuid)
         .filter(|u| *u != uuid(5) && *u != big_gpu)
         .collect();
-    assert_eq!(taken, expected, "{}", c.daemon.log_text());
+    assert_eq!(taken, expected, "{}", c.daemon.shown());
 }

@@ -8,7 +8,7 @@
 mod support;
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 const STAND_IN: &str = "nvidia-cuda-mps-control";
 const MEMORY: &str = "doslab.io/gpu-memory";
@@ -94,17 +94,6 @@ impl Drop for Host {
     }
 }
 
-fn readyz_until(addr: &str, done: impl Fn(u16, &str) -> bool) -> (u16, String) {
-    let deadline = Instant::now() + support::WAIT;
-    loop {
-        let (code, body) = support::http_get(addr, "/readyz");
-        if done(code, &body) || Instant::now() > deadline {
-            return (code, body);
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 async fn shared_grants_are_mps_clients_and_fail_closed_without_their_daemon() {
     let host = Host::new();
     let dir = tempfile::tempdir().unwrap();
@@ -112,16 +101,14 @@ async fn shared_grants_are_mps_clients_and_fail_closed_without_their_daemon() {
     let toml = |compute| support::mock_config(dir.path(), &host.toml(compute), &gpus);
     let kubelet = support::KubeletSim::start(dir.path()).unwrap();
     let started = Instant::now();
-    let daemon = support::Daemon::start(&toml("mps"));
+    let daemon = support::App::start(&toml("mps")).await;
     let listed = support::all_listed(&[(MEMORY, 2048), (CORE, 200), (COUNT, 2)]);
     assert!(
         kubelet.wait_until(support::WAIT, listed).await,
         "{}",
-        daemon.log_text()
+        daemon.state()
     );
-    let addr = support::http_addr(&daemon);
-    let (code, body) = readyz_until(&addr, |c, _| c == 200);
-    assert_eq!(code, 200, "{body}\n{}", daemon.log_text());
+    daemon.ready().await;
     eprintln!(
         "both control daemons answering {:?} after the start",
         started.elapsed()
@@ -165,8 +152,9 @@ async fn shared_grants_are_mps_clients_and_fail_closed_without_their_daemon() {
     host.kill_daemons();
     let err = kubelet.admit(&[(CORE, 10)]).await.unwrap_err();
     assert!(err.contains(STAND_IN), "{err}");
-    let (code, body) = readyz_until(&addr, |c, b| c == 503 && b.contains("mps control daemons"));
-    assert_eq!(code, 503, "{body}");
+    let (_, body) = daemon
+        .readyz_until(|c, b| c == 503 && b.contains("mps control daemons"))
+        .await;
     assert!(body.contains("GPU-"), "{body}");
     // A whole GPU is its container's alone: no MPS client, so served.
     let whole = kubelet.admit(&[(COUNT, 1)]).await.unwrap();
@@ -177,8 +165,7 @@ async fn shared_grants_are_mps_clients_and_fail_closed_without_their_daemon() {
     // The binary is back: the supervisor's next restart starts them again.
     host.link_binary();
     let back = Instant::now();
-    let (code, body) = readyz_until(&addr, |c, _| c == 200);
-    assert_eq!(code, 200, "{body}\n{}", daemon.log_text());
+    daemon.ready().await;
     eprintln!(
         "control daemons restarted {:?} after the binary came back",
         back.elapsed()
@@ -192,8 +179,7 @@ async fn shared_grants_are_mps_clients_and_fail_closed_without_their_daemon() {
 
     // Reload to no compute limit, then back: the envs follow the backend.
     for (n, (compute, mps)) in [("none", false), ("mps", true)].into_iter().enumerate() {
-        std::fs::write(&daemon.config, toml(compute)).unwrap();
-        daemon.signal(libc::SIGHUP);
+        daemon.rewrite(&toml(compute));
         let env = admit_after_reload(&kubelet, &daemon, n + 1).await;
         assert_eq!(env.as_deref(), mps.then_some("1"), "{compute}");
     }
@@ -204,21 +190,21 @@ async fn shared_grants_are_mps_clients_and_fail_closed_without_their_daemon() {
 /// back; a refused grant takes nothing).
 async fn admit_after_reload(
     kubelet: &support::KubeletSim,
-    daemon: &support::Daemon,
+    daemon: &support::App,
     reloads: usize,
 ) -> Option<String> {
-    let deadline = Instant::now() + support::WAIT;
-    loop {
-        if daemon.log_text().matches("config reloaded").count() >= reloads
-            && let Ok(g) = kubelet.admit(&[(CORE, 1)]).await
-        {
-            return g[0]
-                .response
-                .envs
-                .get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
-                .cloned();
-        }
-        assert!(Instant::now() < deadline, "{}", daemon.log_text());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    daemon
+        .wait_for_sample(support::RELOADS_APPLIED, reloads as f64)
+        .await;
+    let granted = support::poll_for(
+        Instant::now() + support::WAIT,
+        async || kubelet.admit(&[(CORE, 1)]).await.ok(),
+        || daemon.state(),
+    )
+    .await;
+    granted[0]
+        .response
+        .envs
+        .get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+        .cloned()
 }

@@ -5,7 +5,6 @@
 mod support;
 
 use std::path::Path;
-use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, ServiceAccount};
@@ -206,8 +205,8 @@ async fn metrics_and_probes_follow_registration_allocation_and_health() {
         health.path().display().to_string()
     );
     let toml = mock_config(dir.path(), &extra, &[("GPU-a", 1024), ("GPU-b", 1024)]);
-    let daemon = Daemon::start(&toml);
-    let addr = http_addr(&daemon);
+    let daemon = App::start(&toml).await;
+    let addr = daemon.http.clone();
     assert_eq!(http_get(&addr, "/healthz").0, 200);
     let (code, body) = http_get(&addr, "/readyz");
     assert_eq!(code, 503, "no kubelet yet: {body}");
@@ -220,11 +219,7 @@ async fn metrics_and_probes_follow_registration_allocation_and_health() {
         ("doslab.io/gpu-count", 2),
     ];
     assert!(kubelet.wait_until(WAIT, all_listed(&listed)).await);
-    let deadline = std::time::Instant::now() + WAIT;
-    while http_get(&addr, "/readyz").0 != 200 && std::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert_eq!(http_get(&addr, "/readyz").0, 200);
+    daemon.ready().await;
 
     kubelet.admit(&[(MEM, 100)]).await.unwrap();
     let mut client = kubelet.client(MEM).unwrap();
@@ -441,13 +436,13 @@ async fn json_logs_have_unique_keys_numbers_and_signal_names() {
         ("doslab.io/gpu-core", 200),
         ("doslab.io/gpu-count", 2),
     ];
-    let (mut daemon, kubelet) = start_listed(dir.path(), &toml, &listed).await;
+    // The binary: its log and the signals are what is tested.
+    let mut daemon = Daemon::start(&toml);
+    let kubelet = KubeletSim::start(dir.path()).unwrap();
+    expect_kubelet(&kubelet, &daemon, &listed, all_listed(&listed)).await;
     kubelet.admit(&[(MEM, 100)]).await.unwrap();
     daemon.signal(libc::SIGHUP);
-    let deadline = std::time::Instant::now() + WAIT;
-    while !daemon.log_text().contains("config reloaded") && std::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_for_sample(&http_addr(&daemon), RELOADS_APPLIED, 1.0).await;
     daemon.signal(libc::SIGTERM);
     assert!(daemon.wait_exit(WAIT).unwrap().success());
 
@@ -511,8 +506,9 @@ fn version_and_build_info_carry_the_git_revision() {
     assert_eq!(stdout.trim(), format!("gpu-device-plugin {version}"));
 
     let dir = tempfile::tempdir().unwrap();
-    let daemon = Daemon::start(&mock_config(dir.path(), "", &[("GPU-a", 1024)]));
-    let (_, m) = http_get(&http_addr(&daemon), "/metrics");
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let daemon = runtime.block_on(App::start(&mock_config(dir.path(), "", &[("GPU-a", 1024)])));
+    let (_, m) = http_get(&daemon.http, "/metrics");
     let series = format!(
         "gpu_device_plugin_build_info{{version=\"{}\",git=\"{rev}\"}}",
         env!("CARGO_PKG_VERSION")
@@ -522,11 +518,8 @@ fn version_and_build_info_carry_the_git_revision() {
 
 /// The daemon with pod matching against an API server at `kubeconfig`,
 /// once every resource is registered.
-async fn matching_daemon(dir: &Path, kubeconfig: &Path) -> (Daemon, KubeletSim, String) {
-    let extra = format!(
-        "pod_matching = true\nnode_name = \"n\"\n[matcher]\nkubeconfig = {:?}",
-        kubeconfig.display().to_string()
-    );
+async fn matching_daemon(dir: &Path, kubeconfig: &Path) -> (App, KubeletSim, String) {
+    let extra = matching("n", kubeconfig);
     let listed = [
         (MEM, 1024),
         ("doslab.io/gpu-core", 100),
@@ -534,7 +527,7 @@ async fn matching_daemon(dir: &Path, kubeconfig: &Path) -> (Daemon, KubeletSim, 
     ];
     let toml = mock_config(dir, &extra, &[("GPU-a", 1024)]);
     let (daemon, kubelet) = start_listed(dir, &toml, &listed).await;
-    let addr = http_addr(&daemon);
+    let addr = daemon.http.clone();
     (daemon, kubelet, addr)
 }
 
@@ -547,21 +540,16 @@ async fn readyz_waits_for_the_pod_matcher_to_sync() {
     let api = gpu_sim::apiserver::ApiServerSim::start().await.unwrap();
     api.write_kubeconfig(&kubeconfig).unwrap();
     api.stop();
-    let (daemon, _kubelet, addr) = matching_daemon(dir.path(), &kubeconfig).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let (code, body) = http_get(&addr, "/readyz");
-    assert_eq!(code, 503, "{body}\n{}", daemon.log_text());
+    let (daemon, _kubelet, _) = matching_daemon(dir.path(), &kubeconfig).await;
+    // Registered, the resources leave /readyz's reasons; the matcher stays.
+    let (code, body) = daemon.readyz_until(|_, body| !body.contains(MEM)).await;
+    assert_eq!(code, 503, "{body}");
     assert!(body.contains("pod matcher"), "{body}");
     assert!(!body.contains(MEM), "the resources are registered: {body}");
 
     let dir = tempfile::tempdir().unwrap();
     let api = gpu_sim::apiserver::ApiServerSim::start().await.unwrap();
     api.write_kubeconfig(&kubeconfig).unwrap();
-    let (daemon, _kubelet, addr) = matching_daemon(dir.path(), &kubeconfig).await;
-    let deadline = std::time::Instant::now() + WAIT;
-    while http_get(&addr, "/readyz").0 != 200 && std::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let (code, body) = http_get(&addr, "/readyz");
-    assert_eq!(code, 200, "{body}\n{}", daemon.log_text());
+    let (daemon, _kubelet, _) = matching_daemon(dir.path(), &kubeconfig).await;
+    daemon.ready().await;
 }

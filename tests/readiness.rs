@@ -1,30 +1,15 @@
-//! What `/readyz` and `/metrics` say against the real binary: readiness
+//! What `/readyz` and `/metrics` say against the daemon in-process: readiness
 //! follows whether an Allocate can succeed now (the API server reachable
 //! with pod matching on), the pod cache's size follows the cache, and the
 //! per-GPU series are there without pod matching too.
 
 mod support;
 
-use std::time::{Duration, Instant};
-
 use gpu_sim::apiserver::ApiServerSim;
 use support::*;
 
 const NODE: &str = "node-1";
 const GPU: &str = "GPU-aaaaaaaa-0000-4000-8000-000000000001";
-
-/// Polls `path` until `done` holds on (status, body); panics after WAIT.
-fn get_until(addr: &str, path: &str, done: impl Fn(u16, &str) -> bool) -> (u16, String) {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let (code, body) = http_get(addr, path);
-        if done(code, &body) {
-            return (code, body);
-        }
-        assert!(Instant::now() < deadline, "{path}: {code} {body}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_follows_the_api_server_and_the_pod_count_follows_the_cache() {
@@ -33,17 +18,11 @@ async fn readiness_follows_the_api_server_and_the_pod_count_follows_the_cache() 
     let api = ApiServerSim::start().await.unwrap();
     let kubeconfig = files.path().join("kubeconfig");
     api.write_kubeconfig(&kubeconfig).unwrap();
-    let toml = mock_config(
-        dir.path(),
-        &format!("pod_matching = true\nnode_name = \"{NODE}\"\n"),
-        &[(GPU, 4096)],
-    );
+    let toml = mock_config(dir.path(), &matching(NODE, &kubeconfig), &[(GPU, 4096)]);
     let _kubelet = KubeletSim::start(dir.path()).unwrap();
-    let daemon = Daemon::start_env(&toml, &[("KUBECONFIG", kubeconfig.as_os_str())]);
-    let addr = http_addr(&daemon);
-    let a = addr.clone();
-    let ready = move || get_until(&a, "/readyz", |c, _| c == 200);
-    tokio::task::spawn_blocking(ready.clone()).await.unwrap();
+    let daemon = App::start(&toml).await;
+    let addr = daemon.http.clone();
+    daemon.ready().await;
 
     // The cache's size follows the watch, with no Allocate asking.
     api.add_pod(
@@ -56,16 +35,13 @@ async fn readiness_follows_the_api_server_and_the_pod_count_follows_the_cache() 
     wait_for_sample(&addr, POD_CACHE, 1.0).await;
 
     api.outage(true);
-    let a = addr.clone();
-    let (_, body) = tokio::task::spawn_blocking(move || {
-        get_until(&a, "/readyz", |c, b| c == 503 && b.contains("API server"))
-    })
-    .await
-    .unwrap_or_else(|_| panic!("{}", daemon.log_text()));
+    let (_, body) = daemon
+        .readyz_until(|c, b| c == 503 && b.contains("API server"))
+        .await;
     assert!(body.contains("pod matcher"), "{body}");
 
     api.outage(false);
-    tokio::task::spawn_blocking(ready).await.unwrap();
+    daemon.ready().await;
     api.add_pod(
         "default",
         "p2",
@@ -82,15 +58,15 @@ async fn readiness_follows_the_api_server_and_the_pod_count_follows_the_cache() 
 async fn per_gpu_capacity_and_health_are_exported_without_pod_matching() {
     let dir = tempfile::tempdir().unwrap();
     let toml = mock_config(dir.path(), "", &[(GPU, 4096)]);
-    let daemon = Daemon::start(&toml);
-    let addr = http_addr(&daemon);
+    let daemon = App::start(&toml).await;
+    let addr = &daemon.http;
     let series = |name: &str| format!("gpu_device_plugin_{name}{{gpu=\"{GPU}\"}}");
     wait_for_sample(
-        &addr,
+        addr,
         &series("gpu_memory_capacity_bytes"),
         4096.0 * 1048576.0,
     )
     .await;
-    wait_for_sample(&addr, &series("gpu_core_capacity_percent"), 100.0).await;
-    wait_for_sample(&addr, &series("gpu_healthy"), 1.0).await;
+    wait_for_sample(addr, &series("gpu_core_capacity_percent"), 100.0).await;
+    wait_for_sample(addr, &series("gpu_healthy"), 1.0).await;
 }

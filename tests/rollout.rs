@@ -1,7 +1,7 @@
 //! Config that rolls out by itself, and what `/metrics` tells about it and
 //! about each GPU: the real binary on a config mounted the way the kubelet
 //! mounts a ConfigMap, edited the way the kubelet edits it, beside the
-//! kubelet and API-server stand-ins.
+//! kubelet and API-server stand-ins (the per-GPU series in-process).
 
 mod support;
 
@@ -141,16 +141,19 @@ async fn http_listen_moves_on_reload_or_is_refused_when_it_cannot() {
         &with_listen(&format!("http_listen = \"{new}\"")),
     );
     let deadline = Instant::now() + WAIT;
-    while std::net::TcpStream::connect(&new).is_err() {
-        assert!(Instant::now() < deadline, "{}", daemon.log_text());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    poll_until(
+        deadline,
+        || std::net::TcpStream::connect(&new).is_ok(),
+        || daemon.log_text(),
+    )
+    .await;
     assert_eq!(http_get(&new, "/healthz").0, 200);
-    let deadline = Instant::now() + WAIT;
-    while std::net::TcpStream::connect(&old).is_ok() {
-        assert!(Instant::now() < deadline, "{old} still listens");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    poll_until(
+        deadline,
+        || std::net::TcpStream::connect(&old).is_err(),
+        || format!("{old} still listens"),
+    )
+    .await;
     assert_eq!(metric(&new, RELOADS_REFUSED), Some(1.0));
     wait_for_sample(&new, RELOADS_APPLIED, 1.0).await;
     drop(taken);
@@ -180,15 +183,15 @@ async fn per_gpu_metrics_follow_the_pods_ledgers_and_health() {
         health.path().display().to_string()
     );
     let gpus = [("GPU-a", 1024), ("GPU-b", 1024)];
-    let daemon = Daemon::start(&mock_config(dir.path(), &extra, &gpus));
+    let daemon = App::start(&mock_config(dir.path(), &extra, &gpus)).await;
     let kubelet = KubeletSim::start(dir.path()).unwrap();
     let listed = [(MEM, 8), (CORE, 200), (COUNT, 2)];
     assert!(
         kubelet.wait_until(WAIT, all_listed(&listed)).await,
         "{}",
-        daemon.log_text()
+        daemon.state()
     );
-    let addr = http_addr(&daemon);
+    let addr = daemon.http.clone();
     let series = |name: &str, gpu: &str| format!("gpu_device_plugin_{name}{{gpu=\"{gpu}\"}}");
     let mode = |gpu: &str, mode: &str| {
         format!("gpu_device_plugin_gpu_mode{{gpu=\"{gpu}\",mode=\"{mode}\"}}")

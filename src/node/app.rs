@@ -3,12 +3,15 @@
 //! into [`Control`]s; the demo passes its own.
 
 use std::io::ErrorKind;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
 use ractor::{Actor, ActorRef};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
 
 use crate::config::{Backend, Config, ConfigError};
 use crate::node::config_watch::digest;
@@ -162,13 +165,71 @@ pub enum Control {
     Stop,
 }
 
-/// Runs the daemon until `controls` says stop or ends. `source` is the file
-/// `config` came from, re-read on `Reload` and `Edited`.
-pub async fn run(
-    config: Config,
-    source: Option<PathBuf>,
-    mut controls: impl Stream<Item = Control> + Unpin,
-) -> Result<(), RunError> {
+/// The daemon once started: its HTTP address, a way to tell it what
+/// [`run`]'s stream tells it, and its end.
+pub struct Running {
+    /// Where `http_listen` was bound at start (`:0` picks a free port);
+    /// None when it is empty. A reload that changes `http_listen` moves
+    /// the endpoint, and this address then no longer answers.
+    pub http: Option<SocketAddr>,
+    controls: mpsc::UnboundedSender<Control>,
+    reloads: watch::Receiver<Option<Reloaded>>,
+    done: JoinHandle<Result<(), RunError>>,
+}
+
+/// How the last reload went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reloaded {
+    /// The file's new content passed every check and went to the actors
+    /// (the applied-reloads count follows once every one took it).
+    Applied,
+    /// Refused, and why (what the log says); the previous config serves on.
+    Refused(String),
+}
+
+impl Running {
+    /// The outcome of the last reload that read new bytes (None before
+    /// the first), changing as reloads are applied or refused.
+    pub fn reloads(&self) -> watch::Receiver<Option<Reloaded>> {
+        self.reloads.clone()
+    }
+
+    /// Tells the daemon `control`; false once it has stopped.
+    pub fn send(&self, control: Control) -> bool {
+        self.controls.send(control).is_ok()
+    }
+
+    /// A sender of [`Control`]s to the daemon, for whoever else tells it.
+    pub fn controls(&self) -> mpsc::UnboundedSender<Control> {
+        self.controls.clone()
+    }
+
+    /// Whether the daemon has stopped.
+    pub fn is_finished(&self) -> bool {
+        self.done.is_finished()
+    }
+
+    /// Waits until the daemon stops (on [`Control::Stop`], or once every
+    /// sender of controls is gone) and its actors have ended.
+    pub async fn ended(self) -> Result<(), RunError> {
+        let Running { controls, done, .. } = self;
+        drop(controls);
+        done.await
+            .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
+    }
+
+    /// Tells the daemon to stop and waits until it has.
+    pub async fn stop(self) -> Result<(), RunError> {
+        self.send(Control::Stop);
+        self.ended().await
+    }
+}
+
+/// Starts the daemon on `config`: every start-up check passed, the HTTP
+/// endpoint bound and the actor tree spawned, then returns while it runs
+/// on this runtime. `source` is the file `config` came from, re-read on
+/// `Reload` and `Edited`.
+pub async fn start(config: Config, source: Option<PathBuf>) -> Result<Running, RunError> {
     let plan = plan(&config).await?;
     for gpu in plan.gpus() {
         tracing::info!(uuid = %gpu.uuid, index = gpu.index, memory_mib = gpu.memory_mib, numa_node = gpu.numa_node, "GPU");
@@ -201,12 +262,15 @@ pub async fn run(
         None => digest(crate::config::DEFAULT_TOML.as_bytes()),
     };
     metrics.config_loaded(tried.clone());
-    let mut serving = Serving {
+    let (told_reloads, reloads) = watch::channel(None);
+    let serving = Serving {
         http: Http::start(&config, &reports).await?,
         source,
         tried,
         reports: reports.clone(),
+        reloads: told_reloads,
     };
+    let http = serving.http.endpoint.as_ref().map(|e| e.addr);
     let args = SupervisorArgs {
         config,
         plan,
@@ -216,13 +280,50 @@ pub async fn run(
     let (supervisor, handle) = Actor::spawn(None, Supervisor, args)
         .await
         .map_err(|e| RunError::Spawn(e.to_string()))?;
+    let (controls, told) = mpsc::unbounded_channel();
+    let done = tokio::spawn(serve(serving, supervisor, handle, told));
+    Ok(Running {
+        http,
+        controls,
+        reloads,
+        done,
+    })
+}
+
+/// Runs the daemon until `controls` says stop or ends. `source` is the file
+/// `config` came from, re-read on `Reload` and `Edited`.
+pub async fn run(
+    config: Config,
+    source: Option<PathBuf>,
+    mut controls: impl Stream<Item = Control> + Unpin,
+) -> Result<(), RunError> {
+    let running = start(config, source).await?;
     while let Some(control) = controls.next().await {
+        if !running.send(control) || control == Control::Stop {
+            break;
+        }
+    }
+    running.stop().await
+}
+
+/// The reload loop: applies each control until `Stop` or the last sender
+/// is gone, then stops the supervisor.
+async fn serve(
+    mut serving: Serving,
+    supervisor: ActorRef<SupervisorMsg>,
+    handle: ractor::concurrency::JoinHandle<()>,
+    mut told: mpsc::UnboundedReceiver<Control>,
+) -> Result<(), RunError> {
+    while let Some(control) = told.recv().await {
         if control == Control::Stop {
             break;
         }
         if let Err(e) = serving.reload(control, &supervisor).await {
             serving.reports.metrics.config_refused();
             tracing::error!(error = %e, "reload refused; still serving the previous config");
+            serving
+                .reloads
+                .send_replace(Some(Reloaded::Refused(e.to_string())));
         }
     }
     tracing::info!("shutting down");
@@ -243,6 +344,7 @@ struct Serving {
     tried: String,
     http: Http,
     reports: Reports,
+    reloads: watch::Sender<Option<Reloaded>>,
 }
 
 impl Serving {
@@ -268,6 +370,7 @@ impl Serving {
             self.http = moved;
         }
         self.reports.metrics.config_loaded(sha256);
+        self.reloads.send_replace(Some(Reloaded::Applied));
         Ok(())
     }
 }

@@ -18,7 +18,7 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, PostParams};
 use serde_json::Value;
 
-use super::{Daemon, mock_config, start_extender_with};
+use super::{Daemon, mock_config, poll_for, poll_sync, poll_within, start_extender_with};
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 /// How long a component may take to come up on a loaded 2-core machine.
@@ -113,11 +113,9 @@ impl Drop for Proc {
         // control plane's children go with it.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        let child = &mut self.child;
+        if poll_sync(deadline, || matches!(child.try_wait(), Ok(Some(_)))) {
+            return;
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -141,15 +139,8 @@ impl ControlPlane {
             &["controlplane".as_ref(), "--dir".as_ref(), state.as_os_str()],
             dir.path().join("controlplane.log"),
         );
-        let deadline = Instant::now() + START;
-        while !state.join("ready").exists() {
-            assert!(
-                Instant::now() < deadline,
-                "control plane not ready:\n{}",
-                proc.log_text()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        let ready = poll_sync(Instant::now() + START, || state.join("ready").exists());
+        assert!(ready, "control plane not ready:\n{}", proc.log_text());
         let admin = state.join("admin.kubeconfig");
         let mut cp = ControlPlane {
             scheduler: dir.path().join("scheduler.kubeconfig"),
@@ -195,14 +186,12 @@ impl ControlPlane {
                     dry_run: true,
                     ..Default::default()
                 };
-                let deadline = Instant::now() + START;
-                while pods.create(&dry, &probe).await.is_ok() {
-                    assert!(
-                        Instant::now() < deadline,
-                        "admission policies never enforced"
-                    );
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
+                poll_for(
+                    Instant::now() + START,
+                    async || pods.create(&dry, &probe).await.is_err().then_some(()),
+                    || "admission policies never enforced".into(),
+                )
+                .await;
             })
         });
     }
@@ -281,18 +270,19 @@ impl ControlPlane {
             .unwrap();
         unsafe { libc::kill(pid, libc::SIGKILL) };
         let client = self.admin_client().await;
-        let deadline = Instant::now() + START;
-        loop {
-            let new_pid = std::fs::read_to_string(&pid_file).unwrap_or_default();
-            if new_pid.trim() != pid.to_string() {
-                let req = http::Request::get("/readyz").body(Vec::new()).unwrap();
-                if client.request_text(req).await.is_ok() {
-                    return Instant::now();
+        poll_for(
+            Instant::now() + START,
+            async || {
+                let new_pid = std::fs::read_to_string(&pid_file).unwrap_or_default();
+                if new_pid.trim() == pid.to_string() {
+                    return None;
                 }
-            }
-            assert!(Instant::now() < deadline, "kube-apiserver never came back");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+                let req = http::Request::get("/readyz").body(Vec::new()).unwrap();
+                client.request_text(req).await.ok().map(|_| Instant::now())
+            },
+            || "kube-apiserver never came back".into(),
+        )
+        .await
     }
 
     pub fn apiserver_log(&self) -> String {
@@ -426,8 +416,7 @@ impl KubeNode {
         let client = cp.admin_client().await;
         let nodes: Api<Node> = Api::all(client.clone());
         let slices: Api<k8s_openapi::api::resource::v1::ResourceSlice> = Api::all(client);
-        let deadline = Instant::now() + START;
-        loop {
+        let sliced = async || {
             let untainted = nodes
                 .get(&self.name)
                 .await
@@ -438,18 +427,17 @@ impl KubeNode {
                         && s.spec.devices.as_ref().map_or(0, Vec::len) == self.gpus
                 })
             });
-            if untainted && listed {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
+            (untainted && listed).then_some(())
+        };
+        poll_for(Instant::now() + START, sliced, || {
+            format!(
                 "node {} never published its slice\nkubelet:\n{}\ndaemon:\n{}",
                 self.name,
                 self.kubelet.log_text(),
                 self.daemon.log_text()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+            )
+        })
+        .await;
     }
 
     fn spawn_kubelet(name: &str, dir: &Path) -> Proc {
@@ -485,43 +473,40 @@ impl KubeNode {
     /// extender refuses the node, and a pod would be unschedulable for it.
     pub async fn wait_allocatable(&self, cp: &ControlPlane) {
         let nodes: Api<Node> = Api::all(cp.admin_client().await);
-        let deadline = Instant::now() + START;
-        loop {
-            if let Ok(node) = nodes.get(&self.name).await {
-                let tainted = node
-                    .spec
-                    .as_ref()
-                    .is_some_and(|s| s.taints.as_ref().is_some_and(|t| !t.is_empty()));
-                let allocatable = node.status.and_then(|s| s.allocatable).unwrap_or_default();
-                let listed = |resource: &str| {
-                    allocatable
-                        .get(resource)
-                        .is_some_and(|q| !q.0.is_empty() && q.0 != "0")
-                };
-                let count = allocatable.get("doslab.io/gpu-count").map(|q| q.0.as_str());
-                let inventory = node
-                    .metadata
-                    .annotations
-                    .as_ref()
-                    .is_some_and(|a| a.contains_key("doslab.io/gpu-inventory"));
-                if !tainted
-                    && inventory
-                    && count == Some(self.gpus.to_string().as_str())
-                    && listed("doslab.io/gpu-memory")
-                    && listed("doslab.io/gpu-core")
-                {
-                    return;
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
+        let allocatable = async || {
+            let node = nodes.get(&self.name).await.ok()?;
+            let tainted = node
+                .spec
+                .as_ref()
+                .is_some_and(|s| s.taints.as_ref().is_some_and(|t| !t.is_empty()));
+            let allocatable = node.status.and_then(|s| s.allocatable).unwrap_or_default();
+            let listed = |resource: &str| {
+                allocatable
+                    .get(resource)
+                    .is_some_and(|q| !q.0.is_empty() && q.0 != "0")
+            };
+            let count = allocatable.get("doslab.io/gpu-count").map(|q| q.0.as_str());
+            let inventory = node
+                .metadata
+                .annotations
+                .as_ref()
+                .is_some_and(|a| a.contains_key("doslab.io/gpu-inventory"));
+            (!tainted
+                && inventory
+                && count == Some(self.gpus.to_string().as_str())
+                && listed("doslab.io/gpu-memory")
+                && listed("doslab.io/gpu-core"))
+            .then_some(())
+        };
+        poll_for(Instant::now() + START, allocatable, || {
+            format!(
                 "node {} never listed its GPUs\nkubelet:\n{}\ndaemon:\n{}",
                 self.name,
                 self.kubelet.log_text(),
                 self.daemon.log_text()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+            )
+        })
+        .await;
     }
 
     /// Kills the kubelet and starts a new one, as a kubelet restart does:
@@ -810,19 +795,15 @@ pub async fn wait_pod(
     done: impl Fn(&Pod) -> bool,
 ) -> Result<Pod, Option<Pod>> {
     let api: Api<Pod> = Api::namespaced(client.clone(), namespace);
-    let deadline = Instant::now() + within;
-    loop {
+    let last = std::cell::RefCell::new(None);
+    let found = poll_within(Instant::now() + within, async || {
         let pod = api.get_opt(name).await.ok().flatten();
-        if let Some(p) = &pod
-            && done(p)
-        {
-            return Ok(p.clone());
-        }
-        if Instant::now() > deadline {
-            return Err(pod);
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        let hit = pod.as_ref().filter(|p| done(p)).cloned();
+        *last.borrow_mut() = pod;
+        hit
+    })
+    .await;
+    found.ok_or_else(|| last.into_inner())
 }
 
 /// The mock GPU `gpu` of node `node`, its UUID telling both apart.
@@ -929,11 +910,19 @@ impl Drop for Bindings {
 /// Waits until pod `namespace/name` is gone from the API server.
 pub async fn wait_gone(client: &kube::Client, namespace: &str, name: &str, within: Duration) {
     let api: Api<Pod> = Api::namespaced(client.clone(), namespace);
-    let deadline = Instant::now() + within;
-    while api.get_opt(name).await.ok().flatten().is_some() {
-        assert!(Instant::now() < deadline, "{namespace}/{name} never went");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    poll_for(
+        Instant::now() + within,
+        async || {
+            api.get_opt(name)
+                .await
+                .ok()
+                .flatten()
+                .is_none()
+                .then_some(())
+        },
+        || format!("{namespace}/{name} never went"),
+    )
+    .await
 }
 
 /// Nodes `node-<i>` with `nodes[i]` GPUs of the given MiB each

@@ -1,5 +1,7 @@
-//! Test support: the real binary as a child process in a temporary
-//! device-plugin directory, beside gpu-sim's kubelet stand-in.
+//! Test support: the daemon in-process ([`App`]) or, where the process is
+//! what a test is about, the real binary as a child process ([`Daemon`]),
+//! in a temporary device-plugin directory beside gpu-sim's kubelet
+//! stand-in; and waits on the state they serve.
 
 #![allow(dead_code, unused_imports)] // each test file uses its own part of this module
 
@@ -7,7 +9,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+mod app;
 pub mod kube;
+
+pub use app::{App, Observed, Start, get_until};
+pub use gpu_device_plugin::node::app::Reloaded;
 
 pub use gpu_sim::apiserver::PodContainer;
 pub use gpu_sim::kubelet::{KubeletSim, ResourceView, plugin_sockets};
@@ -38,6 +44,17 @@ pub fn mock_config(dir: &Path, extra: &str, gpus: &[(&str, u64)]) -> String {
         ));
     }
     toml
+}
+
+/// The `extra` of [`mock_config`] for pod matching on node `node` against
+/// the API server `kubeconfig` reaches: what the binary would take from
+/// `$KUBECONFIG`, in the config (the environment is the whole test
+/// process's). It opens `[matcher]`: more of that section may follow.
+pub fn matching(node: &str, kubeconfig: &Path) -> String {
+    format!(
+        "pod_matching = true\nnode_name = \"{node}\"\n[matcher]\nkubeconfig = {:?}\n",
+        kubeconfig.display().to_string()
+    )
 }
 
 pub struct Daemon {
@@ -117,15 +134,33 @@ impl Daemon {
 
     /// Waits for the process to exit, killing it after `timeout`.
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
-        let start = Instant::now();
-        while start.elapsed() < timeout {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return Some(status);
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        let mut status = None;
+        let child = &mut self.child;
+        if !poll_sync(Instant::now() + timeout, || {
+            status = child.try_wait().unwrap();
+            status.is_some()
+        }) {
+            let _ = self.child.kill();
         }
-        let _ = self.child.kill();
-        None
+        status
+    }
+
+    /// The address the process listens on for TCP: its HTTP endpoint (the
+    /// daemon) or the extender's, read from the kernel's socket table once
+    /// it is bound.
+    pub fn listening(&self) -> String {
+        let pid = self.child.id();
+        let mut found = None;
+        let bound = poll_sync(Instant::now() + WAIT, || {
+            found = listening_addr(pid);
+            found.is_some()
+        });
+        assert!(
+            bound,
+            "pid {pid} listens on no TCP port:\n{}",
+            self.log_text()
+        );
+        found.unwrap().to_string()
     }
 }
 
@@ -163,30 +198,26 @@ pub fn all_listed<'a>(
     }
 }
 
-/// The daemon on `toml` beside a kubelet stand-in in `dir`.
-pub fn start_with_kubelet(dir: &Path, toml: &str) -> (Daemon, KubeletSim) {
-    let daemon = Daemon::start(toml);
+/// The daemon in-process on `toml` beside a kubelet stand-in in `dir`.
+pub async fn start_with_kubelet(dir: &Path, toml: &str) -> (App, KubeletSim) {
+    let daemon = App::start(toml).await;
     let kubelet = KubeletSim::start(dir).unwrap();
     (daemon, kubelet)
 }
 
 /// [`start_with_kubelet`], once the kubelet lists every (resource,
 /// devices) of `listed` healthy.
-pub async fn start_listed(
-    dir: &Path,
-    toml: &str,
-    listed: &[(&str, usize)],
-) -> (Daemon, KubeletSim) {
-    let (daemon, kubelet) = start_with_kubelet(dir, toml);
+pub async fn start_listed(dir: &Path, toml: &str, listed: &[(&str, usize)]) -> (App, KubeletSim) {
+    let (daemon, kubelet) = start_with_kubelet(dir, toml).await;
     expect_kubelet(&kubelet, &daemon, &listed, all_listed(listed)).await;
     (daemon, kubelet)
 }
 
 /// Waits until the kubelet's view satisfies `done`; fails showing `want`,
-/// that view and the daemon's log.
+/// that view and the daemon.
 pub async fn expect_kubelet(
     kubelet: &KubeletSim,
-    daemon: &Daemon,
+    daemon: &impl Observed,
     want: &dyn std::fmt::Debug,
     done: impl Fn(&std::collections::BTreeMap<String, ResourceView>) -> bool,
 ) {
@@ -195,7 +226,7 @@ pub async fn expect_kubelet(
         ok,
         "want {want:?}\nkubelet: {:#?}\n{}",
         kubelet.snapshot(),
-        daemon.log_text()
+        daemon.shown()
     );
 }
 
@@ -229,46 +260,95 @@ pub fn registered_times<'a>(
     }
 }
 
-/// The HTTP endpoint's address, from the daemon's log.
-pub fn http_addr(daemon: &Daemon) -> String {
-    logged_addr(daemon, "HTTP endpoint listening")
+/// The HTTP endpoint's address of `daemon`.
+pub fn http_addr(daemon: &impl Observed) -> String {
+    daemon.http_addr()
 }
 
-/// The `addr=` of the first log line saying `message`.
-pub fn logged_addr(daemon: &Daemon, message: &str) -> String {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let log = daemon.log_text();
-        if let Some(line) = log.lines().find(|l| l.contains(message)) {
-            let at = line.find("addr=").expect("addr field") + 5;
-            return line[at..].split_whitespace().next().unwrap().to_owned();
+/// The IPv4 or IPv6 address a TCP socket of process `pid` listens on.
+pub fn listening_addr(pid: u32) -> Option<std::net::SocketAddr> {
+    listening_socket(pid).map(|(addr, _)| addr)
+}
+
+/// A TCP socket process `pid` listens on, from /proc (the sockets among
+/// its descriptors, looked up in the kernel's table of its network
+/// namespace): its address, and the connections waiting in its accept
+/// queue.
+pub fn listening_socket(pid: u32) -> Option<(std::net::SocketAddr, u64)> {
+    let inodes: std::collections::HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .ok()?
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter_map(|l| {
+            let l = l.to_string_lossy();
+            Some(l.strip_prefix("socket:[")?.strip_suffix(']')?.to_owned())
+        })
+        .collect();
+    ["tcp", "tcp6"].iter().find_map(|table| {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/net/{table}")).ok()?;
+        text.lines().skip(1).find_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            // local_address st tx_queue:rx_queue ... inode; 0A: LISTEN,
+            // whose rx_queue is its accept queue.
+            if f.len() <= 9 || f[3] != "0A" || !inodes.contains(f[9]) {
+                return None;
+            }
+            let queued = u64::from_str_radix(f[4].split_once(':')?.1, 16).ok()?;
+            Some((proc_addr(f[1])?, queued))
+        })
+    })
+}
+
+/// `/proc/net/tcp{,6}`'s `HEX-IP:HEX-PORT`, the IP in the kernel's words.
+fn proc_addr(field: &str) -> Option<std::net::SocketAddr> {
+    let (ip, port) = field.split_once(':')?;
+    let port = u16::from_str_radix(port, 16).ok()?;
+    let words: Vec<u32> = (0..ip.len() / 8)
+        .map(|i| u32::from_str_radix(&ip[8 * i..8 * i + 8], 16).map(u32::from_be))
+        .collect::<Result<_, _>>()
+        .ok()?;
+    let ip: std::net::IpAddr = match words[..] {
+        [a] => std::net::Ipv4Addr::from(a.to_be_bytes()).into(),
+        [a, b, c, d] => {
+            let mut bytes = [0u8; 16];
+            for (i, w) in [a, b, c, d].iter().enumerate() {
+                bytes[4 * i..4 * i + 4].copy_from_slice(&w.to_be_bytes());
+            }
+            std::net::Ipv6Addr::from(bytes).into()
         }
-        assert!(
-            Instant::now() < deadline,
-            "no {message:?} in the log:\n{log}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+        _ => return None,
+    };
+    Some((ip, port).into())
 }
 
-/// The scheduler extender (the binary's subcommand) on the API server
-/// `kubeconfig` reaches, and its URL.
-pub fn start_extender(kubeconfig: &Path) -> (Daemon, String) {
-    start_extender_with(kubeconfig, "")
+/// The scheduler extender in-process on the API server `kubeconfig`
+/// reaches, and its URL. It serves until the test's runtime ends; the
+/// value returned holds its reflectors.
+pub async fn start_extender(kubeconfig: &Path) -> (gpu_device_plugin::extender::Started, String) {
+    let toml = extender_toml(kubeconfig, "");
+    let config: gpu_device_plugin::extender::ExtenderConfig =
+        gpu_device_plugin::extender::ExtenderConfig::from_toml(&toml).unwrap();
+    let started = gpu_device_plugin::extender::launch(&config).await.unwrap();
+    let url = format!("http://{}", started.addr);
+    (started, url)
 }
 
-/// [`start_extender`], `extra` added to its config.
+/// The scheduler extender (the binary's subcommand), `extra` added to its
+/// config, on the API server `kubeconfig` reaches, and its URL.
 pub fn start_extender_with(kubeconfig: &Path, extra: &str) -> (Daemon, String) {
     let extender = Daemon::start_command(
         &["scheduler-extender"],
-        &format!(
-            "[extender]\nlisten = \"127.0.0.1:0\"\nkubeconfig = {:?}\n{extra}",
-            kubeconfig.display().to_string()
-        ),
+        &extender_toml(kubeconfig, extra),
         &[],
     );
-    let addr = logged_addr(&extender, "scheduler extender listening");
+    let addr = extender.listening();
     (extender, format!("http://{addr}"))
+}
+
+fn extender_toml(kubeconfig: &Path, extra: &str) -> String {
+    format!(
+        "[extender]\nlisten = \"127.0.0.1:0\"\nkubeconfig = {:?}\n{extra}",
+        kubeconfig.display().to_string()
+    )
 }
 
 /// The kube-scheduler stand-in calling the extender at `extender_url`,
@@ -350,18 +430,28 @@ pub fn config_sha(addr: &str) -> String {
 
 /// Polls `/metrics` until `series` reads `value`.
 pub async fn wait_for_sample(addr: &str, series: &str, value: f64) {
-    let deadline = std::time::Instant::now() + WAIT;
-    loop {
-        let (_, m) = http_get(addr, "/metrics");
-        if sample(&m, series) == Some(value) {
-            return;
+    let m = std::cell::RefCell::new(String::new());
+    poll_until(
+        Instant::now() + WAIT,
+        || {
+            *m.borrow_mut() = http_get(addr, "/metrics").1;
+            sample(&m.borrow(), series) == Some(value)
+        },
+        || format!("{series} never read {value}:\n{}", m.borrow()),
+    )
+    .await;
+}
+
+/// Polls `done` (blocking the thread) until it holds or `deadline`
+/// passes; whether it held.
+pub fn poll_sync(deadline: Instant, mut done: impl FnMut() -> bool) -> bool {
+    while !done() {
+        if Instant::now() >= deadline {
+            return false;
         }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{series} never read {value}:\n{m}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        std::thread::sleep(Duration::from_millis(20));
     }
+    true
 }
 
 /// Polls `done` until it holds; once `deadline` passes, panics with
@@ -371,8 +461,35 @@ pub async fn poll_until(
     mut done: impl FnMut() -> bool,
     why: impl Fn() -> String,
 ) {
-    while !done() {
-        assert!(Instant::now() < deadline, "{}", why());
+    poll_for(deadline, async || done().then_some(()), why).await
+}
+
+/// Polls `probe` until it answers Some, and returns that; once `deadline`
+/// passes, panics with `why()`.
+pub async fn poll_for<T>(
+    deadline: Instant,
+    probe: impl AsyncFnMut() -> Option<T>,
+    why: impl Fn() -> String,
+) -> T {
+    match poll_within(deadline, probe).await {
+        Some(found) => found,
+        None => panic!("{}", why()),
+    }
+}
+
+/// Polls `probe` until it answers Some, and returns that; None once
+/// `deadline` passes. The one place async waits pause between looks.
+pub async fn poll_within<T>(
+    deadline: Instant,
+    mut probe: impl AsyncFnMut() -> Option<T>,
+) -> Option<T> {
+    loop {
+        if let Some(found) = probe().await {
+            return Some(found);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
