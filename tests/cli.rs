@@ -204,28 +204,3 @@ fn check_config_prints_the_gpus_and_the_plan() {
         "{stdout}"
     );
 }
-
-#[test]
-fn json_logs_are_one_object_per_line() {
-    let dir = tempfile::tempdir().unwrap();
-    let toml = mock_config(dir.path(), "log_format = \"json\"", &[("GPU-a", 64)]);
-    let mut daemon = Daemon::start(&toml);
-    // Serving, with no kubelet: the start-up lines are all written.
-    let serving = poll_sync(std::time::Instant::now() + WAIT, || {
-        plugin_sockets(dir.path()).len() == 3
-    });
-    assert!(serving, "{}", daemon.log_text());
-    daemon.signal(libc::SIGTERM);
-    assert!(daemon.wait_exit(WAIT).unwrap().success());
-    let log = daemon.log_text();
-    let lines: Vec<&str> = log.lines().collect();
-    assert!(lines.len() > 3, "{log}");
-    for line in lines {
-        let v: serde_json::Value =
-            serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
-        assert!(
-            v["level"].is_string() && v["fields"]["message"].is_string(),
-            "{line}"
-        );
-    }
-}

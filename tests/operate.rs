@@ -396,13 +396,18 @@ impl<'de> serde::de::Visitor<'de> for StrictVisitor {
     }
 }
 
-/// The daemon's JSON log lines, each parsed strictly.
+/// The daemon's JSON log lines, each parsed strictly: one object a line,
+/// with its level and message.
 fn json_lines(log: &str) -> Vec<serde_json::Value> {
     log.lines()
         .map(|line| {
             let mut de = serde_json::Deserializer::from_str(line);
             let Strict(v) =
                 serde::Deserialize::deserialize(&mut de).unwrap_or_else(|e| panic!("{e}: {line}"));
+            assert!(
+                v["level"].is_string() && v["fields"]["message"].is_string(),
+                "{line}"
+            );
             v
         })
         .collect()

@@ -94,9 +94,10 @@ impl SweeperState {
     }
 
     /// Readiness follows the library; the log says when that changes.
-    fn report_library(&mut self, why: Option<String>) {
+    /// False when nothing changed, so nothing was told.
+    fn report_library(&mut self, why: Option<String>) -> bool {
         if self.library.as_ref() == Some(&why) {
-            return;
+            return false;
         }
         match &why {
             Some(e) => {
@@ -110,6 +111,7 @@ impl SweeperState {
         let readiness = &self.args.readiness;
         readiness.hold(Child::Enforcement, Hold::Waiting, why.clone());
         self.library = Some(why);
+        true
     }
 
     /// The memory rows of the regions read; an unreadable one is left out
@@ -372,12 +374,15 @@ mod tests {
         let why = scan(&e, false, None).library.unwrap();
         assert!(why.contains(&*e.library_path().to_string_lossy()), "{why}");
         let mut s = state(&e);
-        s.report_library(Some(why.clone()));
+        assert!(s.report_library(Some(why.clone())));
         assert_eq!(
             s.args.readiness.held(),
             [format!("enforcement sweeper: {why}")]
         );
-        s.report_library(None);
+        // Every check finds it missing again; only the change is told.
+        assert!(!s.report_library(Some(why.clone())));
+        assert!(s.report_library(None));
+        assert!(!s.report_library(None));
         assert!(s.args.readiness.held().is_empty());
     }
 }
