@@ -8,7 +8,7 @@
 //! - `cdi`: a claim's CDI spec.
 //! - `checkpoint`: what is prepared, on disk.
 //! - `prepare`: NodePrepareResources / NodeUnprepareResources, through the
-//!   device plugin's own prepare step and composer.
+//!   grant pipeline the device plugin uses too ([`crate::node::grant`]).
 //! - `slices`: the node's ResourceSlice.
 //! - `service`: the gRPC adapters; `actor`: the supervised actor.
 

@@ -1,8 +1,8 @@
 //! NodePrepareResources and NodeUnprepareResources, whichever API version
 //! the kubelet speaks: every claim is read from the API server, checked
 //! (allocated, the UID the kubelet named), granted ([`super::grant`]),
-//! readied by the same prepare step and composer a device-plugin Allocate
-//! uses, and written as one CDI spec; each claim is answered on its own,
+//! readied and composed by the grant pipeline a device-plugin Allocate
+//! uses too ([`crate::node::grant`]), and written as one CDI spec; each claim is answered on its own,
 //! an error for one never fails the others. What is prepared is kept in
 //! the checkpoint, so a repeated call answers the same and a restarted
 //! daemon unprepares what an earlier one prepared.

@@ -1,10 +1,12 @@
-//! Pod matching: which pod and container an Allocate is for, the
-//! GPU it gets, and the ledger on the pod that records it (the ledger's
-//! format is the usage model's, [`crate::rules::usage::Ledger`]).
+//! Pod matching on the node: the pod-matcher actor, which decides through
+//! the pure rules of [`crate::rules::matching`] which pod and container an
+//! Allocate is for and the GPU it gets, holds the decision as a
+//! reservation, and records it in the pod's ledger (the ledger's format is
+//! the usage model's, [`crate::rules::usage::Ledger`]).
 //!
-//! `matching` and `pods` are pure; `actor` does the I/O (pod cache, ledger
-//! patches through `write`) behind the handle in `api`, and hands its
-//! Events to `events`, whose task posts them.
+//! `actor` does the I/O (pod cache, ledger patches through `write`, each in
+//! a task of its own) behind the handle in `api` (reserve, commit), and
+//! hands its Events to `events`, whose task posts them.
 
 mod actor;
 mod api;

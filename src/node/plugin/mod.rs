@@ -4,13 +4,12 @@
 //! - `actor`: lifecycle (serve, register, heal, stop).
 //! - `service`: the gRPC adapter (decode, delegate, encode, record).
 //! - `placement`: which devices and GPU a container gets, by the pod
-//!   matcher or by the IDs with `pairing`'s hints.
+//!   matcher (reserve, ready through [`crate::node::grant`], commit) or by
+//!   the IDs with `pairing`'s hints.
 //! - `preferred`: GetPreferredAllocation's device IDs, chosen by the usage
 //!   model's one GPU selection.
 //! - `allocate`: what a container is granted (from the IDs alone without
-//!   pod matching).
-//! - `response`: the one composer of a container's envs and mounts (an
-//!   Allocate response, a DRA claim's CDI edits).
+//!   pod matching); its response is composed by [`crate::node::grant`].
 //! - `codec`: the hand-written prost types for the large messages.
 //! - `registration`: the Register call to the kubelet.
 

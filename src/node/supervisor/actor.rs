@@ -521,11 +521,10 @@ impl Actor for Supervisor {
         else {
             return Ok(()); // stopped on purpose
         };
+        // Its marks stay while it waits for its restart (what it held back
+        // for is still so: it is not running); its successor replaces them,
+        // and a stop on purpose releases them.
         let running = state.remove(child).expect("found above");
-        // Its marks spoke for an actor that is gone (one that panicked or
-        // was killed never cleared them): from here the supervisor says
-        // whether it holds readiness back, and its successor marks its own.
-        state.readiness.release(child);
         if running.started.elapsed() >= STABLE_AFTER {
             state.steady(child);
         }
