@@ -105,7 +105,8 @@ impl MatcherArgs {
 }
 
 pub(crate) struct MatcherState {
-    args: MatcherArgs,
+    /// Shared with the ledger writes in flight.
+    args: Arc<MatcherArgs>,
     client: Client,
     cache: PodCache,
     /// Clears the matcher's unready mark once the pod cache has synced.
@@ -326,7 +327,7 @@ impl MatcherState {
         let deadline = r.expires.min(Instant::now() + self.args.wait);
         let (api, args, myself) = (
             self.pods(&r.decision.pod.namespace),
-            self.args.clone(),
+            Arc::clone(&self.args),
             myself.clone(),
         );
         let (ask, decision) = (r.ask.clone(), r.decision.clone());
@@ -503,7 +504,7 @@ impl Actor for PodMatcher {
         let report = super::report::spawn(&cache, &args);
         let events = Events::start(client.clone(), &args.node_name);
         Ok(MatcherState {
-            args,
+            args: Arc::new(args),
             client,
             cache,
             synced,
