@@ -4,7 +4,7 @@
 //! one is being readied, and the reservation keeps the two apart.
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use gpu_sim::apiserver::{ApiServerSim, PodContainer};
 use ractor::Actor;
@@ -17,7 +17,7 @@ use crate::config::Config;
 use crate::node::enforcement::EnforcementError;
 use crate::node::metrics::Metrics;
 use crate::rules::device::{DeviceRef, Resource};
-use crate::rules::matching::Decision;
+use crate::rules::matching::{Ask, Decision};
 
 const NODE: &str = "n";
 /// Far longer than a match takes: only a matcher stuck on the other
@@ -77,6 +77,13 @@ fn ledger(api: &ApiServerSim, pod: &str) -> Option<serde_json::Value> {
 type Prepare =
     Arc<dyn Fn(&Decision) -> BoxFuture<'static, Result<(), EnforcementError>> + Send + Sync>;
 
+/// The lookup of an Allocate of 4 gpu-memory devices on the GPU named
+/// `ids`, and its caller's deadline.
+fn four_devices(ids: [&str; 4], wait: Duration) -> (Ask, Instant) {
+    let devices: Vec<DeviceRef> = (0..4).map(|unit| DeviceRef { gpu: 0, unit }).collect();
+    allocate_ask(Resource::GpuMemory, &devices, ids.into_iter(), wait)
+}
+
 /// An Allocate of 4 gpu-memory devices named `ids`, readied by `prepare`
 /// between its reservation and its record.
 async fn allocate(
@@ -85,8 +92,7 @@ async fn allocate(
     ids: [&'static str; 4],
     prepare: Prepare,
 ) -> Result<String, String> {
-    let devices: Vec<DeviceRef> = (0..4).map(|unit| DeviceRef { gpu: 0, unit }).collect();
-    let (ask, deadline) = allocate_ask(Resource::GpuMemory, &devices, ids.into_iter(), wait);
+    let (ask, deadline) = four_devices(ids, wait);
     loop {
         let reserved = handle
             .reserve(&ask, deadline)
@@ -201,9 +207,7 @@ async fn an_allocate_is_decided_while_another_ones_ledger_write_is_in_flight() {
     api.add_pod("default", "first", NODE, &[app(4)], &[]);
     api.add_pod("default", "second", NODE, &[app(4)], &[]);
     let (handle, wait) = matcher(&api, dir.path()).await;
-    let devices: Vec<DeviceRef> = (0..4).map(|unit| DeviceRef { gpu: 0, unit }).collect();
-    let ask =
-        |ids: [&'static str; 4]| allocate_ask(Resource::GpuMemory, &devices, ids.into_iter(), wait);
+    let ask = |ids| four_devices(ids, wait);
 
     // First's decision, then its ledger PATCH held by the API server far
     // longer than the test runs.
@@ -248,9 +252,7 @@ async fn a_retry_is_not_answered_from_a_ledger_write_still_in_flight() {
     api.add_pod("default", "only", NODE, &[app(4)], &[]);
     // A short wait, so the held write fails soon.
     let (handle, wait) = matcher_with(&api, dir.path(), "wait_ms = 1000").await;
-    let devices: Vec<DeviceRef> = (0..4).map(|unit| DeviceRef { gpu: 0, unit }).collect();
-    let ids = ["a0", "a1", "a2", "a3"];
-    let ask = || allocate_ask(Resource::GpuMemory, &devices, ids.into_iter(), wait);
+    let ask = || four_devices(["a0", "a1", "a2", "a3"], wait);
     let (first, deadline) = ask();
     let reserved = handle.reserve(&first, deadline).await.unwrap();
     let commit = commit_held(&api, &handle, reserved).await;

@@ -75,6 +75,17 @@ impl Tree {
         tree
     }
 
+    /// Sends the supervisor a reload to the mock config with `extra` keys.
+    async fn reload(&self, extra: &str) {
+        let config = config(self.dir.path(), extra);
+        let plan = crate::node::app::plan(&config).await.unwrap();
+        let reload = SupervisorMsg::Reload {
+            config: Box::new(config),
+            plan,
+        };
+        self.supervisor.send_message(reload).unwrap();
+    }
+
     async fn children(&self) -> BTreeMap<Child, ActorCell> {
         call_t!(
             self.supervisor,
@@ -114,13 +125,7 @@ async fn a_reload_restarts_exactly_the_children_it_changed() {
     let before = tree.ids().await;
     assert_eq!(before.len(), 5, "{before:?}");
 
-    let config = config(tree.dir.path(), "memory_unit_mib = 2");
-    let plan = crate::node::app::plan(&config).await.unwrap();
-    let reload = SupervisorMsg::Reload {
-        config: Box::new(config),
-        plan,
-    };
-    tree.supervisor.send_message(reload).unwrap();
+    tree.reload("memory_unit_mib = 2").await;
     // Messages are handled in order: this answer comes after the reload.
     let after = tree.ids().await;
 
@@ -146,16 +151,8 @@ async fn a_reload_dropping_a_resource_stops_its_plugin_only() {
     let tree = Tree::start().await;
     let before = tree.ids().await;
 
-    let config = config(
-        tree.dir.path(),
-        "resources = [\"gpu-memory\", \"gpu-count\"]",
-    );
-    let plan = crate::node::app::plan(&config).await.unwrap();
-    let reload = SupervisorMsg::Reload {
-        config: Box::new(config),
-        plan,
-    };
-    tree.supervisor.send_message(reload).unwrap();
+    tree.reload("resources = [\"gpu-memory\", \"gpu-count\"]")
+        .await;
     let after = tree.ids().await;
 
     let mut kept = before.clone();
@@ -230,13 +227,7 @@ async fn a_child_dying_while_it_holds_readiness_back_leaves_it_to_the_supervisor
     // reload switching enforcement off does not start it again: only the
     // supervisor can clear the mark, and it must.
     tree.children().await[&Child::Enforcement].kill();
-    let config = config(tree.dir.path(), "");
-    let plan = crate::node::app::plan(&config).await.unwrap();
-    let reload = SupervisorMsg::Reload {
-        config: Box::new(config),
-        plan,
-    };
-    tree.supervisor.send_message(reload).unwrap();
+    tree.reload("").await;
     assert!(!tree.children().await.contains_key(&Child::Enforcement));
     let held = readiness_until(&tree, |h| h.is_empty()).await;
     assert!(held.is_empty(), "readiness stuck on a gone child: {held:?}");
