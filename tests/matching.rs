@@ -796,7 +796,8 @@ async fn two_whole_gpus_with_memory_and_core_are_admitted_in_either_order() {
 /// gpu-core), its resources served count first and count last, with and
 /// without an extender assignment, beside a pod sharing GPU 0: admitted,
 /// every response naming the same whole GPUs (none of them GPU 0), nothing
-/// capped, and the ledger recording the share on those GPUs.
+/// capped, the ledger recording the share on those GPUs, and their shares
+/// withdrawn from the kubelet's lists while it runs.
 async fn whole_with_shares(count: u64) {
     use gpu_sim::kubelet::ResourceOrder;
     let c = Cluster::start("").await;
@@ -814,14 +815,23 @@ async fn whole_with_shares(count: u64) {
     let shared = c.kubelet.admit_bound(&c.api, NODE).await;
     assert!(shared[0].result.is_ok(), "{:?}", shared[0].result);
     let orders = [[RES[2], RES[0], RES[1]], [RES[0], RES[1], RES[2]]];
+    // Healthy devices per resource: with only the sharer (its GPU's count
+    // withdrawn), and with a case's GPUs held whole as well (their shares
+    // withdrawn). Each resource streams on its own, so the kubelet may see
+    // one resource given back before another's withdrawal: waiting for the
+    // held state first leaves no withdrawal in flight once idle is seen.
+    let idle = [GPUS * 256, GPUS * 100, GPUS - 1];
+    let held = |count: u64| {
+        let n = count as usize;
+        [(GPUS - n) * 256, (GPUS - n) * 100, GPUS - 1]
+    };
     let mut n = 0;
     for assigned in [false, true] {
         for order in orders {
             for core in [0, 10] {
                 n += 1;
                 let name = format!("whole-{n}");
-                let listed = c.kubelet.snapshot();
-                let before = RES.map(|r| listed[r].healthy);
+                c.wait(healthy(idle)).await;
                 let wants = [16, core, count];
                 let gpus: Vec<String> = (0..count as usize).map(|i| uuid(GPUS - 1 - i)).collect();
                 let assignment = serde_json::json!({ "app": gpus }).to_string();
@@ -903,12 +913,11 @@ async fn whole_with_shares(count: u64) {
                     Some("true"),
                     "{case}"
                 );
+                c.wait(healthy(held(count))).await;
                 // Done: its GPUs go back before the next case.
                 c.api.set_phase("default", &name, "Succeeded");
                 c.kubelet.admit_bound(&c.api, NODE).await;
                 c.free(visible).await;
-                c.wait(|s| RES.iter().zip(before).all(|(r, h)| s[*r].healthy == h))
-                    .await;
             }
         }
     }
