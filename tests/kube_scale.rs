@@ -295,6 +295,27 @@ fn connection_errors<'a>(scheduler_log: &'a str, url: &str) -> Vec<&'a str> {
         .collect()
 }
 
+/// The `verb` requests the extender at `url` served (`ok`) and refused (by
+/// reason), from its `/metrics` (asked again while kube-scheduler's
+/// connections fill its cap).
+fn requests(url: &str, verb: &str) -> BTreeMap<String, u64> {
+    let addr = url.strip_prefix("http://").unwrap_or(url);
+    let mut body = String::new();
+    let answered = support::poll_sync(Instant::now() + support::WAIT, || {
+        match support::try_http_get(addr, "/metrics") {
+            Ok((200, text)) => body = text,
+            _ => return false,
+        }
+        true
+    });
+    assert!(answered, "the extender's /metrics did not answer");
+    let series = format!("gpu_device_plugin_extender_requests_total{{verb=\"{verb}\",outcome=\"");
+    body.lines()
+        .filter_map(|l| l.strip_prefix(&series)?.split_once("\"} "))
+        .map(|(outcome, n)| (outcome.to_owned(), n.trim().parse().unwrap()))
+        .collect()
+}
+
 /// The values of `key=<number>` on the log lines holding `message`, sorted.
 fn logged(log: &str, message: &str, key: &str) -> Vec<u64> {
     let pattern = format!("{key}=");
@@ -316,7 +337,7 @@ fn logged(log: &str, message: &str, key: &str) -> Vec<u64> {
 /// then as many CPU pods; asserts every pod binds within `within` and no
 /// GPU goes past its capacity, prints the figures and returns the binds
 /// refused.
-async fn run(nodes: usize, count: usize, extender_toml: &str, within: Duration) -> usize {
+async fn run(nodes: usize, count: usize, extender_toml: &str, within: Duration) -> u64 {
     let cp = ControlPlane::start();
     let client = cp.admin_client().await;
     let made = Instant::now();
@@ -353,14 +374,12 @@ async fn run(nodes: usize, count: usize, extender_toml: &str, within: Duration) 
     let rss = rss_kib(sched.extender.child.id());
 
     let extender_log = sched.extender.log_text();
-    let refused = extender_log
-        .lines()
-        .filter(|l| l.contains("bind refused"))
-        .count();
-    let filter_refused = extender_log
-        .lines()
-        .filter(|l| l.contains("filter refused"))
-        .count();
+    let mut bind_refusals = requests(&sched.url, "bind");
+    let bound = bind_refusals.remove("ok");
+    assert_eq!(bound, Some(count as u64), "binds the extender counted ok");
+    let mut filter_refusals = requests(&sched.url, "filter");
+    filter_refusals.remove("ok");
+    let refused: u64 = bind_refusals.values().sum();
     let binds = logged(&extender_log, "bound", "took_ms");
     let filters = logged(&extender_log, "filtered", "took_us");
     let waits = logged(&extender_log, "filtered", "waited_us");
@@ -427,8 +446,8 @@ async fn run(nodes: usize, count: usize, extender_toml: &str, within: Duration) 
          {} us), prioritize p50 {} us p99 {} us, bind p50 {} ms p99 {} ms (p50 of its steps: \
          {}); RSS {} MiB\n\
          \x20 GPU pods on {nodes_used} nodes (the fewest that hold them: {fewest})\n\
-         \x20 binds refused {refused}, filters refused {filter_refused}, scheduler connection \
-         errors {conn_errors}\n\
+         \x20 binds refused {refused} {bind_refusals:?}, filters refused {filter_refusals:?}, \
+         scheduler connection errors {conn_errors}\n\
          \x20 CPU during the GPU burst: control plane {:.1} s, kube-scheduler {:.1} s, \
          extender {:.1} s ({:.2} ms per pod), the bench {own:.1} s; during the CPU burst: \
          control plane {:.1} s, kube-scheduler {:.1} s, the bench {own_alone:.1} s",
@@ -469,7 +488,7 @@ async fn bursts_bind_at_every_connection_cap() {
         let toml = format!("[extender.http]\nmax_connections = {cap}\n");
         let refused = run(nodes, count, &toml, Duration::from_secs(120)).await;
         assert!(
-            refused * 20 <= count,
+            refused * 20 <= count as u64,
             "{refused} binds refused of {count} at cap {cap}"
         );
     }

@@ -60,3 +60,30 @@ pub enum RequestError {
     #[error("creating the Binding failed: {failed}; whether it landed is unknown ({check})")]
     BindingUnknown { failed: BindError, check: BindError },
 }
+
+impl RequestError {
+    /// Why, as a short name that stays the same across releases: the
+    /// `outcome` label of the extender's request counter. A filter's or a
+    /// bind's is its reason's.
+    pub(crate) fn kind(&self) -> &'static str {
+        match self {
+            RequestError::Malformed { .. } => "malformed",
+            RequestError::NoPod { .. } => "no_pod",
+            RequestError::Filter(reason) => reason.kind(),
+            RequestError::Bind { reason, .. } => reason.kind(),
+            RequestError::NotSynced => "not_synced",
+            RequestError::Busy(_) => "busy",
+            RequestError::QueuedTooLong => "queued_too_long",
+            RequestError::ReadPod(_) => "read_pod",
+            RequestError::PodGone => "pod_gone",
+            RequestError::Replaced { .. } => "replaced",
+            RequestError::BoundElsewhere(_) => "bound_elsewhere",
+            RequestError::NoRoom(_) => "no_room",
+            RequestError::Record(_) => "record",
+            RequestError::NodeLineTooLong => "node_line_too_long",
+            RequestError::Binding(_) => "binding",
+            RequestError::BindingPodGone(_) => "binding_pod_gone",
+            RequestError::BindingUnknown { .. } => "binding_unknown",
+        }
+    }
+}

@@ -20,6 +20,7 @@ mod cluster_tests;
 pub(crate) mod config;
 mod error;
 mod index;
+mod metrics;
 mod plan;
 mod server;
 #[cfg(test)]
@@ -55,6 +56,8 @@ pub struct Extender<B> {
     /// How long a placement not yet seen bound counts: a nomination, or a
     /// bind that ended without knowing whether its Binding landed.
     reservation_ttl: Duration,
+    /// What `/metrics` reports.
+    metrics: metrics::ExtenderMetrics,
 }
 
 /// The highest score of a node other than the best: two points below it,
@@ -149,6 +152,7 @@ impl<B: Binder> Extender<B> {
             choose_at_filter: config.choose_at_filter,
             bind_timeout: Duration::from_millis(config.bind_timeout_ms),
             reservation_ttl: Duration::from_millis(config.reservation_ttl_ms),
+            metrics: metrics::ExtenderMetrics::default(),
         }
     }
 

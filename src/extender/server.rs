@@ -3,7 +3,8 @@
 //! [`Extender`], encodes the answer. Beside them `/healthz` (the process
 //! answers) and `/readyz` (503 with the reason while the index does not
 //! follow the API server, when a GPU pod's filter and bind are refused),
-//! which [`ask_ready`] asks on loopback for the container's readiness probe.
+//! which [`ask_ready`] asks on loopback for the container's readiness probe,
+//! and `/metrics` (each request counted by verb and outcome).
 //!
 //! kube-scheduler treats any non-200 status as a failure and then drops our
 //! message, so filter and bind answer every problem, malformed JSON
@@ -45,10 +46,23 @@ fn json(answer: &impl serde::Serialize) -> Response {
 
 /// The verbs kube-scheduler asks, each answering a refusal its own way.
 #[derive(Clone, Copy)]
-enum Verb {
+pub(super) enum Verb {
     Filter,
     Prioritize,
     Bind,
+}
+
+impl Verb {
+    pub(super) const ALL: [Verb; 3] = [Verb::Filter, Verb::Prioritize, Verb::Bind];
+
+    /// Its path, and its `verb` label on `/metrics`.
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            Verb::Filter => "filter",
+            Verb::Prioritize => "prioritize",
+            Verb::Bind => "bind",
+        }
+    }
 }
 
 impl RequestError {
@@ -66,9 +80,14 @@ impl RequestError {
     }
 }
 
-/// A handler's answer: the verb's own on success, [`RequestError::answer`]
-/// otherwise.
-fn reply(verb: Verb, answer: Result<impl serde::Serialize, RequestError>) -> Response {
+/// A handler's answer, counted: the verb's own on success,
+/// [`RequestError::answer`] otherwise.
+fn reply<B>(
+    x: &Extender<B>,
+    verb: Verb,
+    answer: Result<impl serde::Serialize, RequestError>,
+) -> Response {
+    x.metrics.count(verb, &answer);
     match answer {
         Ok(answer) => json(&answer),
         Err(e) => e.answer(verb),
@@ -80,12 +99,12 @@ async fn filter<B: Binder>(State(x): State<Arc<Extender<B>>>, body: Bytes) -> Re
         Ok(args) => x.filter(&args).await,
         Err(e) => Err(e),
     };
-    reply(Verb::Filter, answer)
+    reply(&x, Verb::Filter, answer)
 }
 
 async fn prioritize<B: Binder>(State(x): State<Arc<Extender<B>>>, body: Bytes) -> Response {
     let answer = decode("prioritize", &body).and_then(|args| x.prioritize(&args));
-    reply(Verb::Prioritize, answer)
+    reply(&x, Verb::Prioritize, answer)
 }
 
 async fn bind<B: Binder>(State(x): State<Arc<Extender<B>>>, body: Bytes) -> Response {
@@ -93,10 +112,13 @@ async fn bind<B: Binder>(State(x): State<Arc<Extender<B>>>, body: Bytes) -> Resp
         Ok(args) => x.bind(&args).await,
         Err(e) => Err(e),
     };
-    reply(
-        Verb::Bind,
-        answer.map(|()| ExtenderBindingResult::default()),
-    )
+    let answer = answer.map(|()| ExtenderBindingResult::default());
+    reply(&x, Verb::Bind, answer)
+}
+
+async fn metrics<B: Binder>(State(x): State<Arc<Extender<B>>>) -> Response {
+    let content_type = crate::net::http::METRICS_CONTENT_TYPE;
+    ([(header::CONTENT_TYPE, content_type)], x.metrics.render()).into_response()
 }
 
 async fn readyz<B: Binder>(State(x): State<Arc<Extender<B>>>) -> Response {
@@ -122,6 +144,7 @@ pub async fn start<B: Binder>(
         .route("/bind", post(bind::<B>))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz::<B>))
+        .route("/metrics", get(metrics::<B>))
         .with_state(x);
     tokio::spawn(crate::net::http::serve_bounded(
         listener,

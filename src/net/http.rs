@@ -20,6 +20,12 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 
+/// What both programs' `/metrics` answer with: the OpenMetrics text
+/// prometheus-client writes (counters typed without their `_total`, a
+/// closing `# EOF`).
+pub(crate) const METRICS_CONTENT_TYPE: &str =
+    "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
 /// An HTTP server's bounds, resolved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct HttpLimits {

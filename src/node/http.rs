@@ -30,7 +30,7 @@ pub(crate) struct Reports {
 
 async fn metrics(State(r): State<Reports>) -> impl IntoResponse {
     (
-        [(header::CONTENT_TYPE, crate::node::metrics::CONTENT_TYPE)],
+        [(header::CONTENT_TYPE, crate::net::http::METRICS_CONTENT_TYPE)],
         r.metrics.render(),
     )
 }

@@ -38,10 +38,6 @@ use prometheus_client::registry::Registry;
 /// Every series' name starts with it.
 const PREFIX: &str = "gpu_device_plugin";
 
-/// What `/metrics` answers with: the OpenMetrics text the library writes
-/// (counters typed without their `_total`, a closing `# EOF`).
-pub(crate) const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
-
 /// RPC latency buckets, in seconds.
 const BUCKETS: [f64; 10] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
@@ -476,7 +472,8 @@ impl Metrics {
             .collect()
     }
 
-    /// The scrape, in the OpenMetrics text format ([`CONTENT_TYPE`]).
+    /// The scrape, in the OpenMetrics text format
+    /// ([`crate::net::http::METRICS_CONTENT_TYPE`]).
     pub(crate) fn render(&self) -> String {
         let mut out = String::new();
         // Writing to a String cannot fail, and neither can encoding the

@@ -383,21 +383,29 @@ pub fn sidecar(name: &str, wants: [u64; 3]) -> PodContainer {
 
 /// A plain HTTP/1.1 GET; returns (status code, body).
 pub fn http_get(addr: &str, path: &str) -> (u16, String) {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    try_http_get(addr, path).unwrap()
+}
+
+/// [`http_get`], an error where the server closed the connection without
+/// an answer (as one at its connection cap does) or could not be reached.
+pub fn try_http_get(addr: &str, path: &str) -> std::io::Result<(u16, String)> {
+    use std::io::{Error, Read, Write};
+    let mut s = std::net::TcpStream::connect(addr)?;
     write!(
         s,
         "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
+    )?;
     let mut text = String::new();
-    s.read_to_string(&mut text).unwrap();
-    let code = text[9..12].parse().unwrap();
+    s.read_to_string(&mut text)?;
+    let code = text
+        .get(9..12)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| Error::other(format!("no HTTP status in {text:?}")))?;
     let body = text
         .split_once("\r\n\r\n")
         .map(|(_, b)| b.to_owned())
         .unwrap_or_default();
-    (code, body)
+    Ok((code, body))
 }
 
 /// The value of one sample line in a Prometheus text body.
