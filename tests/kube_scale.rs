@@ -316,6 +316,72 @@ fn requests(url: &str, verb: &str) -> BTreeMap<String, u64> {
         .collect()
 }
 
+/// The pod writes the API server answered with success, by (verb,
+/// subresource), from its `/metrics`: creates and Bindings (`POST`),
+/// patches and updates.
+async fn pod_writes(client: &kube::Client) -> BTreeMap<(String, String), u64> {
+    let req = http::Request::get("/metrics").body(Vec::new()).unwrap();
+    let text = client.request_text(req).await.unwrap();
+    let mut writes = BTreeMap::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("apiserver_request_total{") else {
+            continue;
+        };
+        let Some((labels, n)) = rest.split_once("} ") else {
+            continue;
+        };
+        let label = |k: &str| {
+            let start = labels.find(&format!("{k}=\""))? + k.len() + 2;
+            labels[start..].split('"').next()
+        };
+        let write = matches!(label("verb"), Some("POST" | "PATCH" | "PUT"));
+        if label("resource") != Some("pods") || !write || !label("code")?.starts_with('2') {
+            continue;
+        }
+        let key = (
+            label("verb").unwrap().to_owned(),
+            label("subresource").unwrap_or("").to_owned(),
+        );
+        *writes.entry(key).or_default() += n.trim().parse::<f64>().unwrap() as u64;
+    }
+    writes
+}
+
+/// The API server's writes to the burst's `count` GPU pods since `before`
+/// (their creates left out), once it has counted a Binding for each:
+/// asserts one write per pod, the Binding, and returns them.
+async fn writes_per_bind(
+    client: &kube::Client,
+    before: &BTreeMap<(String, String), u64>,
+    count: usize,
+) -> BTreeMap<(String, String), u64> {
+    let binding = ("POST".to_owned(), "binding".to_owned());
+    let since = support::poll_for(
+        Instant::now() + support::WAIT,
+        async || {
+            let mut since: BTreeMap<_, _> = pod_writes(client)
+                .await
+                .into_iter()
+                .map(|(k, n)| (k.clone(), n - before.get(&k).copied().unwrap_or(0)))
+                .filter(|(k, n)| *n > 0 && k != &("POST".to_owned(), String::new()))
+                .collect();
+            // A pod's status (kube-scheduler's condition on a pod it could
+            // not place yet) is not the bind's write.
+            since.remove(&("PATCH".to_owned(), "status".to_owned()));
+            let counted = since.get(&binding).copied().unwrap_or(0) as usize;
+            (counted >= count).then_some(since)
+        },
+        || "the API server never counted a Binding for every GPU pod".into(),
+    )
+    .await;
+    let want = BTreeMap::from([(binding, count as u64)]);
+    assert_eq!(
+        since, want,
+        "the API server's successful pod writes during the burst"
+    );
+    since
+}
+
 /// The values of `key=<number>` on the log lines holding `message`, sorted.
 fn logged(log: &str, message: &str, key: &str) -> Vec<u64> {
     let pattern = format!("{key}=");
@@ -367,10 +433,12 @@ async fn run(nodes: usize, count: usize, extender_toml: &str, within: Duration) 
     let pids = [cp.pid(), sched.proc.child.id(), sched.extender.child.id()];
     let cpu_before = cpu_s(pids);
     let own_before = own_cpu_s();
+    let writes_before = pod_writes(&client).await;
     let gpu = burst(&client, pods, within, logs).await;
     let cpu_after = cpu_s(pids);
     let cpu = [0, 1, 2].map(|i| cpu_after[i] - cpu_before[i]);
     let own = own_cpu_s() - own_before;
+    let writes = writes_per_bind(&client, &writes_before, count).await;
     let rss = rss_kib(sched.extender.child.id());
 
     let extender_log = sched.extender.log_text();
@@ -409,7 +477,7 @@ async fn run(nodes: usize, count: usize, extender_toml: &str, within: Duration) 
     let fewest = gib
         .div_ceil(GPU_GIB * GPUS_PER_NODE)
         .max(core.div_ceil(100 * GPUS_PER_NODE));
-    let steps: Vec<String> = ["queued_us", "patch_us", "turn_us", "binding_us"]
+    let steps: Vec<String> = ["queued_us", "plan_us", "turn_us", "binding_us"]
         .iter()
         .map(|key| {
             let v = logged(&extender_log, "bind steps", key);
@@ -447,7 +515,7 @@ async fn run(nodes: usize, count: usize, extender_toml: &str, within: Duration) 
          {}); RSS {} MiB\n\
          \x20 GPU pods on {nodes_used} nodes (the fewest that hold them: {fewest})\n\
          \x20 binds refused {refused} {bind_refusals:?}, filters refused {filter_refusals:?}, \
-         scheduler connection errors {conn_errors}\n\
+         scheduler connection errors {conn_errors}; API writes to the GPU pods {writes:?}\n\
          \x20 CPU during the GPU burst: control plane {:.1} s, kube-scheduler {:.1} s, \
          extender {:.1} s ({:.2} ms per pod), the bench {own:.1} s; during the CPU burst: \
          control plane {:.1} s, kube-scheduler {:.1} s, the bench {own_alone:.1} s",

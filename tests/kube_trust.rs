@@ -187,17 +187,50 @@ async fn a_tenant_cannot_write_the_accounting() {
         );
     }
 
-    // The GPU scheduler assigns the pod (not yet bound): the tenant may
-    // neither rewrite nor remove that.
-    let sched: Api<Pod> = Api::namespaced(ControlPlane::client_as(&cp.scheduler).await, NS);
-    allowed(
-        "the GPU scheduler assigns an unbound pod",
-        outcome(sched.patch(
-            "mine",
-            &pp,
-            &annotations(json!({ ASSIGNMENT: "{\"main\":[]}" })),
+    // The GPU scheduler's Binding carries the assignment (and only its
+    // Binding may): refused for another pod's UID, and from kube-scheduler's
+    // identity; then the tenant may neither rewrite nor remove it.
+    let other = pod(NS, "other", None, json!({}), &[]);
+    let other = pods.create(&PostParams::default(), &other).await.unwrap();
+    let assigning = |uid: Option<&str>| {
+        let mut b = binding("mine", "n", json!({ ASSIGNMENT: "{\"main\":[]}" }));
+        if let Some(uid) = uid {
+            b["metadata"]["uid"] = uid.into();
+        }
+        b
+    };
+    let path = format!("/api/v1/namespaces/{NS}/pods/mine/binding");
+    let gpu_scheduler = ControlPlane::client_as(&cp.scheduler).await;
+    refused(
+        "the GPU scheduler's Binding for another pod's UID",
+        outcome(post(
+            &gpu_scheduler,
+            &path,
+            &assigning(other.metadata.uid.as_deref()),
         ))
         .await,
+        409,
+        "Precondition failed: UID",
+    );
+    let kube_scheduler = cp.client_impersonating("system:kube-scheduler").await;
+    refused(
+        "kube-scheduler's Binding carrying an assignment",
+        outcome(post(&kube_scheduler, &path, &assigning(None))).await,
+        422,
+        ACCOUNTING,
+    );
+    let unbound = pods.get("mine").await.unwrap();
+    assert!(unbound.spec.unwrap().node_name.is_none());
+    assert!(
+        !unbound
+            .metadata
+            .annotations
+            .unwrap()
+            .contains_key(ASSIGNMENT)
+    );
+    allowed(
+        "the GPU scheduler binds with the assignment",
+        outcome(post(&gpu_scheduler, &path, &assigning(None))).await,
     );
     for (what, change) in [
         ("rewrites", json!({ ASSIGNMENT: "{}" })),
@@ -211,6 +244,7 @@ async fn a_tenant_cannot_write_the_accounting() {
         );
     }
     let kept = pods.get("mine").await.unwrap();
+    assert_eq!(kept.spec.unwrap().node_name.as_deref(), Some("n"));
     assert_eq!(
         kept.metadata.annotations.unwrap()[ASSIGNMENT],
         "{\"main\":[]}"
@@ -332,7 +366,7 @@ fn scheduled(pod: &Pod) -> Option<(String, String)> {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn the_gpu_scheduler_writes_only_the_accounting_of_pods_not_yet_bound() {
+async fn the_gpu_scheduler_writes_the_accounting_only_in_its_bindings() {
     let cp = ControlPlane::start();
     let node = KubeNode::start(
         &cp,
@@ -355,35 +389,20 @@ async fn the_gpu_scheduler_writes_only_the_accounting_of_pods_not_yet_bound() {
     let placed = pod(NS, "placed", Some(&node.name), json!({"keep": "x"}), &[]);
     as_admin.create(&post, &placed).await.unwrap();
 
-    // The extender's calls: the assignment of an unbound pod, and its undo.
-    for change in [json!({ ASSIGNMENT: "{}" }), json!({ ASSIGNMENT: null })] {
-        allowed(
-            &format!("the extender patches an unbound pod: {change}"),
-            outcome(sched.patch("waiting", &pp, &annotations(change))).await,
-        );
-    }
+    // The extender writes the assignment only in its Binding: its account
+    // may not patch a pod at all.
     refused(
-        "the scheduler relabels an unbound pod",
-        outcome(sched.patch(
-            "waiting",
-            &pp,
-            &Patch::Merge(json!({"metadata": {"labels": {"app": "b"}}})),
-        ))
-        .await,
-        422,
-        "the GPU scheduler may change nothing of a pod but annotations",
+        "the GPU scheduler patches an unbound pod",
+        outcome(sched.patch("waiting", &pp, &annotations(json!({ ASSIGNMENT: "{}" })))).await,
+        403,
+        "forbidden",
     );
+    // A pod's accounting through its status, bound or not.
+    let bound = "the GPU scheduler writes doslab.io/ annotations only in a Binding";
     refused(
-        "the scheduler drops a foreign annotation",
-        outcome(sched.patch("waiting", &pp, &annotations(json!({"keep": null})))).await,
-        422,
-        "the GPU scheduler may only change doslab.io/ annotations",
-    );
-    // A bound pod's accounting, through the pod and through its status.
-    let bound = "the GPU scheduler may not change the doslab.io/ annotations of a bound pod";
-    refused(
-        "the scheduler rewrites a bound pod's accounting",
-        outcome(sched.patch("placed", &pp, &annotations(json!({ LEDGER: "{}" })))).await,
+        "the scheduler assigns an unbound pod through pods/status",
+        outcome(sched.patch_status("waiting", &pp, &annotations(json!({ ASSIGNMENT: "{}" }))))
+            .await,
         422,
         bound,
     );
@@ -420,7 +439,7 @@ async fn the_gpu_scheduler_writes_only_the_accounting_of_pods_not_yet_bound() {
     );
 
     // And the real scheduler still schedules under it: the extender's
-    // patch and Binding, and kube-scheduler's Unschedulable condition.
+    // Binding, and kube-scheduler's Unschedulable condition.
     let sched_proc = Scheduler::start(&cp);
     let gpu = gpu_pod(NS, "gpu", &[("main", [8, 30, 0])]);
     let too_big = gpu_pod(NS, "too-big", &[("main", [64, 0, 0])]);

@@ -1,6 +1,6 @@
 //! The extender's I/O with the API server: the reflectors that keep the
 //! [`Index`] (Nodes and non-terminal Pods, watched, never listed per
-//! request) and the writes a bind makes, behind the [`Binder`] trait so
+//! request) and the one write a bind makes, behind the [`Binder`] trait so
 //! that tests run the same bind logic on an in-memory cluster.
 
 use std::collections::BTreeMap;
@@ -9,7 +9,7 @@ use std::sync::{Arc, RwLock};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::PostParams;
 use kube::runtime::watcher::{self, Event};
 use kube::{Api, Client, Resource};
 use tokio::task::JoinHandle;
@@ -28,28 +28,23 @@ pub enum BindError {
     Api(String),
 }
 
-/// The writes of a bind. `annotate` sets (`Some`) or removes (`None`)
-/// annotations; with `resource_version` it fails with
-/// [`BindError::Conflict`] when the pod has moved on, so a concurrent
-/// update is never lost.
+/// The API-server calls of a bind: reading the pod, and its one write.
 pub trait Binder: Send + Sync + 'static {
     fn get_pod(&self, pod: &PodName)
     -> impl Future<Output = Result<Option<Pod>, BindError>> + Send;
 
-    fn annotate(
-        &self,
-        pod: &PodName,
-        resource_version: Option<&str>,
-        annotations: &BTreeMap<String, Option<String>>,
-    ) -> impl Future<Output = Result<Pod, BindError>> + Send;
-
-    /// Creates the pod's Binding to `node`; `uid` makes the API server
-    /// refuse it for another pod of the same name.
+    /// Creates the pod's Binding to `node` carrying `annotations`, which
+    /// the API server copies onto the pod in the same update that sets its
+    /// node. `uid` makes it refuse the Binding for another pod of the same
+    /// name, and `resource_version` ([`BindError::Conflict`]) for a pod
+    /// that moved on since it was read.
     fn bind(
         &self,
         pod: &PodName,
         uid: &str,
+        resource_version: Option<&str>,
         node: &str,
+        annotations: &BTreeMap<String, String>,
     ) -> impl Future<Output = Result<(), BindError>> + Send;
 }
 
@@ -80,28 +75,25 @@ impl Binder for KubeBinder {
         self.pods(ns).get_opt(name).await.map_err(api_error)
     }
 
-    async fn annotate(
+    async fn bind(
         &self,
         (ns, name): &PodName,
+        uid: &str,
         resource_version: Option<&str>,
-        annotations: &BTreeMap<String, Option<String>>,
-    ) -> Result<Pod, BindError> {
-        let mut metadata = serde_json::json!({ "annotations": annotations });
+        node: &str,
+        annotations: &BTreeMap<String, String>,
+    ) -> Result<(), BindError> {
+        let mut metadata = serde_json::json!({ "name": name, "namespace": ns, "uid": uid });
         if let Some(rv) = resource_version {
             metadata["resourceVersion"] = rv.into();
         }
-        let patch = serde_json::json!({ "metadata": metadata });
-        self.pods(ns)
-            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-            .map_err(api_error)
-    }
-
-    async fn bind(&self, (ns, name): &PodName, uid: &str, node: &str) -> Result<(), BindError> {
+        if !annotations.is_empty() {
+            metadata["annotations"] = serde_json::json!(annotations);
+        }
         let binding = serde_json::json!({
             "apiVersion": "v1",
             "kind": "Binding",
-            "metadata": { "name": name, "namespace": ns, "uid": uid },
+            "metadata": metadata,
             "target": { "apiVersion": "v1", "kind": "Node", "name": node },
         });
         self.pods(ns)

@@ -23,7 +23,8 @@ pub struct ExtenderConfig {
     /// A kubeconfig file for the API server; empty: `$KUBECONFIG`, else the
     /// in-cluster service account.
     pub kubeconfig: PathBuf,
-    /// How long one bind may take (pod patch, Binding, and undo on failure);
+    /// How long one bind may take (the Binding, and on a failed one
+    /// finding out whether it landed);
     /// kube-scheduler's own wait is the extender's `httpTimeout`.
     pub(crate) bind_timeout_ms: u64,
     /// How long a placement not yet seen bound is counted at most: a pod

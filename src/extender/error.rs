@@ -49,8 +49,6 @@ pub enum RequestError {
     /// The node has no room for the pod now (the planner's reason).
     #[error("{0}")]
     NoRoom(String),
-    #[error("recording the GPU assignment failed: {0}")]
-    Record(BindError),
     #[error("the Bindings before it on this node took too long")]
     NodeLineTooLong,
     #[error("creating the Binding failed: {0}")]
@@ -79,7 +77,6 @@ impl RequestError {
             RequestError::Replaced { .. } => "replaced",
             RequestError::BoundElsewhere(_) => "bound_elsewhere",
             RequestError::NoRoom(_) => "no_room",
-            RequestError::Record(_) => "record",
             RequestError::NodeLineTooLong => "node_line_too_long",
             RequestError::Binding(_) => "binding",
             RequestError::BindingPodGone(_) => "binding_pod_gone",

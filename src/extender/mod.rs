@@ -11,7 +11,11 @@
 //! filter and prioritize read a snapshot, a GPU pod's filter keeping a
 //! place for its bind; binds run concurrently, each planning and reserving
 //! its GPUs in one step under the index's lock, and a node's Bindings go
-//! one after the other in the order of their assume times.
+//! one after the other in the order of their assume times. A bind makes
+//! one write: the Binding, carrying the assignment as its annotations,
+//! which the API server copies onto the pod in the update that sets its
+//! node, so no pod ever has one without the other and a failed Binding
+//! leaves nothing to undo.
 
 mod admission;
 mod cluster;
@@ -71,26 +75,8 @@ const RUNNER_UP: i64 = wire::MAX_SCORE - 2;
 const BIND_ATTEMPTS: usize = 3;
 
 /// The share of `bind_timeout` a bind keeps for finding out whether a
-/// Binding without an answer landed, and undoing the assignment if not.
+/// Binding without an answer landed.
 const CHECK_SHARE: u32 = 4;
-
-/// The annotations a bind wrote on the pod and the pod as written: what
-/// a bind that goes no further removes.
-type Patched = (std::collections::BTreeMap<String, Option<String>>, Pod);
-
-/// How writing a bind's assignment ended, when it did not fail.
-enum Recorded<'a> {
-    /// The pod is bound to the node asked already: a retried bind after
-    /// one that worked is answered the same.
-    AlreadyBound,
-    /// The assignment is on the pod (none for a pod that asks no GPU),
-    /// and the bind holds its place in the node's line.
-    Written {
-        ticket: NodeTicket<'a>,
-        /// Boxed: a Pod is large beside the other variant.
-        patched: Option<Box<Patched>>,
-    },
-}
 
 /// A bind's reservation while the bind runs. Unless the bind settled it,
 /// it ends at once if no Binding was sent, or becomes a nomination that
@@ -307,11 +293,10 @@ impl<B: Binder> Extender<B> {
             .collect())
     }
 
-    /// Places the pod's containers on GPUs of `args.node`, records the
-    /// assignment on the pod, then binds it, answering within
-    /// `bind_timeout_ms`. On failure nothing stays reserved and the pod's
-    /// annotations are as before, except where the Binding's fate is
-    /// unknown: then the reservation lives on as an expiring nomination.
+    /// Places the pod's containers on GPUs of `args.node` and binds it
+    /// with the assignment, answering within `bind_timeout_ms`. On failure
+    /// nothing stays reserved, except where the Binding's fate is unknown:
+    /// then the reservation lives on as an expiring nomination.
     pub async fn bind(&self, args: &ExtenderBindingArgs) -> Result<(), RequestError> {
         let start = Instant::now();
         let deadline = start + self.bind_timeout;
@@ -335,8 +320,8 @@ impl<B: Binder> Extender<B> {
         })
     }
 
-    /// When a bind's writes stop: early enough to leave time to check and
-    /// undo.
+    /// When a bind's write must be sent by: early enough to leave time to
+    /// check whether it landed.
     fn writes_end(&self, deadline: Instant) -> Instant {
         deadline - self.bind_timeout / CHECK_SHARE
     }
@@ -361,8 +346,8 @@ impl<B: Binder> Extender<B> {
         if !self.index.read().expect("index lock poisoned").synced() {
             return Err(RequestError::NotSynced);
         }
-        // A bind that waited for its turn past its writes' time has none
-        // left to write and undo.
+        // A bind that waited for its turn past its write's time has none
+        // left to write and check.
         let writes_end = self.writes_end(deadline);
         let queued = Instant::now();
         let turn = self.in_flight.running.acquire();
@@ -383,8 +368,12 @@ impl<B: Binder> Extender<B> {
         result
     }
 
-    /// `queued`: how long the bind waited for `max_binds_in_flight`, for
-    /// the log that breaks a bind's time down.
+    /// Binds the pod with its plan: up to [`BIND_ATTEMPTS`] tries, each
+    /// reading the pod again after a Binding that found it changed (which
+    /// changed nothing), all under the node's one ticket, taken with the
+    /// first plan so that its assume time stays for every try. `queued`:
+    /// how long the bind waited for `max_binds_in_flight`, for the log that
+    /// breaks a bind's time down.
     async fn bind_held(
         &self,
         held: &mut BindReservation<'_>,
@@ -396,89 +385,61 @@ impl<B: Binder> Extender<B> {
         let start = Instant::now();
         let writes_end = self.writes_end(deadline);
         let node = args.node.as_str();
-        let (ticket, patched) = match self.record_assignment(key, args, deadline).await? {
-            Recorded::AlreadyBound => return Ok(()),
-            Recorded::Written { ticket, patched } => (ticket, patched.map(|p| *p)),
-        };
-        let patched_at = Instant::now();
-        if !ticket.turn(writes_end).await {
-            // No Binding was sent: the pod as patched loses the assignment
-            // (unless something changed it since, which a later bind
-            // replaces), and the guard ends the reservation.
-            if let Some((annotations, written)) = &patched {
-                let rv = written.metadata.resource_version.as_deref();
-                self.undo(key, rv, annotations, deadline).await;
-            }
-            return Err(RequestError::NodeLineTooLong);
-        }
-        let uid = args.pod_uid.as_str();
-        held.binding_sent = true;
-        let turn_at = Instant::now();
-        let bound = self
-            .within(writes_end, self.binder.bind(key, uid, node))
-            .await;
-        let Err(e) = bound else {
-            held.settled = true;
-            tracing::debug!(pod = ?key, queued_us = queued.as_micros(),
-                patch_us = (patched_at - start).as_micros(),
-                turn_us = (turn_at - patched_at).as_micros(),
-                binding_us = turn_at.elapsed().as_micros(), "bind steps");
-            return Ok(());
-        };
-        self.settle_failed_binding(held, node, e, patched, deadline)
-            .await
-    }
-
-    /// Writes the pod's GPU assignment for `args.node`, re-reading and
-    /// re-planning a pod that changed under it: up to [`BIND_ATTEMPTS`]
-    /// tries, each under the node's one ticket, taken with the first plan,
-    /// so that its assume time stays for every try.
-    async fn record_assignment(
-        &self,
-        key: &PodName,
-        args: &ExtenderBindingArgs,
-        deadline: Instant,
-    ) -> Result<Recorded<'_>, RequestError> {
-        let writes_end = self.writes_end(deadline);
-        let node = args.node.as_str();
-        let mut attempts = 0;
         let mut ticket = None;
-        let patched = loop {
+        let mut turn_at = None;
+        let mut attempts = 0;
+        loop {
             let pod = self
                 .pod_to_bind(key, args, attempts == 0, writes_end)
                 .await?;
             if let Some(bound) = pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) {
                 // A retried bind after one that worked is answered the same.
                 return if bound == node {
-                    Ok(Recorded::AlreadyBound)
+                    Ok(())
                 } else {
                     Err(RequestError::BoundElsewhere(bound.to_owned()))
                 };
             }
-            let Some(plan) = self.plan_and_reserve(&pod, node, &mut ticket, deadline)? else {
-                break None;
-            };
-            let rv = pod.metadata.resource_version.as_deref();
-            let patch = self.binder.annotate(key, rv, &plan.annotations);
-            match self.within(writes_end, patch).await {
-                Ok(written) => break Some(Box::new((plan.annotations, written))),
-                Err(e) => {
-                    self.write().release(key);
-                    attempts += 1;
-                    if e != BindError::Conflict || attempts == BIND_ATTEMPTS {
-                        return Err(RequestError::Record(e));
-                    }
+            let plan = self.plan_and_reserve(&pod, node, &mut ticket, deadline)?;
+            let planned_at = Instant::now();
+            if turn_at.is_none() {
+                let ticket = ticket.as_ref().expect("planning takes the node's ticket");
+                // No Binding was sent: the guard ends the reservation.
+                if !ticket.turn(writes_end).await {
+                    return Err(RequestError::NodeLineTooLong);
                 }
+                turn_at = Some(Instant::now());
             }
-        };
-        // Every try above planned, so the line was joined.
-        let ticket = ticket.expect("a bind that planned has its node's ticket");
-        Ok(Recorded::Written { ticket, patched })
+            let annotations = plan.map(|p| p.annotations).unwrap_or_default();
+            let rv = pod.metadata.resource_version.as_deref();
+            held.binding_sent = true;
+            let sent_at = Instant::now();
+            let binding = self.binder.bind(key, &args.pod_uid, rv, node, &annotations);
+            let e = match self.within(writes_end, binding).await {
+                Ok(()) => {
+                    held.settled = true;
+                    tracing::debug!(pod = ?key, queued_us = queued.as_micros(),
+                        plan_us = (planned_at - start).as_micros(),
+                        turn_us = (sent_at - planned_at).as_micros(),
+                        binding_us = sent_at.elapsed().as_micros(), "bind steps");
+                    return Ok(());
+                }
+                Err(e) => e,
+            };
+            attempts += 1;
+            if e != BindError::Conflict || attempts == BIND_ATTEMPTS {
+                return self.settle_failed_binding(held, node, e, deadline).await;
+            }
+            // The pod moved on (or was bound) since it was read: the
+            // Binding changed nothing, so plan again on the pod as it is.
+            held.binding_sent = false;
+            self.write().release(key);
+        }
     }
 
     /// The pod to bind, refused when it is not the one the scheduler
     /// bound. The first try takes the pod as the reflector showed it; if
-    /// that is behind, the write's precondition fails and the next try
+    /// that is behind, the Binding's precondition fails and the next try
     /// reads it from the API server.
     async fn pod_to_bind(
         &self,
@@ -545,15 +506,14 @@ impl<B: Binder> Extender<B> {
     }
 
     /// After a Binding that answered an error. It may have landed although
-    /// its answer did not, and a bound pod keeps its assignment whatever
-    /// the Binding answered; a pod not bound loses the assignment and its
-    /// reservation.
+    /// its answer did not: a pod found bound to the node is bound, with
+    /// its assignment, whatever the Binding answered; a pod not bound has
+    /// neither, and loses its reservation.
     async fn settle_failed_binding(
         &self,
         held: &mut BindReservation<'_>,
         node: &str,
         e: BindError,
-        patched: Option<Patched>,
         deadline: Instant,
     ) -> Result<(), RequestError> {
         let key = held.key;
@@ -565,9 +525,8 @@ impl<B: Binder> Extender<B> {
                 return Err(RequestError::BindingPodGone(e));
             }
             Err(check) => {
-                // Unknown: neither undo (the pod may be bound) nor release
-                // (its GPUs may be in use); the guard leaves a nomination
-                // that expires.
+                // Unknown: not released (its GPUs may be in use); the
+                // guard leaves a nomination that expires.
                 return Err(RequestError::BindingUnknown { failed: e, check });
             }
         };
@@ -576,32 +535,9 @@ impl<B: Binder> Extender<B> {
             tracing::info!(pod = ?key, %node, error = %e, "the Binding landed although its answer did not");
             return Ok(());
         }
-        if let Some((annotations, _)) = patched {
-            let rv = pod.metadata.resource_version.clone();
-            self.undo(key, rv.as_deref(), &annotations, deadline).await;
-        }
         held.settled = true;
         self.write().release(key);
         Err(RequestError::Binding(e))
-    }
-
-    /// Removes the annotations a failed bind wrote, by `deadline`, and only
-    /// from the pod as last read (`resource_version`): if a late Binding
-    /// landed since, the precondition fails and the pod keeps them.
-    async fn undo(
-        &self,
-        key: &PodName,
-        resource_version: Option<&str>,
-        written: &std::collections::BTreeMap<String, Option<String>>,
-        deadline: Instant,
-    ) {
-        let removal = written.keys().map(|k| (k.clone(), None)).collect();
-        let call = self.binder.annotate(key, resource_version, &removal);
-        if let Err(e) = self.within(deadline, call).await {
-            tracing::error!(pod = ?key, error = %e,
-                "cannot remove the GPU assignment of a pod whose bind failed; \
-                 it holds nothing while unbound, and its next bind replaces it");
-        }
     }
 }
 

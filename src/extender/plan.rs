@@ -28,8 +28,8 @@ pub(crate) struct FilterRefusal {
 /// (counted while the bind is in flight).
 #[derive(Debug, Clone)]
 pub(crate) struct BindPlan {
-    /// Set (`Some`) or removed (`None`).
-    pub(crate) annotations: BTreeMap<String, Option<String>>,
+    /// The Binding's annotations, which the API server sets on the pod.
+    pub(crate) annotations: BTreeMap<String, String>,
     pub(crate) reserved: Pod,
 }
 
@@ -204,24 +204,19 @@ impl Planner {
             .place(ix, node, &asks)
             .map_err(|r| RequestError::NoRoom(r.reason))?;
         let k = &self.keys;
-        let annotations: BTreeMap<String, Option<String>> = [
-            (k.assignment.clone(), Some(f.assignment.to_json())),
-            (
-                k.gpu_uuid.clone(),
-                f.assignment.single_gpu().map(str::to_owned),
-            ),
-            (k.assume_time.clone(), Some(now_nanos.to_string())),
-            (k.assigned.clone(), Some("false".into())),
-        ]
-        .into();
+        // A Binding only sets annotations: a stale `gpu-uuid` on a pod
+        // planned across GPUs stays, and its assignment decides (SPEC §3).
+        let mut annotations = BTreeMap::from([
+            (k.assignment.clone(), f.assignment.to_json()),
+            (k.assume_time.clone(), now_nanos.to_string()),
+            (k.assigned.clone(), "false".into()),
+        ]);
+        if let Some(gpu) = f.assignment.single_gpu() {
+            annotations.insert(k.gpu_uuid.clone(), gpu.to_owned());
+        }
         let mut reserved = pod.clone();
         let on_pod = reserved.metadata.annotations.get_or_insert_default();
-        for (key, value) in &annotations {
-            match value {
-                Some(v) => on_pod.insert(key.clone(), v.clone()),
-                None => on_pod.remove(key),
-            };
-        }
+        on_pod.extend(annotations.clone());
         reserved.spec.get_or_insert_default().node_name = Some(node.to_owned());
         Ok(Some(BindPlan {
             annotations,
@@ -396,7 +391,7 @@ mod tests {
             &[c("i", true, 1000, 0, 0), c("a", false, 1000, 20, 0)],
         );
         let plan = p.plan_bind(&ix, &one, "n", 42).unwrap().unwrap();
-        let get = |k: &str| plan.annotations[&format!("doslab.io/{k}")].clone();
+        let get = |k: &str| plan.annotations.get(&format!("doslab.io/{k}")).cloned();
         assert_eq!(
             get("gpu-assignment").as_deref(),
             Some(r#"{"a":["GPU-a"],"i":["GPU-a"]}"#)
@@ -414,22 +409,14 @@ mod tests {
             "GPU-a"
         );
 
-        // Two GPUs: no single UUID, and an old one is removed.
-        let mut two = gpu_pod("ns", "two", &[c("w", false, 0, 0, 2)]);
-        two.metadata
-            .annotations
-            .get_or_insert_default()
-            .insert("doslab.io/gpu-uuid".into(), "GPU-old".into());
+        // Two GPUs: no single UUID (a Binding cannot remove a stale one;
+        // the assignment decides).
+        let two = gpu_pod("ns", "two", &[c("w", false, 0, 0, 2)]);
         let plan = p.plan_bind(&ix, &two, "n", 43).unwrap().unwrap();
-        assert_eq!(plan.annotations["doslab.io/gpu-uuid"], None);
-        assert!(
-            !plan
-                .reserved
-                .metadata
-                .annotations
-                .as_ref()
-                .unwrap()
-                .contains_key("doslab.io/gpu-uuid")
+        assert!(!plan.annotations.contains_key("doslab.io/gpu-uuid"));
+        assert_eq!(
+            plan.annotations["doslab.io/gpu-assignment"],
+            r#"{"w":["GPU-a","GPU-b"]}"#
         );
 
         let cpu = gpu_pod("ns", "cpu", &[c("app", false, 0, 0, 0)]);

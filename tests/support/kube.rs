@@ -258,6 +258,19 @@ impl ControlPlane {
         ControlPlane::client_as(&self.admin).await
     }
 
+    /// The admin impersonating `user` (in `system:authenticated`): a
+    /// cluster identity such as `system:kube-scheduler`, which no token
+    /// here names.
+    pub async fn client_impersonating(&self, user: &str) -> kube::Client {
+        let kc = kube::config::Kubeconfig::read_from(&self.admin).unwrap();
+        let mut config = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+            .await
+            .unwrap();
+        config.auth_info.impersonate = Some(user.to_owned());
+        config.auth_info.impersonate_groups = Some(vec!["system:authenticated".to_owned()]);
+        kube::Client::try_from(config).unwrap()
+    }
+
     /// Kills the API server; the control plane starts a new one on the same
     /// port and etcd a second later. Returns when it answers `/readyz` again,
     /// with the instant it did.

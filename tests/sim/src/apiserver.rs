@@ -707,8 +707,10 @@ fn patch_object(shared: &ApiState, key: Key, content_type: &str, patch: &Value) 
     json_response(StatusCode::OK, &object.expect("written"))
 }
 
-/// `pods/<name>/binding`: sets the pod's node once, as the API server
-/// does; a pod already bound, or a binding for another uid, is a conflict.
+/// `pods/<name>/binding`: sets the pod's node once and merges the
+/// Binding's annotations onto it in the same update, as the API server
+/// does; a Binding for another uid or an older resourceVersion, or for a
+/// pod already bound, being deleted or still gated, is a conflict.
 fn bind(shared: &ApiState, key: Key, binding: &Value) -> Response<Body> {
     let mut inner = shared.lock();
     let Some(pod) = inner.get(&key).cloned() else {
@@ -725,8 +727,9 @@ fn bind(shared: &ApiState, key: Key, binding: &Value) -> Response<Body> {
             "binding without a target node",
         );
     };
-    let uid = &binding["metadata"]["uid"];
-    if !uid.is_null() && *uid != pod["metadata"]["uid"] {
+    let meta = &binding["metadata"];
+    let uid = &meta["uid"];
+    if uid.as_str().is_some_and(|u| !u.is_empty()) && *uid != pod["metadata"]["uid"] {
         return status(
             StatusCode::CONFLICT,
             "Conflict",
@@ -736,18 +739,51 @@ fn bind(shared: &ApiState, key: Key, binding: &Value) -> Response<Body> {
             ),
         );
     }
-    if let Some(bound) = pod["spec"]["nodeName"].as_str().filter(|n| !n.is_empty()) {
+    let rv = &meta["resourceVersion"];
+    if rv.as_str().is_some_and(|v| !v.is_empty()) && *rv != pod["metadata"]["resourceVersion"] {
         return status(
             StatusCode::CONFLICT,
             "Conflict",
             &format!(
-                "Operation cannot be fulfilled on pods/binding \"{}\": pod {} is already assigned to node \"{bound}\"",
+                "Operation cannot be fulfilled on pods \"{}\": the object has been modified; \
+                 please apply your changes to the latest version and try again",
+                key.2
+            ),
+        );
+    }
+    let refused = if let Some(bound) = pod["spec"]["nodeName"].as_str().filter(|n| !n.is_empty()) {
+        Some(format!("is already assigned to node \"{bound}\""))
+    } else if !pod["metadata"]["deletionTimestamp"].is_null() {
+        Some("is being deleted, cannot be assigned to a host".into())
+    } else if pod["spec"]["schedulingGates"]
+        .as_array()
+        .is_some_and(|g| !g.is_empty())
+    {
+        Some("has non-empty .spec.schedulingGates".into())
+    } else {
+        None
+    };
+    if let Some(why) = refused {
+        return status(
+            StatusCode::CONFLICT,
+            "Conflict",
+            &format!(
+                "Operation cannot be fulfilled on pods/binding \"{}\": pod {} {why}",
                 key.2, key.2
             ),
         );
     }
     let mut pod = pod;
     pod["spec"]["nodeName"] = node.into();
+    if let Some(set) = meta["annotations"].as_object() {
+        let on_pod = &mut pod["metadata"]["annotations"];
+        if !on_pod.is_object() {
+            *on_pod = json!({});
+        }
+        for (k, v) in set {
+            on_pod[k] = v.clone();
+        }
+    }
     pod["status"]["conditions"] = json!([{"type": "PodScheduled", "status": "True"}]);
     inner.write(key, Some(pod), &shared.changes);
     json_response(
@@ -1300,6 +1336,45 @@ mod tests {
             e => panic!("{e}"),
         }
         assert_eq!(api.requests().get("bind"), Some(&2));
+    }
+
+    #[tokio::test]
+    async fn a_binding_sets_node_and_annotations_at_once_or_nothing() {
+        let api = ApiServerSim::start().await.unwrap();
+        api.add_unscheduled_pod("default", "p", "doslab-gpu-scheduler", &gpu_pod());
+        let pods: Api<Pod> = Api::namespaced(client(&api).await, "default");
+        let rv = api.pod("default", "p").unwrap()["metadata"]["resourceVersion"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        let with = |rv: &str| {
+            let mut b = binding("p", "n1");
+            b.metadata.resource_version = Some(rv.into());
+            b.metadata.annotations =
+                Some([("doslab.io/gpu-assigned".into(), "false".into())].into());
+            b
+        };
+        let stale = pods
+            .create_subresource::<_, Value>(
+                "binding",
+                "p",
+                &PostParams::default(),
+                &with(&format!("{rv}0")),
+            )
+            .await;
+        assert!(matches!(stale, Err(kube::Error::Api(s)) if s.code == 409));
+        let pod = api.pod("default", "p").unwrap();
+        assert!(pod["spec"]["nodeName"].is_null());
+        assert!(pod["metadata"]["annotations"]["doslab.io/gpu-assigned"].is_null());
+        pods.create_subresource::<_, Value>("binding", "p", &PostParams::default(), &with(&rv))
+            .await
+            .unwrap();
+        let pod = api.pod("default", "p").unwrap();
+        assert_eq!(pod["spec"]["nodeName"], "n1");
+        assert_eq!(
+            pod["metadata"]["annotations"]["doslab.io/gpu-assigned"],
+            "false"
+        );
     }
 
     #[tokio::test]

@@ -1,6 +1,6 @@
 //! An in-memory cluster for tests and the benchmark: it keeps pods with
 //! resourceVersions as the API server does, answers the [`Binder`] calls
-//! (refusing stale patches), and feeds the same [`Index`] the reflectors
+//! (refusing stale Bindings), and feeds the same [`Index`] the reflectors
 //! would, at once or, while lagging, when told to catch up. Faults can be
 //! injected: conflicting writes by others and failing Bindings.
 
@@ -27,7 +27,7 @@ struct State {
     conflicts: u32,
     failing_bindings: u32,
     bindings: u64,
-    /// Per call (`get`, `patch`, `bind`): how long its answer takes after
+    /// Per call (`get`, `bind`): how long its answer takes after
     /// the call has done its work, as from a loaded API server.
     late: BTreeMap<&'static str, Duration>,
 }
@@ -106,7 +106,7 @@ impl MemoryCluster {
         }
     }
 
-    /// The next `n` precondition-checked patches find the pod changed.
+    /// The next `n` Bindings with a resourceVersion find the pod changed.
     pub fn conflict_next(&self, n: u32) {
         self.lock().conflicts = n;
     }
@@ -116,7 +116,7 @@ impl MemoryCluster {
         self.lock().failing_bindings = n;
     }
 
-    /// Calls `verb` (`get`, `patch` or `bind`) answer `after` their work is
+    /// Calls `verb` (`get` or `bind`) answer `after` their work is
     /// done: a caller that stops waiting does not undo what they did.
     pub fn answer_late(&self, verb: &'static str, after: Duration) {
         self.lock().late.insert(verb, after);
@@ -161,41 +161,14 @@ impl Binder for MemoryCluster {
         self.answer("get", Ok(self.pod(key))).await
     }
 
-    async fn annotate(
+    async fn bind(
         &self,
         key: &PodName,
+        uid: &str,
         resource_version: Option<&str>,
-        annotations: &BTreeMap<String, Option<String>>,
-    ) -> Result<Pod, BindError> {
-        {
-            let mut s = self.lock();
-            let current = s.pods.get(key).ok_or(BindError::NotFound)?;
-            if let Some(rv) = resource_version {
-                if current.metadata.resource_version.as_deref() != Some(rv) {
-                    return Err(BindError::Conflict);
-                }
-                if s.conflicts > 0 {
-                    s.conflicts -= 1;
-                    drop(s);
-                    // Someone else's write lands first.
-                    self.update(key, |_| {})?;
-                    return Err(BindError::Conflict);
-                }
-            }
-        }
-        let done = self.update(key, |pod| {
-            let on_pod = pod.metadata.annotations.get_or_insert_default();
-            for (k, v) in annotations {
-                match v {
-                    Some(v) => on_pod.insert(k.clone(), v.clone()),
-                    None => on_pod.remove(k),
-                };
-            }
-        });
-        self.answer("patch", done).await
-    }
-
-    async fn bind(&self, key: &PodName, uid: &str, node: &str) -> Result<(), BindError> {
+        node: &str,
+        annotations: &BTreeMap<String, String>,
+    ) -> Result<(), BindError> {
         {
             let mut s = self.lock();
             if s.failing_bindings > 0 {
@@ -209,10 +182,26 @@ impl Binder for MemoryCluster {
             {
                 return Err(BindError::Conflict);
             }
+            if let Some(rv) = resource_version {
+                if pod.metadata.resource_version.as_deref() != Some(rv) {
+                    return Err(BindError::Conflict);
+                }
+                if s.conflicts > 0 {
+                    s.conflicts -= 1;
+                    drop(s);
+                    // Someone else's write lands first.
+                    self.update(key, |_| {})?;
+                    return Err(BindError::Conflict);
+                }
+            }
             s.bindings += 1;
         }
+        // The node and the annotations in one update, as the API server
+        // applies a Binding.
         let done = self.update(key, |pod| {
             pod.spec.get_or_insert_default().node_name = Some(node.to_owned());
+            let on_pod = pod.metadata.annotations.get_or_insert_default();
+            on_pod.extend(annotations.clone());
         });
         self.answer("bind", done.map(drop)).await
     }
