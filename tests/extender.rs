@@ -575,6 +575,7 @@ async fn only_a_caller_that_hung_up_is_logged_as_abandoning_its_bind() {
     assert!(log.contains("bind refused"), "{log}");
     assert!(!log.contains("abandoned"), "{log}");
 
+    s.cluster.delete_pod(&("ns".into(), "big".into()));
     hang_up_in_line(&s).await;
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
     let log = std::cell::RefCell::new(String::new());

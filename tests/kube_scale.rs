@@ -335,7 +335,8 @@ async fn pod_writes(client: &kube::Client) -> BTreeMap<(String, String), u64> {
             labels[start..].split('"').next()
         };
         let write = matches!(label("verb"), Some("POST" | "PATCH" | "PUT"));
-        if label("resource") != Some("pods") || !write || !label("code")?.starts_with('2') {
+        let ok = label("code").is_some_and(|c| c.starts_with('2'));
+        if label("resource") != Some("pods") || !write || !ok {
             continue;
         }
         let key = (

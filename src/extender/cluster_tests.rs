@@ -1,10 +1,10 @@
 //! The extender's bind against a mocked API server: the exact requests
 //! [`KubeBinder`] makes for a bind that works (with the pod in the index's
-//! cache, and without), one whose assignment patch meets a conflict, and
-//! one whose Binding fails; none while the index is stale; binds on
-//! several nodes at once and on one node in assume-time order, within
-//! their GPUs, and the bounds on binds admitted and running, the places
-//! filters keep included.
+//! cache, and without: one Binding carrying the assignment), one whose
+//! Binding meets a conflict, and one whose Binding fails; none while the
+//! index is stale; binds on several nodes at once and on one node in
+//! assume-time order, within their GPUs, and the bounds on binds admitted
+//! and running, the places filters keep included.
 
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -15,10 +15,9 @@ use serde_json::{Value, json};
 
 use super::wire::{ExtenderArgs, ExtenderBindingArgs};
 use super::{Extender, ExtenderConfig, Index, KubeBinder};
-use crate::net::mock_api::{self, MockApi, annotations_patch, status};
+use crate::net::mock_api::{self, MockApi, Received, Taken, status};
 
 const POD: &str = "/api/v1/namespaces/ns/pods/p";
-const PATCH: &str = "/api/v1/namespaces/ns/pods/p?";
 const BINDING: &str = "/api/v1/namespaces/ns/pods/p/binding?";
 
 /// Node `name` with GPUs of 1024 MiB named `uuids`, as its daemon
@@ -87,20 +86,40 @@ fn assignment() -> Value {
     })
 }
 
-/// The same with every value null: their removal.
-fn removal() -> Value {
-    let Value::Object(keys) = assignment() else {
-        unreachable!("an object")
-    };
-    Value::Object(keys.into_iter().map(|(k, _)| (k, Value::Null)).collect())
-}
-
-fn binding() -> Value {
+/// The Binding of pod p to `n` on the pod's `resource_version`, carrying
+/// [`assignment`].
+fn binding(resource_version: &str) -> Value {
     json!({
         "apiVersion": "v1", "kind": "Binding",
-        "metadata": { "name": "p", "namespace": "ns", "uid": "uid-p" },
+        "metadata": {
+            "name": "p", "namespace": "ns", "uid": "uid-p",
+            "resourceVersion": resource_version, "annotations": assignment(),
+        },
         "target": { "apiVersion": "v1", "kind": "Node", "name": "n" },
     })
+}
+
+/// `body` with its assume time (checked to be the bind's clock) shown as
+/// `now`.
+fn assumed_now(mut body: Value) -> Value {
+    let assumed = &mut body["metadata"]["annotations"][ASSUME_TIME];
+    let nanos: u128 = assumed
+        .as_str()
+        .expect("an assume time")
+        .parse()
+        .expect("nanoseconds");
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    let ago = now.unwrap().as_nanos().checked_sub(nanos);
+    assert!(ago.is_some_and(|ns| ns < 60_000_000_000), "{nanos}");
+    *assumed = "now".into();
+    body
+}
+
+/// Expects pod p's Binding to `n` with its assignment on the pod's
+/// `resource_version`, answered `code` with `answer`.
+async fn expect_binding(api: &mut MockApi, resource_version: &str, code: u16, answer: Value) {
+    let post = api.expect(Method::POST, BINDING, code, answer).await;
+    assert_eq!(assumed_now(post.body), binding(resource_version));
 }
 
 /// An extender whose index has listed node `n` and no pods, and the API
@@ -144,35 +163,12 @@ fn args_of(name: &str, node: &str) -> ExtenderBindingArgs {
     }
 }
 
-/// Expects the assignment's merge patch on the pod at `resource_version`
-/// (`annotations` null to remove them), answered `code`.
-async fn expect_patch(
-    api: &mut MockApi,
-    resource_version: &str,
-    annotations: Value,
-    code: u16,
-    answer: Value,
-) {
-    let mut patch = api.expect_merge_patch(PATCH, code, answer).await;
-    let assumed = &mut patch.body["metadata"]["annotations"][ASSUME_TIME];
-    if let Some(nanos) = assumed.as_str() {
-        let nanos: u128 = nanos.parse().expect("nanoseconds");
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
-        let ago = now.unwrap().as_nanos().checked_sub(nanos);
-        assert!(ago.is_some_and(|ns| ns < 60_000_000_000), "{nanos}");
-        *assumed = "now".into();
-    }
-    assert_eq!(patch.body, annotations_patch(resource_version, annotations));
-}
-
 #[tokio::test]
-async fn a_bind_reads_the_pod_patches_its_assignment_on_that_version_then_binds() {
+async fn a_bind_reads_the_pod_then_binds_it_with_its_assignment_on_that_version() {
     let (x, mut api) = extender();
     let scenario = tokio::spawn(async move {
         api.expect(Method::GET, POD, 200, pod("5", None)).await;
-        expect_patch(&mut api, "5", assignment(), 200, pod("6", None)).await;
-        let post = api.expect(Method::POST, BINDING, 201, json!({})).await;
-        assert_eq!(post.body, binding());
+        expect_binding(&mut api, "5", 201, json!({})).await;
         api.done().await;
     });
     x.bind(&args()).await.unwrap();
@@ -181,15 +177,13 @@ async fn a_bind_reads_the_pod_patches_its_assignment_on_that_version_then_binds(
 }
 
 #[tokio::test]
-async fn a_conflict_on_the_patch_reads_the_pod_again_and_patches_its_new_version() {
+async fn a_conflict_on_the_binding_reads_the_pod_again_and_binds_its_new_version() {
     let (x, mut api) = extender();
     let scenario = tokio::spawn(async move {
         api.expect(Method::GET, POD, 200, pod("5", None)).await;
-        let conflict = status(409, "Conflict");
-        expect_patch(&mut api, "5", assignment(), 409, conflict).await;
+        expect_binding(&mut api, "5", 409, status(409, "Conflict")).await;
         api.expect(Method::GET, POD, 200, pod("7", None)).await;
-        expect_patch(&mut api, "7", assignment(), 200, pod("8", None)).await;
-        api.expect(Method::POST, BINDING, 201, json!({})).await;
+        expect_binding(&mut api, "7", 201, json!({})).await;
         api.done().await;
     });
     x.bind(&args()).await.unwrap();
@@ -197,17 +191,16 @@ async fn a_conflict_on_the_patch_reads_the_pod_again_and_patches_its_new_version
     scenario.await.unwrap();
 }
 
+/// A failed Binding changed nothing: the pod is read to find out whether
+/// it landed after all, and nothing is written back.
 #[tokio::test]
-async fn a_failing_binding_removes_the_assignment_from_the_pod_as_read_after_it() {
+async fn a_failing_binding_leaves_nothing_to_undo() {
     let (x, mut api) = extender();
     let scenario = tokio::spawn(async move {
         api.expect(Method::GET, POD, 200, pod("5", None)).await;
-        expect_patch(&mut api, "5", assignment(), 200, pod("6", None)).await;
         let failure = status(500, "InternalError");
-        api.expect(Method::POST, BINDING, 500, failure).await;
-        // Not bound after all: the assignment goes, only from this version.
-        api.expect(Method::GET, POD, 200, pod("6", None)).await;
-        expect_patch(&mut api, "6", removal(), 200, pod("7", None)).await;
+        expect_binding(&mut api, "5", 500, failure).await;
+        api.expect(Method::GET, POD, 200, pod("5", None)).await;
         api.done().await;
     });
     let e = x.bind(&args()).await.unwrap_err();
@@ -217,14 +210,13 @@ async fn a_failing_binding_removes_the_assignment_from_the_pod_as_read_after_it(
 }
 
 #[tokio::test]
-async fn a_binding_that_landed_although_it_failed_keeps_the_assignment() {
+async fn a_binding_that_landed_although_it_failed_counts_as_bound() {
     let (x, mut api) = extender();
     let scenario = tokio::spawn(async move {
         api.expect(Method::GET, POD, 200, pod("5", None)).await;
-        expect_patch(&mut api, "5", assignment(), 200, pod("6", None)).await;
         let failure = status(500, "InternalError");
-        api.expect(Method::POST, BINDING, 500, failure).await;
-        api.expect(Method::GET, POD, 200, pod("7", Some("n"))).await;
+        expect_binding(&mut api, "5", 500, failure).await;
+        api.expect(Method::GET, POD, 200, pod("6", Some("n"))).await;
         api.done().await;
     });
     x.bind(&args()).await.unwrap();
@@ -253,8 +245,7 @@ async fn a_bind_on_a_stale_index_is_refused_without_a_request() {
     assert!(x.stale().is_empty());
     let scenario = tokio::spawn(async move {
         api.expect(Method::GET, POD, 200, pod("5", None)).await;
-        expect_patch(&mut api, "5", assignment(), 200, pod("6", None)).await;
-        api.expect(Method::POST, BINDING, 201, json!({})).await;
+        expect_binding(&mut api, "5", 201, json!({})).await;
         api.done().await;
     });
     x.bind(&args()).await.unwrap();
@@ -262,15 +253,14 @@ async fn a_bind_on_a_stale_index_is_refused_without_a_request() {
     scenario.await.unwrap();
 }
 
-/// The pod as the reflector showed it is written on at once: the patch's
-/// precondition is that version, and no GET comes first.
+/// The pod as the reflector showed it is bound at once: the Binding's
+/// precondition is that version, and no GET comes first. One request.
 #[tokio::test]
-async fn a_bind_of_a_pod_the_index_holds_writes_without_reading_it_first() {
+async fn a_bind_of_a_pod_the_index_holds_is_one_request() {
     let config = ExtenderConfig::default();
     let (x, mut api) = extender_with(&config, vec![node()], vec![pod("5", None)]);
     let scenario = tokio::spawn(async move {
-        expect_patch(&mut api, "5", assignment(), 200, pod("6", None)).await;
-        api.expect(Method::POST, BINDING, 201, json!({})).await;
+        expect_binding(&mut api, "5", 201, json!({})).await;
         api.done().await;
     });
     x.bind(&args()).await.unwrap();
@@ -279,17 +269,15 @@ async fn a_bind_of_a_pod_the_index_holds_writes_without_reading_it_first() {
 }
 
 /// A cache behind the API server costs one failed precondition, then the
-/// pod is read and written on its new version.
+/// pod is read and bound on its new version.
 #[tokio::test]
-async fn a_cached_pod_that_moved_on_is_read_and_patched_again() {
+async fn a_cached_pod_that_moved_on_is_read_and_bound_again() {
     let config = ExtenderConfig::default();
     let (x, mut api) = extender_with(&config, vec![node()], vec![pod("5", None)]);
     let scenario = tokio::spawn(async move {
-        let conflict = status(409, "Conflict");
-        expect_patch(&mut api, "5", assignment(), 409, conflict).await;
+        expect_binding(&mut api, "5", 409, status(409, "Conflict")).await;
         api.expect(Method::GET, POD, 200, pod("9", None)).await;
-        expect_patch(&mut api, "9", assignment(), 200, pod("10", None)).await;
-        api.expect(Method::POST, BINDING, 201, json!({})).await;
+        expect_binding(&mut api, "9", 201, json!({})).await;
         api.done().await;
     });
     x.bind(&args()).await.unwrap();
@@ -297,14 +285,21 @@ async fn a_cached_pod_that_moved_on_is_read_and_patched_again() {
     scenario.await.unwrap();
 }
 
-/// The GPU UUIDs a taken assignment patch writes for its pod.
-fn patched_gpus(patch: &Value) -> Vec<String> {
-    let text = patch["metadata"]["annotations"]["doslab.io/gpu-assignment"]
+/// The GPU UUIDs a Binding assigns its pod.
+fn bound_gpus(binding: &Received) -> Vec<String> {
+    let text = binding.body["metadata"]["annotations"]["doslab.io/gpu-assignment"]
         .as_str()
         .expect("an assignment");
     let by_container: std::collections::BTreeMap<String, Vec<String>> =
         serde_json::from_str(text).expect("assignment JSON");
     by_container.into_values().flatten().collect()
+}
+
+/// A request taken is a Binding; its pod.
+fn binding_of(t: &Taken) -> String {
+    assert_eq!(t.method, Method::POST, "{}", t.uri);
+    assert!(t.uri.contains("/binding?"), "{}", t.uri);
+    pod_in(&t.uri)
 }
 
 /// The pod a request is about: `…/pods/<name>?…` or `…/pods/<name>/binding?…`.
@@ -313,38 +308,31 @@ fn pod_in(uri: &str) -> String {
     rest.split(['/', '?']).next().unwrap_or_default().to_owned()
 }
 
-/// Binds on two nodes: both assignment patches reach the API server before
-/// either is answered, so neither bind waits for the other.
+/// Binds on two nodes: both Bindings reach the API server before either
+/// is answered, so neither bind waits for the other.
 #[tokio::test]
 async fn binds_on_different_nodes_run_at_once() {
     let nodes = vec![node_of("n", &["GPU-a"]), node_of("m", &["GPU-b"])];
     let pods = vec![pod_of("p", "5", None, 512), pod_of("q", "5", None, 512)];
     let (x, mut api) = extender_with(&ExtenderConfig::default(), nodes, pods);
     let api_side = async move {
-        let first = api.take("a patch").await;
+        let first = api.take("a Binding").await;
         let second = api
-            .take("the other bind's patch, the first unanswered")
+            .take("the other bind's Binding, the first unanswered")
             .await;
-        let mut patched = Vec::new();
+        let mut bound = Vec::new();
         for t in [first, second] {
-            assert_eq!(t.method, Method::PATCH, "{}", t.uri);
-            let name = pod_in(&t.uri);
-            let answer = pod_of(&name, "6", None, 512);
-            patched.push((name, patched_gpus(&t.answer(200, &answer).body)));
+            let name = binding_of(&t);
+            bound.push((name, bound_gpus(&t.answer(201, &json!({})))));
         }
-        patched.sort();
+        bound.sort();
         assert_eq!(
-            patched,
+            bound,
             [
                 ("p".into(), vec!["GPU-a".into()]),
                 ("q".into(), vec!["GPU-b".into()])
             ]
         );
-        for _ in 0..2 {
-            let t = api.take("a Binding").await;
-            assert_eq!(t.method, Method::POST, "{}", t.uri);
-            t.answer(201, &json!({}));
-        }
         api.done().await;
     };
     let (p, q) = (args_of("p", "n"), args_of("q", "m"));
@@ -353,46 +341,43 @@ async fn binds_on_different_nodes_run_at_once() {
     q.unwrap();
 }
 
-/// Binds on one node write their assignments at once, each planned around
-/// the other's GPUs, and send their Bindings in the order of their assume
-/// times, the second only once the first is answered: the node's matcher
-/// serves the kubelet in assume-time order, and the kubelet admits pods in
-/// the order they were bound there.
+/// Binds on one node plan at once, each around the other's GPUs, and send
+/// their Bindings in the order of their assume times, the second only once
+/// the first is answered: the node's matcher serves the kubelet in
+/// assume-time order, and the kubelet admits pods in the order they were
+/// bound there.
 #[tokio::test]
-async fn binds_on_one_node_patch_at_once_and_bind_in_assume_time_order() {
+async fn binds_on_one_node_plan_at_once_and_bind_in_assume_time_order() {
     let pods = ["p", "q"].map(|n| pod_of(n, "5", None, 768));
     let nodes = vec![node_of("n", &["GPU-a", "GPU-b"])];
     let (x, mut api) = extender_with(&ExtenderConfig::default(), nodes, pods.into());
     let api_side = async {
-        let patches = [
-            api.take("a patch").await,
-            api.take("the other patch, the first unanswered").await,
-        ];
-        let (mut assumed, mut gpus) = (Vec::new(), Vec::new());
-        // The later patch answered first.
-        for t in patches.into_iter().rev() {
-            assert_eq!(t.method, Method::PATCH, "{}", t.uri);
-            let name = pod_in(&t.uri);
-            let body = t.answer(200, &pod_of(&name, "6", None, 768)).body;
-            let at = body["metadata"]["annotations"][ASSUME_TIME].as_str();
-            let at: u128 = at.expect("an assume time").parse().expect("nanoseconds");
-            assumed.push((at, name));
-            gpus.extend(patched_gpus(&body));
-        }
-        assumed.sort();
-        gpus.sort();
-        assert_eq!(gpus, ["GPU-a", "GPU-b"], "768 MiB twice fits no one GPU");
         let first = api.take("the first Binding").await;
-        assert_eq!(pod_in(&first.uri), assumed[0].1, "{assumed:?}");
         let beside = api.take_within(Duration::from_millis(300)).await;
         assert!(
             beside.is_none(),
             "a Binding went before the first was answered"
         );
-        first.answer(201, &json!({}));
+        let mut sent = Vec::new();
+        let first_pod = binding_of(&first);
+        sent.push((first_pod, first.answer(201, &json!({}))));
         let second = api.take("the second Binding").await;
-        assert_eq!(pod_in(&second.uri), assumed[1].1, "{assumed:?}");
-        second.answer(201, &json!({}));
+        let second_pod = binding_of(&second);
+        sent.push((second_pod, second.answer(201, &json!({}))));
+        let assumed: Vec<u128> = sent
+            .iter()
+            .map(|(_, b)| {
+                let at = b.body["metadata"]["annotations"][ASSUME_TIME].as_str();
+                at.expect("an assume time").parse().expect("nanoseconds")
+            })
+            .collect();
+        assert!(assumed[0] < assumed[1], "{assumed:?}");
+        let mut gpus: Vec<String> = sent.iter().flat_map(|(_, b)| bound_gpus(b)).collect();
+        gpus.sort();
+        assert_eq!(gpus, ["GPU-a", "GPU-b"], "768 MiB twice fits no one GPU");
+        let mut names: Vec<&str> = sent.iter().map(|(n, _)| n.as_str()).collect();
+        names.sort();
+        assert_eq!(names, ["p", "q"]);
     };
     let (p, q) = (args_of("p", "n"), args_of("q", "n"));
     let (p, q, ()) = tokio::join!(x.bind(&p), x.bind(&q), api_side);
@@ -466,8 +451,6 @@ async fn filters_keep_places_for_their_binds_and_wait_for_one() {
     let early = tokio::time::timeout(Duration::from_millis(300), &mut q_filter).await;
     assert!(early.is_err(), "q's filter waits: {early:?}");
     let api_side = async {
-        let t = api.take("p's patch").await;
-        t.answer(200, &pod_of("p", "6", None, 256));
         api.take("p's Binding").await.answer(201, &json!({}));
     };
     let p = args_of("p", "n");
@@ -495,7 +478,7 @@ async fn filters_keep_places_for_their_binds_and_wait_for_one() {
 
 /// Ten binds at once on one node of two 1024 MiB GPUs, 400 MiB each, the
 /// API server answering whatever has come in batches: four bind, two per
-/// GPU, and the six refused wrote nothing.
+/// GPU, and the six refused sent nothing.
 #[tokio::test]
 async fn a_concurrent_burst_never_puts_a_gpu_over_its_capacity() {
     let names: Vec<String> = (0..10).map(|i| format!("p{i}")).collect();
@@ -504,31 +487,25 @@ async fn a_concurrent_burst_never_puts_a_gpu_over_its_capacity() {
     let (x, mut api) = extender_with(&ExtenderConfig::default(), nodes, pods);
     let api_side = async move {
         let mut per_gpu: std::collections::BTreeMap<String, u64> = Default::default();
-        let mut patched = Vec::new();
+        let mut sent = Vec::new();
         while let Some(first) = api.take_within(Duration::from_secs(1)).await {
             let mut batch = vec![first];
             while let Some(t) = api.take_within(Duration::from_millis(50)).await {
                 batch.push(t);
             }
             for t in batch {
-                let name = pod_in(&t.uri);
-                if t.method == Method::PATCH {
-                    let answer = pod_of(&name, "6", None, 400);
-                    for gpu in patched_gpus(&t.answer(200, &answer).body) {
-                        *per_gpu.entry(gpu).or_default() += 400;
-                    }
-                    patched.push(name);
-                } else {
-                    assert_eq!(t.method, Method::POST, "{}", t.uri);
-                    t.answer(201, &json!({}));
+                let name = binding_of(&t);
+                for gpu in bound_gpus(&t.answer(201, &json!({}))) {
+                    *per_gpu.entry(gpu).or_default() += 400;
                 }
+                sent.push(name);
             }
         }
-        (per_gpu, patched)
+        (per_gpu, sent)
     };
     let all: Vec<_> = names.iter().map(|n| args_of(n, "n")).collect();
     let binds = futures::future::join_all(all.iter().map(|a| x.bind(a)));
-    let (results, (per_gpu, mut patched)) = tokio::join!(binds, api_side);
+    let (results, (per_gpu, mut sent)) = tokio::join!(binds, api_side);
     let mut bound: Vec<String> = names
         .iter()
         .zip(&results)
@@ -541,8 +518,8 @@ async fn a_concurrent_burst_never_puts_a_gpu_over_its_capacity() {
         "{results:?}"
     );
     bound.sort();
-    patched.sort();
-    assert_eq!(bound, patched, "only the binds that wrote are bound");
+    sent.sort();
+    assert_eq!(bound, sent, "only the binds that sent a Binding are bound");
 }
 
 /// `max_binds_queued` binds are admitted; one more, and a second bind of a
@@ -555,7 +532,10 @@ async fn binds_past_the_bound_are_refused_at_once() {
     let nodes = vec![node(), node_of("m", &["GPU-b"])];
     let (x, mut api) = extender_with(&config, nodes, pods.into());
     let api_side = async {
-        let held = [api.take("a patch").await, api.take("a second patch").await];
+        let held = [
+            api.take("a Binding").await,
+            api.take("a second Binding").await,
+        ];
         let at_once = Duration::from_millis(500);
         let (r, p) = (args_of("r", "n"), args_of("p", "n"));
         let e = tokio::time::timeout(at_once, x.bind(&r))
@@ -569,11 +549,8 @@ async fn binds_past_the_bound_are_refused_at_once() {
             .unwrap_err();
         assert!(e.to_string().contains("another bind of this pod"), "{e}");
         for t in held {
-            let answer = pod_of(&pod_in(&t.uri), "6", None, 256);
-            t.answer(200, &answer);
-        }
-        for _ in 0..2 {
-            api.take("a Binding").await.answer(201, &json!({}));
+            binding_of(&t);
+            t.answer(201, &json!({}));
         }
     };
     let (p, q) = (args_of("p", "n"), args_of("q", "m"));
@@ -581,10 +558,9 @@ async fn binds_past_the_bound_are_refused_at_once() {
     p.unwrap();
     q.unwrap();
     let scenario = tokio::spawn(async move {
-        let t = api.take("r's patch").await;
-        assert_eq!(pod_in(&t.uri), "r");
-        t.answer(200, &pod_of("r", "6", None, 256));
-        api.take("r's Binding").await.answer(201, &json!({}));
+        let t = api.take("r's Binding").await;
+        assert_eq!(binding_of(&t), "r");
+        t.answer(201, &json!({}));
         api.done().await;
     });
     x.bind(&args_of("r", "n")).await.unwrap();
@@ -603,16 +579,10 @@ async fn binds_past_those_running_wait_their_turn() {
     let api_side = async {
         let mut order = Vec::new();
         for _ in 0..2 {
-            let patch = api.take("a patch").await;
-            let name = pod_in(&patch.uri);
+            let binding = api.take("a Binding").await;
+            let name = binding_of(&binding);
             let nothing = api.take_within(Duration::from_millis(300)).await;
             assert!(nothing.is_none(), "a second bind ran beside {name}");
-            patch.answer(200, &pod_of(&name, "6", None, 256));
-            let binding = api.take("its Binding").await;
-            assert_eq!(
-                (binding.method.clone(), pod_in(&binding.uri)),
-                (Method::POST, name.clone())
-            );
             binding.answer(201, &json!({}));
             order.push(name);
         }
