@@ -94,13 +94,24 @@ func runControlPlane(args []string) error {
 	if err := waitReady(ctx, files); err != nil {
 		return err
 	}
-	supervise(ctx, &wg, *dir, "kube-controller-manager", []string{
+	cmArgs := []string{
 		"--kubeconfig=" + files.adminKubeconfig,
 		"--controllers=" + *controllers,
 		"--leader-elect=false",
 		"--secure-port=0",
 		"--use-service-account-credentials=false",
-	})
+	}
+	// A bench knob: the controller manager's client rate (upstream's
+	// default, 20 requests/s with bursts of 30, when unset), which paces
+	// the ResourceClaims it makes from templates.
+	if qps := os.Getenv("KUBE_CONTROLLER_MANAGER_QPS"); qps != "" {
+		n, err := strconv.Atoi(qps)
+		if err != nil || n <= 0 {
+			return fmt.Errorf("KUBE_CONTROLLER_MANAGER_QPS: a positive count of requests per second, not %q", qps)
+		}
+		cmArgs = append(cmArgs, "--kube-api-qps="+qps, "--kube-api-burst="+strconv.Itoa(2*n))
+	}
+	supervise(ctx, &wg, *dir, "kube-controller-manager", cmArgs)
 	if err := os.WriteFile(filepath.Join(*dir, "ready"), []byte(files.server+"\n"), 0o644); err != nil {
 		return err
 	}

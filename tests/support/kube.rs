@@ -677,13 +677,25 @@ impl Scheduler {
 /// kube-scheduler on its default profile with no extender, as the GPU
 /// scheduler's identity: what a cluster serving GPUs through DRA alone
 /// runs (its DynamicResources plugin places shares itself).
+///
+/// `KUBE_PLAIN_SCHEDULER_QPS` (a bench knob) sets its client's rate, the
+/// burst twice that (upstream's default: 50 requests/s, bursts of 100).
 pub fn start_plain_scheduler(cp: &ControlPlane) -> Proc {
     let config = cp.dir.path().join("plain-scheduler.yaml");
+    let rate = std::env::var("KUBE_PLAIN_SCHEDULER_QPS")
+        .map(|s| {
+            let qps: u32 = s
+                .parse()
+                .expect("KUBE_PLAIN_SCHEDULER_QPS: requests per second");
+            format!("  qps: {qps}\n  burst: {}\n", 2 * qps)
+        })
+        .unwrap_or_default();
     std::fs::write(
         &config,
         format!(
             "apiVersion: kubescheduler.config.k8s.io/v1\nkind: KubeSchedulerConfiguration\n\
-             leaderElection:\n  leaderElect: false\nclientConnection:\n  kubeconfig: {:?}\n",
+             leaderElection:\n  leaderElect: false\nclientConnection:\n  kubeconfig: {:?}\n\
+             {rate}",
             cp.scheduler.display().to_string()
         ),
     )
