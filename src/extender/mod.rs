@@ -386,7 +386,7 @@ impl<B: Binder> Extender<B> {
         let writes_end = self.writes_end(deadline);
         let node = args.node.as_str();
         let mut ticket = None;
-        let mut turn_at = None;
+        let mut in_turn = false;
         let mut attempts = 0;
         loop {
             let pod = self
@@ -402,13 +402,13 @@ impl<B: Binder> Extender<B> {
             }
             let plan = self.plan_and_reserve(&pod, node, &mut ticket, deadline)?;
             let planned_at = Instant::now();
-            if turn_at.is_none() {
+            if !in_turn {
                 let ticket = ticket.as_ref().expect("planning takes the node's ticket");
                 // No Binding was sent: the guard ends the reservation.
                 if !ticket.turn(writes_end).await {
                     return Err(RequestError::NodeLineTooLong);
                 }
-                turn_at = Some(Instant::now());
+                in_turn = true;
             }
             let annotations = plan.map(|p| p.annotations).unwrap_or_default();
             let rv = pod.metadata.resource_version.as_deref();
