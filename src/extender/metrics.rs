@@ -4,7 +4,7 @@
 //! ([`RequestError::kind`]), so the series stay bounded whatever the
 //! requests hold.
 
-use prometheus_client::encoding::{EncodeLabelSet, text};
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
@@ -56,10 +56,7 @@ impl ExtenderMetrics {
 
     /// The scrape, in the OpenMetrics text format.
     pub(crate) fn render(&self) -> String {
-        let mut out = String::new();
-        // Writing to a String cannot fail, nor can encoding these labels.
-        text::encode(&mut out, &self.registry).expect("encoding metrics into a String");
-        out
+        crate::net::http::render_metrics(&self.registry)
     }
 }
 

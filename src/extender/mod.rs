@@ -172,7 +172,9 @@ impl<B: Binder> Extender<B> {
     /// `admission`), answering a retryable error if none frees.
     pub async fn filter(&self, args: &ExtenderArgs) -> Result<ExtenderFilterResult, RequestError> {
         let Some(pod) = &args.pod else {
-            return Err(RequestError::NoPod { verb: "filter" });
+            return Err(RequestError::NoPod {
+                verb: server::Verb::Filter.name(),
+            });
         };
         let names = args.names();
         let mut result = ExtenderFilterResult::default();
@@ -256,10 +258,9 @@ impl<B: Binder> Extender<B> {
     /// score capped at [`RUNNER_UP`], so that the scheduler takes the node
     /// the policy chose and nominated, not one tied with it at random.
     pub fn prioritize(&self, args: &ExtenderArgs) -> Result<Vec<HostPriority>, RequestError> {
-        let pod = args
-            .pod
-            .as_ref()
-            .ok_or(RequestError::NoPod { verb: "prioritize" })?;
+        let pod = args.pod.as_ref().ok_or(RequestError::NoPod {
+            verb: server::Verb::Prioritize.name(),
+        })?;
         let names = args.names();
         let Some(asks) = self.planner.asks(pod) else {
             let zero = |host| HostPriority { host, score: 0 };

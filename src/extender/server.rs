@@ -32,11 +32,11 @@ use super::cluster::Binder;
 use super::wire::{ExtenderBindingResult, ExtenderFilterResult};
 use super::{Extender, ExtenderConfig, RequestError};
 
-fn decode<T: serde::de::DeserializeOwned>(
-    verb: &'static str,
-    body: &[u8],
-) -> Result<T, RequestError> {
-    serde_json::from_slice(body).map_err(|source| RequestError::Malformed { verb, source })
+fn decode<T: serde::de::DeserializeOwned>(verb: Verb, body: &[u8]) -> Result<T, RequestError> {
+    serde_json::from_slice(body).map_err(|source| RequestError::Malformed {
+        verb: verb.name(),
+        source,
+    })
 }
 
 fn json(answer: &impl serde::Serialize) -> Response {
@@ -55,7 +55,7 @@ pub(super) enum Verb {
 impl Verb {
     pub(super) const ALL: [Verb; 3] = [Verb::Filter, Verb::Prioritize, Verb::Bind];
 
-    /// Its path, and its `verb` label on `/metrics`.
+    /// Its name in a refusal, and its `verb` label on `/metrics`.
     pub(super) fn name(self) -> &'static str {
         match self {
             Verb::Filter => "filter",
@@ -95,7 +95,7 @@ fn reply<B>(
 }
 
 async fn filter<B: Binder>(State(x): State<Arc<Extender<B>>>, body: Bytes) -> Response {
-    let answer = match decode("filter", &body) {
+    let answer = match decode(Verb::Filter, &body) {
         Ok(args) => x.filter(&args).await,
         Err(e) => Err(e),
     };
@@ -103,12 +103,12 @@ async fn filter<B: Binder>(State(x): State<Arc<Extender<B>>>, body: Bytes) -> Re
 }
 
 async fn prioritize<B: Binder>(State(x): State<Arc<Extender<B>>>, body: Bytes) -> Response {
-    let answer = decode("prioritize", &body).and_then(|args| x.prioritize(&args));
+    let answer = decode(Verb::Prioritize, &body).and_then(|args| x.prioritize(&args));
     reply(&x, Verb::Prioritize, answer)
 }
 
 async fn bind<B: Binder>(State(x): State<Arc<Extender<B>>>, body: Bytes) -> Response {
-    let answer = match decode("bind", &body) {
+    let answer = match decode(Verb::Bind, &body) {
         Ok(args) => x.bind(&args).await,
         Err(e) => Err(e),
     };

@@ -26,6 +26,16 @@ use tokio::time::Instant;
 pub(crate) const METRICS_CONTENT_TYPE: &str =
     "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
+/// `registry`'s scrape in that format.
+pub(crate) fn render_metrics(registry: &prometheus_client::registry::Registry) -> String {
+    let mut out = String::new();
+    // Writing to a String cannot fail, and neither can encoding the label
+    // sets and values both programs register.
+    prometheus_client::encoding::text::encode(&mut out, registry)
+        .expect("encoding metrics into a String");
+    out
+}
+
 /// An HTTP server's bounds, resolved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct HttpLimits {

@@ -25,9 +25,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{
-    DescriptorEncoder, EncodeLabelSet, EncodeMetric, MetricEncoder, text,
-};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
@@ -475,11 +473,7 @@ impl Metrics {
     /// The scrape, in the OpenMetrics text format
     /// ([`crate::net::http::METRICS_CONTENT_TYPE`]).
     pub(crate) fn render(&self) -> String {
-        let mut out = String::new();
-        // Writing to a String cannot fail, and neither can encoding the
-        // label sets and values above.
-        text::encode(&mut out, &self.registry).expect("encoding metrics into a String");
-        out
+        crate::net::http::render_metrics(&self.registry)
     }
 }
 

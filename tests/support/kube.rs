@@ -131,6 +131,14 @@ pub struct ControlPlane {
     proc: Proc,
 }
 
+/// The client config `kubeconfig` names.
+async fn client_config(kubeconfig: &Path) -> kube::Config {
+    let kc = kube::config::Kubeconfig::read_from(kubeconfig).unwrap();
+    kube::Config::from_custom_kubeconfig(kc, &Default::default())
+        .await
+        .unwrap()
+}
+
 impl ControlPlane {
     pub fn start() -> ControlPlane {
         let dir = tempfile::tempdir().unwrap();
@@ -247,11 +255,7 @@ impl ControlPlane {
 
     /// A client with the identity of `kubeconfig`.
     pub async fn client_as(kubeconfig: &Path) -> kube::Client {
-        let kc = kube::config::Kubeconfig::read_from(kubeconfig).unwrap();
-        let config = kube::Config::from_custom_kubeconfig(kc, &Default::default())
-            .await
-            .unwrap();
-        kube::Client::try_from(config).unwrap()
+        kube::Client::try_from(client_config(kubeconfig).await).unwrap()
     }
 
     pub async fn admin_client(&self) -> kube::Client {
@@ -262,10 +266,7 @@ impl ControlPlane {
     /// cluster identity such as `system:kube-scheduler`, which no token
     /// here names.
     pub async fn client_impersonating(&self, user: &str) -> kube::Client {
-        let kc = kube::config::Kubeconfig::read_from(&self.admin).unwrap();
-        let mut config = kube::Config::from_custom_kubeconfig(kc, &Default::default())
-            .await
-            .unwrap();
+        let mut config = client_config(&self.admin).await;
         config.auth_info.impersonate = Some(user.to_owned());
         config.auth_info.impersonate_groups = Some(vec!["system:authenticated".to_owned()]);
         kube::Client::try_from(config).unwrap()
