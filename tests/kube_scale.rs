@@ -330,8 +330,11 @@ async fn pod_writes(client: &kube::Client) -> BTreeMap<(String, String), u64> {
         let Some((labels, n)) = rest.split_once("} ") else {
             continue;
         };
+        // A label's value by its whole name (`resource` is not the tail
+        // of `subresource`).
+        let labels = format!(",{labels}");
         let label = |k: &str| {
-            let start = labels.find(&format!("{k}=\""))? + k.len() + 2;
+            let start = labels.find(&format!(",{k}=\""))? + k.len() + 3;
             labels[start..].split('"').next()
         };
         let write = matches!(label("verb"), Some("POST" | "PATCH" | "PUT"));
