@@ -10,9 +10,10 @@ use std::time::Instant;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 
+use crate::rules::usage::quantity::Quantity;
 use crate::rules::usage::{
-    Assignment, ContainerAsk, Inventory, InventoryError, Keys, Ledger, NodeUsage, PodAsks, Records,
-    finished, pod_holdings,
+    Assignment, ContainerAsk, Inventory, InventoryError, Keys, Kind, Ledger, NodeUsage, PodAsks,
+    Records, finished, pod_holdings,
 };
 
 /// `namespace/name`, the key kube-scheduler's bind call names a pod by.
@@ -28,7 +29,23 @@ pub(crate) enum Gpus {
     Published {
         inventory: Inventory,
         usage: NodeUsage,
+        cpu: NodeCpu,
     },
+}
+
+/// A node's CPU as kube-scheduler counts it: its allocatable millicores
+/// (`None` when the Node states none) and what its pods request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct NodeCpu {
+    pub(crate) allocatable: Option<u64>,
+    pub(crate) requested: u64,
+}
+
+impl NodeCpu {
+    /// Millicores left for new pods; `None` when not known.
+    pub(crate) fn free(&self) -> Option<u64> {
+        self.allocatable.map(|a| a.saturating_sub(self.requested))
+    }
 }
 
 /// What a pod holds, read once from its spec and annotations: its node, its
@@ -39,6 +56,10 @@ pub(crate) enum Gpus {
 struct PodRecord {
     node: Option<String>,
     containers: Vec<ContainerAsk>,
+    /// What it asks of its node's CPU, and its kind of pod for the
+    /// workload the fragmentation policy measures against.
+    cpu_milli: u64,
+    kind: Kind,
     ledger: Ledger,
     assignment: Assignment,
     /// The pod itself while it is not bound: a bind plans and writes
@@ -54,10 +75,13 @@ impl PodRecord {
             tracing::warn!(pod = %format!("{namespace}/{name}"), error = %g, "garbled GPU record");
         }
         let node = node_of(pod).map(str::to_owned);
+        let asks = PodAsks::from_pod(keys, pod);
         PodRecord {
             unbound: node.is_none().then(|| Arc::new(pod.clone())),
             node,
-            containers: PodAsks::from_pod(keys, pod).containers,
+            kind: Kind::of(&asks),
+            cpu_milli: asks.cpu_milli,
+            containers: asks.containers,
             ledger: records.ledger,
             assignment: records.assignment,
         }
@@ -103,6 +127,9 @@ pub struct Index {
     /// inventory or usage changes, so the planner's memo of what fits
     /// there is used only while nothing did.
     stamps: HashMap<String, u64>,
+    /// The stored pods by kind, and how many times a pod came or went.
+    kinds: HashMap<Kind, u64>,
+    kind_changes: u64,
 }
 
 /// Node-state stamps, never given twice in the process (so a stamp also
@@ -134,6 +161,8 @@ impl Index {
             reserved: HashMap::new(),
             stale: [("nodes", UNLISTED.into()), ("pods", UNLISTED.into())].into(),
             stamps: HashMap::new(),
+            kinds: HashMap::new(),
+            kind_changes: 0,
         }
     }
 
@@ -168,13 +197,16 @@ impl Index {
             return;
         };
         let mut counted = NodeUsage::empty(inventory);
+        let mut requested = 0u64;
         for (_, held) in self.held_on(node) {
+            requested = requested.saturating_add(held.cpu_milli);
             for h in pod_holdings(inventory, &held.containers, &held.ledger, &held.assignment) {
                 counted.add(inventory, &h);
             }
         }
-        if let Some(Gpus::Published { usage, .. }) = self.nodes.get_mut(node) {
+        if let Some(Gpus::Published { usage, cpu, .. }) = self.nodes.get_mut(node) {
             *usage = counted;
+            cpu.requested = requested;
         }
     }
 
@@ -217,6 +249,10 @@ impl Index {
                 Ok(inventory) => Gpus::Published {
                     usage: NodeUsage::empty(&inventory),
                     inventory,
+                    cpu: NodeCpu {
+                        allocatable: allocatable_cpu(&node),
+                        requested: 0,
+                    },
                 },
             },
         };
@@ -290,7 +326,10 @@ impl Index {
                 .or_default()
                 .insert(key.clone());
         }
-        self.pods.insert(key, PodRecord::of(&self.keys, pod));
+        let record = PodRecord::of(&self.keys, pod);
+        *self.kinds.entry(record.kind.clone()).or_default() += 1;
+        self.kind_changes += 1;
+        self.pods.insert(key, record);
     }
 
     pub fn delete_pod(&mut self, key: &PodName) {
@@ -306,6 +345,8 @@ impl Index {
         let live: HashSet<PodName> = pods.iter().map(pod_name).collect();
         self.pods.clear();
         self.by_node.clear();
+        self.kinds.clear();
+        self.kind_changes += 1;
         self.reserved.retain(|k, _| live.contains(k));
         for p in pods {
             self.store(pod_name(&p), &p);
@@ -317,6 +358,13 @@ impl Index {
         let Some(old) = self.pods.remove(key) else {
             return;
         };
+        if let Some(n) = self.kinds.get_mut(&old.kind) {
+            *n -= 1;
+            if *n == 0 {
+                self.kinds.remove(&old.kind);
+            }
+        }
+        self.kind_changes += 1;
         if let Some(node) = old.node
             && let Some(set) = self.by_node.get_mut(&node)
         {
@@ -392,6 +440,18 @@ impl Index {
     pub fn pod_count(&self) -> usize {
         self.pods.len()
     }
+
+    /// The pods by kind, and a count that grows each time a pod comes or
+    /// goes (how far the counts moved since someone last read them).
+    pub(crate) fn kinds(&self) -> (&HashMap<Kind, u64>, u64) {
+        (&self.kinds, self.kind_changes)
+    }
+}
+
+/// The Node's allocatable CPU in millicores, if it states one.
+fn allocatable_cpu(node: &Node) -> Option<u64> {
+    let q = node.status.as_ref()?.allocatable.as_ref()?.get("cpu")?;
+    u64::try_from(Quantity::parse(&q.0).ok()?.milli()?).ok()
 }
 
 #[cfg(test)]

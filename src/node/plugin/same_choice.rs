@@ -87,6 +87,7 @@ impl Node {
         };
         let asks = PodAsks {
             containers: vec![c],
+            ..PodAsks::default()
         };
         let a: Assignment = fit(&self.inv, &self.usage, &asks).ok()?;
         Some(sorted(a.0["c"].iter().map(|u| self.inv.index(u).unwrap())))

@@ -1,9 +1,9 @@
 //! What a pod's containers ask for, in devices, read from its spec.
 
-use k8s_openapi::api::core::v1::{Container, Pod};
+use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
 
 use super::Keys;
-use super::quantity::{QuantityError, parse_count};
+use super::quantity::{Quantity, QuantityError, parse_count};
 use crate::rules::device::{PerResource, Resource};
 
 /// A limit that is not a whole number of devices: the container's ask
@@ -124,6 +124,9 @@ impl ContainerAsk {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct PodAsks {
     pub(crate) containers: Vec<ContainerAsk>,
+    /// The CPU the scheduler counts the pod as asking, in millicores
+    /// ([`cpu_request`]).
+    pub(crate) cpu_milli: u64,
 }
 
 impl PodAsks {
@@ -143,6 +146,50 @@ impl PodAsks {
                 .map(|c| ContainerAsk::from_container(keys, c, true))
                 .chain(app.map(|c| ContainerAsk::from_container(keys, c, false)))
                 .collect(),
+            cpu_milli: spec.map_or(0, cpu_request),
         }
     }
+}
+
+/// A container's CPU request in millicores: its request, else its limit
+/// (the API server defaults one to the other), else none; one that cannot
+/// be read counts as none (the API server refuses it anyway).
+fn container_cpu(c: &Container) -> u64 {
+    let r = c.resources.as_ref();
+    let q = r
+        .and_then(|r| r.requests.as_ref())
+        .and_then(|m| m.get("cpu"))
+        .or_else(|| r.and_then(|r| r.limits.as_ref()).and_then(|m| m.get("cpu")));
+    milli(q)
+}
+
+/// `q` in thousandths; 0 when absent, unreadable or negative.
+fn milli(q: Option<&k8s_openapi::apimachinery::pkg::api::resource::Quantity>) -> u64 {
+    q.and_then(|q| Quantity::parse(&q.0).ok())
+        .and_then(|q| q.milli())
+        .and_then(|m| u64::try_from(m).ok())
+        .unwrap_or(0)
+}
+
+/// The pod's CPU request as kube-scheduler counts it: the app containers
+/// and sidecars together, or, if more, the peak while init containers run
+/// (each beside the sidecars started before it), plus the pod's overhead.
+fn cpu_request(spec: &PodSpec) -> u64 {
+    let (mut sidecars, mut peak) = (0u64, 0u64);
+    for c in spec.init_containers.iter().flatten() {
+        let cpu = container_cpu(c);
+        if c.restart_policy.as_deref() == Some("Always") {
+            sidecars = sidecars.saturating_add(cpu);
+            peak = peak.max(sidecars);
+        } else {
+            peak = peak.max(sidecars.saturating_add(cpu));
+        }
+    }
+    let app = spec
+        .containers
+        .iter()
+        .map(container_cpu)
+        .fold(sidecars, u64::saturating_add);
+    let overhead = milli(spec.overhead.as_ref().and_then(|o| o.get("cpu")));
+    app.max(peak).saturating_add(overhead)
 }

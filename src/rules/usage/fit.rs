@@ -5,7 +5,9 @@
 use serde::Deserialize;
 
 use super::select::{Candidate, Order, choose};
-use super::{Assignment, ContainerAsk, Inventory, Ledger, NodeUsage, PodAsks, pod_holdings};
+use super::{
+    Assignment, ContainerAsk, Inventory, Ledger, NodeRoom, NodeUsage, PodAsks, pod_holdings,
+};
 use crate::rules::device::{PerResource, Resource};
 
 /// At most this many containers of one pod that ask GPUs.
@@ -29,10 +31,15 @@ pub enum Policy {
     /// Put each pod where it leaves the least GPU memory on the GPUs it
     /// takes, anywhere in the cluster, keeping the GPUs with the most room
     /// (and whole nodes) free for big pods.
-    #[default]
     Binpack,
     /// Spread pods over the emptiest nodes.
     Spread,
+    /// Put each pod on the node and GPU where it adds the least expected
+    /// fragmentation for the pods the cluster runs (`frag`: Fragmentation
+    /// Gradient Descent, USENIX ATC '23), the fuller node among near
+    /// equals: GPU room stays in the pieces the next pods can use.
+    #[default]
+    Fragmentation,
 }
 
 /// The GPU the fit would put a lone shared container asking `need`
@@ -828,6 +835,48 @@ fn shortfall(inv: &Inventory, usage: &NodeUsage, need: &PerResource<u64>) -> Str
     }
 }
 
+/// Where else a pod whose one GPU ask is an app container's share of one
+/// GPU could go on the node: each GPU that holds it, in the fit's order
+/// (`assignment`'s own first). Any other pod: `assignment` alone.
+pub(crate) fn alternatives(
+    inv: &Inventory,
+    usage: &NodeUsage,
+    asks: &PodAsks,
+    assignment: &Assignment,
+) -> Vec<Assignment> {
+    let mut gpu_asks = asks.containers.iter().filter(|c| c.whole() || c.shared());
+    let (Some(c), None) = (gpu_asks.next(), gpu_asks.next()) else {
+        return vec![assignment.clone()];
+    };
+    if c.init || !c.shared() {
+        return vec![assignment.clone()];
+    }
+    let need = inv.amount(&c.devices);
+    let own = |g: usize| {
+        assignment
+            .0
+            .get(&c.name)
+            .is_some_and(|u| u.contains(&inv.gpus[g].uuid))
+    };
+    shared_order(inv, usage, &need, own)
+        .into_iter()
+        .map(|g| Assignment([(c.name.clone(), vec![inv.gpus[g].uuid.clone()])].into()))
+        .collect()
+}
+
+/// The node as it would be with the pod on `assignment`: its GPUs' usage
+/// and the CPU left.
+pub(crate) fn room_after(
+    room: &NodeRoom,
+    asks: &PodAsks,
+    assignment: &Assignment,
+) -> (NodeUsage, Option<u64>) {
+    (
+        with_pod(room.inventory, room.usage, asks, assignment),
+        room.cpu_free.map(|c| c.saturating_sub(asks.cpu_milli)),
+    )
+}
+
 /// `usage` with the pod on the GPUs of `assignment`.
 fn with_pod(
     inv: &Inventory,
@@ -912,7 +961,7 @@ pub(crate) fn score(
     let busy = (permille.iter().sum::<u64>() / permille.len() as u64 * 10 + 500) / 1000;
     let busy = busy as u8;
     match policy {
-        Policy::Binpack => busy,
+        Policy::Binpack | Policy::Fragmentation => busy,
         Policy::Spread => 10 - busy,
     }
 }

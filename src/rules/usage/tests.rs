@@ -53,7 +53,10 @@ fn sidecar(name: &str, mem: u64, core: u64, count: u64) -> ContainerAsk {
 }
 
 fn pod(containers: Vec<ContainerAsk>) -> PodAsks {
-    PodAsks { containers }
+    PodAsks {
+        containers,
+        ..PodAsks::default()
+    }
 }
 
 fn assignment(pairs: &[(&str, &[&str])]) -> Assignment {
@@ -1482,4 +1485,143 @@ mod trust {
             [(0, 0, 0), (1024, 10, 0)]
         );
     }
+}
+
+/// Fragmentation as the paper defines it, kind by kind.
+mod fragmentation {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    /// Two GPUs of 2,560 MiB (10 devices each); GPU-0 half used.
+    fn half_used() -> (Inventory, NodeUsage) {
+        let inv = inventory(&[2560, 2560]);
+        let mut usage = NodeUsage::empty(&inv);
+        let holder = pod(vec![ask("a", false, 5, 50, 0)]);
+        for h in pod_holdings(
+            &inv,
+            &holder.containers,
+            &Ledger::default(),
+            &assignment(&[("a", &["GPU-0"])]),
+        ) {
+            usage.add(&inv, &h);
+        }
+        (inv, usage)
+    }
+
+    fn kind(cpu_milli: u64, shares: &[[u64; 2]], whole: u64) -> Kind {
+        Kind {
+            cpu_milli,
+            shares: shares.to_vec(),
+            whole,
+        }
+    }
+
+    fn alone(k: Kind) -> Workload {
+        Workload::of(&HashMap::from([(k, 1)]))
+    }
+
+    #[test]
+    fn each_kind_strands_what_it_cannot_use() {
+        let (inv, usage) = half_used();
+        let room = |cpu_free| NodeRoom {
+            inventory: &inv,
+            usage: &usage,
+            cpu_free,
+        };
+        let frag = |k: Kind, cpu_free| alone(k).fragmentation(&room(cpu_free));
+        // 60 % shares: GPU-0's free half is too small for one.
+        assert_eq!(frag(kind(0, &[[6, 60]], 0), None), 500.0);
+        // 20 % shares fit both GPUs: nothing stranded...
+        assert_eq!(frag(kind(0, &[[2, 20]], 0), None), 0.0);
+        // ...unless the node lacks the CPU they ask: then all of it.
+        assert_eq!(frag(kind(4000, &[[2, 20]], 0), Some(2000)), 1500.0);
+        assert_eq!(frag(kind(4000, &[[2, 20]], 0), Some(4000)), 0.0);
+        // One whole GPU: the half-used one is stranded; two: all is.
+        assert_eq!(frag(kind(0, &[], 1), None), 500.0);
+        assert_eq!(frag(kind(0, &[], 2), None), 1500.0);
+        // A pod asking no GPU uses none of it.
+        assert_eq!(frag(kind(100, &[], 0), None), 1500.0);
+        // A pod with a share too big for any GPU uses none either.
+        assert_eq!(frag(kind(0, &[[2, 20], [11, 10]], 0), None), 1500.0);
+    }
+
+    #[test]
+    fn the_workload_weighs_its_most_common_kinds() {
+        let (inv, usage) = half_used();
+        let room = NodeRoom {
+            inventory: &inv,
+            usage: &usage,
+            cpu_free: None,
+        };
+        let (a, b, c) = (kind(0, &[[6, 60]], 0), kind(0, &[], 1), kind(0, &[], 2));
+        let w = Workload::of(&HashMap::from([(a.clone(), 2), (b, 1), (c, 1)]));
+        assert_eq!(
+            w.fragmentation(&room),
+            0.5 * 500.0 + 0.25 * 500.0 + 0.25 * 1500.0
+        );
+        // Kinds past 95 % of the pods are left out.
+        let w = Workload::of(&HashMap::from([(a, 99), (kind(0, &[], 2), 1)]));
+        assert_eq!(w.fragmentation(&room), 500.0);
+    }
+
+    /// Whole GPUs held, unhealthy GPUs: nothing free there to strand.
+    #[test]
+    fn gpus_held_whole_or_unhealthy_have_nothing_free() {
+        let mut inv = inventory(&[2560, 2560]);
+        let mut usage = NodeUsage::empty(&inv);
+        let w = pod(vec![ask("w", false, 0, 0, 1)]);
+        for h in pod_holdings(
+            &inv,
+            &w.containers,
+            &Ledger::default(),
+            &assignment(&[("w", &["GPU-0"])]),
+        ) {
+            usage.add(&inv, &h);
+        }
+        inv.gpus[1].healthy = false;
+        let room = NodeRoom {
+            inventory: &inv,
+            usage: &usage,
+            cpu_free: None,
+        };
+        assert_eq!(alone(kind(100, &[], 0)).fragmentation(&room), 0.0);
+    }
+
+    #[test]
+    fn a_pods_kind_is_what_stays_on_the_node() {
+        let mut asks = pod(vec![
+            ask("init", true, 8, 0, 0),
+            sidecar("side", 1, 10, 0),
+            ask("a", false, 3, 30, 0),
+            ask("w", false, 0, 0, 2),
+        ]);
+        asks.cpu_milli = 1500;
+        assert_eq!(Kind::of(&asks), kind(1500, &[[1, 10], [3, 30]], 2));
+    }
+}
+
+/// The CPU a pod asks, as kube-scheduler counts it.
+#[test]
+fn a_pods_cpu_is_its_containers_or_its_init_peak_and_overhead() {
+    let pod: Pod = serde_json::from_value(serde_json::json!({
+        "spec": {
+            "initContainers": [
+                {"name": "side", "restartPolicy": "Always", "resources": {"requests": {"cpu": "250m"}}},
+                {"name": "init", "resources": {"requests": {"cpu": "3"}}},
+            ],
+            "containers": [
+                {"name": "a", "resources": {"requests": {"cpu": "500m"}}},
+                // A limit alone is the request too.
+                {"name": "b", "resources": {"limits": {"cpu": "1"}}},
+                {"name": "c"},
+            ],
+            "overhead": {"cpu": "100m"},
+        },
+    }))
+    .unwrap();
+    let asks = PodAsks::from_pod(&Keys::new("doslab.io"), &pod);
+    // The init container beside the sidecar (3.25) outweighs the app
+    // containers beside it (1.75); the overhead comes on top.
+    assert_eq!(asks.cpu_milli, 3350);
 }
