@@ -590,6 +590,7 @@ async fn placement_figures() {
     let labels = [
         "extender, binpack",
         "extender, spread",
+        "extender, fragmentation",
         "node totals, default scoring (spread by pods)",
         "node totals, MostAllocated gpu-memory",
         "node totals, default scoring, exclusive devices withdrawn",
@@ -607,9 +608,14 @@ async fn placement_figures() {
                     )
                     .await
                 }
-                1 => {
+                1 | 2 => {
+                    let policy = if which == 1 {
+                        "spread"
+                    } else {
+                        "fragmentation"
+                    };
                     run(
-                        ExtenderScheduler::new("spread", &objects),
+                        ExtenderScheduler::new(policy, &objects),
                         &objects,
                         &pods,
                         lifetime,
@@ -617,9 +623,9 @@ async fn placement_figures() {
                     .await
                 }
                 n => {
-                    // 2, 3: every device listed; 4, 5: exclusive ones
-                    // withdrawn. Odd: MostAllocated.
-                    let s = NodeTotalScheduler::new(&sides, &names, n % 2 == 1, n >= 4);
+                    // 3, 4: every device listed; 5, 6: exclusive ones
+                    // withdrawn. Even: MostAllocated.
+                    let s = NodeTotalScheduler::new(&sides, &names, n % 2 == 0, n >= 5);
                     run(s, &objects, &pods, lifetime).await
                 }
             };
@@ -710,8 +716,9 @@ impl Http {
 }
 
 /// Filter and bind through the extender's HTTP server on loopback, with
-/// 1,000 nodes of 8 × 80 GB and 10,000 bound pods in its cache.
-async fn latency_figures() {
+/// 1,000 nodes of 8 × 80 GB and 10,000 bound pods in its cache, under
+/// `policy`.
+async fn latency_figures(policy: &str) {
     const NODES: usize = 1_000;
     const CACHED: usize = 10_000;
     const TIMED: usize = 500;
@@ -728,7 +735,8 @@ async fn latency_figures() {
     for n in node_objects(&nodes) {
         cluster.add_node(n);
     }
-    let config = ExtenderConfig::from_toml("[extender]\nlisten = \"127.0.0.1:0\"\n").unwrap();
+    let text = format!("[extender]\nlisten = \"127.0.0.1:0\"\npolicy = \"{policy}\"\n");
+    let config = ExtenderConfig::from_toml(&text).unwrap();
     let extender = Arc::new(Extender::new(&config, cluster.index(), cluster.clone()));
     // The cache: pods bound through the extender's own bind, ten a node.
     let mut rng = Rng(SEED);
@@ -770,17 +778,20 @@ async fn latency_figures() {
         assert_eq!(answer, r#"{"Error":""}"#, "the bind failed");
     }
     println!(
-        "latency: {NODES} nodes × 8 × 80 GB, {cached} bound pods in the cache ({TIMED} more bound while timing), \
+        "latency, {policy}: {NODES} nodes × 8 × 80 GB, {cached} bound pods in the cache ({TIMED} more bound while timing), \
          HTTP on loopback (kept-alive connection), in-memory API server",
     );
     report(
         &format!(
-            "latency: filter over all {NODES} node names ({:.0} passed on average)",
+            "latency, {policy}: filter over all {NODES} node names ({:.0} passed on average)",
             passed_total as f64 / TIMED as f64
         ),
         filter,
     );
-    report("latency: bind (re-plan, annotate, Binding)", bind);
+    report(
+        &format!("latency, {policy}: bind (re-plan, annotate, Binding)"),
+        bind,
+    );
     // What the extender itself keeps: its index alone, built again from
     // the same objects (the in-memory API server holds a copy of its own).
     let bare = vm_rss_kib();
@@ -795,7 +806,7 @@ async fn latency_figures() {
     }
     let with_index = vm_rss_kib();
     println!(
-        "latency: resident memory {:.1} MiB before the cache, {:.1} MiB with it (+{:.1} MiB, \
+        "latency, {policy}: resident memory {:.1} MiB before the cache, {:.1} MiB with it (+{:.1} MiB, \
          the in-memory API server's copy of the pods included); the extender's index alone: \
          +{:.1} MiB for {} nodes and {} pods",
         mib(before),
@@ -918,7 +929,7 @@ async fn burst_figures() {
         ("weight 1, default score plugins", defaults),
         ("shipped config", SchedulerConfig::shipped),
     ];
-    for policy in ["binpack", "spread"] {
+    for policy in ["binpack", "spread", "fragmentation"] {
         for (what, config) in configs {
             let burst = one_burst(policy, config).await;
             println!("burst: {policy}, {what}: 40 pods: {burst}");
@@ -948,7 +959,9 @@ fn main() {
         // Latency first: its resident memory is read before the placement
         // runs have grown the heap.
         if run("latency") {
-            latency_figures().await;
+            for policy in ["binpack", "fragmentation"] {
+                latency_figures(policy).await;
+            }
         }
         if run("placement") {
             placement_figures().await;

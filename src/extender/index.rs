@@ -127,7 +127,8 @@ pub struct Index {
     /// inventory or usage changes, so the planner's memo of what fits
     /// there is used only while nothing did.
     stamps: HashMap<String, u64>,
-    /// The stored pods by kind, and how many times a pod came or went.
+    /// The stored pods by kind, and how many times a pod was stored or
+    /// removed (an update is both).
     kinds: HashMap<Kind, u64>,
     kind_changes: u64,
 }
@@ -441,8 +442,9 @@ impl Index {
         self.pods.len()
     }
 
-    /// The pods by kind, and a count that grows each time a pod comes or
-    /// goes (how far the counts moved since someone last read them).
+    /// The pods by kind, and a count that grows each time a pod is stored
+    /// or removed (how far the counts may have moved since someone last
+    /// read them).
     pub(crate) fn kinds(&self) -> (&HashMap<Kind, u64>, u64) {
         (&self.kinds, self.kind_changes)
     }

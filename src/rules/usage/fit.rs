@@ -31,14 +31,15 @@ pub enum Policy {
     /// Put each pod where it leaves the least GPU memory on the GPUs it
     /// takes, anywhere in the cluster, keeping the GPUs with the most room
     /// (and whole nodes) free for big pods.
+    #[default]
     Binpack,
     /// Spread pods over the emptiest nodes.
     Spread,
     /// Put each pod on the node and GPU where it adds the least expected
     /// fragmentation for the pods the cluster runs (`frag`: Fragmentation
     /// Gradient Descent, USENIX ATC '23), the fuller node among near
-    /// equals: GPU room stays in the pieces the next pods can use.
-    #[default]
+    /// equals: GPU room stays in the pieces the next pods can use. Pods
+    /// asking no GPU are placed too, when they reach the extender.
     Fragmentation,
 }
 
@@ -837,7 +838,9 @@ fn shortfall(inv: &Inventory, usage: &NodeUsage, need: &PerResource<u64>) -> Str
 
 /// Where else a pod whose one GPU ask is an app container's share of one
 /// GPU could go on the node: each GPU that holds it, in the fit's order
-/// (`assignment`'s own first). Any other pod: `assignment` alone.
+/// (`assignment`'s own first), one of those alike in what they have free
+/// and carry (they leave the node alike). Any other pod: `assignment`
+/// alone.
 pub(crate) fn alternatives(
     inv: &Inventory,
     usage: &NodeUsage,
@@ -858,8 +861,19 @@ pub(crate) fn alternatives(
             .get(&c.name)
             .is_some_and(|u| u.contains(&inv.gpus[g].uuid))
     };
+    let mut seen = Vec::new();
     shared_order(inv, usage, &need, own)
         .into_iter()
+        .filter(|&g| {
+            let state = (
+                SHARED.map(|r| usage.free(inv, g, r)),
+                SHARED.map(|r| inv.capacity(g)[r]),
+                usage.gpus[g].carries_shared(),
+            );
+            let new = !seen.contains(&state);
+            seen.push(state);
+            new
+        })
         .map(|g| Assignment([(c.name.clone(), vec![inv.gpus[g].uuid.clone()])].into()))
         .collect()
 }

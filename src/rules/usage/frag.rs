@@ -18,7 +18,7 @@
 use std::collections::HashMap;
 
 use super::{Inventory, NodeUsage, PodAsks};
-use crate::rules::device::{PerResource, Resource};
+use crate::rules::device::Resource;
 
 /// Thousandths of a GPU in one GPU.
 pub(crate) const GPU: u64 = 1000;
@@ -27,6 +27,11 @@ pub(crate) const GPU: u64 = 1000;
 /// the workload (the paper's 95 %): the rare ones cost the measure time
 /// and move it little.
 const KEEP_PERCENT: u64 = 95;
+
+/// And at most this many kinds: a cluster of many small kinds would
+/// otherwise make each node's measure cost a pass over each of them (the
+/// trace's 95 % are 35 kinds).
+const MAX_KINDS: usize = 64;
 
 /// A kind of pod, as fragmentation sees it: the CPU it asks of the node
 /// and what its containers ask of GPUs.
@@ -80,87 +85,98 @@ pub(crate) struct NodeRoom<'a> {
     pub(crate) cpu_free: Option<u64>,
 }
 
+/// One GPU as a measure reads it, read once per measure of its node.
+#[derive(Debug, Clone, Copy)]
+struct GpuRoom {
+    /// Memory and core free in real units; `None`: it takes no share
+    /// (unhealthy, or held whole).
+    left: Option<[u64; 2]>,
+    /// Thousandths of it free for new work: the mean of its free memory
+    /// and core.
+    free: u64,
+    /// Free of any work: a whole ask can take it.
+    fresh: bool,
+}
+
+impl GpuRoom {
+    fn holds(&self, need: [u64; 2]) -> bool {
+        self.left
+            .is_some_and(|l| l[0] >= need[0] && l[1] >= need[1])
+    }
+}
+
 impl NodeRoom<'_> {
-    /// Thousandths of GPU `g` free for new work: none of an unhealthy GPU
-    /// or one held whole, else the mean of its free memory and core.
-    fn free(&self, g: usize) -> u64 {
-        let (inv, u) = (self.inventory, self.usage);
-        if !inv.gpus[g].healthy || u.gpus[g].held_whole() {
-            return 0;
-        }
-        let cap = inv.capacity(g);
-        let share = |r: Resource| (u.free(inv, g, r) * GPU).checked_div(cap[r]).unwrap_or(0);
-        (share(Resource::GpuMemory) + share(Resource::GpuCore)) / 2
-    }
-
-    /// Whether GPU `g` takes a share of `need` (real units).
-    fn holds(&self, g: usize, need: &PerResource<u64>) -> bool {
-        let (inv, u) = (self.inventory, self.usage);
-        inv.gpus[g].healthy
-            && !u.gpus[g].held_whole()
-            && [Resource::GpuMemory, Resource::GpuCore]
-                .into_iter()
-                .all(|r| u.free(inv, g, r) >= need[r])
-    }
-
     /// Thousandths of a GPU free on the node, all GPUs together.
     pub(crate) fn gpu_free(&self) -> u64 {
-        (0..self.inventory.gpus.len()).map(|g| self.free(g)).sum()
+        self.gpus().iter().map(|g| g.free).sum()
     }
 
-    fn free_of_work(&self, g: usize) -> bool {
-        let u = &self.usage.gpus[g];
-        self.inventory.gpus[g].healthy && !u.held_whole() && !u.carries_shared()
+    fn gpus(&self) -> Vec<GpuRoom> {
+        let (inv, u) = (self.inventory, self.usage);
+        (0..inv.gpus.len())
+            .map(|g| {
+                if !inv.gpus[g].healthy || u.gpus[g].held_whole() {
+                    return GpuRoom {
+                        left: None,
+                        free: 0,
+                        fresh: false,
+                    };
+                }
+                let cap = inv.capacity(g);
+                let left = [Resource::GpuMemory, Resource::GpuCore].map(|r| u.free(inv, g, r));
+                let share =
+                    |i: usize, r: Resource| (left[i] * GPU).checked_div(cap[r]).unwrap_or(0);
+                GpuRoom {
+                    left: Some(left),
+                    free: (share(0, Resource::GpuMemory) + share(1, Resource::GpuCore)) / 2,
+                    fresh: !u.gpus[g].carries_shared(),
+                }
+            })
+            .collect()
     }
 
     /// The free thousandths of GPU that `kind` could not use here.
-    fn stranded(&self, kind: &Kind, free: &[u64]) -> u64 {
-        let all = free.iter().sum();
-        let gpus = 0..free.len();
+    fn stranded(&self, kind: &Kind, gpus: &[GpuRoom]) -> u64 {
+        let all = gpus.iter().map(|g| g.free).sum();
         if !kind.asks_gpus() || self.cpu_free.is_some_and(|c| c < kind.cpu_milli) {
             return all;
         }
-        if kind.whole > 0 {
-            let fresh = gpus.clone().filter(|&g| self.free_of_work(g)).count() as u64;
-            if fresh < kind.whole {
-                return all;
-            }
+        if kind.whole > gpus.iter().filter(|g| g.fresh).count() as u64 {
+            return all;
         }
-        let needs: Vec<PerResource<u64>> = kind
+        if kind.shares.is_empty() {
+            return gpus.iter().filter(|g| !g.fresh).map(|g| g.free).sum();
+        }
+        let unit = self.inventory.unit();
+        let needs: Vec<[u64; 2]> = kind
             .shares
             .iter()
             .map(|&[memory, core]| {
-                self.inventory.amount(&PerResource {
-                    memory,
-                    core,
-                    count: 0,
-                })
+                [
+                    memory.saturating_mul(unit.memory),
+                    core.saturating_mul(unit.core),
+                ]
             })
             .collect();
-        let held: Vec<bool> = gpus
-            .clone()
-            .map(|g| needs.iter().any(|n| self.holds(g, n)))
-            .collect();
-        let every_share_held = needs.iter().all(|n| gpus.clone().any(|g| self.holds(g, n)));
-        if !every_share_held {
+        if !needs.iter().all(|&n| gpus.iter().any(|g| g.holds(n))) {
             return all;
         }
-        gpus.filter(|&g| {
-            if needs.is_empty() {
-                !self.free_of_work(g)
-            } else {
-                !held[g]
-            }
-        })
-        .map(|g| free[g])
-        .sum()
+        gpus.iter()
+            .filter(|g| !needs.iter().any(|&n| g.holds(n)))
+            .map(|g| g.free)
+            .sum()
     }
 }
 
 impl Workload {
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.kinds.len()
+    }
+
     /// The workload of pods counted by kind: the most common kinds down to
-    /// [`KEEP_PERCENT`] of the pods (ties in kind order), each weighted by
-    /// its share of those.
+    /// [`KEEP_PERCENT`] of the pods, [`MAX_KINDS`] at most (ties in kind
+    /// order), each weighted by its share of those.
     pub(crate) fn of(counts: &HashMap<Kind, u64>) -> Workload {
         let total: u64 = counts.values().sum();
         let mut kinds: Vec<(&Kind, u64)> = counts
@@ -172,7 +188,7 @@ impl Workload {
         let mut kept = 0;
         let mut chosen = Vec::new();
         for (k, n) in kinds {
-            if kept * 100 >= total * KEEP_PERCENT {
+            if kept * 100 >= total * KEEP_PERCENT || chosen.len() == MAX_KINDS {
                 break;
             }
             kept += n;
@@ -185,12 +201,10 @@ impl Workload {
     /// The node's expected fragmentation, in thousandths of a GPU: the
     /// free GPU each kind of pod could not use, weighted by its share.
     pub(crate) fn fragmentation(&self, node: &NodeRoom) -> f64 {
-        let free: Vec<u64> = (0..node.inventory.gpus.len())
-            .map(|g| node.free(g))
-            .collect();
+        let gpus = node.gpus();
         self.kinds
             .iter()
-            .map(|(kind, w)| w * node.stranded(kind, &free) as f64)
+            .map(|(kind, w)| w * node.stranded(kind, &gpus) as f64)
             .sum()
     }
 }

@@ -1493,19 +1493,21 @@ mod fragmentation {
 
     use super::*;
 
+    /// `inv`'s usage with one container `c` on GPU-0.
+    fn on_gpu0(inv: &Inventory, c: ContainerAsk) -> NodeUsage {
+        let name = c.name.clone();
+        let holder = pod(vec![c]);
+        let placed = assignment(&[(&name, &["GPU-0"])]);
+        NodeUsage::of(
+            inv,
+            &pod_holdings(inv, &holder.containers, &Ledger::default(), &placed),
+        )
+    }
+
     /// Two GPUs of 2,560 MiB (10 devices each); GPU-0 half used.
     fn half_used() -> (Inventory, NodeUsage) {
         let inv = inventory(&[2560, 2560]);
-        let mut usage = NodeUsage::empty(&inv);
-        let holder = pod(vec![ask("a", false, 5, 50, 0)]);
-        for h in pod_holdings(
-            &inv,
-            &holder.containers,
-            &Ledger::default(),
-            &assignment(&[("a", &["GPU-0"])]),
-        ) {
-            usage.add(&inv, &h);
-        }
+        let usage = on_gpu0(&inv, ask("a", false, 5, 50, 0));
         (inv, usage)
     }
 
@@ -1569,16 +1571,7 @@ mod fragmentation {
     #[test]
     fn gpus_held_whole_or_unhealthy_have_nothing_free() {
         let mut inv = inventory(&[2560, 2560]);
-        let mut usage = NodeUsage::empty(&inv);
-        let w = pod(vec![ask("w", false, 0, 0, 1)]);
-        for h in pod_holdings(
-            &inv,
-            &w.containers,
-            &Ledger::default(),
-            &assignment(&[("w", &["GPU-0"])]),
-        ) {
-            usage.add(&inv, &h);
-        }
+        let usage = on_gpu0(&inv, ask("w", false, 0, 0, 1));
         inv.gpus[1].healthy = false;
         let room = NodeRoom {
             inventory: &inv,
@@ -1624,4 +1617,32 @@ fn a_pods_cpu_is_its_containers_or_its_init_peak_and_overhead() {
     // The init container beside the sidecar (3.25) outweighs the app
     // containers beside it (1.75); the overhead comes on top.
     assert_eq!(asks.cpu_milli, 3350);
+}
+
+/// However many kinds of pods a cluster runs, the workload keeps the 64
+/// most common: the measure of each node stays bounded.
+#[test]
+fn a_workload_keeps_at_most_64_kinds() {
+    use std::collections::HashMap;
+    let counts: HashMap<Kind, u64> = (0..1000)
+        .map(|i| {
+            let kind = Kind {
+                cpu_milli: i,
+                ..Kind::default()
+            };
+            (kind, 1 + i % 3)
+        })
+        .collect();
+    let inv = inventory(&[2560]);
+    let usage = NodeUsage::empty(&inv);
+    let room = NodeRoom {
+        inventory: &inv,
+        usage: &usage,
+        cpu_free: Some(500),
+    };
+    // CPU-only kinds strand all of a free GPU whatever their weights: the
+    // weights of the kept kinds still add up to one.
+    let f = Workload::of(&counts).fragmentation(&room);
+    assert!((f - 1000.0).abs() < 1e-6, "{f}");
+    assert_eq!(Workload::of(&counts).len(), 64);
 }
