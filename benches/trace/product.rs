@@ -19,18 +19,53 @@ use crate::load::{MODELS, Task, TraceNode};
 /// The label a GPU-model selector names.
 const MODEL_LABEL: &str = "gpu.example.com/model";
 
+/// kube-scheduler's look at the nodes: from where the last one stopped,
+/// it filters until `size` nodes pass or it has seen every node
+/// (`percentageOfNodesToScore`: that share of the nodes, at least 100).
+struct Sample {
+    size: usize,
+    next_start: usize,
+}
+
+impl Sample {
+    fn new(nodes: usize, percent: usize) -> Sample {
+        let size = if nodes < 100 {
+            nodes
+        } else {
+            (nodes * percent / 100).max(100)
+        };
+        Sample {
+            size,
+            next_start: 0,
+        }
+    }
+
+    /// The nodes of this look that `passes`.
+    fn take(&mut self, nodes: usize, passes: impl Fn(usize) -> bool) -> Vec<usize> {
+        let mut found = Vec::new();
+        let mut looked = 0;
+        while looked < nodes && found.len() < self.size {
+            let i = (self.next_start + looked) % nodes;
+            if passes(i) {
+                found.push(i);
+            }
+            looked += 1;
+        }
+        self.next_start = (self.next_start + looked) % nodes;
+        found
+    }
+}
+
 pub struct Product {
     cluster: MemoryCluster,
     extender: Extender<MemoryCluster>,
     names: Vec<String>,
     /// GPU UUIDs per node, in order.
     uuids: Vec<Vec<String>>,
-    /// How many nodes the scheduler's filters look for before it stops
-    /// (`percentageOfNodesToScore`), and where the next pod's look starts.
-    sample: usize,
-    next_start: usize,
-    /// Where the default scheduler's next look starts.
-    cpu_start: usize,
+    /// The GPU scheduler's sample of the nodes, and the default
+    /// scheduler's.
+    gpu_sample: Sample,
+    cpu_sample: Sample,
     /// CPU-only pods go to the GPU scheduler too (the fragmentation
     /// policy places them), not to the default scheduler.
     cpu_pods_ours: bool,
@@ -130,19 +165,16 @@ impl Product {
         }
         let config =
             ExtenderConfig::from_toml(&format!("[extender]\npolicy = \"{policy}\"\n")).unwrap();
-        let sample = if nodes.len() < 100 {
-            nodes.len()
-        } else {
-            (nodes.len() * percent / 100).max(100)
-        };
+        // The default scheduler's adaptive share: 50 % less 1 % per 125
+        // nodes, at least 5 %.
+        let cpu_percent = 50usize.saturating_sub(nodes.len() / 125).max(5);
         Product {
             extender: Extender::new(&config, cluster.index(), cluster.clone()),
             cluster,
             names,
             uuids,
-            sample,
-            next_start: 0,
-            cpu_start: 0,
+            gpu_sample: Sample::new(nodes.len(), percent),
+            cpu_sample: Sample::new(nodes.len(), cpu_percent),
             cpu_pods_ours: policy == "fragmentation",
             runtime: tokio::runtime::Builder::new_current_thread()
                 .enable_time()
@@ -160,35 +192,21 @@ impl Product {
     /// A CPU-only pod is not the GPU scheduler's: the default scheduler
     /// places it, on its default profile (`NodeResourcesFit`'s
     /// LeastAllocated over CPU and memory, which spreads pods) over its
-    /// adaptive sample of the nodes (50 % less 1 % per 125 nodes, at least
-    /// 5 % and 100 nodes).
+    /// adaptive sample of the nodes.
     fn default_scheduler(&mut self, c: &Cluster, t: &Task) -> Option<Placement> {
-        let n = c.nodes.len();
-        let percent = 50usize.saturating_sub(n / 125).max(5);
-        let sample = if n < 100 {
-            n
-        } else {
-            (n * percent / 100).max(100)
-        };
-        let mut best: Option<(u64, usize)> = None;
-        let (mut looked, mut found) = (0, 0);
-        while looked < n && found < sample {
-            let i = (self.cpu_start + looked) % n;
+        let free = |left: u64, all: u64| (left * 100).checked_div(all).unwrap_or(0);
+        let score = |i: usize| {
             let node = &c.nodes[i];
-            looked += 1;
-            if !node.hosts(t) {
-                continue;
-            }
-            found += 1;
-            let free = |left: u64, all: u64| (left * 100).checked_div(all).unwrap_or(0);
-            let score = free(node.cpu_free - t.cpu_milli, node.cpu)
-                + free(node.memory_free - t.memory_mib, node.memory);
-            if best.is_none_or(|(s, _)| score > s) {
-                best = Some((score, i));
-            }
-        }
-        self.cpu_start = (self.cpu_start + looked) % n;
-        let (_, node) = best?;
+            free(node.cpu_free - t.cpu_milli, node.cpu)
+                + free(node.memory_free - t.memory_mib, node.memory)
+        };
+        // The first of the best, as the look found them.
+        let node = self
+            .cpu_sample
+            .take(c.nodes.len(), |i| c.nodes[i].hosts(t))
+            .into_iter()
+            .rev()
+            .max_by_key(|&i| score(i))?;
         // Bound where the extender sees it: its CPU counts on the node,
         // and it is of the workload.
         let mut pod = pod(&self.next_name(), t);
@@ -200,17 +218,12 @@ impl Product {
         })
     }
 
-    /// The scheduler's sample: from where the last look stopped, the nodes
-    /// its own filters pass, until it has `sample` of them or has looked
-    /// at every node. Node totals: a share needs as much free on the node
-    /// as it asks, whole GPUs as many GPUs free of work (the daemon lists
-    /// the devices of GPUs carrying work as withdrawn).
+    /// The GPU scheduler's sample of the nodes its own filters pass. Node
+    /// totals: a share needs as much free on the node as it asks, whole
+    /// GPUs as many GPUs free of work (the daemon lists the devices of
+    /// GPUs carrying work as withdrawn).
     fn feasible(&mut self, c: &Cluster, t: &Task) -> Vec<String> {
-        let n = c.nodes.len();
-        let mut found = Vec::new();
-        let mut looked = 0;
-        while looked < n && found.len() < self.sample {
-            let i = (self.next_start + looked) % n;
+        let passes = |i: usize| {
             let node = &c.nodes[i];
             let totals = if t.num_gpu == 0 {
                 true
@@ -219,13 +232,13 @@ impl Product {
             } else {
                 node.free_gpus() >= t.num_gpu as usize
             };
-            if node.hosts(t) && totals {
-                found.push(self.names[i].clone());
-            }
-            looked += 1;
-        }
-        self.next_start = (self.next_start + looked) % n;
-        found
+            node.hosts(t) && totals
+        };
+        self.gpu_sample
+            .take(c.nodes.len(), passes)
+            .into_iter()
+            .map(|i| self.names[i].clone())
+            .collect()
     }
 
     pub fn place(&mut self, c: &Cluster, t: &Task) -> Option<Placement> {

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 
-use crate::rules::usage::quantity::Quantity;
+use crate::rules::usage::quantity::parse_milli;
 use crate::rules::usage::{
     Assignment, ContainerAsk, Inventory, InventoryError, Keys, Kind, Ledger, NodeUsage, PodAsks,
     Records, finished, pod_holdings,
@@ -453,7 +453,7 @@ impl Index {
 /// The Node's allocatable CPU in millicores, if it states one.
 fn allocatable_cpu(node: &Node) -> Option<u64> {
     let q = node.status.as_ref()?.allocatable.as_ref()?.get("cpu")?;
-    u64::try_from(Quantity::parse(&q.0).ok()?.milli()?).ok()
+    parse_milli(&q.0)
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
 
 use super::Keys;
-use super::quantity::{Quantity, QuantityError, parse_count};
+use super::quantity::{QuantityError, parse_count, parse_milli};
 use crate::rules::device::{PerResource, Resource};
 
 /// A limit that is not a whole number of devices: the container's ask
@@ -165,10 +165,7 @@ fn container_cpu(c: &Container) -> u64 {
 
 /// `q` in thousandths; 0 when absent, unreadable or negative.
 fn milli(q: Option<&k8s_openapi::apimachinery::pkg::api::resource::Quantity>) -> u64 {
-    q.and_then(|q| Quantity::parse(&q.0).ok())
-        .and_then(|q| q.milli())
-        .and_then(|m| u64::try_from(m).ok())
-        .unwrap_or(0)
+    q.and_then(|q| parse_milli(&q.0)).unwrap_or(0)
 }
 
 /// The pod's CPU request as kube-scheduler counts it: the app containers

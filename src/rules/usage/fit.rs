@@ -37,8 +37,9 @@ pub enum Policy {
     Spread,
     /// Put each pod on the node and GPU where it adds the least expected
     /// fragmentation for the pods the cluster runs (`frag`: Fragmentation
-    /// Gradient Descent, USENIX ATC '23), the fuller node among near
-    /// equals: GPU room stays in the pieces the next pods can use. Pods
+    /// Gradient Descent, USENIX ATC '23), among near equals the one with
+    /// the least GPU and CPU left: GPU room stays in the pieces the next
+    /// pods can use. Pods
     /// asking no GPU are placed too, when they reach the extender.
     Fragmentation,
 }

@@ -7,7 +7,8 @@
 //! GPU uses none of it. Over the cluster's [`Workload`], the kinds of pods
 //! it runs weighted by how common each is, this is the node's expected
 //! fragmentation, and the extender's fragmentation policy places each pod
-//! where it grows least ([`Workload::fragmentation`], `fit::added`).
+//! where it grows least ([`Workload::fragmentation`]; the extender's
+//! `plan::least_fragmenting`).
 //!
 //! Free GPU is counted in thousandths of a GPU: of a GPU no whole ask
 //! holds, the mean of its free shares of memory and of compute. Shares ask
@@ -21,7 +22,7 @@ use super::{Inventory, NodeUsage, PodAsks};
 use crate::rules::device::Resource;
 
 /// Thousandths of a GPU in one GPU.
-pub(crate) const GPU: u64 = 1000;
+const GPU: u64 = 1000;
 
 /// The most common kinds of pods, down to this share of the pods, make
 /// the workload (the paper's 95 %): the rare ones cost the measure time
@@ -56,7 +57,8 @@ impl Kind {
         };
         for c in lasting {
             if c.whole() {
-                kind.whole += c.devices.count;
+                // Counts are the pod's to write: never past u64.
+                kind.whole = kind.whole.saturating_add(c.devices.count);
             } else if c.shared() {
                 kind.shares.push([c.devices.memory, c.devices.core]);
             }

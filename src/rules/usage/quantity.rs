@@ -225,6 +225,12 @@ impl Quantity {
     }
 }
 
+/// `text` in thousandths (a CPU amount in millicores), as kube-scheduler
+/// weighs it; `None` when it does not read, is negative or past `u64`.
+pub(crate) fn parse_milli(text: &str) -> Option<u64> {
+    u64::try_from(Quantity::parse(text).ok()?.milli()?).ok()
+}
+
 /// Reads `text` as a whole count of at most `max` (devices): the one
 /// function every reader of a resource amount uses.
 pub fn parse_count(text: &str, max: u64) -> Result<u64, QuantityError> {

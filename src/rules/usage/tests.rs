@@ -1591,6 +1591,12 @@ mod fragmentation {
         ]);
         asks.cpu_milli = 1500;
         assert_eq!(Kind::of(&asks), kind(1500, &[[1, 10], [3, 30]], 2));
+        // Counts past u64 together stay at its top, not wrapped to few.
+        let hostile = pod(vec![
+            ask("a", false, 0, 0, u64::MAX),
+            ask("b", false, 0, 0, 2),
+        ]);
+        assert_eq!(Kind::of(&hostile).whole, u64::MAX);
     }
 }
 
