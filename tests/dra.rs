@@ -602,6 +602,65 @@ async fn an_unhealthy_gpu_taints_its_device_until_it_is_healthy_again() {
     assert!(healed.spec.pool.generation > tainted.spec.pool.generation);
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn the_api_server_keeps_the_standard_attributes_of_a_gpu_the_node_places() {
+    let (cp, admin, _) = cluster().await;
+    let host = Host::new();
+    // A sysfs where GPU-a's device sits under the root complex pci0000:3a,
+    // linked as the kernel links it; GPU-b names no bus ID.
+    let sysfs = host.path("sys");
+    std::fs::create_dir_all(sysfs.join("devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0")).unwrap();
+    std::fs::create_dir_all(sysfs.join("bus/pci/devices")).unwrap();
+    std::os::unix::fs::symlink(
+        "../../../devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0",
+        sysfs.join("bus/pci/devices/0000:3b:00.0"),
+    )
+    .unwrap();
+    let plain = host.config(&cp, "");
+    let toml = plain
+        .replace(
+            "backend = \"mock\"\n",
+            &format!("backend = \"mock\"\nsysfs_root = {:?}\n", sysfs.display().to_string()),
+        )
+        .replace(
+            "uuid = \"GPU-a\"\nmemory_mib = 16384\n",
+            "uuid = \"GPU-a\"\nmemory_mib = 16384\nnuma_node = 1\npci_bus_id = \"00000000:3B:00.0\"\n",
+        );
+    assert!(
+        toml.contains("sysfs_root") && toml.contains("pci_bus_id"),
+        "{toml}"
+    );
+    let daemon = App::start(&toml).await;
+    register(&host).await;
+    let slice = slice_where(&admin, &daemon, |s| {
+        s.spec.devices.iter().flatten().count() == 2
+    })
+    .await;
+    let attributes = |name: &str| -> Value {
+        let devices = slice.spec.devices.iter().flatten();
+        let device = devices.into_iter().find(|d| d.name == name).unwrap();
+        serde_json::to_value(&device.attributes).unwrap()
+    };
+    let a = attributes("gpu-0");
+    assert_eq!(a["resource.kubernetes.io/numaNode"], json!({"int": 1}));
+    assert_eq!(
+        a["resource.kubernetes.io/pciBusID"],
+        json!({"string": "0000:3b:00.0"})
+    );
+    assert_eq!(
+        a["resource.kubernetes.io/pcieRoot"],
+        json!({"string": "pci0000:3a"})
+    );
+    let b = attributes("gpu-1");
+    let standard: Vec<&String> = b
+        .as_object()
+        .unwrap()
+        .keys()
+        .filter(|k| k.starts_with("resource.kubernetes.io/"))
+        .collect();
+    assert!(standard.is_empty(), "{b}");
+}
+
 /// `cargo test --test dra -- --ignored --nocapture prepare_figures`: what
 /// NodePrepareResources costs over the daemon's unix socket against the
 /// real kube-apiserver (each claim read from it, a cache directory and a

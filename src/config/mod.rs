@@ -155,6 +155,9 @@ pub enum LogFormat {
 pub struct Devices {
     pub(crate) backend: Backend,
     pub(crate) mock: Vec<MockGpu>,
+    /// Where sysfs is mounted: the GPUs' PCIe roots, and their NUMA nodes
+    /// where the driver does not say.
+    pub(crate) sysfs_root: PathBuf,
 }
 
 impl Default for Devices {
@@ -162,6 +165,7 @@ impl Default for Devices {
         Devices {
             backend: Backend::Nvml,
             mock: Vec::new(),
+            sysfs_root: "/sys".into(),
         }
     }
 }
@@ -180,6 +184,9 @@ pub(crate) struct MockGpu {
     pub(crate) memory_mib: u64,
     #[serde(default)]
     pub(crate) numa_node: Option<u32>,
+    /// Where it sits on PCI (`0000:3b:00.0`), for DRA's standard attributes.
+    #[serde(default)]
+    pub(crate) pci_bus_id: Option<String>,
 }
 
 /// What operators add to every Allocate response, beside the envs the
@@ -399,6 +406,15 @@ impl Config {
             }
             _ => {}
         }
+        if !self.devices.sysfs_root.is_absolute() {
+            return Err(invalid(
+                "devices.sysfs_root",
+                format!(
+                    "{} is not an absolute path (sysfs is mounted at /sys)",
+                    self.devices.sysfs_root.display()
+                ),
+            ));
+        }
         for (i, gpu) in mock.iter().enumerate() {
             let key = format!("devices.mock[{i}].uuid");
             crate::rules::device::validate_uuid(&gpu.uuid)
@@ -411,6 +427,24 @@ impl Config {
                     format!("devices.mock[{i}].memory_mib"),
                     "must be at least 1",
                 ));
+            }
+            if let Some(bus) = &gpu.pci_bus_id {
+                let key = format!("devices.mock[{i}].pci_bus_id");
+                let Some(normal) = crate::rules::device::pci_bus_id(bus) else {
+                    return Err(invalid(
+                        key,
+                        format!("{bus:?} is not a PCI bus ID like \"0000:3b:00.0\""),
+                    ));
+                };
+                let same = |g: &MockGpu| {
+                    g.pci_bus_id
+                        .as_deref()
+                        .and_then(crate::rules::device::pci_bus_id)
+                        == Some(normal.clone())
+                };
+                if mock[..i].iter().any(same) {
+                    return Err(invalid(key, format!("{bus:?} is listed twice")));
+                }
             }
         }
         Ok(())
@@ -509,11 +543,12 @@ impl From<&Config> for Offer {
 /// The mock backend's GPUs carry their list position as their index.
 impl From<&Config> for GpuSource {
     fn from(config: &Config) -> GpuSource {
-        match config.devices.backend {
-            Backend::Nvml => GpuSource::Nvml,
-            Backend::Mock => GpuSource::Listed(
-                config
-                    .devices
+        let devices = &config.devices;
+        let sysfs_root = devices.sysfs_root.clone();
+        match devices.backend {
+            Backend::Nvml => GpuSource::Nvml { sysfs_root },
+            Backend::Mock => GpuSource::Listed {
+                gpus: devices
                     .mock
                     .iter()
                     .zip(0..)
@@ -524,7 +559,17 @@ impl From<&Config> for GpuSource {
                         numa_node: m.numa_node,
                     })
                     .collect(),
-            ),
+                // Validated: every one listed is a bus ID.
+                pci_bus_ids: devices
+                    .mock
+                    .iter()
+                    .filter_map(|m| {
+                        let bus = crate::rules::device::pci_bus_id(m.pci_bus_id.as_deref()?)?;
+                        Some((m.uuid.clone(), bus))
+                    })
+                    .collect(),
+                sysfs_root,
+            },
         }
     }
 }
@@ -672,6 +717,49 @@ pub(crate) mod tests {
             "a".repeat(64)
         );
         assert!(err_of(&long).contains("devices.mock[0].uuid"));
+        let bus = |a: &str, b: &str| {
+            format!(
+                "[devices]\nbackend = \"mock\"\n[[devices.mock]]\nuuid = \"GPU-a\"\nmemory_mib = 1\npci_bus_id = \"{a}\"\n[[devices.mock]]\nuuid = \"GPU-b\"\nmemory_mib = 1\npci_bus_id = \"{b}\""
+            )
+        };
+        let e = err_of(&bus("0000:3b:00.0", "3b:00.0"));
+        assert!(e.contains("devices.mock[1].pci_bus_id"), "{e}");
+        // NVML's form and the standard one name the same device.
+        let e = err_of(&bus("0000:3b:00.0", "00000000:3B:00.0"));
+        assert!(
+            e.contains("devices.mock[1].pci_bus_id") && e.contains("twice"),
+            "{e}"
+        );
+        assert!(err_of("[devices]\nsysfs_root = \"sys\"").contains("devices.sysfs_root"));
+    }
+
+    #[test]
+    fn the_sysfs_root_and_mock_bus_ids_reach_the_gpu_source() {
+        assert_eq!(
+            GpuSource::from(&parse("").unwrap()),
+            GpuSource::Nvml {
+                sysfs_root: "/sys".into()
+            }
+        );
+        let c = parse(
+            "[devices]\nbackend = \"mock\"\nsysfs_root = \"/host/sys\"\n[[devices.mock]]\nuuid = \"GPU-a\"\nmemory_mib = 1\npci_bus_id = \"00000000:3B:00.0\"\n[[devices.mock]]\nuuid = \"GPU-b\"\nmemory_mib = 1",
+        )
+        .unwrap();
+        let GpuSource::Listed {
+            gpus,
+            pci_bus_ids,
+            sysfs_root,
+        } = GpuSource::from(&c)
+        else {
+            panic!("the mock backend lists its GPUs");
+        };
+        assert_eq!(gpus.len(), 2);
+        // Normalised to the standard form; GPU-b names none.
+        assert_eq!(
+            pci_bus_ids,
+            BTreeMap::from([("GPU-a".to_owned(), "0000:3b:00.0".to_owned())])
+        );
+        assert_eq!(sysfs_root, PathBuf::from("/host/sys"));
     }
 
     #[test]

@@ -48,7 +48,7 @@ pub(crate) struct DraArgs {
     pub(crate) probe: ProbeSpec,
     pub(crate) poll: Duration,
     pub(crate) recovery: Duration,
-    /// Where the GPUs' facts (product, versions) come from.
+    /// Where the GPUs' facts (product, versions, places on PCI) come from.
     pub(crate) source: GpuSource,
 }
 

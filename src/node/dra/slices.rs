@@ -13,6 +13,11 @@
 //! pod asking `gpu-memory` alone is with the device plugin (the scheduler
 //! applies a capacity's default to every request that does not name it).
 //! An unhealthy GPU carries a `NoSchedule` taint.
+//!
+//! Beside the driver's own attributes a GPU carries Kubernetes' standard
+//! ones (`resource.kubernetes.io/`: `numaNode`, `pciBusID`, `pcieRoot`),
+//! which claims can match across drivers, e.g. a NIC under the same PCIe
+//! root.
 
 use std::collections::BTreeMap;
 
@@ -30,6 +35,10 @@ use super::grant::{CORES, MEMORY, Node, device_name};
 use crate::rules::device::Gpu;
 
 pub(crate) use crate::rules::device::Facts;
+
+/// The prefix of Kubernetes' standard device attributes
+/// (k8s.io/dynamic-resource-allocation's `deviceattribute`).
+const STANDARD: &str = "resource.kubernetes.io/";
 
 /// How the slice publishes the GPUs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -107,7 +116,9 @@ pub(crate) fn slice(
 }
 
 /// What a claim's selectors can read of a GPU: its identity, its NUMA
-/// node, and the product and driver the node reports.
+/// node and place on PCI, and the product and driver the node reports.
+/// A fact the node does not know leaves its attribute out: a NUMA-less
+/// GPU publishing -1 would match every other such device.
 fn attributes(gpu: &Gpu, facts: &Facts) -> BTreeMap<String, DeviceAttribute> {
     let mut attributes = BTreeMap::from([
         ("uuid".to_owned(), string(&gpu.uuid)),
@@ -115,6 +126,13 @@ fn attributes(gpu: &Gpu, facts: &Facts) -> BTreeMap<String, DeviceAttribute> {
     ]);
     if let Some(numa) = gpu.numa_node {
         attributes.insert("numaNode".into(), int(numa.into()));
+        attributes.insert(format!("{STANDARD}numaNode"), int(numa.into()));
+    }
+    if let Some(pci) = facts.pci.get(&gpu.uuid) {
+        attributes.insert(format!("{STANDARD}pciBusID"), string(&pci.bus_id));
+        if let Some(root) = &pci.pcie_root {
+            attributes.insert(format!("{STANDARD}pcieRoot"), string(root));
+        }
     }
     if let Some(p) = facts.products.get(&gpu.uuid) {
         attributes.insert("productName".into(), string(p));
@@ -330,6 +348,7 @@ mod tests {
             products: BTreeMap::from([("GPU-a".into(), "NVIDIA H100".into())]),
             driver_version: Some("580.159.04".into()),
             cuda_version: Some("13.0".into()),
+            ..Default::default()
         };
         let shape = Shape {
             consumable: true,
@@ -383,6 +402,54 @@ mod tests {
             serde_json::json!([{"key": "gpu.doslab.io/unhealthy", "effect": "NoSchedule"}])
         );
         assert!(d1["attributes"].get("productName").is_none());
+    }
+
+    #[test]
+    fn gpus_carry_kubernetes_standard_attributes_beside_the_drivers_own() {
+        use crate::rules::device::Pci;
+        let mut n = node();
+        n.gpus[0].numa_node = Some(1);
+        let facts = Facts {
+            pci: BTreeMap::from([
+                (
+                    "GPU-a".into(),
+                    Pci {
+                        bus_id: "0000:3b:00.0".into(),
+                        pcie_root: Some("pci0000:3a".into()),
+                    },
+                ),
+                (
+                    "GPU-b".into(),
+                    Pci {
+                        bus_id: "0000:86:00.0".into(),
+                        pcie_root: None,
+                    },
+                ),
+            ]),
+            ..Default::default()
+        };
+        let shape = Shape {
+            consumable: true,
+            memory_unit_mib: 1,
+        };
+        let v = serde_json::to_value(slice(&n, &[true, true], &facts, &shape, 0)).unwrap();
+        let a0 = &v["spec"]["devices"][0]["attributes"];
+        for key in ["numaNode", "resource.kubernetes.io/numaNode"] {
+            assert_eq!(a0[key], serde_json::json!({"int": 1}), "{key}");
+        }
+        assert_eq!(
+            a0["resource.kubernetes.io/pciBusID"],
+            serde_json::json!({"string": "0000:3b:00.0"})
+        );
+        assert_eq!(
+            a0["resource.kubernetes.io/pcieRoot"],
+            serde_json::json!({"string": "pci0000:3a"})
+        );
+        // GPU-b: no NUMA node and no root known, so neither attribute,
+        // standard or not, rather than a value matching every such device.
+        let a1 = v["spec"]["devices"][1]["attributes"].as_object().unwrap();
+        let keys: Vec<&str> = a1.keys().map(String::as_str).collect();
+        assert_eq!(keys, ["index", "resource.kubernetes.io/pciBusID", "uuid"]);
     }
 
     #[test]

@@ -1,18 +1,24 @@
 //! GPUs and the devices the kubelet sees: the three resources, their device
 //! IDs, the wire size of their lists, and the free devices per GPU in a
 //! list (the usage model chooses among GPUs).
-//! Everything here but the backends is pure and unit-tested directly.
+//! Everything here but the backends and the sysfs reads of `pci` is pure
+//! and unit-tested directly.
 
 mod backend;
 pub(crate) mod free;
 mod ids;
 mod model;
+mod pci;
 mod units;
 
 pub(crate) use backend::{DiscoverError, Facts, GpuSource, discover, facts};
+// The facts' PCI places, which only tests build by hand.
+#[cfg(test)]
+pub(crate) use backend::Pci;
 pub(crate) use ids::validate_uuid;
 pub(crate) use model::{DeviceModel, DeviceRef, IdError, PlanError, device_entry_len};
 pub use model::{KUBELET_MAX_MESSAGE_BYTES, Plan};
+pub(crate) use pci::bus_id as pci_bus_id;
 pub(crate) use units::{Offer, Units, UnitsError};
 // The wire-size rules the plugin's ListAndWatch encoder writes by.
 #[cfg(test)]
