@@ -1413,6 +1413,110 @@ fn the_gpu_scheduler_is_a_second_kube_scheduler_with_the_extender_beside_it() {
         gpu_device_plugin::rules::usage::Policy::Spread
     );
     assert_eq!(extender.listen, "127.0.0.1:9999");
+
+    // `extender.preemption=false` leaves preemption to kube-scheduler.
+    let verbs = |args: &[&str]| -> Value {
+        let objs = chart(args);
+        let cm: ConfigMap = strict(named(&objs, "ConfigMap", "doslab-gpu-scheduler"));
+        let profile: Value = serde_yaml::from_str(&cm.data.unwrap()["scheduler.yaml"]).unwrap();
+        profile["extenders"][0]["preemptVerb"].clone()
+    };
+    assert_eq!(verbs(&EXTENDER_ON), json!("preempt"));
+    let off = [&EXTENDER_ON[..], &["--set", "extender.preemption=false"]].concat();
+    assert_eq!(verbs(&off), Value::Null);
+}
+
+/// The Kubernetes version the end-to-end tests run: the require of
+/// k8s.io/kubernetes in tests/kube/go.mod, the one place it is decided.
+fn tested_kubernetes() -> String {
+    let path = repo().join("tests/kube/go.mod");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let versions: Vec<&str> = text
+        .lines()
+        .map(|l| l.trim().trim_start_matches("require").trim_start())
+        .filter_map(|l| {
+            let mut words = l.split_whitespace();
+            (words.next() == Some("k8s.io/kubernetes"))
+                .then(|| words.next())
+                .flatten()
+                .filter(|v| v.starts_with('v'))
+        })
+        .collect();
+    match versions[..] {
+        [v] => v.to_owned(),
+        _ => panic!(
+            "{} requires k8s.io/kubernetes {versions:?}, not one version",
+            path.display()
+        ),
+    }
+}
+
+/// The image of the container `kube-scheduler` of the Deployment
+/// `doslab-gpu-scheduler` among `objs`.
+fn kube_scheduler_image(objs: &[Value]) -> String {
+    let deployment: Deployment = strict(named(objs, "Deployment", "doslab-gpu-scheduler"));
+    let pod = deployment.spec.unwrap().template.spec.unwrap();
+    let c = pod.containers.iter().find(|c| c.name == "kube-scheduler");
+    c.and_then(|c| c.image.clone())
+        .expect("a kube-scheduler image")
+}
+
+#[test]
+fn the_shipped_kube_scheduler_is_the_one_the_tests_run() {
+    let tested = tested_kubernetes();
+    let want = format!("registry.k8s.io/kube-scheduler:{tested}");
+    let mut wrong = Vec::new();
+    let kust = kube_scheduler_image(&kustomize(&["deploy/scheduler"]));
+    if kust != want {
+        wrong.push(format!("deploy/scheduler/deployment.yaml ships {kust}"));
+    }
+    let values_path = format!("{CHART}/values.yaml");
+    let values: Value =
+        serde_yaml::from_str(&std::fs::read_to_string(repo().join(&values_path)).unwrap()).unwrap();
+    let image = &values["extender"]["kubeScheduler"]["image"];
+    if image["repository"] != "registry.k8s.io/kube-scheduler" || image["tag"] != tested.as_str() {
+        wrong.push(format!(
+            "{values_path} (extender.kubeScheduler.image) defaults to {}:{}",
+            image["repository"].as_str().unwrap_or_default(),
+            image["tag"].as_str().unwrap_or_default()
+        ));
+    }
+    let rendered = kube_scheduler_image(&chart(&EXTENDER_ON));
+    if rendered != want {
+        wrong.push(format!(
+            "{CHART}/templates/scheduler/deployment.yaml renders {rendered} by default"
+        ));
+    }
+    // The manuals name the default image (and the chart's its tag).
+    let chart_readme = format!("{CHART}/README.md");
+    for doc in ["deploy/README.md", chart_readme.as_str()] {
+        let text = std::fs::read_to_string(repo().join(doc)).unwrap();
+        let named: Vec<&str> = text
+            .match_indices("registry.k8s.io/kube-scheduler:")
+            .map(|(at, _)| {
+                let rest = &text[at..];
+                rest.split(|c: char| c == '`' || c.is_whitespace())
+                    .next()
+                    .unwrap()
+            })
+            .collect();
+        if named.is_empty() || named.iter().any(|n| *n != want) {
+            wrong.push(format!("{doc} names {named:?}"));
+        }
+    }
+    let text = std::fs::read_to_string(repo().join(&chart_readme)).unwrap();
+    let row = text
+        .lines()
+        .find(|l| l.starts_with("| `extender.kubeScheduler.image.tag`"));
+    if !row.is_some_and(|r| r.contains(&format!("`{tested}`"))) {
+        wrong.push(format!("{chart_readme}'s values table says {row:?}"));
+    }
+    assert!(
+        wrong.is_empty(),
+        "tests/kube/go.mod runs k8s.io/kubernetes {tested}, so the shipped kube-scheduler \
+         must be {want}; change:\n{}",
+        wrong.join("\n")
+    );
 }
 
 /// The GPU scheduler `name` among `objs` (the daemon's objects too): a
@@ -1460,14 +1564,16 @@ fn assert_gpu_scheduler(objs: &[Value], name: &str, domain: &str) {
             .clone()
     };
 
-    // kube-scheduler: the official image at a pinned v1.32 patch release.
+    // kube-scheduler: the official image at a pinned patch release (the
+    // default one is the tested one:
+    // the_shipped_kube_scheduler_is_the_one_the_tests_run).
     let scheduler = container("kube-scheduler");
     let image = scheduler.image.clone().unwrap();
-    let tag = image
-        .strip_prefix("registry.k8s.io/kube-scheduler:v1.32.")
-        .unwrap_or_else(|| panic!("{image} is not kube-scheduler v1.32.x"));
+    let version = image
+        .strip_prefix("registry.k8s.io/kube-scheduler:v")
+        .unwrap_or_else(|| panic!("{image} is not the official kube-scheduler"));
     assert!(
-        tag.parse::<u32>().is_ok(),
+        version.split('.').count() == 3 && version.split('.').all(|n| n.parse::<u32>().is_ok()),
         "{image} is not a pinned patch release"
     );
     // Neither container runs as root, writes its image or keeps a capability.
@@ -1561,8 +1667,18 @@ fn assert_gpu_scheduler(objs: &[Value], name: &str, domain: &str) {
     ];
     assert_eq!(unknown_keys(e, &e_keys), Vec::<String>::new());
     assert_eq!(
-        (&e["filterVerb"], &e["prioritizeVerb"], &e["bindVerb"]),
-        (&json!("filter"), &json!("prioritize"), &json!("bind"))
+        (
+            &e["filterVerb"],
+            &e["prioritizeVerb"],
+            &e["bindVerb"],
+            &e["preemptVerb"]
+        ),
+        (
+            &json!("filter"),
+            &json!("prioritize"),
+            &json!("bind"),
+            &json!("preempt")
+        )
     );
     // The extender's best node (10, the others at most 8) is 2,000 points
     // ahead, more than the score plugins left on add together.

@@ -252,19 +252,12 @@ async fn a_burst_of_500_pods_over_ten_nodes_is_placed_with_no_admission_failure(
     }
     let whole = "whole-node";
     create(&client, &gpu_pod(NS, whole, &[("train", [0, 0, 8])])).await;
-    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), NS);
     let deadline = Instant::now() + Duration::from_secs(60);
     support::poll_for(
         deadline,
         async || {
-            let tried = events.list(&Default::default()).await.unwrap().items;
-            tried
-                .iter()
-                .any(|e| {
-                    e.reason.as_deref() == Some("FailedScheduling")
-                        && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(whole)
-                })
-                .then_some(())
+            let tried = scheduling_failures(&client, NS, whole).await;
+            (!tried.is_empty()).then_some(())
         },
         || format!("{whole} never tried"),
     )

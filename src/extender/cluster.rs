@@ -1,6 +1,6 @@
 //! The extender's I/O with the API server: the reflectors that keep the
-//! [`Index`] (Nodes and non-terminal Pods, watched, never listed per
-//! request) and the one write a bind makes, behind the [`Binder`] trait so
+//! [`Index`] (Nodes, non-terminal Pods and PodDisruptionBudgets, watched,
+//! never listed per request) and the one write a bind makes, behind the [`Binder`] trait so
 //! that tests run the same bind logic on an in-memory cluster.
 
 use std::collections::BTreeMap;
@@ -9,6 +9,7 @@ use std::sync::{Arc, RwLock};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::PostParams;
 use kube::runtime::watcher::{self, Event};
 use kube::{Api, Client, Resource};
@@ -148,6 +149,24 @@ impl Reflect for Pod {
     }
 }
 
+impl Reflect for PodDisruptionBudget {
+    fn apply(index: &mut Index, obj: Self) {
+        index.apply_budget(&obj);
+    }
+    fn delete(index: &mut Index, obj: &Self) {
+        index.delete_budget(&(
+            obj.metadata.namespace.clone().unwrap_or_default(),
+            obj.metadata.name.clone().unwrap_or_default(),
+        ));
+    }
+    fn replace(index: &mut Index, all: Vec<Self>) {
+        index.replace_budgets(&all);
+    }
+    /// Budgets only weigh preemption's choices: the last ones known stay,
+    /// and placing pods goes on (the failure is logged by the reflector).
+    fn unsync(_: &mut Index, _: String) {}
+}
+
 /// Keeps `index` in step with the API server's objects of one kind; after
 /// a failed watch the kind is stale until it has been listed again, which
 /// [`relisting`] does within about a second of the API server answering.
@@ -206,7 +225,12 @@ impl Reflectors {
                     watcher::Config::default(),
                     index.clone(),
                 ),
-                reflect::<Pod>(Api::all(client.clone()), pods, index),
+                reflect::<Pod>(Api::all(client.clone()), pods, index.clone()),
+                reflect::<PodDisruptionBudget>(
+                    Api::all(client.clone()),
+                    watcher::Config::default(),
+                    index,
+                ),
             ],
         }
     }

@@ -9,11 +9,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::core::{Selector, SelectorExt};
 
 use crate::rules::usage::quantity::parse_milli;
 use crate::rules::usage::{
-    Assignment, ContainerAsk, Inventory, InventoryError, Keys, Kind, Ledger, NodeUsage, PodAsks,
-    Records, finished, pod_holdings,
+    Assignment, ContainerAsk, Holding, Inventory, InventoryError, Keys, Kind, Ledger, NodeUsage,
+    PodAsks, Records, finished, pod_holdings,
 };
 
 /// `namespace/name`, the key kube-scheduler's bind call names a pod by.
@@ -65,6 +67,13 @@ struct PodRecord {
     /// The pod itself while it is not bound: a bind plans and writes
     /// against it without reading it from the API server first.
     unbound: Option<Arc<Pod>>,
+    /// What preemption weighs: who the pod is to the scheduler, how it
+    /// ranks, what disruption budgets select it, and, unbound, the node
+    /// kube-scheduler nominated it to after evicting pods there for it.
+    uid: String,
+    priority: i32,
+    labels: BTreeMap<String, String>,
+    nominated: Option<String>,
 }
 
 impl PodRecord {
@@ -76,8 +85,16 @@ impl PodRecord {
         }
         let node = node_of(pod).map(str::to_owned);
         let asks = PodAsks::from_pod(keys, pod);
+        let nominated = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.nominated_node_name.clone());
         PodRecord {
             unbound: node.is_none().then(|| Arc::new(pod.clone())),
+            nominated: nominated.filter(|n| !n.is_empty() && node.is_none()),
+            uid: pod.metadata.uid.clone().unwrap_or_default(),
+            priority: priority(pod),
+            labels: pod.metadata.labels.clone().unwrap_or_default(),
             node,
             kind: Kind::of(&asks),
             cpu_milli: asks.cpu_milli,
@@ -131,6 +148,66 @@ pub struct Index {
     /// removed (an update is both).
     kinds: HashMap<Kind, u64>,
     kind_changes: u64,
+    /// Unbound pods by the node kube-scheduler nominated them to.
+    nominations: HashMap<String, HashSet<PodName>>,
+    /// The PodDisruptionBudgets, for the violations a set of victims
+    /// makes. Not part of [`Index::synced`]: without them preemption
+    /// still frees the right GPU, only blind to budgets.
+    budgets: HashMap<PodName, Budget>,
+}
+
+/// A PodDisruptionBudget as preemption counts it (as kube-scheduler does):
+/// the pods it selects, how many more may go, and those already going.
+#[derive(Debug)]
+pub(crate) struct Budget {
+    /// `None`: an empty or unreadable selector, which selects no pod.
+    selector: Option<Selector>,
+    allowed: i32,
+    disrupted: HashSet<String>,
+}
+
+impl Budget {
+    fn of(pdb: &PodDisruptionBudget) -> Budget {
+        let selector = pdb
+            .spec
+            .as_ref()
+            .and_then(|s| s.selector.clone())
+            .filter(|s| {
+                s.match_labels.as_ref().is_some_and(|l| !l.is_empty())
+                    || s.match_expressions.as_ref().is_some_and(|e| !e.is_empty())
+            })
+            .and_then(|s| Selector::try_from(s).ok());
+        let status = pdb.status.as_ref();
+        Budget {
+            selector,
+            allowed: status.map_or(0, |s| s.disruptions_allowed),
+            disrupted: status
+                .and_then(|s| s.disrupted_pods.as_ref())
+                .map(|d| d.keys().cloned().collect())
+                .unwrap_or_default(),
+        }
+    }
+}
+
+/// A pod that holds room on a node, as preemption weighs it.
+#[derive(Debug)]
+pub(crate) struct Holder {
+    pub(crate) key: PodName,
+    pub(crate) uid: String,
+    pub(crate) priority: i32,
+    /// The reflector shows it bound there: kube-scheduler knows it and can
+    /// evict it. A bind still in flight holds its room but is no victim.
+    pub(crate) evictable: bool,
+    pub(crate) holdings: Vec<Holding>,
+    pub(crate) cpu_milli: u64,
+}
+
+/// A node as preemption sees it: its GPUs and CPU, and every pod that
+/// holds some of them.
+pub(crate) struct Holders<'a> {
+    pub(crate) inventory: &'a Inventory,
+    pub(crate) cpu: NodeCpu,
+    pub(crate) pods: Vec<Holder>,
 }
 
 /// Node-state stamps, never given twice in the process (so a stamp also
@@ -151,6 +228,12 @@ fn node_of(pod: &Pod) -> Option<&str> {
     pod.spec.as_ref()?.node_name.as_deref()
 }
 
+/// The pod's priority as the scheduler reads it: `spec.priority`, which
+/// the API server's admission sets from its PriorityClass, 0 without one.
+pub(crate) fn priority(pod: &Pod) -> i32 {
+    pod.spec.as_ref().and_then(|s| s.priority).unwrap_or(0)
+}
+
 impl Index {
     /// An empty index reading the annotations of `domain`.
     pub fn new(domain: &str) -> Index {
@@ -164,6 +247,8 @@ impl Index {
             stamps: HashMap::new(),
             kinds: HashMap::new(),
             kind_changes: 0,
+            nominations: HashMap::new(),
+            budgets: HashMap::new(),
         }
     }
 
@@ -330,6 +415,10 @@ impl Index {
         let record = PodRecord::of(&self.keys, pod);
         *self.kinds.entry(record.kind.clone()).or_default() += 1;
         self.kind_changes += 1;
+        if let Some(node) = &record.nominated {
+            let on = self.nominations.entry(node.clone()).or_default();
+            on.insert(key.clone());
+        }
         self.pods.insert(key, record);
     }
 
@@ -346,6 +435,7 @@ impl Index {
         let live: HashSet<PodName> = pods.iter().map(pod_name).collect();
         self.pods.clear();
         self.by_node.clear();
+        self.nominations.clear();
         self.kinds.clear();
         self.kind_changes += 1;
         self.reserved.retain(|k, _| live.contains(k));
@@ -366,12 +456,17 @@ impl Index {
             }
         }
         self.kind_changes += 1;
-        if let Some(node) = old.node
-            && let Some(set) = self.by_node.get_mut(&node)
-        {
-            set.remove(key);
-            if set.is_empty() {
-                self.by_node.remove(&node);
+        for (node, by) in [
+            (old.node, &mut self.by_node),
+            (old.nominated, &mut self.nominations),
+        ] {
+            if let Some(node) = node
+                && let Some(set) = by.get_mut(&node)
+            {
+                set.remove(key);
+                if set.is_empty() {
+                    by.remove(&node);
+                }
             }
         }
     }
@@ -431,6 +526,118 @@ impl Index {
         for key in over {
             tracing::info!(pod = ?key, "a GPU reservation expired before its pod was seen bound");
             self.release(&key);
+        }
+    }
+
+    /// The pods kube-scheduler nominated to `node` after evicting pods
+    /// for them, not bound and not being bound here (a bind's reservation
+    /// counts on its own), with their priority and asks.
+    pub(crate) fn nominated_to(&self, node: &str) -> Vec<(&PodName, i32, PodAsks)> {
+        let Some(keys) = self.nominations.get(node) else {
+            return Vec::new();
+        };
+        let mut v: Vec<_> = keys
+            .iter()
+            .filter(|k| !self.reserved.contains_key(*k))
+            .filter_map(|k| self.pods.get_key_value(k))
+            .map(|(k, r)| {
+                let asks = PodAsks {
+                    containers: r.containers.clone(),
+                    cpu_milli: r.cpu_milli,
+                };
+                (k, r.priority, asks)
+            })
+            .collect();
+        // Higher priority first, as the scheduler adds them.
+        v.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(b.0)));
+        v
+    }
+
+    /// What every pod the index counts on `node` holds of its GPUs.
+    pub(crate) fn usage(&self, node: &str) -> Option<&NodeUsage> {
+        match self.nodes.get(node) {
+            Some(Gpus::Published { usage, .. }) => Some(usage),
+            _ => None,
+        }
+    }
+
+    /// Whether kube-scheduler nominated any pod to `node`.
+    pub(crate) fn has_nominated(&self, node: &str) -> bool {
+        self.nominations.contains_key(node)
+    }
+
+    /// `node`'s GPUs and CPU with each pod that holds some of them;
+    /// `None` where the node publishes no GPUs.
+    pub(crate) fn holders(&self, node: &str) -> Option<Holders<'_>> {
+        let Some(Gpus::Published { inventory, cpu, .. }) = self.nodes.get(node) else {
+            return None;
+        };
+        let pods = self
+            .held_on(node)
+            .map(|(key, held)| Holder {
+                key: key.clone(),
+                uid: held.uid.clone(),
+                priority: held.priority,
+                evictable: !self.reserved.contains_key(key),
+                holdings: pod_holdings(inventory, &held.containers, &held.ledger, &held.assignment),
+                cpu_milli: held.cpu_milli,
+            })
+            .collect();
+        Some(Holders {
+            inventory,
+            cpu: *cpu,
+            pods,
+        })
+    }
+
+    /// How many of `victims` the disruption budgets forbid to evict, as
+    /// kube-scheduler counts them: each budget allows so many more, a pod
+    /// it already counts as disrupted costs nothing, and an empty
+    /// selector selects no pod.
+    pub(crate) fn budget_violations(&self, victims: &[&PodName]) -> i64 {
+        let mut allowed: HashMap<&PodName, i32> = HashMap::new();
+        let mut violations = 0;
+        for key in victims {
+            // A pod without labels matches no budget (NotIn would).
+            let Some(labels) = self.pods.get(*key).map(|r| &r.labels) else {
+                continue;
+            };
+            if labels.is_empty() {
+                continue;
+            }
+            let mut violating = false;
+            for (name, b) in &self.budgets {
+                if name.0 != key.0
+                    || b.disrupted.contains(&key.1)
+                    || !b.selector.as_ref().is_some_and(|s| s.matches(labels))
+                {
+                    continue;
+                }
+                let left = allowed.entry(name).or_insert(b.allowed);
+                *left -= 1;
+                violating |= *left < 0;
+            }
+            violations += i64::from(violating);
+        }
+        violations
+    }
+
+    pub fn apply_budget(&mut self, pdb: &PodDisruptionBudget) {
+        let key = (
+            pdb.metadata.namespace.clone().unwrap_or_default(),
+            pdb.metadata.name.clone().unwrap_or_default(),
+        );
+        self.budgets.insert(key, Budget::of(pdb));
+    }
+
+    pub(crate) fn delete_budget(&mut self, key: &PodName) {
+        self.budgets.remove(key);
+    }
+
+    pub fn replace_budgets(&mut self, all: &[PodDisruptionBudget]) {
+        self.budgets.clear();
+        for pdb in all {
+            self.apply_budget(pdb);
         }
     }
 

@@ -1,11 +1,12 @@
 //! The kube-scheduler extender (`gpu-device-plugin scheduler-extender`):
-//! filter, prioritize and bind for pods that ask for GPU resources, so that
+//! filter, prioritize, bind and preempt for pods that ask for GPU
+//! resources, so that
 //! every container's shared ask lands on one GPU with room and every
 //! whole-GPU ask on free whole GPUs, and the pod carries its per-container
 //! assignment before it is bound.
 //!
-//! `index` (the cluster as the reflectors see it) and `plan` (the
-//! decisions) are pure; `cluster` does the API-server I/O behind the
+//! `index` (the cluster as the reflectors see it), `plan` (the
+//! decisions) and `preempt` (the victims that free a GPU) are pure; `cluster` does the API-server I/O behind the
 //! [`Binder`] trait; `server` is the HTTP adapter; `admission` bounds the
 //! binds taken on and orders each node's Bindings. [`Extender`] ties them:
 //! filter and prioritize read a snapshot, a GPU pod's filter keeping a
@@ -26,6 +27,7 @@ mod error;
 mod index;
 mod metrics;
 mod plan;
+mod preempt;
 mod server;
 #[cfg(test)]
 mod test_pods;
@@ -45,7 +47,10 @@ pub use plan::Planner;
 pub use server::{ReadyError, ask_ready, start};
 
 use k8s_openapi::api::core::v1::Pod;
-use wire::{ExtenderArgs, ExtenderBindingArgs, ExtenderFilterResult, HostPriority, NodeList};
+use wire::{
+    ExtenderArgs, ExtenderBindingArgs, ExtenderFilterResult, ExtenderPreemptionArgs,
+    ExtenderPreemptionResult, HostPriority, NodeList,
+};
 
 pub struct Extender<B> {
     planner: Planner,
@@ -68,7 +73,8 @@ pub struct Extender<B> {
 /// which at the shipped weight (100; the scheduler adds score × weight ×
 /// 10) is 2,000, more than the score plugins the shipped profile leaves on
 /// can add together (TaintToleration 3, NodeAffinity 2, PodTopologySpread
-/// 2, InterPodAffinity 2, ImageLocality 1, VolumeBinding 1: at most 1,100).
+/// 2, InterPodAffinity 2, ImageLocality 1, VolumeBinding 1,
+/// DynamicResources 2: at most 1,300).
 const RUNNER_UP: i64 = wire::MAX_SCORE - 2;
 
 /// How often a bind re-reads and re-plans a pod that changed under it.
@@ -292,6 +298,54 @@ impl<B: Binder> Extender<B> {
                 HostPriority { host, score }
             })
             .collect())
+    }
+
+    /// Of the nodes where kube-scheduler would preempt for the pod, those
+    /// where evicting pods of lower priority makes room on the GPUs as
+    /// the filter places it, each with the victims that do
+    /// ([`preempt`]). A pod asking no GPU keeps the scheduler's choice.
+    pub fn preempt(
+        &self,
+        args: &ExtenderPreemptionArgs,
+    ) -> Result<ExtenderPreemptionResult, RequestError> {
+        let pod = args.pod.as_ref().ok_or(RequestError::NoPod {
+            verb: server::Verb::Preempt.name(),
+        })?;
+        let offered = args.candidates();
+        let Some(asking) = self.planner.asks(pod).filter(|a| plan::asks_gpus(&a.asks)) else {
+            return Ok(ExtenderPreemptionResult {
+                node_name_to_meta_victims: offered,
+            });
+        };
+        let mut ix = self.write();
+        if !ix.synced() {
+            return Err(RequestError::NotSynced);
+        }
+        ix.expire(Instant::now());
+        let start = Instant::now();
+        let mut kept = std::collections::BTreeMap::new();
+        for node in offered.keys() {
+            // A node with no victims is one the pod fits already (the
+            // cluster moved since the scheduler looked): the scheduler
+            // takes a kept node without victims for an error.
+            if let Some(v) = preempt::victims(&ix, node, &asking).filter(|v| !v.pods.is_empty()) {
+                let pods = v
+                    .pods
+                    .iter()
+                    .map(|(_, uid)| wire::MetaPod { uid: uid.clone() });
+                let victims = wire::MetaVictims {
+                    pods: pods.collect(),
+                    num_pdb_violations: v.budget_violations,
+                };
+                kept.insert(node.clone(), victims);
+            }
+        }
+        drop(ix);
+        tracing::info!(pod = ?asking.key, offered = offered.len(), kept = kept.len(),
+            took_us = start.elapsed().as_micros(), victims = ?kept, "preemption weighed");
+        Ok(ExtenderPreemptionResult {
+            node_name_to_meta_victims: kept,
+        })
     }
 
     /// Places the pod's containers on GPUs of `args.node` and binds it

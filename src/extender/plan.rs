@@ -4,16 +4,18 @@
 //! stamp stays: the usage model does the GPU arithmetic on the nodes'
 //! inventories and usage the [`Index`] keeps.
 
+use std::borrow::Cow;
+use std::cmp::Reverse;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use k8s_openapi::api::core::v1::Pod;
 
 use super::RequestError;
-use super::index::{Gpus, Index, NodeCpu};
+use super::index::{Gpus, Index, NodeCpu, PodName, pod_name, priority};
 use crate::rules::usage::{
-    Assignment, Inventory, Keys, NodeRoom, NodeUsage, PodAsks, Policy, Workload, alternatives, fit,
-    leftover, room_after, score,
+    Assignment, Holding, Inventory, Keys, Ledger, NodeRoom, NodeUsage, PodAsks, Policy, Workload,
+    alternatives, fit, leftover, pod_holdings, room_after, score,
 };
 
 /// Why a node is filtered out.
@@ -136,10 +138,20 @@ impl Learned {
 /// The pod shapes remembered per node; past it a node's memo starts over.
 const SHAPES_PER_NODE: usize = 32;
 
+/// A pod the planner places: what it asks, and who it is beside the pods
+/// kube-scheduler nominated after a preemption (those ranked above it keep
+/// their room from it: [`nominees`]).
+#[derive(Debug, Clone)]
+pub(crate) struct Asking {
+    pub(crate) asks: PodAsks,
+    pub(crate) key: PodName,
+    pub(crate) priority: i32,
+}
+
 /// A node that fits: its GPUs, their usage, and where the pod would go.
 struct Fit<'a> {
     inventory: &'a Inventory,
-    usage: &'a NodeUsage,
+    usage: Cow<'a, NodeUsage>,
     assignment: Assignment,
     /// Fragmentation: what the pod adds there, and the room left.
     added: f64,
@@ -164,18 +176,23 @@ impl Planner {
     /// takes the CPU they need), else only pods asking GPUs (`None`: not
     /// ours to place, and it costs nothing). A limit that cannot be read
     /// is ours: it is refused in [`Planner::fits`], never read as no ask.
-    pub(crate) fn asks(&self, pod: &Pod) -> Option<PodAsks> {
+    pub(crate) fn asks(&self, pod: &Pod) -> Option<Asking> {
         let asks = PodAsks::from_pod(&self.keys, pod);
-        (asks_gpus(&asks) || self.policy == Policy::Fragmentation).then_some(asks)
+        (asks_gpus(&asks) || self.policy == Policy::Fragmentation).then(|| Asking {
+            asks,
+            key: pod_name(pod),
+            priority: priority(pod),
+        })
     }
 
     fn place<'a>(
         &self,
         ix: &'a Index,
         node: &str,
-        asks: &PodAsks,
+        asking: &Asking,
         workload: &Workload,
     ) -> Result<Fit<'a>, FilterRefusal> {
+        let asks = &asking.asks;
         let never = |reason: String| FilterRefusal {
             reason,
             never: true,
@@ -202,9 +219,18 @@ impl Planner {
                 inventory,
                 usage,
                 cpu,
-            }) => (inventory, usage, cpu),
+            }) => (inventory, usage, *cpu),
         };
-        let assignment = fit(inventory, usage, asks).map_err(|e| FilterRefusal {
+        let (usage, cpu) = match nominees(ix, node, inventory, usage, asking) {
+            Some((held, nominated_cpu)) => {
+                let mut usage = usage.clone();
+                held.iter().for_each(|h| usage.add(inventory, h));
+                let requested = cpu.requested.saturating_add(nominated_cpu);
+                (Cow::Owned(usage), NodeCpu { requested, ..cpu })
+            }
+            None => (Cow::Borrowed(usage), cpu),
+        };
+        let assignment = fit(inventory, &usage, asks).map_err(|e| FilterRefusal {
             reason: e.to_string(),
             never: e.unresolvable,
         })?;
@@ -216,7 +242,7 @@ impl Planner {
             left: 0,
         };
         Ok(match self.policy {
-            Policy::Fragmentation => least_fragmenting(fit, *cpu, asks, workload),
+            Policy::Fragmentation => least_fragmenting(fit, cpu, asks, workload),
             Policy::Binpack | Policy::Spread => fit,
         })
     }
@@ -227,25 +253,28 @@ impl Planner {
         &self,
         ix: &Index,
         node: &str,
-        asks: &PodAsks,
+        asks: &Asking,
     ) -> Result<Rank, FilterRefusal> {
         self.judge(ix, node, asks)
     }
 
     /// How `node` ranks for the pod under the policy; `None` where the pod
     /// does not fit.
-    pub(crate) fn rank(&self, ix: &Index, node: &str, asks: &PodAsks) -> Option<Rank> {
+    pub(crate) fn rank(&self, ix: &Index, node: &str, asks: &Asking) -> Option<Rank> {
         self.judge(ix, node, asks).ok()
     }
 
     /// Where the pod does not fit on `node`, why; else how it ranks there:
-    /// from the memo while the node is as it was.
-    fn judge(&self, ix: &Index, node: &str, asks: &PodAsks) -> Result<Rank, FilterRefusal> {
+    /// from the memo while the node is as it was and no pod is nominated
+    /// there (whose room depends on who asks).
+    fn judge(&self, ix: &Index, node: &str, asking: &Asking) -> Result<Rank, FilterRefusal> {
         let mut guard = self.memo();
         let memo = &mut *guard;
         let (generation, workload) = memo.learned.current(self.policy, ix);
-        let Some(stamp) = ix.stamp(node) else {
-            return self.judge_now(ix, node, asks, &workload);
+        let asks = &asking.asks;
+        let stamp = ix.stamp(node).filter(|_| !ix.has_nominated(node));
+        let Some(stamp) = stamp else {
+            return self.judge_now(ix, node, asking, &workload);
         };
         let memo = &mut memo.nodes;
         if let Some(j) = memo
@@ -255,7 +284,7 @@ impl Planner {
         {
             return judged.clone();
         }
-        let judged = self.judge_now(ix, node, asks, &workload);
+        let judged = self.judge_now(ix, node, asking, &workload);
         // Nodes gone from the index leave the memo once it outgrows it.
         if memo.len() > 2 * ix.node_count() + SHAPES_PER_NODE {
             memo.retain(|n, _| ix.stamp(n).is_some());
@@ -278,9 +307,10 @@ impl Planner {
         &self,
         ix: &Index,
         node: &str,
-        asks: &PodAsks,
+        asking: &Asking,
         workload: &Workload,
     ) -> Result<Rank, FilterRefusal> {
+        let asks = &asking.asks;
         if !asks_gpus(asks) && !matches!(ix.gpus(node), Some(Gpus::Published { .. })) {
             // A pod asking no GPU strands none on a node without GPUs
             // (or whose GPUs are unknown here): the kubelet's checks are
@@ -290,10 +320,10 @@ impl Planner {
                 score: 0,
             });
         }
-        let f = self.place(ix, node, asks, workload)?;
+        let f = self.place(ix, node, asking, workload)?;
         let key = match self.policy {
             Policy::Binpack => {
-                let left = leftover(f.inventory, f.usage, asks, &f.assignment);
+                let left = leftover(f.inventory, &f.usage, asks, &f.assignment);
                 [-i64::try_from(left).unwrap_or(i64::MAX), 0]
             }
             Policy::Fragmentation => [added_score(f.added), f.left],
@@ -301,7 +331,7 @@ impl Planner {
         };
         Ok(Rank {
             key,
-            score: score(f.inventory, f.usage, asks, &f.assignment, self.policy),
+            score: score(f.inventory, &f.usage, asks, &f.assignment, self.policy),
         })
     }
 
@@ -315,10 +345,10 @@ impl Planner {
         node: &str,
         now_nanos: u128,
     ) -> Result<Option<BindPlan>, RequestError> {
-        let Some(asks) = self.asks(pod) else {
+        let Some(asking) = self.asks(pod) else {
             return Ok(None);
         };
-        if !asks_gpus(&asks) {
+        if !asks_gpus(&asking.asks) {
             // Placed for its CPU: nothing to write; counted on the node
             // while its bind runs.
             let mut reserved = pod.clone();
@@ -330,7 +360,7 @@ impl Planner {
         }
         let (_, workload) = self.memo().learned.current(self.policy, ix);
         let f = self
-            .place(ix, node, &asks, &workload)
+            .place(ix, node, &asking, &workload)
             .map_err(|r| RequestError::NoRoom(r.reason))?;
         let k = &self.keys;
         // A Binding only sets annotations: a stale `gpu-uuid` on a pod
@@ -355,7 +385,7 @@ impl Planner {
 }
 
 /// Whether the pod asks GPUs (or a limit that cannot be read, which may).
-fn asks_gpus(asks: &PodAsks) -> bool {
+pub(super) fn asks_gpus(asks: &PodAsks) -> bool {
     asks.invalid().is_some() || asks.containers.iter().any(|c| c.whole() || c.shared())
 }
 
@@ -370,12 +400,12 @@ fn least_fragmenting<'a>(
 ) -> Fit<'a> {
     let room = NodeRoom {
         inventory: fit.inventory,
-        usage: fit.usage,
+        usage: &fit.usage,
         cpu_free: cpu.free(),
     };
     let before = workload.fragmentation(&room);
     let mut best: Option<(f64, Assignment, NodeUsage, Option<u64>)> = None;
-    for a in alternatives(fit.inventory, fit.usage, asks, &fit.assignment) {
+    for a in alternatives(fit.inventory, &fit.usage, asks, &fit.assignment) {
         let (usage, cpu_free) = room_after(&room, asks, &a);
         let after = NodeRoom {
             usage: &usage,
@@ -401,6 +431,47 @@ fn least_fragmenting<'a>(
         left,
         ..fit
     }
+}
+
+/// Where the pods kube-scheduler nominated to `node` that `asking` must
+/// leave room for go on `usage`, each where it fits now, and the CPU they
+/// ask; `None` when there are none. Those are the nominees of higher
+/// priority and, of equal priority, those before it in name order: the
+/// scheduler counts every nominee of equal priority against another,
+/// which its node totals can afford (two nominees that fit the totals
+/// together each fit beside the other) but GPUs cannot (two that fit one
+/// GPU each in turn may not fit it together), and each would keep the
+/// other Pending for good. A nominee that does not fit yet (its victims still terminating)
+/// holds nothing: the victims still hold its room.
+pub(super) fn nominees(
+    ix: &Index,
+    node: &str,
+    inventory: &Inventory,
+    usage: &NodeUsage,
+    asking: &Asking,
+) -> Option<(Vec<Holding>, u64)> {
+    let nominees: Vec<_> = ix
+        .nominated_to(node)
+        .into_iter()
+        .filter(|(key, priority, _)| {
+            (*priority, Reverse(*key)) > (asking.priority, Reverse(&asking.key))
+        })
+        .collect();
+    if nominees.is_empty() {
+        return None;
+    }
+    let mut usage = usage.clone();
+    let (mut held, mut cpu) = (Vec::new(), 0u64);
+    for (_, _, asks) in nominees {
+        if let Ok(a) = fit(inventory, &usage, &asks) {
+            for h in pod_holdings(inventory, &asks.containers, &Ledger::default(), &a) {
+                usage.add(inventory, &h);
+                held.push(h);
+            }
+            cpu = cpu.saturating_add(asks.cpu_milli);
+        }
+    }
+    Some((held, cpu))
 }
 
 #[cfg(test)]

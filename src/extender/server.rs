@@ -1,5 +1,5 @@
 //! The HTTP adapter kube-scheduler calls: `POST <urlPrefix>/filter`,
-//! `/prioritize`, `/bind`. Thin: it decodes the body, asks the
+//! `/prioritize`, `/bind`, `/preempt`. Thin: it decodes the body, asks the
 //! [`Extender`], encodes the answer. Beside them `/healthz` (the process
 //! answers) and `/readyz` (503 with the reason while the index does not
 //! follow the API server, when a GPU pod's filter and bind are refused),
@@ -11,7 +11,9 @@
 //! included, with 200 and the reason in `Error`, which the scheduler puts
 //! on the pod's events. Prioritize has no `Error` field: a body it cannot
 //! use gets 400 with the reason as text (the scheduler ignores prioritize
-//! failures and scores with the rest).
+//! failures and scores with the rest). Preempt has none either: a refusal
+//! gets 503 with the reason as text, which fails that preemption attempt
+//! (the extender is not ignorable) and the scheduler tries the pod again.
 //!
 //! It runs within `[extender.http]`'s bounds (see `crate::net::http`): a body
 //! over `max_body_bytes` gets 413 before it is decoded.
@@ -50,10 +52,11 @@ pub(super) enum Verb {
     Filter,
     Prioritize,
     Bind,
+    Preempt,
 }
 
 impl Verb {
-    pub(super) const ALL: [Verb; 3] = [Verb::Filter, Verb::Prioritize, Verb::Bind];
+    pub(super) const ALL: [Verb; 4] = [Verb::Filter, Verb::Prioritize, Verb::Bind, Verb::Preempt];
 
     /// Its name in a refusal, and its `verb` label on `/metrics`.
     pub(super) fn name(self) -> &'static str {
@@ -61,6 +64,7 @@ impl Verb {
             Verb::Filter => "filter",
             Verb::Prioritize => "prioritize",
             Verb::Bind => "bind",
+            Verb::Preempt => "preempt",
         }
     }
 }
@@ -69,13 +73,15 @@ impl RequestError {
     /// The one mapping of a refusal to HTTP: kube-scheduler drops the
     /// message of any non-200 answer, so filter and bind answer 200 with
     /// the reason in `Error`; prioritize has no `Error` field, so a 400,
-    /// which the scheduler ignores, scoring with the rest.
+    /// which the scheduler ignores, scoring with the rest; preempt has none
+    /// either, so a 503, which fails the attempt until the pod's next.
     fn answer(&self, verb: Verb) -> Response {
         let reason = self.to_string();
         match verb {
             Verb::Filter => json(&ExtenderFilterResult::error(reason)),
             Verb::Prioritize => (StatusCode::BAD_REQUEST, reason).into_response(),
             Verb::Bind => json(&ExtenderBindingResult { error: reason }),
+            Verb::Preempt => (StatusCode::SERVICE_UNAVAILABLE, reason).into_response(),
         }
     }
 }
@@ -116,6 +122,11 @@ async fn bind<B: Binder>(State(x): State<Arc<Extender<B>>>, body: Bytes) -> Resp
     reply(&x, Verb::Bind, answer)
 }
 
+async fn preempt<B: Binder>(State(x): State<Arc<Extender<B>>>, body: Bytes) -> Response {
+    let answer = decode(Verb::Preempt, &body).and_then(|args| x.preempt(&args));
+    reply(&x, Verb::Preempt, answer)
+}
+
 async fn metrics<B: Binder>(State(x): State<Arc<Extender<B>>>) -> Response {
     let content_type = crate::net::http::METRICS_CONTENT_TYPE;
     ([(header::CONTENT_TYPE, content_type)], x.metrics.render()).into_response()
@@ -142,6 +153,7 @@ pub async fn start<B: Binder>(
         .route("/filter", post(filter::<B>))
         .route("/prioritize", post(prioritize::<B>))
         .route("/bind", post(bind::<B>))
+        .route("/preempt", post(preempt::<B>))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz::<B>))
         .route("/metrics", get(metrics::<B>))

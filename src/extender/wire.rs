@@ -100,3 +100,71 @@ pub(crate) struct ExtenderBindingResult {
     #[serde(rename = "Error")]
     pub(crate) error: String,
 }
+
+/// Preempt arguments: the preemptor and, per candidate node, the victims
+/// the scheduler's own preemption chose there: UIDs only
+/// (`NodeNameToMetaVictims`) with `nodeCacheCapable: true`, whole pods
+/// (`NodeNameToVictims`) otherwise.
+#[derive(Debug, Deserialize)]
+pub struct ExtenderPreemptionArgs {
+    #[serde(rename = "Pod")]
+    pub pod: Option<Pod>,
+    #[serde(rename = "NodeNameToVictims", default)]
+    pub node_name_to_victims: Option<BTreeMap<String, Victims>>,
+    #[serde(rename = "NodeNameToMetaVictims", default)]
+    pub node_name_to_meta_victims: Option<BTreeMap<String, MetaVictims>>,
+}
+
+impl ExtenderPreemptionArgs {
+    /// The scheduler's candidates, each with its victims by UID, whichever
+    /// way they came.
+    pub(crate) fn candidates(&self) -> BTreeMap<String, MetaVictims> {
+        if let Some(meta) = &self.node_name_to_meta_victims {
+            return meta.clone();
+        }
+        let uid = |p: &Pod| MetaPod {
+            uid: p.metadata.uid.clone().unwrap_or_default(),
+        };
+        self.node_name_to_victims
+            .iter()
+            .flatten()
+            .map(|(node, v)| {
+                let pods = v.pods.iter().map(uid).collect();
+                let victims = MetaVictims {
+                    pods,
+                    num_pdb_violations: v.num_pdb_violations,
+                };
+                (node.clone(), victims)
+            })
+            .collect()
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct Victims {
+    #[serde(rename = "Pods", default)]
+    pub pods: Vec<Pod>,
+    #[serde(rename = "NumPDBViolations", default)]
+    pub num_pdb_violations: i64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MetaPod {
+    #[serde(rename = "UID")]
+    pub uid: String,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MetaVictims {
+    #[serde(rename = "Pods", default)]
+    pub pods: Vec<MetaPod>,
+    #[serde(rename = "NumPDBViolations", default)]
+    pub num_pdb_violations: i64,
+}
+
+/// The nodes kept and their victims: a node left out is no candidate.
+#[derive(Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExtenderPreemptionResult {
+    #[serde(rename = "NodeNameToMetaVictims")]
+    pub node_name_to_meta_victims: BTreeMap<String, MetaVictims>,
+}

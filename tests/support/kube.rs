@@ -641,7 +641,12 @@ impl Scheduler {
 
     /// [`Scheduler::start`], `extender_toml` added to the extender's config.
     pub fn start_with(cp: &ControlPlane, extender_toml: &str) -> Scheduler {
-        Scheduler::spawn(cp, extender_toml, true)
+        Scheduler::spawn(cp, extender_toml, true, |_| {})
+    }
+
+    /// [`Scheduler::start`] on the shipped profile changed by `edit`.
+    pub fn start_edited(cp: &ControlPlane, edit: impl FnOnce(&mut serde_yaml::Value)) -> Scheduler {
+        Scheduler::spawn(cp, "", true, edit)
     }
 
     /// [`Scheduler::start`] with leader election off. A kube-scheduler
@@ -649,13 +654,19 @@ impl Scheduler {
     /// for its Deployment to restart it; nothing restarts it here, so a
     /// test that keeps the API server mostly down for longer needs this.
     pub fn start_unelected(cp: &ControlPlane) -> Scheduler {
-        Scheduler::spawn(cp, "", false)
+        Scheduler::spawn(cp, "", false, |_| {})
     }
 
-    fn spawn(cp: &ControlPlane, extender_toml: &str, elect: bool) -> Scheduler {
+    fn spawn(
+        cp: &ControlPlane,
+        extender_toml: &str,
+        elect: bool,
+        edit: impl FnOnce(&mut serde_yaml::Value),
+    ) -> Scheduler {
         let (extender, url) = start_extender_with(&cp.scheduler, extender_toml);
         let mut profile = shipped_profile(&url, &cp.scheduler);
         profile["leaderElection"]["leaderElect"] = elect.into();
+        edit(&mut profile);
         let config = cp.dir.path().join("scheduler.yaml");
         std::fs::write(&config, serde_yaml::to_string(&profile).unwrap()).unwrap();
         let proc = Proc::spawn(
@@ -993,14 +1004,36 @@ pub fn splits(record: &Value) -> Vec<String> {
 /// filter's: its failures ("0/N nodes are available") and its errors (the
 /// extender not synced yet, no place for a bind), which bind nothing.
 pub async fn refused_binds(client: &kube::Client, ns: &str) -> Vec<String> {
+    failed_scheduling(client, ns)
+        .await
+        .into_iter()
+        .filter_map(|e| e.note)
+        .filter(|note| note.contains("cannot bind") || note.contains("/bind"))
+        .collect()
+}
+
+/// The notes of kube-scheduler's FailedScheduling Events on pod
+/// `ns/name`: each attempt that did not place it, with why.
+pub async fn scheduling_failures(client: &kube::Client, ns: &str, name: &str) -> Vec<String> {
+    failed_scheduling(client, ns)
+        .await
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+        .map(|e| e.note.unwrap_or_default())
+        .collect()
+}
+
+/// kube-scheduler's FailedScheduling Events of namespace `ns`.
+async fn failed_scheduling(
+    client: &kube::Client,
+    ns: &str,
+) -> Vec<k8s_openapi::api::events::v1::Event> {
     let events: kube::Api<k8s_openapi::api::events::v1::Event> =
         kube::Api::namespaced(client.clone(), ns);
     let list = events.list(&Default::default()).await.unwrap();
     list.items
-        .iter()
+        .into_iter()
         .filter(|e| e.reason.as_deref() == Some("FailedScheduling"))
-        .filter_map(|e| e.note.clone())
-        .filter(|note| note.contains("cannot bind") || note.contains("/bind"))
         .collect()
 }
 

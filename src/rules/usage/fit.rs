@@ -158,6 +158,12 @@ pub(crate) fn fit(
     })
 }
 
+/// Whether [`fit`] places the pod, without finding out why not: the test
+/// a search over many states makes (preemption's sets of victims).
+pub(crate) fn fits(inv: &Inventory, usage: &NodeUsage, asks: &PodAsks) -> bool {
+    place_all(inv, usage, asks).is_ok()
+}
+
 /// A refusal, and whether it is one because the search ran out of steps.
 struct Refused {
     error: FitError,

@@ -27,7 +27,9 @@ pub(crate) use annotations::{Assignment, InventoryError, Records, ids_digest};
 pub use annotations::{Inventory, Keys, Ledger};
 pub(crate) use asks::{ContainerAsk, PodAsks};
 pub use fit::Policy;
-pub(crate) use fit::{alternatives, best_shared, fit, leftover, room_after, score, whole_gpus};
+pub(crate) use fit::{
+    alternatives, best_shared, fit, fits, leftover, room_after, score, whole_gpus,
+};
 pub(crate) use frag::{Kind, NodeRoom, Workload};
 pub(crate) use node::{Holding, NodeUsage, finished, pod_holdings};
 pub(crate) use select::{Candidate, Order, choose};

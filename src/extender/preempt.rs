@@ -1,0 +1,510 @@
+//! Preemption that frees one GPU (kube-scheduler's `preemptVerb`).
+//!
+//! The scheduler's own preemption weighs a node's totals of `gpu-memory`
+//! and `gpu-core`: it can evict pods spread over several GPUs and still
+//! leave no GPU with room, and the preemptor stays Pending after the
+//! evictions. Here, for each node the scheduler offers, the victims are
+//! pods of lower priority whose going lets every container of the
+//! preemptor fit as the filter places it (each share on one GPU, whole
+//! GPUs free of work, the node's CPU), checked by the filter's own fit.
+//! A node where even all of them going makes no room is dropped.
+//!
+//! The choice, in this order: the fewest victims; then the lowest highest
+//! priority among them; then the lowest sum of their priorities; then the
+//! fewest PodDisruptionBudget violations (counted as the scheduler counts
+//! them). The scheduler then chooses among the nodes by its own order
+//! (fewest violations first).
+//!
+//! The search is bounded. A greedy pass (every candidate out, then each
+//! back in while the pod still fits, highest priority first and, among
+//! equals, the smallest holder first) gives a set none of whose pods could
+//! stay. Then sets of each size up to it are tried, smallest first, each
+//! only if it could beat the best so far, within [`CHECKS_PER_NODE`] fit
+//! checks; past that the best found stands. A lone shared container can
+//! only go on one GPU, so its sets are drawn from one GPU's pods at a
+//! time: exhaustive for up to about a dozen pods a GPU.
+//!
+//! Pods still being bound here are not victims (the scheduler may not
+//! know them yet) but hold their room; pods the extender bound that the
+//! kubelet has not admitted hold theirs by their assignment and can be
+//! victims. Pods kube-scheduler nominated after an earlier preemption,
+//! of the preemptor's priority or higher, keep their room, as in the
+//! filter.
+
+use std::cmp::Reverse;
+
+use super::index::{Holder, Index, PodName};
+use super::plan::{Asking, nominees};
+use crate::rules::usage::{Inventory, NodeUsage, fits};
+
+use super::index::NodeCpu;
+
+/// The pods to evict on a node, and how many of them break a budget.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Victims {
+    /// Each pod's name and UID (what the scheduler looks it up by).
+    pub(crate) pods: Vec<(PodName, String)>,
+    pub(crate) budget_violations: i64,
+}
+
+/// Fit checks one node's search may make: a few milliseconds.
+const CHECKS_PER_NODE: usize = 1024;
+
+/// The victims on `node` that make room for `asking`; `None` where no set
+/// of lower-priority pods does (or the node publishes no GPUs).
+pub(crate) fn victims(ix: &Index, node: &str, asking: &Asking) -> Option<Victims> {
+    let holders = ix.holders(node)?;
+    let inv = holders.inventory;
+    let (candidates, fixed): (Vec<Holder>, Vec<Holder>) = holders
+        .pods
+        .into_iter()
+        .partition(|h| h.evictable && h.priority < asking.priority && !h.uid.is_empty());
+    let mut base = NodeUsage::empty(inv);
+    let mut cpu = NodeCpu {
+        requested: 0,
+        ..holders.cpu
+    };
+    for h in &fixed {
+        for held in &h.holdings {
+            base.add(inv, held);
+        }
+        cpu.requested = cpu.requested.saturating_add(h.cpu_milli);
+    }
+    // Nominees go where they fit with every pod still there, as the
+    // filter places them, and stay there whatever is evicted.
+    if let Some(usage) = ix.usage(node)
+        && let Some((held, nominated_cpu)) = nominees(ix, node, inv, usage, asking)
+    {
+        held.iter().for_each(|h| base.add(inv, h));
+        cpu.requested = cpu.requested.saturating_add(nominated_cpu);
+    }
+    let mut s = Search {
+        inv,
+        base,
+        cpu,
+        candidates: &candidates,
+        asking,
+        checks: 0,
+    };
+    let greedy = s.greedy()?;
+    let mut best = Best::of(ix, &candidates, greedy);
+    for pool in s.pools() {
+        s.improve(ix, &pool, &mut best);
+    }
+    Some(Victims {
+        pods: best
+            .set
+            .iter()
+            .map(|&i| (candidates[i].key.clone(), candidates[i].uid.clone()))
+            .collect(),
+        budget_violations: best.key.3,
+    })
+}
+
+/// A set of victims (indexes into the candidates) and how it ranks: the
+/// lesser key is the better set.
+struct Best {
+    set: Vec<usize>,
+    key: (usize, i32, i64, i64),
+}
+
+impl Best {
+    fn of(ix: &Index, candidates: &[Holder], set: Vec<usize>) -> Best {
+        let (len, max, sum) = priorities(candidates, &set);
+        let keys: Vec<&PodName> = set.iter().map(|&i| &candidates[i].key).collect();
+        Best {
+            key: (len, max, sum, ix.budget_violations(&keys)),
+            set,
+        }
+    }
+}
+
+/// A set's size, highest priority and sum of priorities.
+fn priorities(candidates: &[Holder], set: &[usize]) -> (usize, i32, i64) {
+    let max = set
+        .iter()
+        .map(|&i| candidates[i].priority)
+        .max()
+        .unwrap_or(i32::MIN);
+    let sum = set.iter().map(|&i| i64::from(candidates[i].priority)).sum();
+    (set.len(), max, sum)
+}
+
+struct Search<'a> {
+    inv: &'a Inventory,
+    /// What stays whatever is evicted: the pods that are no candidates,
+    /// and the nominated pods that keep their room.
+    base: NodeUsage,
+    cpu: NodeCpu,
+    candidates: &'a [Holder],
+    asking: &'a Asking,
+    checks: usize,
+}
+
+impl Search<'_> {
+    /// Whether the pod fits once the candidates marked `out` are gone.
+    fn fits_without(&mut self, out: &[bool]) -> bool {
+        self.checks += 1;
+        let mut usage = self.base.clone();
+        let mut requested = self.cpu.requested;
+        for (c, &gone) in self.candidates.iter().zip(out) {
+            if !gone {
+                for held in &c.holdings {
+                    usage.add(self.inv, held);
+                }
+                requested = requested.saturating_add(c.cpu_milli);
+            }
+        }
+        let asks = &self.asking.asks;
+        let cpu = requested.saturating_add(asks.cpu_milli);
+        self.cpu.allocatable.is_none_or(|a| cpu <= a) && fits(self.inv, &usage, asks)
+    }
+
+    /// Every candidate out, then each back in while the pod still fits;
+    /// `None` when it does not fit even with all of them out.
+    fn greedy(&mut self) -> Option<Vec<usize>> {
+        let n = self.candidates.len();
+        let mut out = vec![true; n];
+        if !self.fits_without(&out) {
+            return None;
+        }
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by_key(|&i| {
+            (
+                Reverse(self.candidates[i].priority),
+                held(&self.candidates[i]),
+            )
+        });
+        for i in order {
+            out[i] = false;
+            if !self.fits_without(&out) {
+                out[i] = true;
+            }
+        }
+        Some((0..n).filter(|&i| out[i]).collect())
+    }
+
+    /// The candidates the sets are drawn from, each pool lowest priority
+    /// first: those holding GPUs (and those holding only CPU, when the
+    /// node is short of CPU), or for a lone shared container those of one
+    /// GPU at a time.
+    fn pools(&self) -> Vec<Vec<usize>> {
+        let asks = &self.asking.asks;
+        let all_stay: u64 = self
+            .candidates
+            .iter()
+            .fold(self.cpu.requested, |a, c| a.saturating_add(c.cpu_milli));
+        let cpu_short = self
+            .cpu
+            .allocatable
+            .is_some_and(|a| all_stay.saturating_add(asks.cpu_milli) > a);
+        let useful = |c: &Holder, gpu: Option<&str>| match gpu {
+            _ if c.holdings.is_empty() => cpu_short,
+            None => true,
+            Some(g) => c.holdings.iter().any(|h| h.gpus.iter().any(|u| u == g)),
+        };
+        let pool = |gpu: Option<&str>| {
+            let mut p: Vec<usize> = (0..self.candidates.len())
+                .filter(|&i| useful(&self.candidates[i], gpu))
+                .collect();
+            p.sort_by_key(|&i| {
+                (
+                    self.candidates[i].priority,
+                    Reverse(held(&self.candidates[i])),
+                )
+            });
+            p
+        };
+        let gpu_asks: Vec<_> = asks
+            .containers
+            .iter()
+            .filter(|c| c.whole() || c.shared())
+            .collect();
+        match gpu_asks.as_slice() {
+            [one] if one.shared() => self
+                .inv
+                .gpus
+                .iter()
+                .map(|g| pool(Some(g.uuid.as_str())))
+                .collect(),
+            _ => vec![pool(None)],
+        }
+    }
+
+    /// Tries the sets of `pool`, smallest first, each only where it could
+    /// rank better than `best`, until the checks run out.
+    fn improve(&mut self, ix: &Index, pool: &[usize], best: &mut Best) {
+        let mut size = 1;
+        while size <= best.set.len() && size <= pool.len() {
+            let mut pick: Vec<usize> = (0..size).collect();
+            loop {
+                if self.checks >= CHECKS_PER_NODE {
+                    return;
+                }
+                let set: Vec<usize> = pick.iter().map(|&j| pool[j]).collect();
+                let (len, max, sum) = priorities(self.candidates, &set);
+                if (len, max, sum) <= (best.key.0, best.key.1, best.key.2) {
+                    let mut out = vec![false; self.candidates.len()];
+                    set.iter().for_each(|&i| out[i] = true);
+                    if self.fits_without(&out) {
+                        let found = Best::of(ix, self.candidates, set);
+                        if found.key < best.key {
+                            *best = found;
+                        }
+                    }
+                }
+                if !next_pick(&mut pick, pool.len()) {
+                    break;
+                }
+            }
+            size += 1;
+        }
+    }
+}
+
+/// How much a pod holds of the node's GPUs: whole GPUs, then MiB.
+fn held(c: &Holder) -> (u64, u64) {
+    c.holdings.iter().fold((0, 0), |(n, m), h| {
+        (
+            n.saturating_add(h.amount.count),
+            m.saturating_add(h.amount.memory),
+        )
+    })
+}
+
+/// The next `pick.len()` of `n` indexes in lexical order; false after the
+/// last.
+fn next_pick(pick: &mut [usize], n: usize) -> bool {
+    let k = pick.len();
+    for i in (0..k).rev() {
+        if pick[i] < n - k + i {
+            pick[i] += 1;
+            for j in i + 1..k {
+                pick[j] = pick[j - 1] + 1;
+            }
+            return true;
+        }
+    }
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::extender::plan::Planner;
+    use crate::extender::test_pods::{app, gpu_node, gpu_pod};
+    use crate::rules::usage::Policy;
+    use k8s_openapi::api::core::v1::Pod;
+    use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+
+    const GIB: u64 = 1024;
+
+    /// A pod of `priority` holding `mib` of `gpu` on node `n` (bound, its
+    /// assignment written, not yet admitted), or whole GPUs for `mib` 0.
+    fn holder(name: &str, priority: i32, gpu: &str, mib: u64) -> Pod {
+        let wants = if mib == 0 { [0, 0, 1] } else { [mib, 0, 0] };
+        let mut p = gpu_pod("ns", name, &[app("app", wants)]);
+        let spec = p.spec.get_or_insert_default();
+        spec.node_name = Some("n".into());
+        spec.priority = Some(priority);
+        let assignment = format!(r#"{{"app":["{gpu}"]}}"#);
+        p.metadata
+            .annotations
+            .get_or_insert_default()
+            .insert("doslab.io/gpu-assignment".into(), assignment);
+        p
+    }
+
+    fn preemptor(priority: i32, wants: [u64; 3]) -> Asking {
+        asking("high", priority, wants)
+    }
+
+    fn asking(name: &str, priority: i32, wants: [u64; 3]) -> Asking {
+        let mut p = gpu_pod("ns", name, &[app("app", wants)]);
+        p.spec.get_or_insert_default().priority = Some(priority);
+        Planner::new("doslab.io", Policy::Binpack)
+            .asks(&p)
+            .expect("a GPU pod")
+    }
+
+    /// A node of two 40 GiB GPUs and `pods` on it.
+    fn node(pods: &[Pod]) -> Index {
+        let mut ix = Index::new("doslab.io");
+        ix.apply_node(gpu_node("n", &[("GPU-a", 40 * GIB), ("GPU-b", 40 * GIB)]));
+        for p in pods {
+            ix.apply_pod(p.clone());
+        }
+        ix
+    }
+
+    fn names(v: &Victims) -> Vec<&str> {
+        let mut n: Vec<&str> = v.pods.iter().map(|(k, _)| k.1.as_str()).collect();
+        n.sort();
+        n
+    }
+
+    /// Two GPUs each 10 GiB free: a 25 GiB share is made room for on one
+    /// GPU, by the fewest pods, of the lowest priority, never spread
+    /// over both (the scheduler's node totals would take 15 GiB anywhere).
+    #[test]
+    fn the_fewest_lowest_priority_pods_of_one_gpu_go() {
+        let ix = node(&[
+            holder("a1", 1, "GPU-a", 10 * GIB),
+            holder("a2", 1, "GPU-a", 10 * GIB),
+            holder("a3", 1, "GPU-a", 10 * GIB),
+            holder("b1", 0, "GPU-b", 10 * GIB),
+            holder("b2", 0, "GPU-b", 10 * GIB),
+            holder("b3", 0, "GPU-b", 10 * GIB),
+        ]);
+        let v = victims(&ix, "n", &preemptor(100, [25 * GIB, 0, 0])).unwrap();
+        assert_eq!(names(&v).len(), 2);
+        assert!(names(&v).iter().all(|n| n.starts_with('b')), "{v:?}");
+        assert_eq!(v.budget_violations, 0);
+        assert!(
+            v.pods
+                .iter()
+                .all(|(k, uid)| uid == &format!("uid-ns-{}", k.1))
+        );
+
+        // One pod rather than two of lower priority; of single pods, the
+        // lowest priority.
+        let ix = node(&[
+            holder("a1", 0, "GPU-a", 5 * GIB),
+            holder("a2", 0, "GPU-a", 5 * GIB),
+            holder("a3", 0, "GPU-a", 5 * GIB),
+            holder("a4", 1, "GPU-a", 15 * GIB),
+            holder("b1", 2, "GPU-b", 30 * GIB),
+        ]);
+        let v = victims(&ix, "n", &preemptor(100, [25 * GIB, 0, 0])).unwrap();
+        assert_eq!(names(&v), ["a4"]);
+    }
+
+    /// Pods of the preemptor's priority or higher are never victims, and a
+    /// node where no set of the others makes room is dropped.
+    #[test]
+    fn equal_or_higher_priority_pods_stay_and_no_room_drops_the_node() {
+        let ix = node(&[
+            holder("a1", 100, "GPU-a", 20 * GIB),
+            holder("a2", 0, "GPU-a", 10 * GIB),
+            holder("b1", 200, "GPU-b", 30 * GIB),
+            holder("b2", 0, "GPU-b", 5 * GIB),
+        ]);
+        let v = victims(&ix, "n", &preemptor(100, [20 * GIB, 0, 0])).unwrap();
+        assert_eq!(names(&v), ["a2"]);
+        assert_eq!(victims(&ix, "n", &preemptor(100, [25 * GIB, 0, 0])), None);
+        assert_eq!(victims(&ix, "n", &preemptor(100, [41 * GIB, 0, 0])), None);
+        assert_eq!(victims(&ix, "other", &preemptor(100, [GIB, 0, 0])), None);
+    }
+
+    /// A whole-GPU preemptor frees a whole GPU: every pod on the one with
+    /// fewer, and none of a GPU held whole by a higher priority.
+    #[test]
+    fn whole_gpu_preemptors_free_whole_gpus() {
+        let ix = node(&[
+            holder("a1", 0, "GPU-a", 5 * GIB),
+            holder("a2", 0, "GPU-a", 5 * GIB),
+            holder("b1", 0, "GPU-b", GIB),
+        ]);
+        let v = victims(&ix, "n", &preemptor(100, [0, 0, 1])).unwrap();
+        assert_eq!(names(&v), ["b1"]);
+        let v = victims(&ix, "n", &preemptor(100, [0, 0, 2])).unwrap();
+        assert_eq!(names(&v), ["a1", "a2", "b1"]);
+        let ix = node(&[holder("a", 500, "GPU-a", 0), holder("b1", 0, "GPU-b", GIB)]);
+        assert_eq!(victims(&ix, "n", &preemptor(100, [0, 0, 2])), None);
+        let v = victims(&ix, "n", &preemptor(100, [0, 0, 1])).unwrap();
+        assert_eq!(names(&v), ["b1"]);
+    }
+
+    /// A pod whose bind is in flight holds its room and is no victim.
+    #[test]
+    fn binds_in_flight_hold_their_room_and_stay() {
+        let mut ix = node(&[holder("a1", 0, "GPU-a", 30 * GIB)]);
+        let mut binding = holder("b1", 0, "GPU-b", 30 * GIB);
+        binding.spec.get_or_insert_default().node_name = Some("n".into());
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        ix.reserve(binding, super::super::index::Stage::Binding, until);
+        let v = victims(&ix, "n", &preemptor(100, [20 * GIB, 0, 0])).unwrap();
+        assert_eq!(names(&v), ["a1"]);
+        assert_eq!(victims(&ix, "n", &preemptor(100, [0, 0, 2])), None);
+    }
+
+    /// Among sets alike in size and priority, the fewest budget
+    /// violations; a budget's pods already disrupted cost nothing.
+    #[test]
+    fn disruption_budgets_break_ties_and_are_counted_as_the_scheduler_does() {
+        let labelled = |name: &str, gpu: &str, app: &str| {
+            let mut p = holder(name, 0, gpu, 30 * GIB);
+            p.metadata.labels = Some([("app".to_owned(), app.to_owned())].into());
+            p
+        };
+        let mut ix = node(&[
+            labelled("a1", "GPU-a", "guarded"),
+            labelled("b1", "GPU-b", "free"),
+        ]);
+        let pdb = |allowed: i32, disrupted: &[&str]| -> PodDisruptionBudget {
+            let disrupted: serde_json::Map<String, serde_json::Value> = disrupted
+                .iter()
+                .map(|d| (d.to_string(), "2026-01-01T00:00:00Z".into()))
+                .collect();
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"namespace": "ns", "name": "guard"},
+                "spec": {"selector": {"matchLabels": {"app": "guarded"}}},
+                "status": {"disruptionsAllowed": allowed, "disruptedPods": disrupted,
+                    "currentHealthy": 1, "desiredHealthy": 1, "expectedPods": 1},
+            }))
+            .unwrap()
+        };
+        ix.apply_budget(&pdb(0, &[]));
+        let v = victims(&ix, "n", &preemptor(100, [20 * GIB, 0, 0])).unwrap();
+        assert_eq!((names(&v), v.budget_violations), (vec!["b1"], 0));
+        let v = victims(&ix, "n", &preemptor(100, [0, 0, 2])).unwrap();
+        assert_eq!(v.budget_violations, 1);
+        ix.apply_budget(&pdb(0, &["a1"]));
+        let v = victims(&ix, "n", &preemptor(100, [0, 0, 2])).unwrap();
+        assert_eq!(v.budget_violations, 0);
+        ix.apply_budget(&pdb(1, &[]));
+        assert_eq!(ix.budget_violations(&[&("ns".into(), "a1".into())]), 0);
+        ix.delete_budget(&("ns".into(), "guard".into()));
+        ix.apply_budget(&pdb(-1, &[]));
+        ix.replace_budgets(&[]);
+        let v = victims(&ix, "n", &preemptor(100, [0, 0, 2])).unwrap();
+        assert_eq!(v.budget_violations, 0);
+    }
+
+    /// A nominated preemptor's room, once its victims are gone, is kept
+    /// from pods ranked below it, by the filter and by a second preemption
+    /// alike, and not from pods above it.
+    #[test]
+    fn a_nominated_pod_keeps_the_room_freed_for_it() {
+        let mut ix = node(&[holder("a1", 0, "GPU-a", 30 * GIB)]);
+        let mut nominee = gpu_pod("ns", "nominee", &[app("app", [30 * GIB, 0, 0])]);
+        nominee.spec.get_or_insert_default().priority = Some(100);
+        nominee.status.get_or_insert_default().nominated_node_name = Some("n".into());
+        ix.apply_pod(nominee);
+        let p = Planner::new("doslab.io", Policy::Binpack);
+        let low = preemptor(50, [20 * GIB, 0, 0]);
+        let high = preemptor(101, [20 * GIB, 0, 0]);
+        // GPU-b is the nominee's: no lower priority fits, nor an equal one
+        // after it in name order; one before it, or higher, does (a total
+        // order, so that of two nominees one always fits).
+        assert!(p.fits(&ix, "n", &low).is_err());
+        assert!(
+            p.fits(&ix, "n", &asking("zz", 100, [20 * GIB, 0, 0]))
+                .is_err()
+        );
+        assert!(
+            p.fits(&ix, "n", &asking("aa", 100, [20 * GIB, 0, 0]))
+                .is_ok()
+        );
+        assert!(p.fits(&ix, "n", &high).is_ok());
+        // A lower-priority preemptor may evict a1 but not take GPU-b.
+        let v = victims(&ix, "n", &preemptor(60, [20 * GIB, 0, 0])).unwrap();
+        assert_eq!(names(&v), ["a1"]);
+        // Bound, it holds by its own record; nominated no more.
+        let mut bound = holder("nominee", 100, "GPU-b", 30 * GIB);
+        bound.status.get_or_insert_default().nominated_node_name = Some("n".into());
+        ix.apply_pod(bound);
+        assert!(!ix.has_nominated("n"));
+        assert!(p.fits(&ix, "n", &high).is_err());
+    }
+}
