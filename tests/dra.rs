@@ -515,6 +515,35 @@ async fn claims_are_prepared_into_cdi_specs_from_the_device_plugins_composer() {
         "{mounts:?}"
     );
     assert!(mounts.iter().any(|(c, _)| c == "/dev/shm"), "{mounts:?}");
+
+    // A share over two GPUs cannot be an MPS client of both: refused,
+    // saying why, and nothing written.
+    let share = |device, id| {
+        result(
+            device,
+            Some(json!({"memory": "4Gi", "cores": "25"})),
+            Some(id),
+        )
+    };
+    let pair = claim(
+        &admin,
+        "mps-pair",
+        Some(json!([
+            share("gpu-0", "5c0d8a44-9b1e-4c59-8a2e-3c1f0e9d7b61"),
+            share("gpu-1", "6d1e9b55-ac2f-4d6a-9b3f-4d2a1fae8c72")
+        ])),
+    )
+    .await;
+    let answer = dra
+        .node_prepare_resources(NodePrepareResourcesRequest {
+            claims: vec![claim_ref("mps-pair", &pair)],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let error = &answer.claims[&pair].error;
+    assert!(error.contains("MPS") && error.contains("2 GPUs"), "{error}");
+    assert!(!Path::new(&spec_file(&mps_host, &pair)).exists());
 }
 
 /// Rewrites the daemon's config to `toml` and has it reload.

@@ -11,11 +11,13 @@
 
 mod support;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Event, Pod};
+use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams};
+use serde::Deserialize;
 use serde_json::Value;
 
 use support::kube::*;
@@ -321,6 +323,32 @@ async fn running_with(
     (ids[0].clone(), envs)
 }
 
+/// The tails of a DRA node's kubelet and daemon and of the scheduler.
+fn node_logs(node: &KubeNode, sched: &Proc) -> String {
+    format!(
+        "--- kubelet\n{}\n--- daemon\n{}\n--- scheduler\n{}",
+        tail(&node.kubelet.log_text()),
+        tail(&node.daemon.log_text()),
+        tail(&sched.log_text())
+    )
+}
+
+/// Deletes pod `name`, whose claim's CDI device is `id`, and checks that
+/// the kubelet had the daemon unprepare it: its spec is gone.
+async fn delete_unprepared(
+    client: &kube::Client,
+    node: &KubeNode,
+    name: &str,
+    id: &str,
+    logs: &dyn Fn() -> String,
+) {
+    let (spec, _) = cdi_envs(node, id);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    pods.delete(name, &DeleteParams::default()).await.unwrap();
+    wait_gone(client, NS, name, Duration::from_secs(60)).await;
+    assert!(!spec.exists(), "{} left\n{}", spec.display(), logs());
+}
+
 /// Waits for a FailedScheduling Event of pod `name`; its note.
 async fn unschedulable(client: &kube::Client, name: &str, logs: &dyn Fn() -> String) -> String {
     let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), NS);
@@ -375,14 +403,7 @@ async fn shares_and_whole_gpus_through_the_products_dra_plugin() {
     cp.apply(&template("share", Some(("8Gi", "30"))));
     cp.apply(&template("whole", None));
     cp.apply(&template("huge", Some(("32Gi", "10"))));
-    let logs = |node: &KubeNode| {
-        format!(
-            "--- kubelet\n{}\n--- daemon\n{}\n--- scheduler\n{}",
-            tail(&node.kubelet.log_text()),
-            tail(&node.daemon.log_text()),
-            tail(&sched.log_text())
-        )
-    };
+    let logs = |node: &KubeNode| node_logs(node, &sched);
 
     // A whole GPU: its UUID, no limits.
     create(&client, &claim_pod(NS, "whole-0", "whole")).await;
@@ -444,22 +465,15 @@ async fn shares_and_whole_gpus_through_the_products_dra_plugin() {
     // deleting share-2 afterwards unprepares it.
     node.restart_kubelet().await;
     node.wait_sliced(&cp).await;
-    let (spec2, _) = cdi_envs(&node, &shares["share-2"]);
-    pods.delete("share-2", &DeleteParams::default())
-        .await
-        .unwrap();
-    wait_gone(&client, NS, "share-2", Duration::from_secs(60)).await;
-    assert!(!spec2.exists(), "{} left\n{}", spec2.display(), logs(&node));
+    delete_unprepared(&client, &node, "share-2", &shares["share-2"], &|| {
+        logs(&node)
+    })
+    .await;
     // A daemon restart with share-3 prepared: its checkpoint lets the new
     // daemon unprepare it.
     node.restart_daemon();
     node.wait_sliced(&cp).await;
-    let (spec3, _) = cdi_envs(&node, &id3);
-    pods.delete("share-3", &DeleteParams::default())
-        .await
-        .unwrap();
-    wait_gone(&client, NS, "share-3", Duration::from_secs(60)).await;
-    assert!(!spec3.exists(), "{} left\n{}", spec3.display(), logs(&node));
+    delete_unprepared(&client, &node, "share-3", &id3, &|| logs(&node)).await;
 
     // Health: the GPU a share would land on turns unhealthy; its device is
     // tainted NoSchedule and the next share goes to the other GPU.
@@ -538,14 +552,7 @@ async fn a_deployment_and_a_gpu_count_pod_through_the_products_dra_plugin() {
         .await
         .unwrap();
     let sched = start_plain_scheduler(&cp);
-    let logs = || {
-        format!(
-            "--- kubelet\n{}\n--- daemon\n{}\n--- scheduler\n{}",
-            tail(&node.kubelet.log_text()),
-            tail(&node.daemon.log_text()),
-            tail(&sched.log_text())
-        )
-    };
+    let logs = || node_logs(&node, &sched);
 
     let examples = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/dra/examples");
     for file in ["templates.yaml", "deployment.yaml"] {
@@ -761,4 +768,142 @@ async fn pods_per_second_through_dra_and_through_the_extender() {
         );
     }
     drop(nodes);
+}
+
+/// The shipped example ResourceClaimTemplate `name`
+/// (deploy/dra/examples/templates.yaml), in the test's namespace.
+fn shipped_template(name: &str) -> String {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/dra/examples/templates.yaml");
+    let text = std::fs::read_to_string(path).unwrap();
+    let mut found = serde_yaml::Deserializer::from_str(&text)
+        .map(|doc| serde_yaml::Value::deserialize(doc).unwrap())
+        .find(|t| t["metadata"]["name"].as_str() == Some(name))
+        .unwrap_or_else(|| panic!("no template {name} in templates.yaml"));
+    found["metadata"]["namespace"] = NS.into();
+    serde_yaml::to_string(&found).unwrap()
+}
+
+/// Shares that span GPUs, on the real DRA allocator and kubelet DRA
+/// manager: 2 x 20 GiB on a node of four 40 GiB GPUs lands on two
+/// distinct GPUs, its CDI spec carrying both and each one's HAMi-core
+/// limit; a daemon restart between prepare and unprepare loses nothing;
+/// with one GPU free the claim waits (one GPU would hold both shares, the
+/// constraint forbids it); a fill of 1- and 2-GPU claims keeps every GPU
+/// within its memory.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_share_over_two_distinct_gpus_through_the_products_dra_plugin() {
+    let cp = ControlPlane::start();
+    let host = tempfile::tempdir().unwrap();
+    let lib = host.path().join("lib");
+    std::fs::create_dir_all(&lib).unwrap();
+    std::fs::copy(support::real_shared_object(), lib.join("libvgpu.so")).unwrap();
+    let gpus: Vec<(String, u64)> = (0..4).map(|g| (gpu_uuid(0, g), 40960)).collect();
+    let gpus: Vec<(&str, u64)> = gpus.iter().map(|(u, m)| (u.as_str(), *m)).collect();
+    let tables = format!(
+        "[enforcement]\nmode = \"hami-core\"\nlibrary_dir = {:?}\nstate_dir = {:?}\n",
+        lib,
+        host.path().join("state"),
+    );
+    let mut node = KubeNode::start_dra(&cp, "node-0", &gpus, &tables).await;
+    namespace(&cp, NS);
+    let sched = start_plain_scheduler(&cp);
+    let client = cp.admin_client().await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    // The README's template of a share over two GPUs, and a single share.
+    let pair = "gpu-memory-20480-core-30-x2";
+    cp.apply(&shipped_template(pair));
+    cp.apply(&template("single", Some(("20Gi", "10"))));
+    cp.apply(&template("whole", None));
+    let logs = |node: &KubeNode| node_logs(node, &sched);
+
+    create(&client, &claim_pod(NS, "pair-1", pair)).await;
+    let (id, envs) = running_with(&client, &node, "pair-1", &|| logs(&node)).await;
+    let visible: BTreeSet<&str> = envs["NVIDIA_VISIBLE_DEVICES"].split(',').collect();
+    assert_eq!(visible.len(), 2, "{envs:?}");
+    for i in 0..2 {
+        let key = format!("CUDA_DEVICE_MEMORY_LIMIT_{i}");
+        assert_eq!(envs[&key], "20480m", "{envs:?}");
+    }
+    assert!(!envs.contains_key("CUDA_DEVICE_MEMORY_LIMIT_2"), "{envs:?}");
+    assert_eq!(envs["CUDA_DEVICE_SM_LIMIT"], "30", "{envs:?}");
+    // A daemon restart between prepare and unprepare: its checkpoint
+    // holds both GPUs, and deletion removes the spec.
+    node.restart_daemon();
+    node.wait_sliced(&cp).await;
+    delete_unprepared(&client, &node, "pair-1", &id, &|| logs(&node)).await;
+
+    // Three GPUs held whole: the one left could hold both shares, but
+    // they must be on distinct GPUs.
+    for i in 0..3 {
+        let name = format!("whole-{i}");
+        create(&client, &claim_pod(NS, &name, "whole")).await;
+        running_with(&client, &node, &name, &|| logs(&node)).await;
+    }
+    create(&client, &claim_pod(NS, "pair-2", pair)).await;
+    let note = unschedulable(&client, "pair-2", &|| logs(&node)).await;
+    assert!(note.contains("claim"), "{note}");
+    assert!(node_of(&pods.get("pair-2").await.unwrap()).is_empty());
+    for name in ["pair-2", "whole-0", "whole-1", "whole-2"] {
+        pods.delete(name, &DeleteParams::default()).await.unwrap();
+        wait_gone(&client, NS, name, Duration::from_secs(60)).await;
+    }
+
+    // A fill of 1- and 2-GPU claims, more than the node holds.
+    let names: Vec<String> = (0..8)
+        .map(|i| {
+            let kind = if i % 2 == 0 { "pair" } else { "single" };
+            format!("{kind}-fill-{i}")
+        })
+        .collect();
+    for name in &names {
+        let template = if name.starts_with("pair") {
+            pair
+        } else {
+            "single"
+        };
+        create(&client, &claim_pod(NS, name, template)).await;
+    }
+    let settled = until(
+        Duration::from_secs(120),
+        "the fill never settled",
+        || logs(&node),
+        async || {
+            // Bound pods all running, the others reported unschedulable.
+            let list = pods.list(&ListParams::default()).await.ok()?;
+            for p in &list.items {
+                let name = p.metadata.name.as_deref().unwrap_or_default();
+                let settled = match (node_of(p).is_empty(), phase(p)) {
+                    (false, ph) => ph == "Running",
+                    (true, _) => !scheduling_failures(&client, NS, name).await.is_empty(),
+                };
+                if !settled {
+                    return None;
+                }
+            }
+            Some(list.items)
+        },
+    )
+    .await;
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), NS);
+    let mut used: BTreeMap<String, u64> = BTreeMap::new();
+    for c in claims.list(&ListParams::default()).await.unwrap().items {
+        let results = c
+            .status
+            .and_then(|s| s.allocation)
+            .and_then(|a| a.devices)
+            .and_then(|d| d.results)
+            .unwrap_or_default();
+        let devices: BTreeSet<&str> = results.iter().map(|r| r.device.as_str()).collect();
+        assert_eq!(devices.len(), results.len(), "one GPU twice: {results:?}");
+        for r in &results {
+            let memory = &r.consumed_capacity.as_ref().unwrap()["memory"].0;
+            let gib: u64 = memory.trim_end_matches("Gi").parse().unwrap();
+            *used.entry(r.device.clone()).or_default() += gib;
+        }
+    }
+    assert!(used.values().all(|&gib| gib <= 40), "{used:?}");
+    let running = settled.iter().filter(|p| phase(p) == "Running").count();
+    eprintln!("fill of 1- and 2-GPU claims: {running} of 8 running, GiB per GPU {used:?}");
+    assert!(running >= 4, "{running} running, {used:?}");
 }

@@ -86,10 +86,21 @@ pub(crate) enum GrantError {
         why: String,
     },
     #[error(
-        "claim {claim}: request {request} shares {count} GPUs; a shared request must be on one \
-         GPU (ask one device per request)"
+        "claim {claim}: request {request} has two shares of device {device}; a share over \
+         several GPUs needs them distinct (the request's constraint `distinctAttribute: \
+         {driver}/uuid`)"
     )]
-    SharesSpanGpus {
+    SameGpuTwice {
+        claim: String,
+        request: String,
+        device: String,
+        driver: String,
+    },
+    #[error(
+        "claim {claim}: request {request} consumed unlike shares of its {count} GPUs; a share \
+         over several GPUs takes the same of each"
+    )]
+    UnlikeShares {
         claim: String,
         request: String,
         count: usize,
@@ -166,15 +177,27 @@ fn request_grant(
         }
         gpus.push(g);
     }
+    // A share over several GPUs (a request's `count`) takes the same of
+    // each, and each GPU once.
     let limits = match shared.as_slice() {
         [] => Limits::default(),
-        [one] if gpus.len() == 1 => *one,
-        _ => {
-            return Err(GrantError::SharesSpanGpus {
-                claim: claim.to_owned(),
-                request: request.to_owned(),
-                count: gpus.len(),
-            });
+        [first, rest @ ..] => {
+            if shared.len() != gpus.len() || rest.iter().any(|l| l != first) {
+                return Err(GrantError::UnlikeShares {
+                    claim: claim.to_owned(),
+                    request: request.to_owned(),
+                    count: gpus.len(),
+                });
+            }
+            if let Some(again) = (1..gpus.len()).find(|&i| gpus[..i].contains(&gpus[i])) {
+                return Err(GrantError::SameGpuTwice {
+                    claim: claim.to_owned(),
+                    request: request.to_owned(),
+                    device: results[again].device.clone(),
+                    driver: node.driver.clone(),
+                });
+            }
+            *first
         }
     };
     Ok(RequestGrant {
@@ -409,14 +432,53 @@ pub(crate) mod tests {
         }
         let r = result("r", "gpu-0", &[("cores", "101")], Some("s"));
         assert!(grant(&claim("u", vec![r]), "u", &n).is_err());
-        let span = vec![
+        let unlike = vec![
             result("r", "gpu-0", &[("cores", "10")], Some("s")),
-            result("r", "gpu-1", &[("cores", "10")], Some("t")),
+            result("r", "gpu-1", &[("cores", "20")], Some("t")),
         ];
-        let e = grant(&claim("u", span), "u", &n).unwrap_err();
+        let e = grant(&claim("u", unlike), "u", &n).unwrap_err();
         assert!(
-            matches!(e, GrantError::SharesSpanGpus { count: 2, .. }),
+            matches!(e, GrantError::UnlikeShares { count: 2, .. }),
             "{e}"
         );
+        let half_whole = vec![
+            result("r", "gpu-0", &[("cores", "10")], Some("s")),
+            result("r", "gpu-1", &[], None),
+        ];
+        let e = grant(&claim("u", half_whole), "u", &n).unwrap_err();
+        assert!(matches!(e, GrantError::UnlikeShares { .. }), "{e}");
+        let twice = vec![
+            result("r", "gpu-1", &[("cores", "10")], Some("s")),
+            result("r", "gpu-1", &[("cores", "10")], Some("t")),
+        ];
+        let e = grant(&claim("u", twice), "u", &n).unwrap_err();
+        assert!(matches!(e, GrantError::SameGpuTwice { .. }), "{e}");
+        assert!(e.to_string().contains("distinctAttribute"), "{e}");
+    }
+
+    /// A request of `count: 2` with capacity: the same share on two
+    /// distinct GPUs, both in the grant with one limit each.
+    #[test]
+    fn a_share_may_span_distinct_gpus_alike() {
+        let span = vec![
+            result(
+                "r",
+                "gpu-0",
+                &[("memory", "4Gi"), ("cores", "3")],
+                Some("s"),
+            ),
+            result(
+                "r",
+                "gpu-1",
+                &[("memory", "4Gi"), ("cores", "3")],
+                Some("t"),
+            ),
+        ];
+        let g = grant(&claim("u", span), "u", &node()).unwrap();
+        assert_eq!(g.len(), 1);
+        assert_eq!(g[0].gpus, [0, 1]);
+        assert_eq!(g[0].results.len(), 2);
+        assert_eq!(g[0].limits.memory_mib, Some(4096));
+        assert_eq!(g[0].share_key(), "r-s");
     }
 }

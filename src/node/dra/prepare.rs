@@ -55,6 +55,14 @@ pub(crate) enum ClaimError {
         request: String,
         source: EnforcementError,
     },
+    /// A share over several GPUs where MPS caps shares: a client process
+    /// talks to one control daemon, which serves one GPU.
+    #[error(
+        "request {request}: a share of {count} GPUs cannot be capped by MPS (a client talks to \
+         one GPU's control daemon); ask one GPU per request, or serve such claims with \
+         `compute = \"hami-core\"`"
+    )]
+    MpsSpansGpus { request: String, count: usize },
     /// The CDI spec could not be written or removed.
     #[error(transparent)]
     Spec(EnforcementError),
@@ -294,6 +302,12 @@ impl Preparer {
                 .map(|&i| self.node.gpus[i].uuid.as_str())
                 .collect();
             let preload = match rpc.filter(|_| g.limits.shared()) {
+                Some(rpc) if rpc.mps() && uuids.len() > 1 => {
+                    return Err(ClaimError::MpsSpansGpus {
+                        request: g.request.clone(),
+                        count: uuids.len(),
+                    });
+                }
                 Some(rpc) => {
                     let owner = OwnedBy::Claim {
                         uid: c.uid.clone(),

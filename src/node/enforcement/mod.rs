@@ -142,6 +142,11 @@ pub(crate) struct AllocateEnforcement {
 }
 
 impl AllocateEnforcement {
+    /// Whether shares are MPS clients, each of one GPU's control daemon.
+    pub(crate) fn mps(&self) -> bool {
+        self.enforcer.config.compute() == Compute::Mps
+    }
+
     /// What enforcement needs in the container of a shared grant on the GPU
     /// `uuid`, owned by `owner` when it is known (pod matching, a claim): HAMi-core's
     /// cache directory made fresh on disk, and MPS's control daemon for the

@@ -125,8 +125,11 @@ impl ResponseComposer {
     }
 
     /// The envs and mounts of a container granted the GPUs `uuids` (one
-    /// for a shared grant) with `limits`, and `preload` when enforcement
-    /// caps it; the steps are the module's, in its order.
+    /// for a device-plugin share, one or more for a DRA share, each capped
+    /// alike) with `limits`, and `preload` when enforcement caps it; the
+    /// steps are the module's, in its order. An MPS client talks to one
+    /// GPU's control daemon, so MPS shares are of one GPU (DRA refuses the
+    /// others before it gets here).
     ///
     /// MPS's limits, in NVIDIA's client env formats: a core limit as
     /// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` (already percent), a memory
@@ -150,7 +153,11 @@ impl ResponseComposer {
         let mps = preload.as_ref().is_some_and(|p| p.mps);
         if let Some(mib) = limits.memory_mib {
             add(&self.memory_env, mib.to_string());
-            add("CUDA_DEVICE_MEMORY_LIMIT_0", format!("{mib}m"));
+            // HAMi-core caps each visible device by its index; a DRA
+            // share over several GPUs takes the same of each.
+            for i in 0..uuids.len() {
+                add(&format!("CUDA_DEVICE_MEMORY_LIMIT_{i}"), format!("{mib}m"));
+            }
             if mps {
                 add(MPS_MEMORY_ENV, format!("{}={mib}M", uuids[0]));
             }
@@ -216,6 +223,23 @@ pub(crate) mod tests {
         let (c, p) = setup(extra);
         let m = p.model(resource).unwrap();
         ResponseComposer::new(&c).compose(m, &ids_grant(m, devices).unwrap(), None)
+    }
+
+    /// A DRA share over two GPUs: both visible, each capped alike by its
+    /// index.
+    #[test]
+    fn a_share_of_several_gpus_caps_each_by_its_index() {
+        let (c, _) = setup("");
+        let limits = Limits {
+            memory_mib: Some(20480),
+            core_percent: Some(30),
+        };
+        let e = ResponseComposer::new(&c).edits(&["GPU-a", "GPU-b"], limits, None);
+        assert_eq!(e.envs["NVIDIA_VISIBLE_DEVICES"], "GPU-a,GPU-b");
+        assert_eq!(e.envs["CUDA_DEVICE_MEMORY_LIMIT_0"], "20480m");
+        assert_eq!(e.envs["CUDA_DEVICE_MEMORY_LIMIT_1"], "20480m");
+        assert!(!e.envs.contains_key("CUDA_DEVICE_MEMORY_LIMIT_2"));
+        assert_eq!(e.envs["CUDA_DEVICE_SM_LIMIT"], "30");
     }
 
     #[test]
