@@ -590,10 +590,13 @@ impl Index {
         })
     }
 
-    /// How many of `victims` the disruption budgets forbid to evict, as
-    /// kube-scheduler counts them: each budget allows so many more, a pod
-    /// it already counts as disrupted costs nothing, and an empty
-    /// selector selects no pod.
+    /// How many of `victims` the disruption budgets forbid to evict, each
+    /// counted by kube-scheduler's rule (`FilterVictimsWithPDBViolation`):
+    /// each budget allows so many more, a pod it already counts as
+    /// disrupted costs nothing, an empty selector selects no pod, and a
+    /// pod is violating at the first budget it breaks. Unlike the
+    /// scheduler, which counts over every possible victim in its order,
+    /// this counts over the set chosen.
     pub(crate) fn budget_violations(&self, victims: &[&PodName]) -> i64 {
         let mut allowed: HashMap<&PodName, i32> = HashMap::new();
         let mut violations = 0;
@@ -605,7 +608,7 @@ impl Index {
             if labels.is_empty() {
                 continue;
             }
-            let mut violating = false;
+            // The budgets it matches, each one less, until one is broken.
             for (name, b) in &self.budgets {
                 if name.0 != key.0
                     || b.disrupted.contains(&key.1)
@@ -615,9 +618,11 @@ impl Index {
                 }
                 let left = allowed.entry(name).or_insert(b.allowed);
                 *left -= 1;
-                violating |= *left < 0;
+                if *left < 0 {
+                    violations += 1;
+                    break;
+                }
             }
-            violations += i64::from(violating);
         }
         violations
     }

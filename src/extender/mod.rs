@@ -317,32 +317,48 @@ impl<B: Binder> Extender<B> {
                 node_name_to_meta_victims: offered,
             });
         };
-        let mut ix = self.write();
+        // Reservations over, and the pod's own nomination (it is weighed
+        // anew), end first; the search then only reads.
+        drop(self.fresh(pod));
+        let ix = self.index.read().expect("index lock poisoned");
         if !ix.synced() {
             return Err(RequestError::NotSynced);
         }
-        ix.expire(Instant::now());
         let start = Instant::now();
+        let mut budget = preempt::CHECKS_PER_REQUEST;
         let mut kept = std::collections::BTreeMap::new();
-        for node in offered.keys() {
-            // A node with no victims is one the pod fits already (the
-            // cluster moved since the scheduler looked): the scheduler
-            // takes a kept node without victims for an error.
-            if let Some(v) = preempt::victims(&ix, node, &asking).filter(|v| !v.pods.is_empty()) {
-                let pods = v
-                    .pods
-                    .iter()
-                    .map(|(_, uid)| wire::MetaPod { uid: uid.clone() });
-                let victims = wire::MetaVictims {
-                    pods: pods.collect(),
-                    num_pdb_violations: v.budget_violations,
-                };
-                kept.insert(node.clone(), victims);
+        let mut chosen = Vec::new();
+        for (node, theirs) in &offered {
+            let uids: Vec<&str> = theirs.pods.iter().map(|p| p.uid.as_str()).collect();
+            let Some(v) = preempt::victims(&ix, node, &asking, &uids, &mut budget) else {
+                continue;
+            };
+            // No victim needed for the GPUs: what the node lacks is not
+            // weighed here, and the scheduler's own choice stands (it
+            // takes a kept node without victims for an error).
+            if v.pods.is_empty() {
+                kept.insert(node.clone(), theirs.clone());
+                continue;
             }
+            let pods = v
+                .pods
+                .iter()
+                .map(|(_, uid)| wire::MetaPod { uid: uid.clone() });
+            let victims = wire::MetaVictims {
+                pods: pods.collect(),
+                num_pdb_violations: v.budget_violations,
+            };
+            kept.insert(node.clone(), victims);
+            let names: Vec<String> = v
+                .pods
+                .iter()
+                .map(|(k, _)| format!("{}/{}", k.0, k.1))
+                .collect();
+            chosen.push(format!("{node}: {}", names.join(", ")));
         }
         drop(ix);
         tracing::info!(pod = ?asking.key, offered = offered.len(), kept = kept.len(),
-            took_us = start.elapsed().as_micros(), victims = ?kept, "preemption weighed");
+            took_us = start.elapsed().as_micros(), victims = ?chosen, "preemption weighed");
         Ok(ExtenderPreemptionResult {
             node_name_to_meta_victims: kept,
         })

@@ -146,6 +146,8 @@ pub(crate) struct Asking {
     pub(crate) asks: PodAsks,
     pub(crate) key: PodName,
     pub(crate) priority: i32,
+    /// The node kube-scheduler nominated it to, if any.
+    pub(crate) nominated: Option<String>,
 }
 
 /// A node that fits: its GPUs, their usage, and where the pod would go.
@@ -182,6 +184,10 @@ impl Planner {
             asks,
             key: pod_name(pod),
             priority: priority(pod),
+            nominated: pod
+                .status
+                .as_ref()
+                .and_then(|s| s.nominated_node_name.clone()),
         })
     }
 
@@ -436,13 +442,14 @@ fn least_fragmenting<'a>(
 /// Where the pods kube-scheduler nominated to `node` that `asking` must
 /// leave room for go on `usage`, each where it fits now, and the CPU they
 /// ask; `None` when there are none. Those are the nominees of higher
-/// priority and, of equal priority, those before it in name order: the
-/// scheduler counts every nominee of equal priority against another,
-/// which its node totals can afford (two nominees that fit the totals
-/// together each fit beside the other) but GPUs cannot (two that fit one
-/// GPU each in turn may not fit it together), and each would keep the
-/// other Pending for good. A nominee that does not fit yet (its victims still terminating)
-/// holds nothing: the victims still hold its room.
+/// priority and those of equal priority, except, against another nominee
+/// of this node, the ones after it in name order. The scheduler counts
+/// every nominee of equal priority against another, which its node totals
+/// can afford (two nominees that fit the totals together each fit beside
+/// the other) but GPUs cannot (two that fit one GPU each in turn may not
+/// fit it together), and each would keep the other Pending for good. A
+/// nominee that does not fit yet (its victims still terminating) holds
+/// nothing: the victims still hold its room.
 pub(super) fn nominees(
     ix: &Index,
     node: &str,
@@ -454,7 +461,8 @@ pub(super) fn nominees(
         .nominated_to(node)
         .into_iter()
         .filter(|(key, priority, _)| {
-            (*priority, Reverse(*key)) > (asking.priority, Reverse(&asking.key))
+            let own = asking.nominated.as_deref() == Some(node);
+            (*priority, true, Reverse(*key)) > (asking.priority, own, Reverse(&asking.key))
         })
         .collect();
     if nominees.is_empty() {

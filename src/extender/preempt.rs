@@ -11,18 +11,23 @@
 //!
 //! The choice, in this order: the fewest victims; then the lowest highest
 //! priority among them; then the lowest sum of their priorities; then the
-//! fewest PodDisruptionBudget violations (counted as the scheduler counts
-//! them). The scheduler then chooses among the nodes by its own order
-//! (fewest violations first).
+//! fewest PodDisruptionBudget violations (each by the scheduler's rule,
+//! over the set chosen). The scheduler then chooses among the nodes by
+//! its own order (fewest violations first).
 //!
 //! The search is bounded. A greedy pass (every candidate out, then each
 //! back in while the pod still fits, highest priority first and, among
 //! equals, the smallest holder first) gives a set none of whose pods could
 //! stay. Then sets of each size up to it are tried, smallest first, each
 //! only if it could beat the best so far, within [`CHECKS_PER_NODE`] fit
-//! checks; past that the best found stands. A lone shared container can
-//! only go on one GPU, so its sets are drawn from one GPU's pods at a
-//! time: exhaustive for up to about a dozen pods a GPU.
+//! checks (and [`CHECKS_PER_REQUEST`] over the request's nodes); past that
+//! the best found stands. A lone shared container can only go on one GPU,
+//! so its sets are drawn from one GPU's pods at a time, every GPU's sets
+//! of one size before the next size.
+//!
+//! Only GPUs and CPU are weighed here. The scheduler's own victims that
+//! hold no GPU stay victims: its dry run chose them for what is not
+//! weighed here (memory, ports, the pod count).
 //!
 //! Pods still being bound here are not victims (the scheduler may not
 //! know them yet) but hold their room; pods the extender bound that the
@@ -47,18 +52,36 @@ pub(crate) struct Victims {
     pub(crate) budget_violations: i64,
 }
 
-/// Fit checks one node's search may make: a few milliseconds.
+/// Fit checks one node's search may make beyond its greedy pass: a few
+/// milliseconds.
 const CHECKS_PER_NODE: usize = 1024;
 
+/// Fit checks one request's searches may make together beyond their
+/// greedy passes (which cost one check per pod of the node): past it,
+/// the nodes left get their greedy set. Whatever the scheduler (or
+/// anyone reaching the extender) offers, a request costs at most this.
+pub(crate) const CHECKS_PER_REQUEST: usize = 64 * CHECKS_PER_NODE;
+
 /// The victims on `node` that make room for `asking`; `None` where no set
-/// of lower-priority pods does (or the node publishes no GPUs).
-pub(crate) fn victims(ix: &Index, node: &str, asking: &Asking) -> Option<Victims> {
+/// of lower-priority pods does (or the node publishes no GPUs). `kept`:
+/// the UIDs of the scheduler's own victims there; those holding no GPU
+/// stay victims (they made room for what is not weighed here: memory,
+/// ports, the pod count). `budget`: the request's checks left.
+pub(crate) fn victims(
+    ix: &Index,
+    node: &str,
+    asking: &Asking,
+    kept: &[&str],
+    budget: &mut usize,
+) -> Option<Victims> {
     let holders = ix.holders(node)?;
     let inv = holders.inventory;
-    let (candidates, fixed): (Vec<Holder>, Vec<Holder>) = holders
+    let lower = |h: &Holder| h.evictable && h.priority < asking.priority && !h.uid.is_empty();
+    let (gone, pods): (Vec<Holder>, Vec<Holder>) = holders
         .pods
         .into_iter()
-        .partition(|h| h.evictable && h.priority < asking.priority && !h.uid.is_empty());
+        .partition(|h| lower(h) && h.holdings.is_empty() && kept.contains(&h.uid.as_str()));
+    let (candidates, fixed): (Vec<Holder>, Vec<Holder>) = pods.into_iter().partition(lower);
     let mut base = NodeUsage::empty(inv);
     let mut cpu = NodeCpu {
         requested: 0,
@@ -88,16 +111,19 @@ pub(crate) fn victims(ix: &Index, node: &str, asking: &Asking) -> Option<Victims
     };
     let greedy = s.greedy()?;
     let mut best = Best::of(ix, &candidates, greedy);
-    for pool in s.pools() {
-        s.improve(ix, &pool, &mut best);
-    }
+    let allowed = CHECKS_PER_NODE.min(*budget);
+    let greedy_checks = s.checks;
+    s.improve(ix, &s.pools(), &mut best, greedy_checks + allowed);
+    *budget = budget.saturating_sub(s.checks - greedy_checks);
+    let chosen = best.set.iter().map(|&i| &candidates[i]);
+    let pods: Vec<(PodName, String)> = chosen
+        .chain(&gone)
+        .map(|h| (h.key.clone(), h.uid.clone()))
+        .collect();
+    let keys: Vec<&PodName> = pods.iter().map(|(k, _)| k).collect();
     Some(Victims {
-        pods: best
-            .set
-            .iter()
-            .map(|&i| (candidates[i].key.clone(), candidates[i].uid.clone()))
-            .collect(),
-        budget_violations: best.key.3,
+        budget_violations: ix.budget_violations(&keys),
+        pods,
     })
 }
 
@@ -231,33 +257,51 @@ impl Search<'_> {
         }
     }
 
-    /// Tries the sets of `pool`, smallest first, each only where it could
-    /// rank better than `best`, until the checks run out.
-    fn improve(&mut self, ix: &Index, pool: &[usize], best: &mut Best) {
+    /// Tries the sets of each pool, smallest size first across the pools,
+    /// each only where it could rank better than `best`, until `limit`
+    /// checks are made.
+    fn improve(&mut self, ix: &Index, pools: &[Vec<usize>], best: &mut Best, limit: usize) {
         let mut size = 1;
-        while size <= best.set.len() && size <= pool.len() {
-            let mut pick: Vec<usize> = (0..size).collect();
-            loop {
-                if self.checks >= CHECKS_PER_NODE {
+        while size <= best.set.len() {
+            for pool in pools.iter().filter(|p| p.len() >= size) {
+                if !self.improve_at(ix, pool, size, best, limit) {
                     return;
-                }
-                let set: Vec<usize> = pick.iter().map(|&j| pool[j]).collect();
-                let (len, max, sum) = priorities(self.candidates, &set);
-                if (len, max, sum) <= (best.key.0, best.key.1, best.key.2) {
-                    let mut out = vec![false; self.candidates.len()];
-                    set.iter().for_each(|&i| out[i] = true);
-                    if self.fits_without(&out) {
-                        let found = Best::of(ix, self.candidates, set);
-                        if found.key < best.key {
-                            *best = found;
-                        }
-                    }
-                }
-                if !next_pick(&mut pick, pool.len()) {
-                    break;
                 }
             }
             size += 1;
+        }
+    }
+
+    /// [`Search::improve`] over the sets of `size` of one pool; false once
+    /// the checks ran out.
+    fn improve_at(
+        &mut self,
+        ix: &Index,
+        pool: &[usize],
+        size: usize,
+        best: &mut Best,
+        limit: usize,
+    ) -> bool {
+        let mut pick: Vec<usize> = (0..size).collect();
+        loop {
+            if self.checks >= limit {
+                return false;
+            }
+            let set: Vec<usize> = pick.iter().map(|&j| pool[j]).collect();
+            let (len, max, sum) = priorities(self.candidates, &set);
+            if (len, max, sum) <= (best.key.0, best.key.1, best.key.2) {
+                let mut out = vec![false; self.candidates.len()];
+                set.iter().for_each(|&i| out[i] = true);
+                if self.fits_without(&out) {
+                    let found = Best::of(ix, self.candidates, set);
+                    if found.key < best.key {
+                        *best = found;
+                    }
+                }
+            }
+            if !next_pick(&mut pick, pool.len()) {
+                return true;
+            }
         }
     }
 }
@@ -298,6 +342,12 @@ mod tests {
     use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 
     const GIB: u64 = 1024;
+
+    /// [`super::victims`] with no victim of the scheduler's to keep and a
+    /// request's whole budget.
+    fn victims(ix: &Index, node: &str, asking: &Asking) -> Option<Victims> {
+        super::victims(ix, node, asking, &[], &mut { CHECKS_PER_REQUEST })
+    }
 
     /// A pod of `priority` holding `mib` of `gpu` on node `n` (bound, its
     /// assignment written, not yet admitted), or whole GPUs for `mib` 0.
@@ -415,6 +465,30 @@ mod tests {
         assert_eq!(names(&v), ["b1"]);
     }
 
+    /// The scheduler's victims that hold no GPU stay (they made room for
+    /// what is not weighed here); those holding GPUs are chosen anew. A
+    /// spent request budget leaves the greedy set, still one that fits.
+    #[test]
+    fn the_schedulers_gpu_less_victims_stay_and_a_spent_budget_keeps_the_greedy_set() {
+        let mut cpu_only = gpu_pod("ns", "cpu", &[app("app", [0, 0, 0])]);
+        let spec = cpu_only.spec.get_or_insert_default();
+        spec.node_name = Some("n".into());
+        spec.priority = Some(0);
+        let ix = node(&[
+            holder("a1", 0, "GPU-a", 30 * GIB),
+            holder("b1", 0, "GPU-b", 30 * GIB),
+            cpu_only,
+        ]);
+        let kept = ["uid-ns-cpu", "uid-ns-a1"];
+        let asking = preemptor(100, [20 * GIB, 0, 0]);
+        let v = super::victims(&ix, "n", &asking, &kept, &mut { CHECKS_PER_REQUEST }).unwrap();
+        assert_eq!(names(&v).len(), 2, "{v:?}");
+        assert!(names(&v).contains(&"cpu"), "{v:?}");
+        let mut spent = 0;
+        let v = super::victims(&ix, "n", &asking, &[], &mut spent).unwrap();
+        assert_eq!(names(&v).len(), 1, "{v:?}");
+    }
+
     /// A pod whose bind is in flight holds its room and is no victim.
     #[test]
     fn binds_in_flight_hold_their_room_and_stay() {
@@ -485,17 +559,17 @@ mod tests {
         let low = preemptor(50, [20 * GIB, 0, 0]);
         let high = preemptor(101, [20 * GIB, 0, 0]);
         // GPU-b is the nominee's: no lower priority fits, nor an equal one
-        // after it in name order; one before it, or higher, does (a total
-        // order, so that of two nominees one always fits).
+        // not nominated here, nor another nominee after it in name order;
+        // one before it, or a higher priority, does (a total order, so
+        // that of two nominees one always fits).
+        let equal = |name: &str, nominated: bool| Asking {
+            nominated: nominated.then(|| "n".to_owned()),
+            ..asking(name, 100, [20 * GIB, 0, 0])
+        };
         assert!(p.fits(&ix, "n", &low).is_err());
-        assert!(
-            p.fits(&ix, "n", &asking("zz", 100, [20 * GIB, 0, 0]))
-                .is_err()
-        );
-        assert!(
-            p.fits(&ix, "n", &asking("aa", 100, [20 * GIB, 0, 0]))
-                .is_ok()
-        );
+        assert!(p.fits(&ix, "n", &equal("aa", false)).is_err());
+        assert!(p.fits(&ix, "n", &equal("zz", true)).is_err());
+        assert!(p.fits(&ix, "n", &equal("aa", true)).is_ok());
         assert!(p.fits(&ix, "n", &high).is_ok());
         // A lower-priority preemptor may evict a1 but not take GPU-b.
         let v = victims(&ix, "n", &preemptor(60, [20 * GIB, 0, 0])).unwrap();

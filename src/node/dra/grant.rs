@@ -161,7 +161,7 @@ fn request_grant(
     node: &Node,
 ) -> Result<RequestGrant, GrantError> {
     let mut gpus = Vec::new();
-    let mut shared = Vec::new();
+    let mut each = Vec::new();
     for r in results {
         let g = node
             .gpus
@@ -171,35 +171,25 @@ fn request_grant(
                 claim: claim.to_owned(),
                 device: r.device.clone(),
             })?;
-        let limits = consumed(claim, r, &node.gpus[g], node.cores_per_gpu)?;
-        if limits.shared() {
-            shared.push(limits);
-        }
+        each.push(consumed(claim, r, &node.gpus[g], node.cores_per_gpu)?);
         gpus.push(g);
     }
-    // A share over several GPUs (a request's `count`) takes the same of
-    // each, and each GPU once.
-    let limits = match shared.as_slice() {
-        [] => Limits::default(),
-        [first, rest @ ..] => {
-            if shared.len() != gpus.len() || rest.iter().any(|l| l != first) {
-                return Err(GrantError::UnlikeShares {
-                    claim: claim.to_owned(),
-                    request: request.to_owned(),
-                    count: gpus.len(),
-                });
-            }
-            if let Some(again) = (1..gpus.len()).find(|&i| gpus[..i].contains(&gpus[i])) {
-                return Err(GrantError::SameGpuTwice {
-                    claim: claim.to_owned(),
-                    request: request.to_owned(),
-                    device: results[again].device.clone(),
-                    driver: node.driver.clone(),
-                });
-            }
-            *first
-        }
-    };
+    let limits = alike(&each, &gpus, node).ok_or_else(|| GrantError::UnlikeShares {
+        claim: claim.to_owned(),
+        request: request.to_owned(),
+        count: gpus.len(),
+    })?;
+    // A share over several GPUs (a request's `count`) takes each GPU once.
+    if limits.shared()
+        && let Some(again) = (1..gpus.len()).find(|&i| gpus[..i].contains(&gpus[i]))
+    {
+        return Err(GrantError::SameGpuTwice {
+            claim: claim.to_owned(),
+            request: request.to_owned(),
+            device: results[again].device.clone(),
+            driver: node.driver.clone(),
+        });
+    }
     Ok(RequestGrant {
         request: request.to_owned(),
         results: results
@@ -212,6 +202,32 @@ fn request_grant(
             .collect(),
         gpus,
         limits,
+    })
+}
+
+/// The one limit that holds on each of a request's GPUs (`each` consumed
+/// of `gpus`), which HAMi-core applies by index: the same cores on every
+/// GPU, and the same memory, where a GPU whose share is all of its memory
+/// (on a node of unlike GPUs) counts as capped at the others' amount if
+/// that is at least its size. `None` when the shares are unlike.
+fn alike(each: &[Limits], gpus: &[usize], node: &Node) -> Option<Limits> {
+    let first = each.first().copied().unwrap_or_default();
+    if each.iter().any(|l| l.core_percent != first.core_percent) {
+        return None;
+    }
+    let mut caps = each.iter().filter_map(|l| l.memory_mib);
+    let cap = caps.next();
+    if caps.any(|m| Some(m) != cap) {
+        return None;
+    }
+    let uncapped_fit = each
+        .iter()
+        .zip(gpus)
+        .filter(|(l, _)| l.memory_mib.is_none())
+        .all(|(_, &g)| cap.is_none_or(|m| node.gpus[g].memory_mib <= m));
+    uncapped_fit.then_some(Limits {
+        memory_mib: cap,
+        core_percent: first.core_percent,
     })
 }
 
@@ -447,6 +463,12 @@ pub(crate) mod tests {
         ];
         let e = grant(&claim("u", half_whole), "u", &n).unwrap_err();
         assert!(matches!(e, GrantError::UnlikeShares { .. }), "{e}");
+        let unlike_memory = vec![
+            result("r", "gpu-0", &[("memory", "4Gi")], Some("s")),
+            result("r", "gpu-1", &[("memory", "8Gi")], Some("t")),
+        ];
+        let e = grant(&claim("u", unlike_memory), "u", &n).unwrap_err();
+        assert!(matches!(e, GrantError::UnlikeShares { .. }), "{e}");
         let twice = vec![
             result("r", "gpu-1", &[("cores", "10")], Some("s")),
             result("r", "gpu-1", &[("cores", "10")], Some("t")),
@@ -480,5 +502,26 @@ pub(crate) mod tests {
         assert_eq!(g[0].results.len(), 2);
         assert_eq!(g[0].limits.memory_mib, Some(4096));
         assert_eq!(g[0].share_key(), "r-s");
+
+        // GPUs of unlike sizes: 16 GiB each is all of the small GPU and
+        // half the big one; capped at 16 GiB on both, which holds.
+        let mut n = node();
+        n.gpus[1].memory_mib = 32768;
+        let span = vec![
+            result("r", "gpu-0", &[("memory", "16Gi")], Some("s")),
+            result("r", "gpu-1", &[("memory", "16Gi")], Some("t")),
+        ];
+        let g = grant(&claim("u", span), "u", &n).unwrap();
+        assert_eq!(g[0].limits.memory_mib, Some(16384));
+        // Cores alone: each GPU's memory whole, the cores alike.
+        let cores = vec![
+            result("r", "gpu-0", &[("cores", "30")], Some("s")),
+            result("r", "gpu-1", &[("cores", "30")], Some("t")),
+        ];
+        let g = grant(&claim("u", cores), "u", &n).unwrap();
+        assert_eq!(
+            (g[0].limits.memory_mib, g[0].limits.core_percent),
+            (None, Some(30))
+        );
     }
 }

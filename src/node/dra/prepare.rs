@@ -292,6 +292,17 @@ impl Preparer {
         rpc: Option<&AllocateEnforcement>,
         caches: &mut Vec<PathBuf>,
     ) -> Result<(Vec<cdi::Device>, Vec<PreparedDevice>), ClaimError> {
+        // Refused before any share is readied.
+        if let Some(g) = grants
+            .iter()
+            .find(|g| g.limits.shared() && g.gpus.len() > 1)
+            && rpc.is_some_and(AllocateEnforcement::mps)
+        {
+            return Err(ClaimError::MpsSpansGpus {
+                request: g.request.clone(),
+                count: g.gpus.len(),
+            });
+        }
         let mut spec_devices = Vec::new();
         let mut devices = Vec::new();
         for g in grants {
@@ -302,12 +313,6 @@ impl Preparer {
                 .map(|&i| self.node.gpus[i].uuid.as_str())
                 .collect();
             let preload = match rpc.filter(|_| g.limits.shared()) {
-                Some(rpc) if rpc.mps() && uuids.len() > 1 => {
-                    return Err(ClaimError::MpsSpansGpus {
-                        request: g.request.clone(),
-                        count: uuids.len(),
-                    });
-                }
                 Some(rpc) => {
                     let owner = OwnedBy::Claim {
                         uid: c.uid.clone(),
