@@ -8,6 +8,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
 use support::kube::*;
 
 const NS: &str = "tenant";
@@ -107,6 +108,33 @@ async fn pods_run_with_their_grants() {
             }
         }
     }
+
+    // The shared pod's grant on its node's /metrics, labelled as its used
+    // memory is, from admission; gone once the pod is.
+    let shared = Api::<Pod>::namespaced(client.clone(), NS)
+        .get("shared")
+        .await
+        .unwrap();
+    let node = nodes.iter().find(|n| n.name == node_of(&shared)).unwrap();
+    let envs = container_envs(&node.record(NS, "shared").unwrap());
+    let gpu = &envs["main"]["NVIDIA_VISIBLE_DEVICES"];
+    let labels = format!(r#"{{namespace="{NS}",pod="shared",container="main",gpu="{gpu}"}}"#);
+    let addr = support::http_addr(&node.daemon);
+    let granted = format!("gpu_device_plugin_container_memory_granted_bytes{labels}");
+    support::wait_for_sample(&addr, &granted, (8u64 << 30) as f64).await;
+    let cores = format!("gpu_device_plugin_container_core_granted_ratio{labels}");
+    assert_eq!(support::metric(&addr, &cores), Some(0.3));
+    Api::<Pod>::namespaced(client.clone(), NS)
+        .delete("shared", &Default::default())
+        .await
+        .unwrap();
+    wait_gone(&client, NS, "shared", Duration::from_secs(60)).await;
+    support::poll_until(
+        Instant::now() + support::WAIT,
+        || support::metric(&addr, &granted).is_none(),
+        || format!("{granted} outlived its pod"),
+    )
+    .await;
     drop(sched);
 }
 

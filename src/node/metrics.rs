@@ -266,6 +266,8 @@ struct Scraped {
     enforcement: Mutex<Option<EnforcementSeries>>,
     /// Per GPU, from the pod matcher's usage model; empty without it.
     gpus: Mutex<Vec<GpuSample>>,
+    /// Per live container and GPU, from the same pass.
+    grants: Mutex<Vec<ContainerGrant>>,
     /// Every GPU's capacity and health, in every mode.
     status: Mutex<Vec<GpuStatus>>,
 }
@@ -327,6 +329,20 @@ pub(crate) struct EnforcementSeries {
     /// Device memory per container and GPU, from the usage regions that
     /// could be read.
     pub(crate) memory_used: Vec<ContainerMemory>,
+}
+
+/// What one live container is granted on one GPU, in real units: the
+/// other side of its `container_memory_used_bytes`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ContainerGrant {
+    pub(crate) namespace: String,
+    pub(crate) pod: String,
+    pub(crate) container: String,
+    /// The GPU's UUID.
+    pub(crate) gpu: String,
+    pub(crate) memory_mib: u64,
+    /// Percent of the GPU's compute (100 for a whole GPU).
+    pub(crate) core_percent: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -451,6 +467,12 @@ impl Metrics {
     }
 
     /// Every GPU's capacity and health, replacing the last.
+    /// Replaces every container's grants: a container gone is gone from
+    /// the next scrape.
+    pub(crate) fn set_grants(&self, grants: Vec<ContainerGrant>) {
+        *self.scraped.grants.lock().expect("metrics lock") = grants;
+    }
+
     pub(crate) fn set_gpu_status(&self, gpus: Vec<GpuStatus>) {
         *self.scraped.status.lock().expect("metrics lock") = gpus;
     }
@@ -683,6 +705,32 @@ impl Scraped {
         Ok(())
     }
 
+    /// Each live container's grant per GPU, labelled as its used memory
+    /// is, so that a dashboard joins granted against used.
+    fn encode_grants(&self, encoder: &mut DescriptorEncoder) -> fmt::Result {
+        let grants = self.grants.lock().expect("metrics lock");
+        let labels = |g: &ContainerGrant| ContainerLabels {
+            namespace: g.namespace.clone(),
+            pod: g.pod.clone(),
+            container: g.container.clone(),
+            gpu: g.gpu.clone(),
+        };
+        let help = "GPU memory granted to a container on a GPU (all of it for a whole GPU).";
+        let name = "container_memory_granted_bytes";
+        let mut f = family(encoder, name, help, MetricType::Gauge)?;
+        for g in grants.iter() {
+            gauge(&mut f, &labels(g), g.memory_mib << 20)?;
+        }
+        let help = "Share of a GPU's compute granted to a container (1 for a whole GPU).";
+        let name = "container_core_granted_ratio";
+        let mut f = family(encoder, name, help, MetricType::Gauge)?;
+        for g in grants.iter() {
+            let ratio = g.core_percent as f64 / 100.0;
+            ConstGauge::new(ratio).encode(f.encode_family(&labels(g))?)?;
+        }
+        Ok(())
+    }
+
     /// Absent altogether with enforcement off.
     fn encode_enforcement(&self, encoder: &mut DescriptorEncoder) -> fmt::Result {
         let series = self.enforcement.lock().expect("metrics lock");
@@ -731,6 +779,7 @@ impl Collector for Scraped {
         self.encode_resources(&mut encoder)?;
         self.encode_enforcement(&mut encoder)?;
         self.encode_config(&mut encoder)?;
+        self.encode_grants(&mut encoder)?;
         self.encode_gpus(&mut encoder)
     }
 }
@@ -746,6 +795,37 @@ mod tests {
             .filter(|l| !l.starts_with('#'))
             .map(|l| l.split(['{', ' ']).next().unwrap())
             .collect()
+    }
+
+    fn grant(pod: &str, memory_mib: u64, core_percent: u64) -> ContainerGrant {
+        ContainerGrant {
+            namespace: "ns".into(),
+            pod: pod.into(),
+            container: "app".into(),
+            gpu: "GPU-a".into(),
+            memory_mib,
+            core_percent,
+        }
+    }
+
+    /// A container's grant carries the labels of its used memory, in bytes
+    /// and a ratio of the GPU; a container gone is gone at the next update.
+    #[test]
+    fn grants_join_used_memory_and_go_with_their_container() {
+        let metrics = Metrics::default();
+        metrics.set_grants(vec![grant("p", 512, 30), grant("q", 1024, 100)]);
+        let text = metrics.render();
+        let labels = r#"{namespace="ns",pod="p",container="app",gpu="GPU-a"}"#;
+        for line in [
+            format!("{PREFIX}_container_memory_granted_bytes{labels} 536870912"),
+            format!("{PREFIX}_container_core_granted_ratio{labels} 0.3"),
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+        }
+        metrics.set_grants(vec![grant("q", 1024, 100)]);
+        let text = metrics.render();
+        assert!(!text.contains(r#"pod="p""#), "{text}");
+        assert!(text.contains(r#"pod="q""#), "{text}");
     }
 
     /// Every series the daemon exports, with some state in each: a rename
@@ -788,6 +868,7 @@ mod tests {
                 bytes: 1 << 20,
             }],
         }));
+        metrics.set_grants(vec![grant("p", 512, 30)]);
         let text = metrics.render();
         let expected = [
             "build_info",
@@ -811,6 +892,8 @@ mod tests {
             "enforcement_cache_dirs",
             "container_memory_used_bytes",
             "config_info",
+            "container_memory_granted_bytes",
+            "container_core_granted_ratio",
             "config_last_reload_timestamp_seconds",
             "config_last_refused_timestamp_seconds",
             "gpu_memory_capacity_bytes",

@@ -596,6 +596,7 @@ impl Actor for PodMatcher {
         // Without a matcher there is no usage to show, rather than a stale one.
         state.report.abort();
         state.args.metrics.set_gpus(Vec::new());
+        state.args.metrics.set_grants(Vec::new());
         // Nor withdrawals nobody keeps current: every device the GPUs'
         // health allows goes back on the kubelet's lists.
         if let Some(tx) = &state.args.withdrawals {

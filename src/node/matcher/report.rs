@@ -19,7 +19,7 @@ use tokio::task::JoinHandle;
 
 use super::actor::MatcherArgs;
 use super::cache::PodCache;
-use crate::node::metrics::{GpuMode, GpuSample};
+use crate::node::metrics::{ContainerGrant, GpuMode, GpuSample};
 use crate::node::readiness::{Child, Hold};
 use crate::rules::device::{PerResource, Resource};
 use crate::rules::matching::pods::PodView;
@@ -68,6 +68,7 @@ pub(super) fn spawn(cache: &PodCache, args: &MatcherArgs) -> JoinHandle<()> {
                     named = seen;
                     let usage = usage(&node, &views);
                     metrics.set_gpus(samples(&node, &usage));
+                    metrics.set_grants(grants(&node, &views));
                     if let Some(tx) = &withdrawals {
                         publish(tx, withdrawn(&node, &views, &usage));
                     }
@@ -143,6 +144,45 @@ pub fn withdrawn(inv: &Inventory, views: &[PodView], usage: &NodeUsage) -> Withd
     })
 }
 
+/// Each live container's grant per GPU, from its ledger as far as its
+/// spec vouches for it (any tenant can write on its own pods): an amount
+/// is at most the container's ask, a GPU must be the node's, and a whole
+/// GPU is all of its memory and compute.
+fn grants(inv: &Inventory, views: &[PodView]) -> Vec<ContainerGrant> {
+    let mut out = Vec::new();
+    for v in views.iter().filter(|v| v.live) {
+        for c in &v.containers {
+            let Some(entry) = v.ledger.0.get(&c.name) else {
+                continue;
+            };
+            let asked_mib = c
+                .wants(Resource::GpuMemory)
+                .saturating_mul(inv.memory_unit_mib);
+            let asked_percent = c.wants(Resource::GpuCore).saturating_mul(100)
+                / u64::from(inv.cores_per_gpu.max(1));
+            for gpu in inv.gpus.iter().filter(|g| entry.gpus.contains(&g.uuid)) {
+                let (memory_mib, core_percent) = if c.whole() && entry.whole() {
+                    (gpu.memory_mib, 100)
+                } else {
+                    (
+                        entry.memory.unwrap_or(0).min(asked_mib),
+                        entry.core.unwrap_or(0).min(asked_percent),
+                    )
+                };
+                out.push(ContainerGrant {
+                    namespace: v.key.namespace.clone(),
+                    pod: v.key.name.clone(),
+                    container: c.name.clone(),
+                    gpu: gpu.uuid.clone(),
+                    memory_mib,
+                    core_percent,
+                });
+            }
+        }
+    }
+    out
+}
+
 fn samples(inv: &Inventory, usage: &NodeUsage) -> Vec<GpuSample> {
     inv.gpus
         .iter()
@@ -161,4 +201,101 @@ fn samples(inv: &Inventory, usage: &NodeUsage) -> Vec<GpuSample> {
             },
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rules::matching::pods::PodKey;
+    use crate::rules::matching::tests::gpus_of_1000_mib;
+    use crate::rules::usage::{Assignment, ContainerAsk, Ledger};
+
+    fn container(name: &str, devices: PerResource<u64>) -> ContainerAsk {
+        ContainerAsk {
+            name: name.into(),
+            init: false,
+            restartable: false,
+            devices,
+            invalid: None,
+        }
+    }
+
+    fn view(name: &str, live: bool, containers: Vec<ContainerAsk>, ledger: &str) -> PodView {
+        PodView {
+            key: PodKey {
+                namespace: "ns".into(),
+                name: name.into(),
+            },
+            uid: format!("uid-{name}"),
+            admitting: false,
+            live,
+            assume_time: None,
+            created: 0,
+            gpu_uuid: None,
+            assignment: Assignment::default(),
+            containers,
+            ledger: Ledger::parse(Some(ledger)).unwrap(),
+            resource_version: "1".into(),
+        }
+    }
+
+    /// A share's grant is what its ledger records, never more than its
+    /// spec asks; a whole GPU is all of it; a finished pod, a container
+    /// the spec lacks and a GPU the node lacks give nothing.
+    #[test]
+    fn grants_are_the_ledgers_as_far_as_the_specs_vouch() {
+        let inv = gpus_of_1000_mib(&["GPU-a", "GPU-b"]);
+        let share = PerResource {
+            memory: 300,
+            core: 20,
+            count: 0,
+        };
+        let whole = PerResource {
+            memory: 0,
+            core: 0,
+            count: 1,
+        };
+        let views = [
+            view(
+                "shared",
+                true,
+                vec![container("app", share)],
+                r#"{"app":{"gpus":["GPU-a"],"gpu-memory":300,"gpu-core":20},
+                   "ghost":{"gpus":["GPU-b"],"gpu-memory":900}}"#,
+            ),
+            view(
+                "greedy",
+                true,
+                vec![container("app", share)],
+                r#"{"app":{"gpus":["GPU-a","GPU-x"],"gpu-memory":999999,"gpu-core":100}}"#,
+            ),
+            view(
+                "whole",
+                true,
+                vec![container("train", whole)],
+                r#"{"train":{"gpus":["GPU-b"],"gpu-count":1}}"#,
+            ),
+            view(
+                "done",
+                false,
+                vec![container("app", share)],
+                r#"{"app":{"gpus":["GPU-a"],"gpu-memory":300}}"#,
+            ),
+        ];
+        let got: Vec<(String, String, String, u64, u64)> = grants(&inv, &views)
+            .into_iter()
+            .map(|g| (g.pod, g.container, g.gpu, g.memory_mib, g.core_percent))
+            .collect();
+        let want = |pod: &str, c: &str, gpu: &str, m, p| {
+            (pod.to_owned(), c.to_owned(), gpu.to_owned(), m, p)
+        };
+        assert_eq!(
+            got,
+            [
+                want("shared", "app", "GPU-a", 300, 20),
+                want("greedy", "app", "GPU-a", 300, 20),
+                want("whole", "train", "GPU-b", 1000, 100),
+            ]
+        );
+    }
 }
