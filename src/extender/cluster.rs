@@ -154,10 +154,7 @@ impl Reflect for PodDisruptionBudget {
         index.apply_budget(&obj);
     }
     fn delete(index: &mut Index, obj: &Self) {
-        index.delete_budget(&(
-            obj.metadata.namespace.clone().unwrap_or_default(),
-            obj.metadata.name.clone().unwrap_or_default(),
-        ));
+        index.delete_budget(obj);
     }
     fn replace(index: &mut Index, all: Vec<Self>) {
         index.replace_budgets(&all);

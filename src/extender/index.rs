@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::api::ObjectMeta;
 use kube::core::{Selector, SelectorExt};
 
 use crate::rules::usage::quantity::parse_milli;
@@ -206,6 +207,8 @@ pub(crate) struct Holder {
 /// holds some of them.
 pub(crate) struct Holders<'a> {
     pub(crate) inventory: &'a Inventory,
+    /// What they all hold, as the filter counts it.
+    pub(crate) usage: &'a NodeUsage,
     pub(crate) cpu: NodeCpu,
     pub(crate) pods: Vec<Holder>,
 }
@@ -218,9 +221,14 @@ static STAMPS: AtomicU64 = AtomicU64::new(1);
 const UNLISTED: &str = "not listed yet";
 
 pub fn pod_name(pod: &Pod) -> PodName {
+    key_of(&pod.metadata)
+}
+
+/// A namespaced object's `namespace/name`.
+fn key_of(meta: &ObjectMeta) -> PodName {
     (
-        pod.metadata.namespace.clone().unwrap_or_default(),
-        pod.metadata.name.clone().unwrap_or_default(),
+        meta.namespace.clone().unwrap_or_default(),
+        meta.name.clone().unwrap_or_default(),
     )
 }
 
@@ -553,14 +561,6 @@ impl Index {
         v
     }
 
-    /// What every pod the index counts on `node` holds of its GPUs.
-    pub(crate) fn usage(&self, node: &str) -> Option<&NodeUsage> {
-        match self.nodes.get(node) {
-            Some(Gpus::Published { usage, .. }) => Some(usage),
-            _ => None,
-        }
-    }
-
     /// Whether kube-scheduler nominated any pod to `node`.
     pub(crate) fn has_nominated(&self, node: &str) -> bool {
         self.nominations.contains_key(node)
@@ -569,7 +569,12 @@ impl Index {
     /// `node`'s GPUs and CPU with each pod that holds some of them;
     /// `None` where the node publishes no GPUs.
     pub(crate) fn holders(&self, node: &str) -> Option<Holders<'_>> {
-        let Some(Gpus::Published { inventory, cpu, .. }) = self.nodes.get(node) else {
+        let Some(Gpus::Published {
+            inventory,
+            usage,
+            cpu,
+        }) = self.nodes.get(node)
+        else {
             return None;
         };
         let pods = self
@@ -585,6 +590,7 @@ impl Index {
             .collect();
         Some(Holders {
             inventory,
+            usage,
             cpu: *cpu,
             pods,
         })
@@ -628,15 +634,11 @@ impl Index {
     }
 
     pub fn apply_budget(&mut self, pdb: &PodDisruptionBudget) {
-        let key = (
-            pdb.metadata.namespace.clone().unwrap_or_default(),
-            pdb.metadata.name.clone().unwrap_or_default(),
-        );
-        self.budgets.insert(key, Budget::of(pdb));
+        self.budgets.insert(key_of(&pdb.metadata), Budget::of(pdb));
     }
 
-    pub(crate) fn delete_budget(&mut self, key: &PodName) {
-        self.budgets.remove(key);
+    pub(crate) fn delete_budget(&mut self, pdb: &PodDisruptionBudget) {
+        self.budgets.remove(&key_of(&pdb.metadata));
     }
 
     pub fn replace_budgets(&mut self, all: &[PodDisruptionBudget]) {

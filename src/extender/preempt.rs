@@ -38,11 +38,9 @@
 
 use std::cmp::Reverse;
 
-use super::index::{Holder, Index, PodName};
+use super::index::{Holder, Index, NodeCpu, PodName};
 use super::plan::{Asking, nominees};
 use crate::rules::usage::{Inventory, NodeUsage, fits};
-
-use super::index::NodeCpu;
 
 /// The pods to evict on a node, and how many of them break a budget.
 #[derive(Debug, PartialEq, Eq)]
@@ -95,9 +93,7 @@ pub(crate) fn victims(
     }
     // Nominees go where they fit with every pod still there, as the
     // filter places them, and stay there whatever is evicted.
-    if let Some(usage) = ix.usage(node)
-        && let Some((held, nominated_cpu)) = nominees(ix, node, inv, usage, asking)
-    {
+    if let Some((held, nominated_cpu)) = nominees(ix, node, inv, holders.usage, asking) {
         held.iter().for_each(|h| base.add(inv, h));
         cpu.requested = cpu.requested.saturating_add(nominated_cpu);
     }
@@ -538,7 +534,7 @@ mod tests {
         assert_eq!(v.budget_violations, 0);
         ix.apply_budget(&pdb(1, &[]));
         assert_eq!(ix.budget_violations(&[&("ns".into(), "a1".into())]), 0);
-        ix.delete_budget(&("ns".into(), "guard".into()));
+        ix.delete_budget(&pdb(0, &[]));
         ix.apply_budget(&pdb(-1, &[]));
         ix.replace_budgets(&[]);
         let v = victims(&ix, "n", &preemptor(100, [0, 0, 2])).unwrap();
