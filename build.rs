@@ -1,13 +1,15 @@
 //! Stamps the build with its git revision (`GIT_REVISION`, "unknown"
 //! outside a git checkout) and compiles the kubelet's APIs with protox (pure
 //! Rust), so a fresh machine needs no system `protoc`: the v1beta1
-//! device-plugin API, and for DRA the plugin registration API and the DRA
-//! plugin API v1 and v1beta1.
+//! device-plugin API, and for DRA the plugin registration API, the DRA
+//! plugin API v1 and v1beta1 and the device health API v1 and v1alpha1.
 //!
 //! The DRA protos are compiled once, clients and servers (`wire/`), except
 //! v1beta1's service (`dra_v1beta1/`): it is built over v1's messages, which
 //! are v1beta1's plus `Device.share_id` (field 5, which a v1beta1 kubelet
-//! skips as unknown), so one implementation serves both versions.
+//! skips as unknown), so one implementation serves both versions. The
+//! health API likewise: v1 into `health/`, v1alpha1's service (its file
+//! holds only the service, over v1's messages) into `health_v1alpha1/`.
 //!
 //! Two passes over the device-plugin file:
 //! - `wire/`: every message, both clients and servers. The kubelet side (the
@@ -49,11 +51,13 @@ fn git_revision() -> String {
 }
 
 /// Every proto file under `proto/`.
-const PROTOS: [&str; 4] = [
+const PROTOS: [&str; 6] = [
     "api.proto",
     "pluginregistration.proto",
     "dra_v1.proto",
     "dra_v1beta1.proto",
+    "dra_health_v1.proto",
+    "dra_health_v1alpha1.proto",
 ];
 
 /// The DRA protos: everything into `wire/`, v1beta1's service over v1's
@@ -82,6 +86,18 @@ fn dra(out: &Path) -> Result<(), Box<dyn std::error::Error>> {
             "crate::node::dra::proto::v1",
         )
         .compile_fds(protox::compile(["dra_v1beta1.proto"], ["proto"])?)?;
+    let health = out.join("health");
+    std::fs::create_dir_all(&health)?;
+    tonic_prost_build::configure()
+        .out_dir(&health)
+        .compile_fds(protox::compile(["dra_health_v1.proto"], ["proto"])?)?;
+    let alpha = out.join("health_v1alpha1");
+    std::fs::create_dir_all(&alpha)?;
+    tonic_prost_build::configure()
+        .out_dir(&alpha)
+        .build_client(false)
+        .extern_path(".v1", "crate::node::dra::proto::health::v1")
+        .compile_fds(protox::compile(["dra_health_v1alpha1.proto"], ["proto"])?)?;
     Ok(())
 }
 

@@ -107,7 +107,12 @@ async fn register(host: &Host) -> PathBuf {
     assert_eq!(info.name, DRIVER);
     assert_eq!(
         info.supported_versions,
-        ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+        [
+            "v1.DRAPlugin",
+            "v1beta1.DRAPlugin",
+            "v1.DRAResourceHealth",
+            "v1alpha1.DRAResourceHealth"
+        ]
     );
     let endpoint = PathBuf::from(&info.endpoint);
     assert_eq!(endpoint, host.path(&format!("plugins/{DRIVER}/dra.sock")));

@@ -447,3 +447,106 @@ async fn quantities_as_stored_and_refusals_as_events() {
     assert_eq!(e.type_.as_deref(), Some("Warning"));
     assert_eq!(e.reporting_instance.as_deref(), Some("node-0"));
 }
+
+/// The notes of the daemon's Events of `reason` on pod `name`.
+async fn gpu_events(client: &kube::Client, name: &str, reason: &str) -> Vec<String> {
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), NS);
+    let list = events.list(&Default::default()).await.unwrap();
+    list.items
+        .into_iter()
+        .filter(|e| {
+            e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
+                && e.reason.as_deref() == Some(reason)
+        })
+        .filter_map(|e| e.note)
+        .collect()
+}
+
+/// An XID on a GPU lands as a Warning Event on the pods with a grant on
+/// that GPU and on no other: a share's GPU has an application's page
+/// fault (XID 31), then the whole GPU a critical fault (XID 79). The
+/// daemon posts its Events in order, so once the second one is there the
+/// first has reached everyone it would.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_xid_reaches_the_pods_of_its_gpu_and_no_other() {
+    let cp = ControlPlane::start();
+    let (a, b) = (gpu_uuid(0, 0), gpu_uuid(0, 1));
+    let flags = tempfile::tempdir().unwrap();
+    let health = format!(
+        "[health]\npoll_ms = 100\nmock_dir = {:?}\n",
+        flags.path().display().to_string()
+    );
+    let node = KubeNode::start(&cp, "node-0", &[(&a, 16384), (&b, 16384)], &health).await;
+    namespace(&cp, NS);
+    let client = cp.admin_client().await;
+    let on_node = |mut pod: Pod| {
+        pod.spec.as_mut().unwrap().node_name = Some("node-0".into());
+        pod
+    };
+    create(
+        &client,
+        &on_node(gpu_pod(NS, "whole", &[("train", [0, 0, 1])])),
+    )
+    .await;
+    create(
+        &client,
+        &on_node(gpu_pod(NS, "share", &[("infer", [4096, 0, 0])])),
+    )
+    .await;
+    let mut gpu = std::collections::HashMap::new();
+    for name in ["whole", "share"] {
+        let ran = wait_pod(&client, NS, name, Duration::from_secs(60), |p| {
+            phase(p) == "Running"
+        })
+        .await
+        .unwrap_or_else(|p| panic!("{name} not Running: {p:?}\n{}", node.daemon.log_text()));
+        let ledger = &ran.metadata.annotations.as_ref().unwrap()["doslab.io/gpu-ledger"];
+        let uuid = [&a, &b].into_iter().find(|u| ledger.contains(u.as_str()));
+        gpu.insert(name, uuid.unwrap().clone());
+    }
+    assert_ne!(gpu["whole"], gpu["share"], "a whole GPU carries no share");
+
+    let xid = |uuid: &str, number: &str| {
+        std::fs::write(flags.path().join(format!("{uuid}.xid")), number).unwrap();
+    };
+    xid(&gpu["share"], "31");
+    let deadline = || Instant::now() + Duration::from_secs(30);
+    let noted = support::poll_for(
+        deadline(),
+        async || Some(gpu_events(&client, "share", "GpuFault").await).filter(|n| !n.is_empty()),
+        || format!("no GpuFault Event on the share\n{}", node.daemon.log_text()),
+    )
+    .await;
+    let want = format!(
+        "XID 31 on GPU {}, which this pod's infer uses",
+        gpu["share"]
+    );
+    assert_eq!(noted, [want]);
+
+    xid(&gpu["whole"], "79");
+    let noted = support::poll_for(
+        deadline(),
+        async || Some(gpu_events(&client, "whole", "GpuFault").await).filter(|n| !n.is_empty()),
+        || {
+            format!(
+                "no GpuFault Event on the whole GPU\n{}",
+                node.daemon.log_text()
+            )
+        },
+    )
+    .await;
+    assert_eq!(noted.len(), 1, "{noted:?}");
+    assert!(
+        noted[0].starts_with(&format!(
+            "XID 79 on GPU {}, which this pod's train uses; the GPU is out of service",
+            gpu["whole"]
+        )),
+        "{noted:?}"
+    );
+    let share = gpu_events(&client, "share", "GpuFault").await;
+    assert_eq!(
+        share.len(),
+        1,
+        "the share's GPU had no second fault: {share:?}"
+    );
+}

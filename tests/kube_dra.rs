@@ -377,7 +377,8 @@ async fn unschedulable(client: &kube::Client, name: &str, logs: &dyn Fn() -> Str
 /// larger than any GPU waits with the scheduler's reason; deletion
 /// unprepares (the CDI spec and the share's enforcement state go); a
 /// kubelet restart and a daemon restart between prepare and unprepare lose
-/// nothing; an unhealthy GPU is tainted and new claims avoid it.
+/// nothing; an unhealthy GPU is tainted, new claims avoid it and the pods
+/// on it show it in their status (the kubelet's health stream, KEP-4680).
 #[tokio::test(flavor = "multi_thread")]
 async fn shares_and_whole_gpus_through_the_products_dra_plugin() {
     let cp = ControlPlane::start();
@@ -475,8 +476,10 @@ async fn shares_and_whole_gpus_through_the_products_dra_plugin() {
     node.wait_sliced(&cp).await;
     delete_unprepared(&client, &node, "share-3", &id3, &|| logs(&node)).await;
 
-    // Health: the GPU a share would land on turns unhealthy; its device is
-    // tainted NoSchedule and the next share goes to the other GPU.
+    // Health: the GPU a share runs on turns unhealthy; its device is
+    // tainted NoSchedule, the kubelet hears of it through the health
+    // stream and shows it in the pod's status, and the next share goes to
+    // the other GPU.
     pods.delete("whole-0", &DeleteParams::default())
         .await
         .unwrap();
@@ -485,10 +488,15 @@ async fn shares_and_whole_gpus_through_the_products_dra_plugin() {
     create(&client, &claim_pod(NS, "probe", "share")).await;
     let (_, probe) = running_with(&client, &node, "probe", &|| logs(&node)).await;
     let first = probe["NVIDIA_VISIBLE_DEVICES"].clone();
-    pods.delete("probe", &DeleteParams::default())
-        .await
-        .unwrap();
-    wait_gone(&client, NS, "probe", Duration::from_secs(60)).await;
+    let untyped: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), NS, &ApiResource::erase::<Pod>(&()));
+    assert_eq!(
+        device_health(&untyped, "probe")
+            .await
+            .map(|h| h.0)
+            .as_deref(),
+        Some("Healthy")
+    );
     std::fs::write(health.join(&first), "").unwrap();
     let slices: Api<DynamicObject> = Api::all_with(client.clone(), &resource("ResourceSlice"));
     until(
@@ -510,12 +518,57 @@ async fn shares_and_whole_gpus_through_the_products_dra_plugin() {
         },
     )
     .await;
+    let why = until(
+        Duration::from_secs(30),
+        "the probe's status never showed its device unhealthy",
+        || logs(&node),
+        async || {
+            let (health, why) = device_health(&untyped, "probe").await?;
+            (health == "Unhealthy").then_some(why)
+        },
+    )
+    .await;
+    let flag = health.join(&first);
+    assert_eq!(why, format!("mock health file {} exists", flag.display()));
     create(&client, &claim_pod(NS, "after", "share")).await;
     let (_, after) = running_with(&client, &node, "after", &|| logs(&node)).await;
     assert_ne!(
         after["NVIDIA_VISIBLE_DEVICES"], first,
         "landed on the tainted GPU"
     );
+    // Healthy again after the recovery window: the probe's status says so.
+    std::fs::remove_file(&flag).unwrap();
+    until(
+        Duration::from_secs(30),
+        "the probe's status never showed its device healthy again",
+        || logs(&node),
+        async || {
+            let (health, _) = device_health(&untyped, "probe").await?;
+            (health == "Healthy").then_some(())
+        },
+    )
+    .await;
+}
+
+/// The health and message of the device of pod `name`'s claim `gpu` in
+/// its container `main`'s `allocatedResourcesStatus`, as the kubelet's
+/// DRA manager wrote it from the driver's health stream. Read untyped: the
+/// message is newer than the API types the tests are built with.
+async fn device_health(pods: &Api<DynamicObject>, name: &str) -> Option<(String, String)> {
+    let pod = pods.get(name).await.ok()?.data;
+    let container = pod["status"]["containerStatuses"]
+        .as_array()?
+        .iter()
+        .find(|c| c["name"] == "main")?;
+    let status = container["allocatedResourcesStatus"]
+        .as_array()?
+        .iter()
+        .find(|s| s["name"] == "claim:gpu")?;
+    let device = &status["resources"].as_array()?.first()?;
+    Some((
+        device["health"].as_str()?.to_owned(),
+        device["message"].as_str().unwrap_or_default().to_owned(),
+    ))
 }
 
 /// Pods on a DRA-only node as they are written today: the shipped

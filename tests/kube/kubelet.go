@@ -305,6 +305,7 @@ func (k *kubeletPeer) run(ctx context.Context) error {
 		return ctx.Err()
 	}
 	go k.updateNodeStatus(ctx)
+	go k.healthLoop(ctx)
 	fmt.Println("kubelet ready:", k.flags.node)
 	k.admitLoop(ctx)
 	return nil
@@ -659,11 +660,69 @@ func (k *kubeletPeer) setStatus(ctx context.Context, pod *v1.Pod, phase v1.PodPh
 		ready := v1.ConditionFalse
 		if phase == v1.PodRunning {
 			ready = v1.ConditionTrue
+			k.containerStatuses(current)
 		}
 		current.Status.Conditions = []v1.PodCondition{{Type: v1.PodReady, Status: ready, LastTransitionTime: now}}
 		_, err = k.client.CoreV1().Pods(pod.Namespace).UpdateStatus(ctx, current, metav1.UpdateOptions{})
 		return err == nil, err
 	})
+}
+
+// containerStatuses fills in a running pod's containers as the kubelet's
+// generateAPIPodStatus does: each running since its pod started, with an
+// ID naming the pod and container (what a node agent maps a process's
+// cgroup back to), and the health of its DRA devices as the DRA manager
+// last heard it from their drivers (KEP-4680).
+func (k *kubeletPeer) containerStatuses(pod *v1.Pod) {
+	started := pod.Status.StartTime
+	if started == nil {
+		now := metav1.Now()
+		started = &now
+	}
+	statuses := make([]v1.ContainerStatus, 0, len(pod.Spec.Containers))
+	for _, c := range pod.Spec.Containers {
+		yes := true
+		statuses = append(statuses, v1.ContainerStatus{
+			Name:        c.Name,
+			Image:       c.Image,
+			ImageID:     c.Image,
+			ContainerID: "peer://" + string(pod.UID) + "/" + c.Name,
+			Ready:       true,
+			Started:     &yes,
+			State:       v1.ContainerState{Running: &v1.ContainerStateRunning{StartedAt: *started}},
+		})
+	}
+	pod.Status.ContainerStatuses = statuses
+	k.dra.UpdateAllocatedResourcesStatus(k.logger, pod, &pod.Status)
+}
+
+// healthLoop writes the status of each running pod whose DRA devices'
+// health changed, as the kubelet's sync loop syncs the pods the container
+// manager names (a pod not running yet gets it when it starts).
+func (k *kubeletPeer) healthLoop(ctx context.Context) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case update := <-k.dra.Updates():
+			for _, uid := range update.PodUIDs {
+				k.mu.Lock()
+				pod, ok := k.admitted[types.UID(uid)]
+				k.mu.Unlock()
+				if ok {
+					k.retry(ctx, "device health", pod, func() (bool, error) {
+						current, err := k.client.CoreV1().Pods(pod.Namespace).Get(ctx, pod.Name, metav1.GetOptions{})
+						if err != nil || current.UID != pod.UID || current.Status.Phase != v1.PodRunning {
+							return err == nil, err
+						}
+						k.containerStatuses(current)
+						_, err = k.client.CoreV1().Pods(pod.Namespace).UpdateStatus(ctx, current, metav1.UpdateOptions{})
+						return err == nil, err
+					})
+				}
+			}
+		}
+	}
 }
 
 // retry runs write until it reports done, the pod is gone (NotFound), the

@@ -11,11 +11,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
+use tokio::sync::watch;
 use tokio::task::AbortHandle;
 
 use super::cdi::CdiDir;
-use super::grant::Node;
+use super::grant::{Node, device_name};
+use super::health::{GpusHealth, HealthService};
 use super::prepare::{Preparer, PreparerParts};
+use super::proto::health::v1::dra_resource_health_server::DraResourceHealthServer;
+use super::proto::health::v1alpha1::dra_resource_health_server::DraResourceHealthServer as AlphaHealthServer;
 use super::proto::registration::registration_server::RegistrationServer;
 use super::proto::{v1, v1beta1};
 use super::service::{DraService, RegistrationService};
@@ -23,7 +27,7 @@ use super::slices::{self, Facts, Shape};
 use crate::config::Config;
 use crate::node::enforcement::Enforcer;
 use crate::node::grant::ResponseComposer;
-use crate::node::health::{HealthArgs, HealthMonitor, ProbeSpec};
+use crate::node::health::{Failure, HealthArgs, HealthMonitor, HealthNews, ProbeSpec};
 use crate::rules::device::{Gpu, GpuSource};
 
 /// How soon a slice that could not be published is tried again.
@@ -93,7 +97,10 @@ impl DraArgs {
 
 pub(crate) enum DraMsg {
     /// The GPUs' health changed (DRA's GPUs, in order).
-    Health(Arc<[bool]>),
+    Health {
+        healthy: Arc<[bool]>,
+        why: Arc<[Option<Failure>]>,
+    },
     /// Publish the slice (again).
     Publish,
     /// The kubelet refused the plugin: register again.
@@ -112,7 +119,8 @@ pub(crate) enum DraMsg {
 pub(crate) struct DraState {
     args: DraArgs,
     client: kube::Client,
-    healthy: Arc<[bool]>,
+    /// What the slice and the kubelet's health streams say.
+    health: watch::Sender<GpusHealth>,
     service: AbortHandle,
     registration: AbortHandle,
     facts: Facts,
@@ -211,11 +219,19 @@ impl Actor for DraActor {
             .await
             .expect("NVML facts panicked");
         let dra = DraService(Arc::new(preparer));
+        let (health_news, watching) = watch::channel(GpusHealth::all_healthy(args.node.gpus.len()));
+        let health_service = HealthService {
+            pool: args.node.pool.clone(),
+            devices: args.node.gpus.iter().map(device_name).collect(),
+            health: watching,
+        };
         let routes =
             tonic::service::Routes::new(v1::dra_plugin_server::DraPluginServer::new(dra.clone()))
                 .add_service(v1beta1::server::dra_plugin_server::DraPluginServer::new(
                     dra,
-                ));
+                ))
+                .add_service(DraResourceHealthServer::new(health_service.clone()))
+                .add_service(AlphaHealthServer::new(health_service));
         let service = serve(&myself, &args.service_socket, routes, Server::Dra)?;
         // Registered only once the service answers: the kubelet calls it
         // as soon as it has the registration.
@@ -231,8 +247,10 @@ impl Actor for DraActor {
             uuids: args.node.gpus.iter().map(|g| g.uuid.clone()).collect(),
             poll: args.poll,
             recovery: args.recovery,
-            report: Arc::new(move |healthy| {
-                let _ = me.send_message(DraMsg::Health(healthy));
+            report: Arc::new(move |news| {
+                if let HealthNews::Changed { healthy, why } = news {
+                    let _ = me.send_message(DraMsg::Health { healthy, why });
+                }
             }),
         };
         Actor::spawn_linked(None, HealthMonitor, health, myself.get_cell()).await?;
@@ -250,7 +268,7 @@ impl Actor for DraActor {
             "DRA plugin serving"
         );
         Ok(DraState {
-            healthy: vec![true; args.node.gpus.len()].into(),
+            health: health_news,
             args,
             client,
             service,
@@ -283,23 +301,22 @@ impl Actor for DraActor {
         state: &mut DraState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            DraMsg::Health(healthy) => {
-                if healthy.len() == state.healthy.len() && healthy != state.healthy {
-                    state.healthy = healthy;
-                    myself.send_message(DraMsg::Publish)?;
+            DraMsg::Health { healthy, why } => {
+                let now = GpusHealth { healthy, why };
+                let before = state.health.borrow().clone();
+                if now.healthy.len() == before.healthy.len() && now != before {
+                    if now.healthy != before.healthy {
+                        myself.send_message(DraMsg::Publish)?;
+                    }
+                    state.health.send_replace(now);
                 }
             }
             DraMsg::Publish if state.withdrawn => {}
             DraMsg::Publish => {
                 let a = &state.args;
-                let published = slices::publish(
-                    &state.client,
-                    &a.node,
-                    &state.healthy,
-                    &state.facts,
-                    &a.shape,
-                )
-                .await;
+                let healthy = state.health.borrow().healthy.clone();
+                let published =
+                    slices::publish(&state.client, &a.node, &healthy, &state.facts, &a.shape).await;
                 match published {
                     Ok(p) => {
                         if a.shape.consumable && !p.consumable {

@@ -10,12 +10,14 @@
 //! - `prepare`: NodePrepareResources / NodeUnprepareResources, through the
 //!   grant pipeline the device plugin uses too ([`crate::node::grant`]).
 //! - `slices`: the node's ResourceSlice.
+//! - `health`: the kubelet's device health stream (KEP-4680).
 //! - `service`: the gRPC adapters; `actor`: the supervised actor.
 
 mod actor;
 mod cdi;
 mod checkpoint;
 mod grant;
+mod health;
 mod prepare;
 pub mod proto;
 mod service;

@@ -42,3 +42,25 @@ pub mod v1beta1 {
         ));
     }
 }
+
+/// The kubelet's device health API (KEP-4680): the plugin streams its
+/// devices' health, the kubelet puts it in each pod's
+/// `allocatedResourcesStatus`.
+pub mod health {
+    /// v1 (kubelet 1.36+).
+    pub mod v1 {
+        /// The service name a plugin lists in its versions.
+        pub const SERVICE: &str = "v1.DRAResourceHealth";
+
+        include!(concat!(env!("OUT_DIR"), "/health/v1.rs"));
+    }
+
+    /// v1alpha1 (older kubelets), over v1's messages: the same, field for
+    /// field.
+    pub mod v1alpha1 {
+        /// The service name a plugin lists in its versions.
+        pub const SERVICE: &str = "v1alpha1.DRAResourceHealth";
+
+        include!(concat!(env!("OUT_DIR"), "/health_v1alpha1/v1alpha1.rs"));
+    }
+}

@@ -12,7 +12,7 @@ use super::proto::registration::registration_server::Registration;
 use super::proto::registration::{
     InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
 };
-use super::proto::{v1, v1beta1};
+use super::proto::{health, v1, v1beta1};
 
 /// The plugin type the kubelet's plugin watcher hands to its DRA manager.
 pub(crate) const PLUGIN_TYPE: &str = "DRAPlugin";
@@ -94,9 +94,16 @@ pub(crate) struct RegistrationService {
 }
 
 /// The versions offered, most recent first: the kubelet takes the first
-/// it supports.
+/// it supports of the plugin API, and of the health API.
 pub(crate) fn supported_versions() -> Vec<String> {
-    vec![v1::SERVICE.to_owned(), v1beta1::SERVICE.to_owned()]
+    [
+        v1::SERVICE,
+        v1beta1::SERVICE,
+        health::v1::SERVICE,
+        health::v1alpha1::SERVICE,
+    ]
+    .map(str::to_owned)
+    .to_vec()
 }
 
 #[tonic::async_trait]

@@ -1,6 +1,6 @@
 //! The health monitor actor: receives the probe thread's rounds, keeps the
-//! tracker, reports when health changes. It knows nothing of who listens:
-//! its one outgoing message goes through [`HealthReport`].
+//! tracker, reports when health changes and every XID event. It knows
+//! nothing of who listens: its news goes through [`HealthReport`].
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -8,14 +8,26 @@ use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
-use super::probe::{self, ProbeSpec, Round};
+use super::probe::{self, Failure, GpuFault, ProbeSpec, Round};
 use super::tracker::HealthTracker;
 
 pub(crate) struct HealthMonitor;
 
-/// Where the monitor sends every change of the GPUs' health (one flag per
-/// GPU, in plan order).
-pub(crate) type HealthReport = Arc<dyn Fn(Arc<[bool]>) + Send + Sync>;
+/// What the monitor reports.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum HealthNews {
+    /// The GPUs' health changed: one flag per GPU, in plan order, and why
+    /// each unhealthy one failed last.
+    Changed {
+        healthy: Arc<[bool]>,
+        why: Arc<[Option<Failure>]>,
+    },
+    /// An XID event on a GPU, whether or not it changed its health.
+    Fault(GpuFault),
+}
+
+/// Where the monitor sends its news.
+pub(crate) type HealthReport = Arc<dyn Fn(HealthNews) + Send + Sync>;
 
 #[derive(Clone)]
 pub(crate) struct HealthArgs {
@@ -51,6 +63,8 @@ pub(crate) enum HealthMsg {
 pub(crate) struct HealthState {
     uuids: Vec<String>,
     tracker: HealthTracker,
+    /// Per GPU, the last failure seen.
+    why: Vec<Option<Failure>>,
     report: HealthReport,
     /// Tells the probe thread to end (it also ends when we are gone).
     stop: Arc<AtomicBool>,
@@ -78,6 +92,7 @@ impl Actor for HealthMonitor {
             })?;
         Ok(HealthState {
             tracker: HealthTracker::new(args.uuids.len(), args.recovery),
+            why: vec![None; args.uuids.len()],
             uuids: args.uuids,
             report: args.report,
             stop,
@@ -91,21 +106,34 @@ impl Actor for HealthMonitor {
         state: &mut HealthState,
     ) -> Result<(), ActorProcessingErr> {
         let HealthMsg::Round { round } = msg;
-        let failing: Vec<bool> = round.iter().map(Option::is_some).collect();
+        for fault in round.faults {
+            tracing::warn!(uuid = %fault.uuid, xid = %fault.xid, critical = fault.xid.critical(), "GPU fault");
+            (state.report)(HealthNews::Fault(fault));
+        }
+        let failing: Vec<bool> = round.failed.iter().map(Option::is_some).collect();
+        for (why, failed) in state.why.iter_mut().zip(round.failed) {
+            if failed.is_some() {
+                *why = failed;
+            }
+        }
         let before = state.tracker.healthy();
         if let Some(now) = state.tracker.observe(&failing, Instant::now()) {
             for (g, uuid) in state.uuids.iter().enumerate() {
                 match (before[g], now[g]) {
-                    (true, false) => tracing::warn!(
-                        %uuid,
-                        reason = round[g].as_deref().unwrap_or(""),
-                        "GPU unhealthy"
-                    ),
+                    (true, false) => {
+                        let reason = state.why[g].as_ref().map(ToString::to_string);
+                        tracing::warn!(%uuid, reason = reason.unwrap_or_default(), "GPU unhealthy");
+                    }
                     (false, true) => tracing::info!(%uuid, "GPU healthy again"),
                     _ => {}
                 }
             }
-            (state.report)(now);
+            let why = now
+                .iter()
+                .zip(&state.why)
+                .map(|(healthy, why)| why.clone().filter(|_| !healthy))
+                .collect();
+            (state.report)(HealthNews::Changed { healthy: now, why });
         }
         Ok(())
     }
@@ -138,8 +166,8 @@ mod tests {
             uuids: vec!["GPU-a".into(), "GPU-b".into()],
             poll: Duration::from_millis(10),
             recovery: Duration::ZERO,
-            report: Arc::new(move |healthy| {
-                let _ = tx.send(healthy);
+            report: Arc::new(move |news| {
+                let _ = tx.send(news);
             }),
         };
         let (monitor, handle) = Actor::spawn(None, HealthMonitor, args).await.unwrap();
@@ -147,10 +175,32 @@ mod tests {
             let r = tokio::time::timeout(WAIT, reports.recv()).await;
             r.expect("no report").expect("monitor gone")
         };
-        std::fs::write(dir.path().join("GPU-b"), "").unwrap();
-        assert_eq!(*next().await, [true, false]);
-        std::fs::remove_file(dir.path().join("GPU-b")).unwrap();
-        assert_eq!(*next().await, [true, true]);
+        let flag = dir.path().join("GPU-b");
+        std::fs::write(&flag, "").unwrap();
+        assert_eq!(
+            next().await,
+            HealthNews::Changed {
+                healthy: [true, false].into(),
+                why: [None, Some(Failure::MockFlag(flag.clone()))].into()
+            }
+        );
+        std::fs::remove_file(&flag).unwrap();
+        assert_eq!(
+            next().await,
+            HealthNews::Changed {
+                healthy: [true, true].into(),
+                why: [None, None].into()
+            }
+        );
+        // An application's XID: news, and the GPU stays healthy.
+        std::fs::write(dir.path().join("GPU-a.xid"), "43").unwrap();
+        assert_eq!(
+            next().await,
+            HealthNews::Fault(GpuFault {
+                uuid: "GPU-a".into(),
+                xid: super::super::probe::Xid(Some(43))
+            })
+        );
         monitor.stop(None);
         handle.await.unwrap();
     }

@@ -1,6 +1,9 @@
 //! The probe thread. NVML calls block, so they run here, never on an actor;
 //! the thread owns its NVML handle and event set and ends when its monitor
-//! is gone.
+//! is gone. Every XID event is reported as a [`GpuFault`], an application's
+//! too: on a GPU shared through MPS one client's fault ends every client of
+//! that GPU's server, and their pods are told. Only the critical ones fail
+//! the GPU.
 
 use std::fmt;
 use std::path::PathBuf;
@@ -20,7 +23,9 @@ const APPLICATION_XIDS: &[u64] = &[13, 31, 43, 45, 68, 109];
 /// What to check.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum ProbeSpec {
-    /// A file `<dir>/<uuid>` makes that GPU fail; no dir: always healthy.
+    /// A file `<dir>/<uuid>` makes that GPU fail; a file `<dir>/<uuid>.xid`
+    /// holding a number is one XID event on it, taken (the file removed)
+    /// as NVML's queue hands an event out once; no dir: always healthy.
     Mock {
         dir: Option<PathBuf>,
     },
@@ -102,8 +107,64 @@ fn xid_events<'n>(nvml: &'n Nvml, uuids: &[String]) -> Result<(EventSet<'n>, usi
     Ok((set, registered))
 }
 
-/// One round: per GPU, `Some(reason)` when it failed.
-pub(crate) type Round = Vec<Option<String>>;
+/// Why a GPU failed a round.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub(crate) enum Failure {
+    #[error("mock health file {0} exists")]
+    MockFlag(PathBuf),
+    #[error("NVML: {0}")]
+    NoNvml(String),
+    #[error("{0}")]
+    Query(String),
+    #[error("critical {0}")]
+    Xid(Xid),
+}
+
+/// An XID as NVML reports it: its number, when NVML gives one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Xid(pub(crate) Option<u64>);
+
+impl fmt::Display for Xid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(x) => write!(f, "XID {x}"),
+            None => f.write_str("XID (number unknown)"),
+        }
+    }
+}
+
+impl Xid {
+    /// Not one an application causes: the GPU itself failed.
+    pub(crate) fn critical(self) -> bool {
+        self.0.is_none_or(|x| !APPLICATION_XIDS.contains(&x))
+    }
+}
+
+/// An XID event on one GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct GpuFault {
+    pub(crate) uuid: String,
+    pub(crate) xid: Xid,
+}
+
+/// One round: per GPU, why it failed if it did; and the XID events seen.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct Round {
+    pub(crate) failed: Vec<Option<Failure>>,
+    pub(crate) faults: Vec<GpuFault>,
+}
+
+impl Round {
+    /// A round where GPU `uuid` had `xid`: a critical one fails it.
+    fn fault(&mut self, uuids: &[String], uuid: String, xid: Xid) {
+        if let Some(g) = uuids.iter().position(|u| *u == uuid) {
+            if xid.critical() {
+                self.failed[g] = Some(Failure::Xid(xid));
+            }
+            self.faults.push(GpuFault { uuid, xid });
+        }
+    }
+}
 
 /// Runs rounds every `poll` until `report` returns false.
 pub(crate) fn run(
@@ -114,14 +175,21 @@ pub(crate) fn run(
 ) {
     match spec {
         ProbeSpec::Mock { dir } => loop {
-            let round = uuids
-                .iter()
-                .map(|u| {
-                    let flag = dir.as_ref()?.join(u);
-                    flag.exists()
-                        .then(|| format!("mock health file {} exists", flag.display()))
-                })
-                .collect();
+            let mut round = Round {
+                failed: uuids
+                    .iter()
+                    .map(|u| {
+                        let flag = dir.as_ref()?.join(u);
+                        flag.exists().then_some(Failure::MockFlag(flag))
+                    })
+                    .collect(),
+                faults: Vec::new(),
+            };
+            for u in dir.iter().flat_map(|d| uuids.iter().map(move |u| (d, u))) {
+                if let Some(xid) = take_mock_xid(&u.0.join(format!("{}.xid", u.1))) {
+                    round.fault(&uuids, u.1.clone(), xid);
+                }
+            }
             if !report(round) {
                 return;
             }
@@ -131,13 +199,25 @@ pub(crate) fn run(
     }
 }
 
+/// The XID a mock event file holds, the file removed so it counts once; a
+/// file that cannot be removed is no event (it would repeat every round).
+fn take_mock_xid(path: &std::path::Path) -> Option<Xid> {
+    let text = std::fs::read_to_string(path).ok()?;
+    std::fs::remove_file(path).ok()?;
+    Some(Xid(text.trim().parse().ok()))
+}
+
 fn run_nvml(uuids: &[String], poll: Duration, report: &impl Fn(Round) -> bool) {
     let nvml = match Nvml::init() {
         Ok(n) => n,
         Err(e) => {
             // Discovery worked a moment ago; a library that stops loading
             // is a node problem: report every GPU until it comes back.
-            while report(vec![Some(format!("NVML: {e}")); uuids.len()]) {
+            let lost = Round {
+                failed: vec![Some(Failure::NoNvml(e.to_string())); uuids.len()],
+                faults: Vec::new(),
+            };
+            while report(lost.clone()) {
                 std::thread::sleep(poll);
             }
             return;
@@ -146,24 +226,23 @@ fn run_nvml(uuids: &[String], poll: Duration, report: &impl Fn(Round) -> bool) {
     // Without events (not supported on some GPU) the polled query still runs.
     let events = xid_events(&nvml, uuids).ok().map(|(set, _)| set);
     loop {
-        let failed = |u: &String| query(&nvml, u).err().map(|e| e.to_string());
-        let mut round: Round = uuids.iter().map(failed).collect();
+        let failed = |u: &String| query(&nvml, u).err().map(|e| Failure::Query(e.to_string()));
+        let mut round = Round {
+            failed: uuids.iter().map(failed).collect(),
+            faults: Vec::new(),
+        };
         let wait_ms = u32::try_from(poll.as_millis()).unwrap_or(u32::MAX);
         match &events {
             Some(set) => {
                 // Waiting for an event is also the poll interval.
-                if let Ok(event) = set.wait(wait_ms) {
-                    let uuid = event.device.uuid().ok();
+                if let Ok(event) = set.wait(wait_ms)
+                    && let Ok(uuid) = event.device.uuid()
+                {
                     let xid = match event.event_data {
                         Some(XidError::Value(x)) => Some(x),
                         _ => None,
                     };
-                    let critical = xid.is_none_or(|x| !APPLICATION_XIDS.contains(&x));
-                    if let (Some(uuid), true) = (uuid, critical)
-                        && let Some(g) = uuids.iter().position(|u| *u == uuid)
-                    {
-                        round[g] = Some(format!("critical XID {xid:?}"));
-                    }
+                    round.fault(uuids, uuid, Xid(xid));
                 }
             }
             None => std::thread::sleep(poll),
@@ -213,7 +292,42 @@ mod tests {
         );
         let rounds = rounds.into_inner().unwrap();
         assert_eq!(rounds.len(), 1);
-        assert!(rounds[0][0].is_none());
-        assert!(rounds[0][1].as_deref().unwrap().contains("GPU-b"));
+        assert!(rounds[0].failed[0].is_none());
+        let failure = rounds[0].failed[1].as_ref().unwrap().to_string();
+        assert!(failure.contains("GPU-b"), "{failure}");
+    }
+
+    #[test]
+    fn a_mock_xid_file_is_one_fault_and_only_a_critical_xid_fails_the_gpu() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("GPU-a.xid"), "31\n").unwrap();
+        std::fs::write(dir.path().join("GPU-b.xid"), "79").unwrap();
+        let rounds = Mutex::new(Vec::new());
+        let spec = ProbeSpec::Mock {
+            dir: Some(dir.path().to_owned()),
+        };
+        let uuids = vec!["GPU-a".to_owned(), "GPU-b".to_owned()];
+        run(spec, uuids, Duration::ZERO, |r| {
+            let mut rounds = rounds.lock().unwrap();
+            rounds.push(r);
+            rounds.len() < 2
+        });
+        let rounds = rounds.into_inner().unwrap();
+        let fault = |uuid: &str, x| GpuFault {
+            uuid: uuid.into(),
+            xid: Xid(Some(x)),
+        };
+        assert_eq!(rounds[0].faults, [fault("GPU-a", 31), fault("GPU-b", 79)]);
+        // 31 is an application's page fault: the GPU stays healthy.
+        assert_eq!(rounds[0].failed[0], None);
+        assert_eq!(rounds[0].failed[1], Some(Failure::Xid(Xid(Some(79)))));
+        assert_eq!(
+            rounds[1],
+            Round {
+                failed: vec![None, None],
+                faults: vec![]
+            },
+            "taken once"
+        );
     }
 }

@@ -25,9 +25,10 @@ use super::api::{
     UNSEEN_POD_WAIT,
 };
 use super::cache::PodCache;
-use super::events::Events;
+use super::events::{Events, Why};
 use super::report::Withdrawn;
 use super::write::{self, Landed, WriteError};
+use crate::config::enforcement::Compute;
 use crate::node::metrics::Metrics;
 use crate::node::readiness::{Child, Hold, Readiness};
 use crate::rules::matching::pods::{PodKey, PodView};
@@ -51,6 +52,9 @@ pub(crate) struct MatcherArgs {
     /// Where to publish the devices withdrawn from the kubelet's lists;
     /// None with `matcher.withdraw_exclusive = false`.
     pub(crate) withdrawals: Option<watch::Sender<Withdrawn>>,
+    /// Shares are clients of their GPU's MPS server (`enforcement.compute`),
+    /// which a fault in one client ends for all.
+    pub(crate) mps: bool,
 }
 
 impl MatcherArgs {
@@ -73,6 +77,7 @@ impl MatcherArgs {
                 .matcher
                 .withdraw_exclusive
                 .then(|| handle.withdrawals().clone()),
+            mps: config.enforcement.compute() == Compute::Mps,
         }
     }
 
@@ -90,6 +95,7 @@ impl MatcherArgs {
             wait,
             kubeconfig,
             withdrawals,
+            mps,
             metrics: _,
             readiness: _,
         } = self;
@@ -100,6 +106,7 @@ impl MatcherArgs {
             wait,
             kubeconfig,
             withdrawals.is_some(),
+            mps,
         )
     }
 }
@@ -267,7 +274,8 @@ impl MatcherState {
                     let pod = e.pod().cloned();
                     let failure = self.failure(ask, e);
                     if let Some(pod) = &pod {
-                        self.events.warn(pod, &failure.to_string());
+                        self.events
+                            .warn(pod, Why::AllocateFailed, &failure.to_string());
                     }
                     return Err(failure);
                 }
@@ -571,7 +579,14 @@ impl Actor for PodMatcher {
                     state.reserved.remove(&ticket);
                 }
             }
-            MatcherMsg::Warn { pod, note } => state.events.warn(&pod, &note),
+            MatcherMsg::Warn { pod, note } => state.events.warn(&pod, Why::AllocateFailed, &note),
+            MatcherMsg::Fault { fault } => {
+                let views = state.views();
+                for (pod, why, note) in super::faults::notices(&views, &fault, state.args.mps) {
+                    tracing::info!(%pod, uuid = %fault.uuid, xid = %fault.xid, "telling a pod of its GPU's fault");
+                    state.events.warn(&pod, why, &note);
+                }
+            }
             MatcherMsg::Prefer {
                 ask,
                 deadline,

@@ -10,6 +10,7 @@ use tokio::sync::watch;
 
 use super::report::Withdrawn;
 use super::write::{Landed, WriteError};
+use crate::node::health::GpuFault;
 use crate::rules::device::{DeviceRef, Resource};
 use crate::rules::matching::pods::PodKey;
 use crate::rules::matching::{Ask, Decision, MatchError};
@@ -98,6 +99,9 @@ pub(crate) enum MatcherMsg {
     /// Post a Warning Event with `note` on `pod`: why its container was
     /// refused after the matcher decided on it.
     Warn { pod: PodKey, note: String },
+    /// An XID on a GPU: a Warning Event on every pod with a container
+    /// granted on it.
+    Fault { fault: GpuFault },
     /// The same lookup for GetPreferredAllocation, recording nothing, by
     /// `deadline` (the caller's). Reply with where the devices should come
     /// from (no opinion when nothing was found).
@@ -283,6 +287,19 @@ impl MatcherHandle {
     pub(crate) fn warn(&self, pod: PodKey, note: String) {
         if let Some(actor) = self.actor() {
             let _ = actor.cast(MatcherMsg::Warn { pod, note });
+        }
+    }
+
+    /// Tells the pods on the GPU of `fault` (nobody, while no matcher runs:
+    /// without pod matching nothing says which pod has which GPU).
+    pub(crate) fn fault(&self, fault: GpuFault) {
+        match self.actor() {
+            Some(actor) => {
+                let _ = actor.cast(MatcherMsg::Fault { fault });
+            }
+            None => {
+                tracing::info!(uuid = %fault.uuid, "no pod matcher to tell the pods of a GPU fault")
+            }
         }
     }
 

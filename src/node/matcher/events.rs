@@ -1,5 +1,6 @@
 //! Warning Events on the pods the matcher could not place, so `kubectl
-//! describe pod` says why. They go through kube-runtime's [`Recorder`]
+//! describe pod` says why, and on the pods of a GPU that had a fault. They
+//! go through kube-runtime's [`Recorder`]
 //! (`events.k8s.io/v1`; a repeat on the same pod within minutes patches the
 //! first one's series instead of adding another Event), posted by a task
 //! of their own: an Event is a courtesy and never holds up an Allocate.
@@ -28,17 +29,43 @@ const POST_TIMEOUT: Duration = Duration::from_secs(2);
 const NOTE_LIMIT: usize = 1024;
 /// Who reports the Events (the admission policy in deploy/ checks it).
 const CONTROLLER: &str = "gpu-device-plugin";
-/// Why an Event was posted, as `kubectl describe pod` shows it.
-const REASON: &str = "GpuAllocateFailed";
-/// What the matcher was doing when it failed.
-const ACTION: &str = "Allocate";
+
+/// Why a Warning is posted: its reason, as `kubectl describe pod` shows
+/// it, and what the daemon was doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Why {
+    /// A container refused at Allocate.
+    AllocateFailed,
+    /// An XID on a GPU whose shares are clients of its MPS server: one
+    /// client's fault ends them all.
+    FaultOnSharedServer,
+    /// An XID on a GPU the pod uses otherwise (whole, or HAMi-core shares).
+    Fault,
+}
+
+impl Why {
+    fn reason(self) -> &'static str {
+        match self {
+            Why::AllocateFailed => "GpuAllocateFailed",
+            Why::FaultOnSharedServer => "GpuFaultOnSharedServer",
+            Why::Fault => "GpuFault",
+        }
+    }
+
+    fn action(self) -> &'static str {
+        match self {
+            Why::AllocateFailed => "Allocate",
+            Why::FaultOnSharedServer | Why::Fault => "WatchGpuHealth",
+        }
+    }
+}
 
 /// Where the matcher hands its Events; cloning shares the one queue. The
 /// posting task ends when the last handle is gone, after the Events
 /// already queued.
 #[derive(Clone)]
 pub(super) struct Events {
-    queue: mpsc::Sender<(PodKey, String)>,
+    queue: mpsc::Sender<(PodKey, Why, String)>,
 }
 
 impl Events {
@@ -50,10 +77,10 @@ impl Events {
             instance: Some(node_name.to_owned()),
         };
         let recorder = Recorder::new(client, reporter);
-        let (queue, mut queued) = mpsc::channel::<(PodKey, String)>(QUEUE);
+        let (queue, mut queued) = mpsc::channel::<(PodKey, Why, String)>(QUEUE);
         tokio::spawn(async move {
-            while let Some((pod, message)) = queued.recv().await {
-                let (event, regarding) = warning(&pod, message);
+            while let Some((pod, why, message)) = queued.recv().await {
+                let (event, regarding) = warning(&pod, why, message);
                 let posting = recorder.publish(&event, &regarding);
                 match tokio::time::timeout(POST_TIMEOUT, posting).await {
                     Ok(Ok(())) => {}
@@ -66,8 +93,8 @@ impl Events {
     }
 
     /// Queues a Warning on `pod` saying `message`; never waits.
-    pub(super) fn warn(&self, pod: &PodKey, message: &str) {
-        match self.queue.try_send((pod.clone(), message.to_owned())) {
+    pub(super) fn warn(&self, pod: &PodKey, why: Why, message: &str) {
+        match self.queue.try_send((pod.clone(), why, message.to_owned())) {
             Ok(()) => {}
             Err(mpsc::error::TrySendError::Full(_)) => {
                 tracing::warn!(%pod, queued = QUEUE, "too many events waiting; dropped one");
@@ -79,7 +106,7 @@ impl Events {
 }
 
 /// The Event saying `message` about `pod`, and the reference to the pod.
-fn warning(pod: &PodKey, mut message: String) -> (Event, ObjectReference) {
+fn warning(pod: &PodKey, why: Why, mut message: String) -> (Event, ObjectReference) {
     if message.len() > NOTE_LIMIT {
         let mut end = NOTE_LIMIT;
         while !message.is_char_boundary(end) {
@@ -89,9 +116,9 @@ fn warning(pod: &PodKey, mut message: String) -> (Event, ObjectReference) {
     }
     let event = Event {
         type_: EventType::Warning,
-        reason: REASON.into(),
+        reason: why.reason().into(),
         note: Some(message),
-        action: ACTION.into(),
+        action: why.action().into(),
         secondary: None,
     };
     let regarding = ObjectReference {
@@ -115,14 +142,16 @@ mod tests {
             name: "p".into(),
         };
         // Two-byte characters after one byte: byte 1024 is inside one.
-        let (event, regarding) = warning(&pod, format!("a{}", "é".repeat(600)));
+        let long = format!("a{}", "é".repeat(600));
+        let (event, regarding) = warning(&pod, Why::AllocateFailed, long);
         let note = event.note.unwrap();
         assert_eq!(note.len(), NOTE_LIMIT - 1);
         assert!(note.starts_with("aé") && note.ends_with('é'));
         assert_eq!(regarding.kind.as_deref(), Some("Pod"));
         assert_eq!(regarding.namespace.as_deref(), Some("team-a"));
-        let (event, _) = warning(&pod, "short".into());
+        let (event, _) = warning(&pod, Why::FaultOnSharedServer, "short".into());
         assert_eq!(event.note.as_deref(), Some("short"));
+        assert_eq!(event.reason, "GpuFaultOnSharedServer");
         assert_eq!(event.type_, EventType::Warning);
     }
 }

@@ -6,12 +6,14 @@
 //!
 //! `actor` does the I/O (pod cache, ledger patches through `write`, each in
 //! a task of its own) behind the handle in `api` (reserve, commit), and
-//! hands its Events to `events`, whose task posts them.
+//! hands its Events to `events`, whose task posts them; `faults` says which
+//! pods a GPU fault reaches.
 
 mod actor;
 mod api;
 pub(crate) mod cache;
 mod events;
+mod faults;
 pub mod report;
 mod write;
 

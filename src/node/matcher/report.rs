@@ -204,13 +204,16 @@ fn samples(inv: &Inventory, usage: &NodeUsage) -> Vec<GpuSample> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::rules::matching::pods::PodKey;
     use crate::rules::matching::tests::gpus_of_1000_mib;
     use crate::rules::usage::{Assignment, ContainerAsk, Ledger};
 
-    fn container(name: &str, devices: PerResource<u64>) -> ContainerAsk {
+    pub(in crate::node::matcher) fn container(
+        name: &str,
+        devices: PerResource<u64>,
+    ) -> ContainerAsk {
         ContainerAsk {
             name: name.into(),
             init: false,
@@ -220,7 +223,12 @@ mod tests {
         }
     }
 
-    fn view(name: &str, live: bool, containers: Vec<ContainerAsk>, ledger: &str) -> PodView {
+    pub(in crate::node::matcher) fn view(
+        name: &str,
+        live: bool,
+        containers: Vec<ContainerAsk>,
+        ledger: &str,
+    ) -> PodView {
         PodView {
             key: PodKey {
                 namespace: "ns".into(),
@@ -242,19 +250,43 @@ mod tests {
     /// A share's grant is what its ledger records, never more than its
     /// spec asks; a whole GPU is all of it; a finished pod, a container
     /// the spec lacks and a GPU the node lacks give nothing.
+    /// A container's asks: 300 MiB and 20 % of one GPU.
+    pub(in crate::node::matcher) const SHARE: PerResource<u64> = PerResource {
+        memory: 300,
+        core: 20,
+        count: 0,
+    };
+    /// A container's asks: one GPU whole.
+    pub(in crate::node::matcher) const WHOLE: PerResource<u64> = PerResource {
+        memory: 0,
+        core: 0,
+        count: 1,
+    };
+
+    /// Pod `whole` holding GPU-b whole, and pod `done`, finished, that had
+    /// a share of GPU-a.
+    pub(in crate::node::matcher) fn whole_and_done() -> [PodView; 2] {
+        [
+            view(
+                "whole",
+                true,
+                vec![container("train", WHOLE)],
+                r#"{"train":{"gpus":["GPU-b"],"gpu-count":1}}"#,
+            ),
+            view(
+                "done",
+                false,
+                vec![container("app", SHARE)],
+                r#"{"app":{"gpus":["GPU-a"],"gpu-memory":300}}"#,
+            ),
+        ]
+    }
+
     #[test]
     fn grants_are_the_ledgers_as_far_as_the_specs_vouch() {
         let inv = gpus_of_1000_mib(&["GPU-a", "GPU-b"]);
-        let share = PerResource {
-            memory: 300,
-            core: 20,
-            count: 0,
-        };
-        let whole = PerResource {
-            memory: 0,
-            core: 0,
-            count: 1,
-        };
+        let whole_and_done = whole_and_done();
+        let share = SHARE;
         let views = [
             view(
                 "shared",
@@ -269,18 +301,8 @@ mod tests {
                 vec![container("app", share)],
                 r#"{"app":{"gpus":["GPU-a","GPU-x"],"gpu-memory":999999,"gpu-core":100}}"#,
             ),
-            view(
-                "whole",
-                true,
-                vec![container("train", whole)],
-                r#"{"train":{"gpus":["GPU-b"],"gpu-count":1}}"#,
-            ),
-            view(
-                "done",
-                false,
-                vec![container("app", share)],
-                r#"{"app":{"gpus":["GPU-a"],"gpu-memory":300}}"#,
-            ),
+            whole_and_done[0].clone(),
+            whole_and_done[1].clone(),
         ];
         let got: Vec<(String, String, String, u64, u64)> = grants(&inv, &views)
             .into_iter()

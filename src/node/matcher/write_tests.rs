@@ -36,6 +36,7 @@ fn args() -> MatcherArgs {
         metrics: Arc::new(Metrics::default()),
         readiness: Arc::default(),
         withdrawals: None,
+        mps: false,
     }
 }
 

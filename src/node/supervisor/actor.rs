@@ -14,7 +14,7 @@ use super::children::{Args, Child, ChildContext, Spawned, wanted};
 use super::reload;
 use crate::config::Config;
 use crate::node::dra::DraMsg;
-use crate::node::health::HealthReport;
+use crate::node::health::{GpuFault, HealthNews, HealthReport};
 use crate::node::inventory::{InventoryMsg, Published};
 use crate::node::kubelet_watch::CheckPlugins;
 use crate::node::matcher::MatcherHandle;
@@ -55,6 +55,8 @@ pub(crate) enum SupervisorMsg {
     /// the wrong length (a report from before a reload changed the GPUs)
     /// is dropped.
     Health { healthy: Arc<[bool]> },
+    /// An XID event on a GPU: the pod matcher tells the pods on it.
+    Fault { fault: GpuFault },
     /// A new, valid config (SIGHUP or an edit) and the plan made from it:
     /// stop, start or restart the children it changes. The sender has
     /// already checked both.
@@ -424,8 +426,11 @@ impl Actor for Supervisor {
         args: SupervisorArgs,
     ) -> Result<SupervisorState, ActorProcessingErr> {
         let me = myself.clone();
-        let report_health: HealthReport = Arc::new(move |healthy| {
-            let _ = me.send_message(SupervisorMsg::Health { healthy });
+        let report_health: HealthReport = Arc::new(move |news| {
+            let _ = me.send_message(match news {
+                HealthNews::Changed { healthy, .. } => SupervisorMsg::Health { healthy },
+                HealthNews::Fault(fault) => SupervisorMsg::Fault { fault },
+            });
         });
         let me = myself.clone();
         let check_plugins: CheckPlugins = Arc::new(move || {
@@ -479,6 +484,7 @@ impl Actor for Supervisor {
                     state.publish_inventory();
                 }
             }
+            SupervisorMsg::Fault { fault } => state.matcher.fault(fault),
             SupervisorMsg::Reload { config, plan } => {
                 Self::reload(&myself, state, *config, plan).await;
             }
