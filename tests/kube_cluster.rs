@@ -550,3 +550,97 @@ async fn an_xid_reaches_the_pods_of_its_gpu_and_no_other() {
         "the share's GPU had no second fault: {share:?}"
     );
 }
+
+/// What a share uses, from the driver, beside what it is granted: the
+/// node's GPU lists a process of the pod's container (its cgroup in the
+/// host's /proc names the pod's UID and the container ID the kubelet
+/// reported) and one of no pod (an MPS server, say); within a poll the
+/// daemon's /metrics has the container's used memory and SM share with
+/// the labels of its grant, and the GPU's totals count both; once the pod
+/// is gone, so are its series.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shares_use_from_the_driver_joins_its_grant() {
+    let cp = ControlPlane::start();
+    let a = gpu_uuid(0, 0);
+    let host = tempfile::tempdir().unwrap();
+    let (procs, proc_root) = (host.path().join("procs"), host.path().join("proc"));
+    std::fs::create_dir_all(&procs).unwrap();
+    let usage = format!(
+        "[usage]\npoll_ms = 200\nmock_dir = {:?}\nproc_root = {:?}\n",
+        procs.display().to_string(),
+        proc_root.display().to_string()
+    );
+    let node = KubeNode::start(&cp, "node-0", &[(&a, 16384)], &usage).await;
+    namespace(&cp, NS);
+    let client = cp.admin_client().await;
+    let mut pod = gpu_pod(NS, "share", &[("infer", [4096, 30, 0])]);
+    pod.spec.as_mut().unwrap().node_name = Some("node-0".into());
+    create(&client, &pod).await;
+    let ran = wait_pod(&client, NS, "share", Duration::from_secs(60), |p| {
+        phase(p) == "Running"
+    })
+    .await
+    .unwrap_or_else(|p| panic!("share not Running: {p:?}\n{}", node.daemon.log_text()));
+    let uid = ran.metadata.uid.clone().unwrap();
+    let status = &ran
+        .status
+        .as_ref()
+        .unwrap()
+        .container_statuses
+        .as_ref()
+        .unwrap()[0];
+    let id = status.container_id.as_deref().unwrap();
+    let id = id.split_once("://").unwrap().1;
+    // PID 4242 is the container's (systemd driver, cgroup v2); 7 is in no pod.
+    for (pid, cgroup) in [
+        (
+            4242,
+            format!(
+                "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice/\
+                 cri-containerd-{id}.scope\n",
+                uid.replace('-', "_")
+            ),
+        ),
+        (7, "0::/system.slice/nvidia-mps.service\n".to_owned()),
+    ] {
+        std::fs::create_dir_all(proc_root.join(pid.to_string())).unwrap();
+        std::fs::write(proc_root.join(format!("{pid}/cgroup")), cgroup).unwrap();
+    }
+    std::fs::write(
+        procs.join(format!("{a}.procs")),
+        "4242 1073741824 40\n7 33554432 -\n",
+    )
+    .unwrap();
+
+    let addr = support::http_addr(&node.daemon);
+    let labels = format!(r#"{{namespace="{NS}",pod="share",container="infer",gpu="{a}"}}"#);
+    let used = format!("gpu_device_plugin_container_memory_used_bytes{labels}");
+    support::wait_for_sample(&addr, &used, (1u64 << 30) as f64).await;
+    let sm = format!("gpu_device_plugin_container_sm_utilization_ratio{labels}");
+    assert_eq!(support::metric(&addr, &sm), Some(0.4));
+    let granted = format!("gpu_device_plugin_container_memory_granted_bytes{labels}");
+    assert_eq!(support::metric(&addr, &granted), Some((4u64 << 30) as f64));
+    let gpu = format!(r#"{{gpu="{a}"}}"#);
+    let total = format!("gpu_device_plugin_gpu_memory_used_bytes{gpu}");
+    assert_eq!(
+        support::metric(&addr, &total),
+        Some(((1u64 << 30) + (32 << 20)) as f64)
+    );
+    let processes = format!("gpu_device_plugin_gpu_processes{gpu}");
+    assert_eq!(support::metric(&addr, &processes), Some(2.0));
+
+    Api::<Pod>::namespaced(client.clone(), NS)
+        .delete("share", &Default::default())
+        .await
+        .unwrap();
+    wait_gone(&client, NS, "share", Duration::from_secs(60)).await;
+    // The driver still lists the process (it has not exited yet): no pod
+    // names it any more.
+    support::poll_until(
+        Instant::now() + support::WAIT,
+        || support::metric(&addr, &used).is_none() && support::metric(&addr, &sm).is_none(),
+        || format!("{used} outlived its pod"),
+    )
+    .await;
+    assert_eq!(support::metric(&addr, &processes), Some(2.0));
+}

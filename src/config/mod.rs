@@ -63,6 +63,7 @@ pub struct Config {
     pub watch_config: bool,
     pub devices: Devices,
     pub health: Health,
+    pub usage: Usage,
     pub matcher: Matcher,
     pub allocate: AllocateExtras,
     pub enforcement: enforcement::EnforcementConfig,
@@ -85,6 +86,7 @@ impl Default for Config {
             watch_config: true,
             devices: Devices::default(),
             health: Health::default(),
+            usage: Usage::default(),
             matcher: Matcher::default(),
             allocate: AllocateExtras::default(),
             enforcement: Default::default(),
@@ -111,6 +113,33 @@ impl Default for Health {
         Health {
             poll_ms: 1000,
             recovery_ms: 60_000,
+            mock_dir: PathBuf::new(),
+        }
+    }
+}
+
+/// What each share uses, from the driver (see `usage`), with pod matching.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Usage {
+    /// How often each GPU's processes are read; 0 turns it off.
+    pub(crate) poll_ms: u64,
+    /// The host's `/proc` as the daemon sees it: each process's cgroup
+    /// names its pod and container. The driver reports host PIDs, so this
+    /// is the host's (the DaemonSet mounts it read-only), not the daemon's
+    /// own; a daemon outside a container says `/proc`.
+    pub(crate) proc_root: PathBuf,
+    /// Mock backend only: `<uuid>.procs` in this directory lists that
+    /// GPU's processes, one a line, `pid memory_bytes sm_percent` (`-` for
+    /// a figure the driver would not give).
+    pub(crate) mock_dir: PathBuf,
+}
+
+impl Default for Usage {
+    fn default() -> Self {
+        Usage {
+            poll_ms: 5000,
+            proc_root: "/host/proc".into(),
             mock_dir: PathBuf::new(),
         }
     }
@@ -337,11 +366,25 @@ impl Config {
                  Allocate after 2 minutes",
             ));
         }
-        if !self.health.mock_dir.as_os_str().is_empty() && self.devices.backend != Backend::Mock {
+        for (key, dir) in [
+            ("health.mock_dir", &self.health.mock_dir),
+            ("usage.mock_dir", &self.usage.mock_dir),
+        ] {
+            if !dir.as_os_str().is_empty() && self.devices.backend != Backend::Mock {
+                return Err(invalid(
+                    key,
+                    "is only read with devices.backend = \"mock\"; remove it",
+                ));
+            }
+        }
+        if self.usage.poll_ms != 0 && self.usage.poll_ms < 100 {
             return Err(invalid(
-                "health.mock_dir",
-                "is only read with devices.backend = \"mock\"; remove it",
+                "usage.poll_ms",
+                "must be 0 (off) or at least 100 (milliseconds)",
             ));
+        }
+        if self.usage.proc_root.is_relative() {
+            return Err(invalid("usage.proc_root", "must be an absolute path"));
         }
         self.validate_allocate()
     }
@@ -611,6 +654,9 @@ pub(crate) mod tests {
     #[test]
     fn health_keys_are_checked() {
         assert!(err_of("[health]\npoll_ms = 1").contains("health.poll_ms"));
+        assert!(err_of("[usage]\npoll_ms = 10").contains("usage.poll_ms"));
+        assert!(err_of("[usage]\nproc_root = \"proc\"").contains("usage.proc_root"));
+        assert!(err_of("[usage]\nmock_dir = \"/u\"").contains("usage.mock_dir"));
         assert!(err_of("[health]\nmock_dir = \"/x\"").contains("health.mock_dir"));
         assert!(err_of("[health]\npoll = 5").contains("poll"));
         assert!(err_of("[matcher]\nwait_ms = 5").contains("matcher.wait_ms"));

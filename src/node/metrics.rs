@@ -24,6 +24,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
+use crate::rules::matching::pods::PodKey;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::MetricType;
@@ -100,12 +101,26 @@ struct ModeLabels {
     mode: &'static str,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct ContainerLabels {
-    namespace: String,
-    pod: String,
-    container: String,
-    gpu: String,
+/// One container on one GPU: the labels every per-share series carries,
+/// so dashboards join granted and used on them.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, EncodeLabelSet)]
+pub(crate) struct ContainerLabels {
+    pub(crate) namespace: String,
+    pub(crate) pod: String,
+    pub(crate) container: String,
+    /// The GPU's UUID.
+    pub(crate) gpu: String,
+}
+
+impl ContainerLabels {
+    pub(crate) fn new(pod: &PodKey, container: &str, gpu: &str) -> ContainerLabels {
+        ContainerLabels {
+            namespace: pod.namespace.clone(),
+            pod: pod.name.clone(),
+            container: container.to_owned(),
+            gpu: gpu.to_owned(),
+        }
+    }
 }
 
 /// The two RPCs that do work.
@@ -268,6 +283,8 @@ struct Scraped {
     gpus: Mutex<Vec<GpuSample>>,
     /// Per live container and GPU, from the same pass.
     grants: Mutex<Vec<ContainerGrant>>,
+    /// What the driver says is used; None (absent) with no usage monitor.
+    usage: Mutex<Option<UsageSeries>>,
     /// Every GPU's capacity and health, in every mode.
     status: Mutex<Vec<GpuStatus>>,
 }
@@ -335,24 +352,44 @@ pub(crate) struct EnforcementSeries {
 /// other side of its `container_memory_used_bytes`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct ContainerGrant {
-    pub(crate) namespace: String,
-    pub(crate) pod: String,
-    pub(crate) container: String,
-    /// The GPU's UUID.
-    pub(crate) gpu: String,
+    pub(crate) at: ContainerLabels,
     pub(crate) memory_mib: u64,
     /// Percent of the GPU's compute (100 for a whole GPU).
     pub(crate) core_percent: u64,
 }
 
+/// Device memory one container uses on one GPU, as its enforcement
+/// library's usage region says.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct ContainerMemory {
-    pub(crate) namespace: String,
-    pub(crate) pod: String,
-    pub(crate) container: String,
-    /// The GPU's UUID.
-    pub(crate) gpu: String,
+    pub(crate) at: ContainerLabels,
     pub(crate) bytes: u64,
+}
+
+/// What one container's processes use on one GPU, as the driver says;
+/// None where it gives no figure.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ContainerUsage {
+    pub(crate) at: ContainerLabels,
+    pub(crate) memory_bytes: Option<u64>,
+    /// Percent of the GPU's SMs, summed over its processes.
+    pub(crate) sm_percent: Option<u32>,
+}
+
+/// One GPU's compute processes, every one the driver lists (in a pod or
+/// not).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct GpuUse {
+    pub(crate) uuid: String,
+    pub(crate) memory_bytes: u64,
+    pub(crate) processes: u64,
+}
+
+/// What the usage monitor last found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct UsageSeries {
+    pub(crate) containers: Vec<ContainerUsage>,
+    pub(crate) gpus: Vec<GpuUse>,
 }
 
 /// Seconds since the Unix epoch, as Prometheus timestamps go.
@@ -466,13 +503,18 @@ impl Metrics {
         *self.scraped.gpus.lock().expect("metrics lock") = gpus;
     }
 
-    /// Every GPU's capacity and health, replacing the last.
     /// Replaces every container's grants: a container gone is gone from
     /// the next scrape.
     pub(crate) fn set_grants(&self, grants: Vec<ContainerGrant>) {
         *self.scraped.grants.lock().expect("metrics lock") = grants;
     }
 
+    /// Replaces what the driver says is used; None removes it.
+    pub(crate) fn set_usage(&self, usage: Option<UsageSeries>) {
+        *self.scraped.usage.lock().expect("metrics lock") = usage;
+    }
+
+    /// Every GPU's capacity and health, replacing the last.
     pub(crate) fn set_gpu_status(&self, gpus: Vec<GpuStatus>) {
         *self.scraped.status.lock().expect("metrics lock") = gpus;
     }
@@ -709,26 +751,73 @@ impl Scraped {
     /// is, so that a dashboard joins granted against used.
     fn encode_grants(&self, encoder: &mut DescriptorEncoder) -> fmt::Result {
         let grants = self.grants.lock().expect("metrics lock");
-        let labels = |g: &ContainerGrant| ContainerLabels {
-            namespace: g.namespace.clone(),
-            pod: g.pod.clone(),
-            container: g.container.clone(),
-            gpu: g.gpu.clone(),
-        };
         let help = "GPU memory granted to a container on a GPU (all of it for a whole GPU).";
         let name = "container_memory_granted_bytes";
         let mut f = family(encoder, name, help, MetricType::Gauge)?;
         for g in grants.iter() {
-            gauge(&mut f, &labels(g), g.memory_mib << 20)?;
+            gauge(&mut f, &g.at, g.memory_mib << 20)?;
         }
         let help = "Share of a GPU's compute granted to a container (1 for a whole GPU).";
         let name = "container_core_granted_ratio";
         let mut f = family(encoder, name, help, MetricType::Gauge)?;
         for g in grants.iter() {
             let ratio = g.core_percent as f64 / 100.0;
-            ConstGauge::new(ratio).encode(f.encode_family(&labels(g))?)?;
+            ConstGauge::new(ratio).encode(f.encode_family(&g.at)?)?;
         }
         Ok(())
+    }
+
+    /// What is used, per container and per GPU. A container's memory is
+    /// the driver's count where it gives one, else its enforcement
+    /// library's; absent altogether when neither source runs.
+    fn encode_used(&self, encoder: &mut DescriptorEncoder) -> fmt::Result {
+        let usage = self.usage.lock().expect("metrics lock");
+        let enforcement = self.enforcement.lock().expect("metrics lock");
+        let regions = enforcement.iter().flat_map(|e| &e.memory_used);
+        if usage.is_none() && enforcement.is_none() {
+            return Ok(());
+        }
+        let driver: BTreeMap<&ContainerLabels, u64> = usage
+            .iter()
+            .flat_map(|u| &u.containers)
+            .filter_map(|c| Some((&c.at, c.memory_bytes?)))
+            .collect();
+        let help = "Device memory a container uses on a GPU: its processes' as the driver \
+                    (NVML) counts them, else as its enforcement library reports it.";
+        let name = "container_memory_used_bytes";
+        let mut f = family(encoder, name, help, MetricType::Gauge)?;
+        for (at, bytes) in &driver {
+            gauge(&mut f, *at, *bytes)?;
+        }
+        for m in regions.filter(|m| !driver.contains_key(&m.at)) {
+            gauge(&mut f, &m.at, m.bytes)?;
+        }
+        let Some(usage) = usage.as_ref() else {
+            return Ok(());
+        };
+        let help = "Share of a GPU's SMs a container's processes used over the last poll, \
+                    as the driver (NVML) samples it; absent where it has no sample.";
+        let name = "container_sm_utilization_ratio";
+        let mut f = family(encoder, name, help, MetricType::Gauge)?;
+        for c in &usage.containers {
+            if let Some(sm) = c.sm_percent {
+                ConstGauge::new(f64::from(sm) / 100.0).encode(f.encode_family(&c.at)?)?;
+            }
+        }
+        let series: [PerGpu<GpuUse>; 2] = [
+            (
+                "gpu_memory_used_bytes",
+                "Device memory the GPU's compute processes hold, as the driver lists them \
+                 (in a pod or not).",
+                |g| g.memory_bytes,
+            ),
+            (
+                "gpu_processes",
+                "Compute processes on the GPU, MPS clients included.",
+                |g| g.processes,
+            ),
+        ];
+        per_gpu(encoder, series, &usage.gpus, |g| &g.uuid)
     }
 
     /// Absent altogether with enforcement off.
@@ -739,28 +828,14 @@ impl Scraped {
         };
         let help = "Per-container enforcement cache directories on the host.";
         let f = family(encoder, "enforcement_cache_dirs", help, MetricType::Gauge)?;
-        ConstGauge::new(series.cache_dirs).encode(f)?;
-        let help =
-            "Device memory a container uses on a GPU, as its enforcement library reports it.";
-        let name = "container_memory_used_bytes";
-        let mut f = family(encoder, name, help, MetricType::Gauge)?;
-        for m in &series.memory_used {
-            let labels = ContainerLabels {
-                namespace: m.namespace.clone(),
-                pod: m.pod.clone(),
-                container: m.container.clone(),
-                gpu: m.gpu.clone(),
-            };
-            gauge(&mut f, &labels, m.bytes)?;
-        }
-        Ok(())
+        ConstGauge::new(series.cache_dirs).encode(f)
     }
 }
 
 /// Per-GPU gauges of `gpus`, each labelled with its UUID.
-fn per_gpu<T>(
+fn per_gpu<T, const N: usize>(
     encoder: &mut DescriptorEncoder,
-    series: [PerGpu<T>; 3],
+    series: [PerGpu<T>; N],
     gpus: &[T],
     uuid: fn(&T) -> &str,
 ) -> fmt::Result {
@@ -780,6 +855,7 @@ impl Collector for Scraped {
         self.encode_enforcement(&mut encoder)?;
         self.encode_config(&mut encoder)?;
         self.encode_grants(&mut encoder)?;
+        self.encode_used(&mut encoder)?;
         self.encode_gpus(&mut encoder)
     }
 }
@@ -797,12 +873,18 @@ mod tests {
             .collect()
     }
 
+    /// Container `app` of pod `ns/pod` on GPU-a.
+    fn app_of(pod: &str) -> ContainerLabels {
+        let key = PodKey {
+            namespace: "ns".into(),
+            name: pod.into(),
+        };
+        ContainerLabels::new(&key, "app", "GPU-a")
+    }
+
     fn grant(pod: &str, memory_mib: u64, core_percent: u64) -> ContainerGrant {
         ContainerGrant {
-            namespace: "ns".into(),
-            pod: pod.into(),
-            container: "app".into(),
-            gpu: "GPU-a".into(),
+            at: app_of(pod),
             memory_mib,
             core_percent,
         }
@@ -861,10 +943,7 @@ mod tests {
         metrics.set_enforcement(Some(EnforcementSeries {
             cache_dirs: 1,
             memory_used: vec![ContainerMemory {
-                namespace: "ns".into(),
-                pod: "p".into(),
-                container: "app".into(),
-                gpu: "GPU-a".into(),
+                at: app_of("p"),
                 bytes: 1 << 20,
             }],
         }));
@@ -1008,6 +1087,69 @@ mod tests {
         );
     }
 
+    /// The driver's count wins over the enforcement library's for the same
+    /// container and GPU; the library still speaks for the others; SM
+    /// shares are ratios, absent where the driver had no sample; the
+    /// driver's series go with the sample that drops them.
+    #[test]
+    fn used_memory_comes_from_the_driver_before_the_library() {
+        let metrics = Metrics::default();
+        metrics.set_enforcement(Some(EnforcementSeries {
+            cache_dirs: 2,
+            memory_used: vec![
+                ContainerMemory {
+                    at: app_of("p"),
+                    bytes: 1,
+                },
+                ContainerMemory {
+                    at: app_of("q"),
+                    bytes: 2,
+                },
+            ],
+        }));
+        let usage = |sm| UsageSeries {
+            containers: vec![ContainerUsage {
+                at: app_of("p"),
+                memory_bytes: Some(3 << 20),
+                sm_percent: sm,
+            }],
+            gpus: vec![GpuUse {
+                uuid: "GPU-a".into(),
+                memory_bytes: 4 << 20,
+                processes: 2,
+            }],
+        };
+        metrics.set_usage(Some(usage(Some(25))));
+        let text = metrics.render();
+        let p = r#"{namespace="ns",pod="p",container="app",gpu="GPU-a"}"#;
+        let q = r#"{namespace="ns",pod="q",container="app",gpu="GPU-a"}"#;
+        for line in [
+            format!("{PREFIX}_container_memory_used_bytes{p} 3145728"),
+            format!("{PREFIX}_container_memory_used_bytes{q} 2"),
+            format!("{PREFIX}_container_sm_utilization_ratio{p} 0.25"),
+            format!(r#"{PREFIX}_gpu_memory_used_bytes{{gpu="GPU-a"}} 4194304"#),
+            format!(r#"{PREFIX}_gpu_processes{{gpu="GPU-a"}} 2"#),
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+        }
+        assert_eq!(
+            text.matches("container_memory_used_bytes{").count(),
+            2,
+            "{text}"
+        );
+        metrics.set_usage(Some(usage(None)));
+        assert!(!metrics.render().contains("sm_utilization_ratio{"));
+        // Gone from the sample, the library's figure speaks for it again.
+        metrics.set_usage(Some(UsageSeries::default()));
+        let line = format!("{PREFIX}_container_memory_used_bytes{p} 1");
+        let text = metrics.render();
+        assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+        assert!(!text.contains("gpu_processes{"), "{text}");
+        metrics.set_usage(None);
+        metrics.set_enforcement(None);
+        assert!(!metrics.render().contains("used_bytes"));
+    }
+
     #[test]
     fn enforcement_series_are_absent_until_set() {
         let metrics = Metrics::default();
@@ -1015,10 +1157,7 @@ mod tests {
         metrics.set_enforcement(Some(EnforcementSeries {
             cache_dirs: 2,
             memory_used: vec![ContainerMemory {
-                namespace: "ns".into(),
-                pod: "p".into(),
-                container: "app".into(),
-                gpu: "GPU-a".into(),
+                at: app_of("p"),
                 bytes: 5 << 20,
             }],
         }));

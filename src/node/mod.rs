@@ -17,3 +17,4 @@ pub(crate) mod metrics;
 pub mod plugin;
 pub(crate) mod readiness;
 pub(crate) mod supervisor;
+pub(crate) mod usage;

@@ -21,6 +21,7 @@ pub(crate) enum Child {
     Health,
     Enforcement,
     Mps,
+    Usage,
     Dra,
 }
 
@@ -34,6 +35,7 @@ impl std::fmt::Display for Child {
             Child::Health => f.write_str("health monitor"),
             Child::Enforcement => f.write_str("enforcement sweeper"),
             Child::Mps => f.write_str("mps control daemons"),
+            Child::Usage => f.write_str("usage monitor"),
             Child::Dra => f.write_str("DRA plugin"),
         }
     }

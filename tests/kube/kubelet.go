@@ -25,6 +25,8 @@ package main
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -669,9 +671,9 @@ func (k *kubeletPeer) setStatus(ctx context.Context, pod *v1.Pod, phase v1.PodPh
 }
 
 // containerStatuses fills in a running pod's containers as the kubelet's
-// generateAPIPodStatus does: each running since its pod started, with an
-// ID naming the pod and container (what a node agent maps a process's
-// cgroup back to), and the health of its DRA devices as the DRA manager
+// generateAPIPodStatus does: each running since its pod started, with its
+// runtime ID (what a node agent maps a process's cgroup back to), and the
+// health of its DRA devices as the DRA manager
 // last heard it from their drivers (KEP-4680).
 func (k *kubeletPeer) containerStatuses(pod *v1.Pod) {
 	started := pod.Status.StartTime
@@ -686,7 +688,7 @@ func (k *kubeletPeer) containerStatuses(pod *v1.Pod) {
 			Name:        c.Name,
 			Image:       c.Image,
 			ImageID:     c.Image,
-			ContainerID: "peer://" + string(pod.UID) + "/" + c.Name,
+			ContainerID: "containerd://" + containerID(pod.UID, c.Name),
 			Ready:       true,
 			Started:     &yes,
 			State:       v1.ContainerState{Running: &v1.ContainerStateRunning{StartedAt: *started}},
@@ -694,6 +696,13 @@ func (k *kubeletPeer) containerStatuses(pod *v1.Pod) {
 	}
 	pod.Status.ContainerStatuses = statuses
 	k.dra.UpdateAllocatedResourcesStatus(k.logger, pod, &pod.Status)
+}
+
+// containerID is the runtime ID of container name of pod uid: 64 hex
+// digits, as containerd's are, the same at every status write.
+func containerID(uid types.UID, name string) string {
+	sum := sha256.Sum256([]byte(string(uid) + "/" + name))
+	return hex.EncodeToString(sum[:])
 }
 
 // healthLoop writes the status of each running pod whose DRA devices'

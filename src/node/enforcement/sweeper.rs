@@ -12,7 +12,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use super::{CacheOwner, EnforcementError, Enforcer, Keep, Region, RegionError, cache_key};
 use crate::node::matcher::{LiveContainer, MatcherHandle};
-use crate::node::metrics::{ContainerMemory, EnforcementSeries, Metrics};
+use crate::node::metrics::{ContainerLabels, ContainerMemory, EnforcementSeries, Metrics};
 use crate::node::readiness::{Child, Hold, Readiness};
 
 pub(crate) struct Sweeper;
@@ -126,10 +126,7 @@ impl SweeperState {
             match region {
                 Ok(Some(region)) => {
                     rows.extend(region.devices.into_iter().map(|d| ContainerMemory {
-                        namespace: c.pod.namespace.clone(),
-                        pod: c.pod.name.clone(),
-                        container: c.container.clone(),
-                        gpu: d.uuid,
+                        at: ContainerLabels::new(&c.pod, &c.container, &d.uuid),
                         bytes: d.used_bytes,
                     }))
                 }
@@ -250,7 +247,6 @@ mod tests {
 
     use super::*;
     use crate::node::enforcement::{EnforcementConfig, Mode, install_library, library, region};
-    use crate::rules::matching::pods::PodKey;
 
     fn enforcer(root: &Path, cache_max_age_s: u64) -> Enforcer {
         install_library(&library::tests::real_shared_object(), &root.join("lib")).unwrap();
@@ -265,14 +261,7 @@ mod tests {
     }
 
     fn container(pod: &str, container: &str) -> LiveContainer {
-        LiveContainer {
-            pod: PodKey {
-                namespace: "ns".into(),
-                name: pod.into(),
-            },
-            uid: format!("uid-{pod}"),
-            container: container.into(),
-        }
+        LiveContainer::of(pod, container, None)
     }
 
     /// Prepares `c`'s cache directory as an Allocate does; returns it.
@@ -344,10 +333,12 @@ mod tests {
         assert_eq!(
             rows,
             [ContainerMemory {
-                namespace: "ns".into(),
-                pod: "p".into(),
-                container: "a".into(),
-                gpu: "GPU-a".into(),
+                at: ContainerLabels {
+                    namespace: "ns".into(),
+                    pod: "p".into(),
+                    container: "a".into(),
+                    gpu: "GPU-a".into(),
+                },
                 bytes: 5 << 20,
             }]
         );

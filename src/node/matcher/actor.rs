@@ -475,12 +475,30 @@ impl MatcherState {
                 name: meta.name.clone().unwrap_or_default(),
             };
             let uid = meta.uid.clone().unwrap_or_default();
+            let status = pod.status.as_ref();
+            let statuses = status.and_then(|s| s.init_container_statuses.as_ref());
+            let statuses = statuses.into_iter().flatten().chain(
+                status
+                    .and_then(|s| s.container_statuses.as_ref())
+                    .into_iter()
+                    .flatten(),
+            );
+            let ids: HashMap<&str, &str> = statuses
+                .filter_map(|s| {
+                    let id = s.container_id.as_deref()?;
+                    Some((
+                        s.name.as_str(),
+                        id.split_once("://").map_or(id, |(_, id)| id),
+                    ))
+                })
+                .collect();
             let inits = spec.init_containers.iter().flatten();
             for c in inits.chain(&spec.containers) {
                 live.push(LiveContainer {
                     pod: key.clone(),
                     uid: uid.clone(),
                     container: c.name.clone(),
+                    id: ids.get(c.name.as_str()).map(|id| (*id).to_owned()),
                 });
             }
         }

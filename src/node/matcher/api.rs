@@ -139,6 +139,26 @@ pub(crate) struct LiveContainer {
     pub(crate) pod: PodKey,
     pub(crate) uid: String,
     pub(crate) container: String,
+    /// Its runtime ID (the status's `containerID` after `://`), once the
+    /// kubelet has reported one.
+    pub(crate) id: Option<String>,
+}
+
+#[cfg(test)]
+impl LiveContainer {
+    /// Container `container` of pod `ns/<pod>` (UID `uid-<pod>`), with
+    /// runtime ID `id`.
+    pub(crate) fn of(pod: &str, container: &str, id: Option<&str>) -> LiveContainer {
+        LiveContainer {
+            pod: PodKey {
+                namespace: "ns".into(),
+                name: pod.into(),
+            },
+            uid: format!("uid-{pod}"),
+            container: container.into(),
+            id: id.map(Into::into),
+        }
+    }
 }
 
 /// Why the matcher gave no container for an Allocate. The text is what

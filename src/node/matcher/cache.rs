@@ -16,7 +16,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, PodStatus, ResourceRequirements};
+use k8s_openapi::api::core::v1::{
+    Container, ContainerStatus, Pod, PodSpec, PodStatus, ResourceRequirements,
+};
 use kube::api::ObjectMeta;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::watcher;
@@ -144,7 +146,7 @@ fn kept(
 /// `pod` with only what the matcher reads ([`crate::rules::matching::pods::PodView`], the
 /// live containers): identity, annotations but `kubectl`'s copy of the
 /// whole object, times, resourceVersion; the node and the containers' names,
-/// limits and restart policies; the phase.
+/// limits and restart policies; the phase and each container's runtime ID.
 pub(crate) fn lean(pod: Pod) -> Pod {
     let Pod {
         metadata,
@@ -184,9 +186,26 @@ pub(crate) fn lean(pod: Pod) -> Pod {
             containers: s.containers.into_iter().map(container).collect(),
             ..Default::default()
         }),
-        status: status.map(|s| PodStatus {
-            phase: s.phase,
-            ..Default::default()
+        status: status.map(|s| {
+            // Which runtime ID each container has: what usage maps a
+            // process's cgroup back to.
+            let ids = |cs: Option<Vec<ContainerStatus>>| {
+                cs.map(|cs| {
+                    cs.into_iter()
+                        .map(|c| ContainerStatus {
+                            name: c.name,
+                            container_id: c.container_id,
+                            ..Default::default()
+                        })
+                        .collect()
+                })
+            };
+            PodStatus {
+                phase: s.phase,
+                container_statuses: ids(s.container_statuses),
+                init_container_statuses: ids(s.init_container_statuses),
+                ..Default::default()
+            }
         }),
     }
 }

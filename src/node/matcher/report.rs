@@ -19,7 +19,7 @@ use tokio::task::JoinHandle;
 
 use super::actor::MatcherArgs;
 use super::cache::PodCache;
-use crate::node::metrics::{ContainerGrant, GpuMode, GpuSample};
+use crate::node::metrics::{ContainerGrant, ContainerLabels, GpuMode, GpuSample};
 use crate::node::readiness::{Child, Hold};
 use crate::rules::device::{PerResource, Resource};
 use crate::rules::matching::pods::PodView;
@@ -170,10 +170,7 @@ fn grants(inv: &Inventory, views: &[PodView]) -> Vec<ContainerGrant> {
                     )
                 };
                 out.push(ContainerGrant {
-                    namespace: v.key.namespace.clone(),
-                    pod: v.key.name.clone(),
-                    container: c.name.clone(),
-                    gpu: gpu.uuid.clone(),
+                    at: ContainerLabels::new(&v.key, &c.name, &gpu.uuid),
                     memory_mib,
                     core_percent,
                 });
@@ -306,7 +303,15 @@ pub(super) mod tests {
         ];
         let got: Vec<(String, String, String, u64, u64)> = grants(&inv, &views)
             .into_iter()
-            .map(|g| (g.pod, g.container, g.gpu, g.memory_mib, g.core_percent))
+            .map(|g| {
+                (
+                    g.at.pod,
+                    g.at.container,
+                    g.at.gpu,
+                    g.memory_mib,
+                    g.core_percent,
+                )
+            })
             .collect();
         let want = |pod: &str, c: &str, gpu: &str, m, p| {
             (pod.to_owned(), c.to_owned(), gpu.to_owned(), m, p)

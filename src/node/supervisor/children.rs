@@ -22,6 +22,7 @@ use crate::node::metrics::Metrics;
 use crate::node::plugin::{Placement, PluginActor, PluginArgs, PluginMsg};
 pub(crate) use crate::node::readiness::Child;
 use crate::node::readiness::Readiness;
+use crate::node::usage::{UsageArgs, UsageMonitor};
 use crate::rules::device::Plan;
 
 /// The watcher's periodic check, for filesystem events that never came.
@@ -46,6 +47,10 @@ pub(crate) fn wanted(config: &Config, plan: &Plan) -> Vec<Child> {
     }
     if config.enforcement.compute() == Compute::Mps {
         children.push(Child::Mps);
+    }
+    // Only pod matching names a process's container.
+    if config.pod_matching && config.usage.poll_ms > 0 {
+        children.push(Child::Usage);
     }
     if config.dra.enabled {
         children.push(Child::Dra);
@@ -74,6 +79,7 @@ pub(crate) enum Args {
     Health(HealthArgs),
     Enforcement(SweeperArgs),
     Mps(MpsArgs),
+    Usage(UsageArgs),
     Dra(Box<DraArgs>),
 }
 
@@ -165,6 +171,16 @@ impl Args {
                 tick: Duration::from_millis(config.health.poll_ms),
                 readiness: context.readiness.clone(),
             }),
+            Child::Usage => Args::Usage(UsageArgs::new(
+                config,
+                plan.gpus(),
+                match &context.placement {
+                    Placement::Matcher { handle, .. } => handle.clone(),
+                    // Wanted only with pod matching, whose containers it names.
+                    Placement::Ids(_) => return None,
+                },
+                context.metrics.clone(),
+            )),
             Child::Dra => Args::Dra(Box::new(DraArgs::new(config, plan.dra_gpus().to_vec()))),
         })
     }
@@ -194,6 +210,9 @@ impl Args {
             }
             Args::Mps(a) => {
                 Spawned::Other(spawn(MpsDaemons, a, span, supervisor).await?.get_cell())
+            }
+            Args::Usage(a) => {
+                Spawned::Other(spawn(UsageMonitor, a, span, supervisor).await?.get_cell())
             }
             Args::Dra(a) => Spawned::Dra(spawn(DraActor, *a, span, supervisor).await?),
         })

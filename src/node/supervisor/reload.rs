@@ -27,6 +27,7 @@ pub(crate) fn restart(old: &Args, new: Option<&Args>) -> Option<&'static str> {
         (Args::Health(a), Args::Health(b)) => a.restart_key() == b.restart_key(),
         (Args::Enforcement(a), Args::Enforcement(b)) => a.restart_key() == b.restart_key(),
         (Args::Mps(a), Args::Mps(b)) => a.restart_key() == b.restart_key(),
+        (Args::Usage(a), Args::Usage(b)) => a.restart_key() == b.restart_key(),
         (Args::Dra(a), Args::Dra(b)) => a.restart_key() == b.restart_key(),
         _ => false,
     };
@@ -38,6 +39,7 @@ pub(crate) fn restart(old: &Args, new: Option<&Args>) -> Option<&'static str> {
         | Args::Inventory(_)
         | Args::Enforcement(_)
         | Args::Mps(_)
+        | Args::Usage(_)
         | Args::Dra(_) => "changed by reload",
     })
 }
@@ -153,8 +155,21 @@ mod tests {
             BTreeMap::from([
                 (Child::Matcher, "disabled by reload"),
                 (Child::Inventory, "disabled by reload"),
-                (CORE, "disabled by reload")
+                (CORE, "disabled by reload"),
+                (Child::Usage, "disabled by reload")
             ])
+        );
+    }
+
+    #[test]
+    fn usage_settings_restart_the_usage_monitor_only() {
+        assert_eq!(
+            restarts("", "[usage]\npoll_ms = 1000"),
+            BTreeMap::from([(Child::Usage, "changed by reload")])
+        );
+        assert_eq!(
+            restarts("", "[usage]\npoll_ms = 0"),
+            BTreeMap::from([(Child::Usage, "disabled by reload")])
         );
     }
 

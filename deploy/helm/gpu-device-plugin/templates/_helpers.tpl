@@ -29,6 +29,9 @@ then the user's config, which must not set them again.
 {{- if regexMatch "(?m)^\\s*\\[\\s*[\"']?enforcement[\"']?\\s*\\]|^\\s*[\"']?enforcement[\"']?\\s*[.=]" .Values.config }}
 {{- fail "config sets [enforcement]: the chart sets it from enforcement.mode, enforcement.libraryDir, enforcement.stateDir, enforcement.compute and enforcement.mps; set those values instead" }}
 {{- end -}}
+{{- if regexMatch "(?m)^\\s*\\[\\s*[\"']?usage[\"']?\\s*\\]|^\\s*[\"']?usage[\"']?\\s*[.=]" .Values.config }}
+{{- fail "config sets [usage]: the chart sets it from usage.pollMs (and mounts the host's /proc where proc_root says); set that value instead" }}
+{{- end -}}
 {{- if regexMatch "(?m)^\\s*\\[\\s*[\"']?dra[\"']?\\s*\\]|^\\s*[\"']?dra[\"']?\\s*[.=]" .Values.config }}
 {{- fail "config sets [dra]: the chart sets it from dra.*, kubeletRootDir and enforcement.stateDir; set those values instead" }}
 {{- end -}}
@@ -50,6 +53,11 @@ resources = {{ .Values.devicePlugin.resources | toJson }}
 pod_matching = {{ .Values.devicePlugin.podMatching }}
 {{- end }}
 {{ .Values.config }}
+# Set by the chart from usage.pollMs; the DaemonSet mounts the host's /proc
+# at proc_root.
+[usage]
+poll_ms = {{ int .Values.usage.pollMs }}
+proc_root = "/host/proc"
 # Set by the chart from enforcement.*.
 [enforcement]
 mode = {{ .Values.enforcement.mode | quote }}
@@ -145,4 +153,10 @@ resource_domain = {{ .Values.resourceDomain | quote }}
 
 {{- define "gpu-device-plugin.scheduler.serviceAccountUser" -}}
 system:serviceaccount:{{ .Values.extender.namespace }}:{{ .Values.extender.schedulerName }}
+{{- end }}
+
+{{/* Usage is read (and the host's /proc mounted): with pod matching, which
+names a process's container, and a poll. */}}
+{{- define "gpu-device-plugin.readsUsage" -}}
+{{- if and (not (include "gpu-device-plugin.draAll" .)) .Values.devicePlugin.podMatching (gt (int .Values.usage.pollMs) 0) }}true{{- end }}
 {{- end }}

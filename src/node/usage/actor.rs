@@ -1,0 +1,146 @@
+//! The usage monitor actor: receives the probe thread's samples, names
+//! their processes through the pod matcher's live containers and publishes
+//! the result on `/metrics`, replacing the last, so a container gone is
+//! gone within one poll.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+
+use super::probe::{self, GpuProcesses, UsageSpec};
+use crate::node::matcher::MatcherHandle;
+use crate::node::metrics::Metrics;
+
+pub(crate) struct UsageMonitor;
+
+#[derive(Debug, Clone)]
+pub(crate) struct UsageArgs {
+    pub(crate) spec: UsageSpec,
+    pub(crate) uuids: Vec<String>,
+    pub(crate) proc_root: PathBuf,
+    pub(crate) poll: Duration,
+    pub(crate) matcher: MatcherHandle,
+    pub(crate) metrics: Arc<Metrics>,
+}
+
+impl UsageArgs {
+    pub(crate) fn new(
+        config: &crate::config::Config,
+        gpus: &[crate::rules::device::Gpu],
+        matcher: MatcherHandle,
+        metrics: Arc<Metrics>,
+    ) -> UsageArgs {
+        UsageArgs {
+            spec: UsageSpec::new(config),
+            uuids: gpus.iter().map(|g| g.uuid.clone()).collect(),
+            proc_root: config.usage.proc_root.clone(),
+            poll: Duration::from_millis(config.usage.poll_ms),
+            matcher,
+            metrics,
+        }
+    }
+
+    /// What restarts a running monitor when a reload changes it. Left out:
+    /// the matcher handle and the metrics, the supervisor's, the same
+    /// across reloads.
+    pub(crate) fn restart_key(&self) -> impl PartialEq + '_ {
+        let UsageArgs {
+            spec,
+            uuids,
+            proc_root,
+            poll,
+            matcher: _,
+            metrics: _,
+        } = self;
+        (spec, uuids, proc_root, poll)
+    }
+}
+
+/// What the monitor is told; nothing waits for a reply.
+pub(crate) enum UsageMsg {
+    /// One sample from the probe thread: named and published.
+    Sampled { gpus: Vec<GpuProcesses> },
+}
+
+pub(crate) struct UsageState {
+    args: UsageArgs,
+    /// Per GPU, why the driver gave nothing last time (logged once).
+    failing: Vec<Option<String>>,
+    /// Tells the probe thread to end (it also ends when we are gone).
+    stop: Arc<AtomicBool>,
+}
+
+impl Actor for UsageMonitor {
+    type Msg = UsageMsg;
+    type State = UsageState;
+    type Arguments = UsageArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<UsageMsg>,
+        args: UsageArgs,
+    ) -> Result<UsageState, ActorProcessingErr> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let (spec, uuids, root, poll) = (
+            args.spec.clone(),
+            args.uuids.clone(),
+            args.proc_root.clone(),
+            args.poll,
+        );
+        std::thread::Builder::new()
+            .name("gpu-usage".into())
+            .spawn(move || {
+                probe::run(spec, uuids, root, poll, |gpus| {
+                    !flag.load(Ordering::SeqCst)
+                        && myself.send_message(UsageMsg::Sampled { gpus }).is_ok()
+                })
+            })?;
+        Ok(UsageState {
+            failing: vec![None; args.uuids.len()],
+            args,
+            stop,
+        })
+    }
+
+    async fn handle(
+        &self,
+        _: ActorRef<UsageMsg>,
+        msg: UsageMsg,
+        state: &mut UsageState,
+    ) -> Result<(), ActorProcessingErr> {
+        let UsageMsg::Sampled { gpus } = msg;
+        for (gpu, was) in gpus.iter().zip(&mut state.failing) {
+            if gpu.failed != *was {
+                match &gpu.failed {
+                    Some(why) => {
+                        tracing::warn!(uuid = %gpu.uuid, error = %why, "cannot read the GPU's processes; its usage series are left out")
+                    }
+                    None => tracing::info!(uuid = %gpu.uuid, "reading the GPU's processes"),
+                }
+                was.clone_from(&gpu.failed);
+            }
+        }
+        // None: the matcher is down or not synced; no container can be
+        // named, the GPUs' totals still hold.
+        let live = state.args.matcher.live().await.unwrap_or_default();
+        state
+            .args
+            .metrics
+            .set_usage(Some(super::series(&gpus, &live)));
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _: ActorRef<UsageMsg>,
+        state: &mut UsageState,
+    ) -> Result<(), ActorProcessingErr> {
+        state.stop.store(true, Ordering::SeqCst);
+        state.args.metrics.set_usage(None);
+        Ok(())
+    }
+}

@@ -1,0 +1,176 @@
+//! What each share uses, from the driver: every poll the probe thread asks
+//! NVML for each GPU's compute processes (MPS clients included), their
+//! device memory and their SM utilisation since the last poll, and reads
+//! each process's cgroup in the host's `/proc` for its pod UID and
+//! container ID (`cgroup`, pure); the monitor actor names them through the
+//! pod matcher's live containers (their statuses' `containerID`) and
+//! publishes per container and GPU what is used beside what is granted.
+//!
+//! A figure the driver does not give is left out, never guessed: NVML has
+//! no SM samples for a process it did not see run in the window, and
+//! reports no memory per process under some drivers (WDDM). Processes in
+//! no pod's container (the MPS server, the host's) count in the GPU's
+//! totals only.
+
+mod actor;
+mod cgroup;
+mod probe;
+
+pub(crate) use actor::{UsageArgs, UsageMonitor};
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::node::matcher::LiveContainer;
+use crate::node::metrics::{ContainerLabels, ContainerUsage, GpuUse, UsageSeries};
+use probe::GpuProcesses;
+
+/// The series of one sample: per container (named through `live`) and
+/// GPU, its processes' memory and SM share summed; per GPU that answered,
+/// all its processes.
+fn series(gpus: &[GpuProcesses], live: &[LiveContainer]) -> UsageSeries {
+    let named: HashMap<(&str, &str), &LiveContainer> = live
+        .iter()
+        .filter_map(|c| Some(((c.uid.as_str(), c.id.as_deref()?), c)))
+        .collect();
+    let mut containers: BTreeMap<ContainerLabels, (Option<u64>, Option<u32>)> = BTreeMap::new();
+    let mut totals = Vec::new();
+    for gpu in gpus.iter().filter(|g| g.failed.is_none()) {
+        let memory = gpu.processes.iter().filter_map(|(p, _)| p.memory_bytes);
+        totals.push(GpuUse {
+            uuid: gpu.uuid.clone(),
+            memory_bytes: memory.sum(),
+            processes: gpu.processes.len() as u64,
+        });
+        for (p, owner) in &gpu.processes {
+            let Some(c) = owner
+                .as_ref()
+                .and_then(|o| named.get(&(o.pod_uid.as_str(), o.container_id.as_str())))
+            else {
+                continue;
+            };
+            let at = ContainerLabels::new(&c.pod, &c.container, &gpu.uuid);
+            let (memory, sm) = containers.entry(at).or_default();
+            add(memory, p.memory_bytes);
+            add(sm, p.sm_percent);
+        }
+    }
+    UsageSeries {
+        containers: containers
+            .into_iter()
+            .map(|(at, (memory_bytes, sm_percent))| ContainerUsage {
+                at,
+                memory_bytes,
+                sm_percent,
+            })
+            .collect(),
+        gpus: totals,
+    }
+}
+
+/// Adds a figure the driver may not have given: known only once one is.
+fn add<T: std::ops::Add<Output = T> + Copy>(sum: &mut Option<T>, figure: Option<T>) {
+    if let Some(f) = figure {
+        *sum = Some(sum.map_or(f, |s| s + f));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cgroup::Owner;
+    use probe::Process;
+
+    fn process(
+        pid: u32,
+        memory: Option<u64>,
+        sm: Option<u32>,
+        owner: Option<(&str, &str)>,
+    ) -> (Process, Option<Owner>) {
+        let owner = owner.map(|(pod, id)| Owner {
+            pod_uid: format!("uid-{pod}"),
+            container_id: id.into(),
+        });
+        (
+            Process {
+                pid,
+                memory_bytes: memory,
+                sm_percent: sm,
+            },
+            owner,
+        )
+    }
+
+    /// Two processes of one container add up; a process of no known
+    /// container (the MPS server, a container without an ID yet, a pod
+    /// gone) counts in its GPU's totals only; a GPU the driver failed on
+    /// has no series at all; a figure the driver did not give stays
+    /// unknown rather than zero.
+    #[test]
+    fn processes_add_up_per_container_and_per_gpu() {
+        let live = [
+            LiveContainer::of("p", "app", Some("id-app")),
+            LiveContainer::of("p", "side", Some("id-side")),
+            LiveContainer::of("q", "app", None),
+        ];
+        let gpus = [
+            GpuProcesses {
+                uuid: "GPU-a".into(),
+                processes: vec![
+                    process(1, Some(100), Some(20), Some(("p", "id-app"))),
+                    process(2, Some(50), Some(10), Some(("p", "id-app"))),
+                    process(3, Some(70), None, Some(("p", "id-side"))),
+                    process(4, Some(1000), None, None),
+                    process(5, Some(5), Some(1), Some(("q", "id-unknown"))),
+                    process(6, Some(5), Some(1), Some(("gone", "id-x"))),
+                ],
+                failed: None,
+            },
+            GpuProcesses {
+                uuid: "GPU-b".into(),
+                processes: vec![process(7, None, None, Some(("p", "id-app")))],
+                failed: None,
+            },
+            GpuProcesses {
+                uuid: "GPU-c".into(),
+                processes: Vec::new(),
+                failed: Some("NVML: lost".into()),
+            },
+        ];
+        let s = series(&gpus, &live);
+        let got: Vec<(&str, &str, Option<u64>, Option<u32>)> = s
+            .containers
+            .iter()
+            .map(|c| {
+                (
+                    c.at.container.as_str(),
+                    c.at.gpu.as_str(),
+                    c.memory_bytes,
+                    c.sm_percent,
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("app", "GPU-a", Some(150), Some(30)),
+                ("app", "GPU-b", None, None),
+                ("side", "GPU-a", Some(70), None),
+            ]
+        );
+        assert_eq!(
+            s.gpus,
+            [
+                GpuUse {
+                    uuid: "GPU-a".into(),
+                    memory_bytes: 1230,
+                    processes: 6
+                },
+                GpuUse {
+                    uuid: "GPU-b".into(),
+                    memory_bytes: 0,
+                    processes: 1
+                },
+            ]
+        );
+    }
+}
