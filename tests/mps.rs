@@ -156,6 +156,15 @@ async fn shared_grants_are_mps_clients_and_fail_closed_without_their_daemon() {
         .readyz_until(|c, b| c == 503 && b.contains("mps control daemons"))
         .await;
     assert!(body.contains("GPU-"), "{body}");
+    // /metrics says which: the control daemon of each GPU is down, and
+    // the GPUs' backend is MPS.
+    for gpu in GPUS {
+        let up = format!("gpu_device_plugin_mps_control_daemon_up{{gpu=\"{gpu}\"}}");
+        let backend =
+            format!("gpu_device_plugin_gpu_backend_info{{gpu=\"{gpu}\",backend=\"mps\"}}");
+        assert_eq!(daemon.metric(&up), Some(0.0), "{up}");
+        assert_eq!(daemon.metric(&backend), Some(1.0), "{backend}");
+    }
     // A whole GPU is its container's alone: no MPS client, so served.
     let whole = kubelet.admit(&[(COUNT, 1)]).await.unwrap();
     let r = &whole[0].response;
@@ -171,6 +180,11 @@ async fn shared_grants_are_mps_clients_and_fail_closed_without_their_daemon() {
         back.elapsed()
     );
     assert!(GPUS.iter().all(|g| host.daemon_pid(g).is_some()));
+    let up = format!(
+        "gpu_device_plugin_mps_control_daemon_up{{gpu=\"{}\"}}",
+        GPUS[0]
+    );
+    assert_eq!(daemon.metric(&up), Some(1.0), "{up}");
     let grants = kubelet.admit(&[(CORE, 10)]).await.unwrap();
     assert_eq!(
         grants[0].response.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"],

@@ -203,6 +203,17 @@ impl EnforcementConfig {
         }
     }
 
+    /// What holds a shared grant to its share, as `/metrics` names it:
+    /// `mps` (the driver, as an MPS client), `hami-core` (the preloaded
+    /// library) or `none` (bookkeeping only).
+    pub fn backend(&self) -> &'static str {
+        match (self.compute(), self.mode) {
+            (Compute::Mps, _) => "mps",
+            (_, Mode::HamiCore) => "hami-core",
+            (_, Mode::None) => "none",
+        }
+    }
+
     /// Every path checked, each error naming its `enforcement.*` key.
     pub(crate) fn validate(&self) -> Result<(), ConfigError> {
         let mps = &self.mps;
@@ -277,6 +288,9 @@ mod tests {
         assert_eq!(parse(hami).unwrap().compute(), Compute::HamiCore);
         let both = parse(&format!("{hami}\ncompute = \"mps\"")).unwrap();
         assert_eq!(both.compute(), Compute::Mps);
+        assert_eq!(both.backend(), "mps");
+        assert_eq!(parse(hami).unwrap().backend(), "hami-core");
+        assert_eq!(parse("").unwrap().backend(), "none");
         let mps = parse("compute = \"mps\"\n[mps]\npipe_dir = \"/run/mps\"").unwrap();
         assert_eq!(mps.compute(), Compute::Mps);
         assert_eq!(mps.mode, Mode::None);

@@ -101,6 +101,12 @@ struct ModeLabels {
     mode: &'static str,
 }
 
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct BackendLabels {
+    gpu: String,
+    backend: &'static str,
+}
+
 /// One container on one GPU: the labels every per-share series carries,
 /// so dashboards join granted and used on them.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, EncodeLabelSet)]
@@ -285,6 +291,9 @@ struct Scraped {
     grants: Mutex<Vec<ContainerGrant>>,
     /// What the driver says is used; None (absent) with no usage monitor.
     usage: Mutex<Option<UsageSeries>>,
+    /// Per GPU, whether its MPS control daemon answers; None (absent)
+    /// without MPS.
+    mps: Mutex<Option<Vec<(String, bool)>>>,
     /// Every GPU's capacity and health, in every mode.
     status: Mutex<Vec<GpuStatus>>,
 }
@@ -329,13 +338,16 @@ pub(crate) struct GpuSample {
     pub(crate) mode: GpuMode,
 }
 
-/// One GPU's capacity, in real units, and its health.
+/// One GPU's capacity, in real units, its health and what holds its
+/// shares to their grants.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct GpuStatus {
     pub(crate) uuid: String,
     pub(crate) memory_capacity_mib: u64,
     pub(crate) core_capacity_percent: u64,
     pub(crate) healthy: bool,
+    /// `mps`, `hami-core` or `none`.
+    pub(crate) backend: &'static str,
 }
 
 /// What enforcement's sweeper last found.
@@ -512,6 +524,12 @@ impl Metrics {
     /// Replaces what the driver says is used; None removes it.
     pub(crate) fn set_usage(&self, usage: Option<UsageSeries>) {
         *self.scraped.usage.lock().expect("metrics lock") = usage;
+    }
+
+    /// Replaces whether each GPU's MPS control daemon answers; None
+    /// removes it.
+    pub(crate) fn set_mps(&self, up: Option<Vec<(String, bool)>>) {
+        *self.scraped.mps.lock().expect("metrics lock") = up;
     }
 
     /// Every GPU's capacity and health, replacing the last.
@@ -714,6 +732,23 @@ impl Scraped {
             ),
         ];
         per_gpu(encoder, every, &status, |g| &g.uuid)?;
+        let help = "1, labelled with what holds the GPU's shares to their grants: mps, \
+                    hami-core or none (bookkeeping).";
+        let mut f = family(encoder, "gpu_backend_info", help, MetricType::Gauge)?;
+        for g in status.iter() {
+            let labels = BackendLabels {
+                gpu: g.uuid.clone(),
+                backend: g.backend,
+            };
+            gauge(&mut f, &labels, 1)?;
+        }
+        if let Some(up) = self.mps.lock().expect("metrics lock").as_ref() {
+            let help = "1 while the GPU's MPS control daemon answers; 0 refuses its shares.";
+            let mut f = family(encoder, "mps_control_daemon_up", help, MetricType::Gauge)?;
+            for (gpu, up) in up {
+                gauge(&mut f, &GpuLabels { gpu: gpu.clone() }, u64::from(*up))?;
+            }
+        }
         let gpus = self.gpus.lock().expect("metrics lock");
         let granted: [PerGpu<GpuSample>; 3] = [
             (
@@ -932,7 +967,21 @@ mod tests {
             memory_capacity_mib: 1024,
             core_capacity_percent: 100,
             healthy: true,
+            backend: "mps",
         }]);
+        metrics.set_mps(Some(vec![("GPU-a".into(), false)]));
+        metrics.set_usage(Some(UsageSeries {
+            containers: vec![ContainerUsage {
+                at: app_of("p"),
+                memory_bytes: Some(1),
+                sm_percent: Some(1),
+            }],
+            gpus: vec![GpuUse {
+                uuid: "GPU-a".into(),
+                memory_bytes: 1,
+                processes: 1,
+            }],
+        }));
         metrics.set_gpus(vec![GpuSample {
             uuid: "GPU-a".into(),
             memory_granted_mib: 512,
@@ -982,6 +1031,11 @@ mod tests {
             "gpu_core_granted_percent",
             "gpu_containers",
             "gpu_mode",
+            "gpu_backend_info",
+            "mps_control_daemon_up",
+            "container_sm_utilization_ratio",
+            "gpu_memory_used_bytes",
+            "gpu_processes",
         ]
         .map(|s| format!("{PREFIX}_{s}"));
         let expected: std::collections::BTreeSet<&str> =

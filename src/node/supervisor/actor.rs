@@ -166,6 +166,7 @@ impl SupervisorState {
                     memory_capacity_mib: capacity.memory,
                     core_capacity_percent: capacity.core,
                     healthy,
+                    backend: self.config.enforcement.backend(),
                 }
             })
             .collect(),

@@ -170,6 +170,7 @@ impl Args {
                 // Asked as often as the GPUs' health is.
                 tick: Duration::from_millis(config.health.poll_ms),
                 readiness: context.readiness.clone(),
+                metrics: context.metrics.clone(),
             }),
             Child::Usage => Args::Usage(UsageArgs::new(
                 config,

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use super::Control;
+use crate::node::metrics::Metrics;
 use crate::node::readiness::{Child, Hold, Readiness};
 
 /// How long a control daemon just started may take to answer.
@@ -26,16 +27,18 @@ pub(crate) struct MpsArgs {
     pub(crate) controls: Vec<Control>,
     pub(crate) tick: Duration,
     pub(crate) readiness: Arc<Readiness>,
+    pub(crate) metrics: Arc<Metrics>,
 }
 
 impl MpsArgs {
     /// What restarts the running actor when a reload changes it. Left
-    /// out: the readiness marks, the supervisor's.
+    /// out: the readiness marks and the metrics, the supervisor's.
     pub(crate) fn restart_key(&self) -> impl PartialEq + '_ {
         let MpsArgs {
             controls,
             tick,
             readiness: _,
+            metrics: _,
         } = self;
         (controls, tick)
     }
@@ -52,18 +55,16 @@ pub(crate) struct MpsState {
     args: MpsArgs,
 }
 
-/// Why each GPU's control daemon that does not answer does not, joined;
-/// None when all do.
-async fn unanswered(controls: &[Control], start: bool) -> Option<String> {
+/// Per control daemon, in order, why it does not answer (None: it does).
+async fn unanswered(controls: &[Control], start: bool) -> Vec<Option<String>> {
     let controls = controls.to_vec();
-    let found = tokio::task::spawn_blocking(move || {
+    tokio::task::spawn_blocking(move || {
         (controls.iter())
-            .filter_map(|c| check(c, start).err().map(|e| format!("{}: {e}", c.uuid())))
-            .collect::<Vec<_>>()
+            .map(|c| check(c, start).err().map(|e| e.to_string()))
+            .collect()
     })
     .await
-    .expect("MPS check panicked");
-    (!found.is_empty()).then(|| found.join("; "))
+    .expect("MPS check panicked")
 }
 
 /// Asks `c`; when it does not answer and `start` says so, starts it and
@@ -89,6 +90,22 @@ fn check(c: &Control, start: bool) -> Result<(), super::MpsError> {
 impl MpsState {
     fn report(&self, why: Option<String>) {
         self.args.readiness.hold(Child::Mps, Hold::Waiting, why);
+    }
+
+    /// Each GPU's control daemon up or not on `/metrics`, and readiness
+    /// held back by those that are not (named, joined); that, or None.
+    fn publish(&self, found: &[Option<String>]) -> Option<String> {
+        let controls = self.args.controls.iter().zip(found);
+        let up = controls
+            .clone()
+            .map(|(c, why)| (c.uuid().to_owned(), why.is_none()));
+        self.args.metrics.set_mps(Some(up.collect()));
+        let down: Vec<String> = controls
+            .filter_map(|(c, why)| Some(format!("{}: {}", c.uuid(), why.as_ref()?)))
+            .collect();
+        let why = (!down.is_empty()).then(|| down.join("; "));
+        self.report(why.clone());
+        why
     }
 }
 
@@ -118,9 +135,8 @@ impl Actor for MpsDaemons {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             MpsMsg::Check { start } => {
-                let why = unanswered(&state.args.controls, start).await;
-                state.report(why.clone());
-                if let Some(why) = why {
+                let found = unanswered(&state.args.controls, start).await;
+                if let Some(why) = state.publish(&found) {
                     tracing::error!(error = %why, "MPS control daemon not answering: shared grants on its GPU are refused");
                     return Err(why.into());
                 }
@@ -131,6 +147,18 @@ impl Actor for MpsDaemons {
                 myself.send_after(state.args.tick, || MpsMsg::Check { start: false });
             }
         }
+        Ok(())
+    }
+
+    /// Stopped on purpose (MPS switched off, shutdown): its series go. A
+    /// failed check skips this, so the series says which daemon is down
+    /// until the restart asks again.
+    async fn post_stop(
+        &self,
+        _: ActorRef<MpsMsg>,
+        state: &mut MpsState,
+    ) -> Result<(), ActorProcessingErr> {
+        state.args.metrics.set_mps(None);
         Ok(())
     }
 }
