@@ -434,6 +434,15 @@ fn the_chart_and_kustomize_render_the_same_objects() {
             &["--set", "networkPolicy.enabled=true"][..],
             &["deploy", "deploy/networkpolicy"][..],
         ),
+        (
+            &[
+                "--set",
+                "monitoring.prometheusRule.enabled=true",
+                "--set",
+                "monitoring.dashboard.enabled=true",
+            ][..],
+            &["deploy", "deploy/monitoring"][..],
+        ),
         (&DRA_ON[..], &[dra.as_str()][..]),
         (
             &[&DRA_ON[..], &["--set", "dra.claimsPolicy.enabled=true"]].concat()[..],

@@ -556,7 +556,8 @@ async fn an_xid_reaches_the_pods_of_its_gpu_and_no_other() {
 /// host's /proc names the pod's UID and the container ID the kubelet
 /// reported) and one of no pod (an MPS server, say); within a poll the
 /// daemon's /metrics has the container's used memory and SM share with
-/// the labels of its grant, and the GPU's totals count both; once the pod
+/// the labels of its grant, and the GPU's totals count both; every panel
+/// of the shipped dashboard has data on the daemon's scrape; once the pod
 /// is gone, so are its series.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_shares_use_from_the_driver_joins_its_grant() {
@@ -570,7 +571,10 @@ async fn a_shares_use_from_the_driver_joins_its_grant() {
         procs.display().to_string(),
         proc_root.display().to_string()
     );
-    let node = KubeNode::start(&cp, "node-0", &[(&a, 16384)], &usage).await;
+    // Two GPUs, so that a pod asking more than either passes the kubelet
+    // (which counts the node's devices) and is refused by the daemon.
+    let b = gpu_uuid(0, 1);
+    let node = KubeNode::start(&cp, "node-0", &[(&a, 16384), (&b, 16384)], &usage).await;
     namespace(&cp, NS);
     let client = cp.admin_client().await;
     let mut pod = gpu_pod(NS, "share", &[("infer", [4096, 30, 0])]);
@@ -581,6 +585,11 @@ async fn a_shares_use_from_the_driver_joins_its_grant() {
     })
     .await
     .unwrap_or_else(|p| panic!("share not Running: {p:?}\n{}", node.daemon.log_text()));
+    let ledger = &ran.metadata.annotations.as_ref().unwrap()["doslab.io/gpu-ledger"];
+    let a = [a, b]
+        .into_iter()
+        .find(|u| ledger.contains(u.as_str()))
+        .unwrap();
     let uid = ran.metadata.uid.clone().unwrap();
     let status = &ran
         .status
@@ -628,6 +637,38 @@ async fn a_shares_use_from_the_driver_joins_its_grant() {
     );
     let processes = format!("gpu_device_plugin_gpu_processes{gpu}");
     assert_eq!(support::metric(&addr, &processes), Some(2.0));
+
+    // Every panel of the shipped dashboard has data on this daemon's
+    // scrape, a refused Allocate included (a pod no GPU can hold, placed
+    // on the node directly), by Prometheus's own engine.
+    let mut pod = gpu_pod(NS, "too-big", &[("main", [20000, 0, 0])]);
+    pod.spec.as_mut().unwrap().node_name = Some("node-0".into());
+    create(&client, &pod).await;
+    wait_pod(&client, NS, "too-big", Duration::from_secs(60), |p| {
+        phase(p) == "Failed"
+    })
+    .await
+    .unwrap_or_else(|p| panic!("too-big not refused: {p:?}\n{}", node.daemon.log_text()));
+    let scrape = host.path().join("node-0.prom");
+    std::fs::write(&scrape, support::http_get(&addr, "/metrics").1).unwrap();
+    let out = std::process::Command::new(support::kube::monitoring())
+        .args([
+            "panels",
+            "--dashboard",
+            "deploy/monitoring/dashboard.json",
+            "--scrape",
+        ])
+        .arg(format!("node-0={}", scrape.display()))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    let report = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{report}");
+    assert!(
+        out.status.success(),
+        "{report}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 
     Api::<Pod>::namespaced(client.clone(), NS)
         .delete("share", &Default::default())

@@ -24,45 +24,53 @@ const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 /// How long a component may take to come up on a loaded 2-core machine.
 pub const START: Duration = Duration::from_secs(120);
 
-/// The peers binary, built when its Go sources or go.sum changed since the
-/// last build (a stamp beside it holds their hash). Panics naming the
-/// missing tool when `go` is not on PATH.
+/// The peers binary (tests/kube), built when its Go sources or go.sum
+/// changed since the last build.
 pub fn peers() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        let src = Path::new(ROOT).join("tests/kube");
-        let target = std::env::var_os("CARGO_TARGET_DIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| Path::new(ROOT).join("target"));
-        let out = target.join("kube-peers");
-        let bin = out.join("kube-peers");
-        let stamp = out.join("kube-peers.stamp");
-        let hash = source_hash(&src).to_string();
-        if bin.exists() && std::fs::read_to_string(&stamp).ok().as_deref() == Some(&hash) {
-            return bin;
-        }
-        std::fs::create_dir_all(&out).unwrap();
-        let started = Instant::now();
-        let status = Command::new("go")
-            .args(["build", "-o"])
-            .arg(&bin)
-            .arg(".")
-            .current_dir(&src)
-            .status()
-            .unwrap_or_else(|e| {
-                panic!(
-                    "the real-Kubernetes tests need Go 1.26+ on PATH to build tests/kube \
-                     (`go build` could not start: {e})"
-                )
-            });
-        assert!(status.success(), "go build of tests/kube failed: {status}");
-        eprintln!(
-            "kube-peers built in {:.0} s",
-            started.elapsed().as_secs_f64()
-        );
-        std::fs::write(&stamp, hash).unwrap();
-        bin
-    })
+    BIN.get_or_init(|| go_binary("tests/kube", "kube-peers"))
+}
+
+/// The Prometheus peer (tests/monitoring), built likewise.
+pub fn monitoring() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| go_binary("tests/monitoring", "monitoring"))
+}
+
+/// The Go module at `module` (relative to the repository) built as `name`
+/// under the target directory, again only when its Go sources or go.sum
+/// changed since the last build (a stamp beside it holds their hash).
+/// Panics naming the missing tool when `go` is not on PATH.
+fn go_binary(module: &str, name: &str) -> PathBuf {
+    let src = Path::new(ROOT).join(module);
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(ROOT).join("target"));
+    let out = target.join(name);
+    let bin = out.join(name);
+    let stamp = out.join(format!("{name}.stamp"));
+    let hash = source_hash(&src).to_string();
+    if bin.exists() && std::fs::read_to_string(&stamp).ok().as_deref() == Some(&hash) {
+        return bin;
+    }
+    std::fs::create_dir_all(&out).unwrap();
+    let started = Instant::now();
+    let status = Command::new("go")
+        .args(["build", "-o"])
+        .arg(&bin)
+        .arg(".")
+        .current_dir(&src)
+        .status()
+        .unwrap_or_else(|e| {
+            panic!(
+                "the tests against real components need Go 1.26+ on PATH to build {module} \
+                 (`go build` could not start: {e})"
+            )
+        });
+    assert!(status.success(), "go build of {module} failed: {status}");
+    eprintln!("{name} built in {:.0} s", started.elapsed().as_secs_f64());
+    std::fs::write(&stamp, hash).unwrap();
+    bin
 }
 
 fn source_hash(src: &Path) -> u64 {
