@@ -8,6 +8,7 @@
 
 pub mod config;
 pub mod extender;
+pub mod kubectl;
 #[cfg(test)]
 mod layering;
 pub mod net;

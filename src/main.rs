@@ -1,5 +1,6 @@
 //! The command line: run the daemon or the extender, check a config,
-//! install the enforcement library, or inspect the plugin sockets.
+//! install the enforcement library, or inspect the plugin sockets; as
+//! `kubectl-gpu`, the kubectl plugin.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -60,6 +61,78 @@ enum Command {
         #[arg(long)]
         dir: Option<PathBuf>,
     },
+}
+
+/// `kubectl gpu`: the binary installed as `kubectl-gpu` (kubectl's plugin
+/// convention) runs this instead.
+#[derive(Parser)]
+#[command(
+    name = "kubectl gpu",
+    version = gpu_device_plugin::VERSION,
+    about = "What each GPU share is granted and uses"
+)]
+struct KubectlGpu {
+    #[command(subcommand)]
+    command: GpuCommand,
+}
+
+#[derive(Subcommand)]
+enum GpuCommand {
+    /// Per node and GPU: what is granted to which pod (the API server)
+    /// and what it uses (each node's daemon, through the API server).
+    Top {
+        /// Only this node.
+        #[arg(long)]
+        node: Option<String>,
+        /// The shares of every namespace.
+        #[arg(short = 'A', long)]
+        all_namespaces: bool,
+        /// The shares of this namespace (default: the context's).
+        #[arg(short = 'n', long)]
+        namespace: Option<String>,
+        /// Default: $KUBECONFIG, else ~/.kube/config, else in-cluster.
+        #[arg(long)]
+        kubeconfig: Option<PathBuf>,
+        /// Where the node daemons run.
+        #[arg(long, default_value = "gpu-device-plugin")]
+        daemon_namespace: String,
+        /// The label selecting the node daemons' pods.
+        #[arg(long, default_value = "app.kubernetes.io/name=gpu-device-plugin")]
+        daemon_selector: String,
+        /// The resource domain of the annotations.
+        #[arg(long, default_value = "doslab.io")]
+        resource_domain: String,
+    },
+}
+
+/// True when run as `kubectl-gpu`, as kubectl runs a plugin.
+fn as_kubectl_plugin() -> bool {
+    let arg0 = std::env::args_os().next().map(PathBuf::from);
+    let name = arg0.as_deref().and_then(|p| p.file_stem());
+    name.is_some_and(|n| n == "kubectl-gpu")
+}
+
+async fn kubectl_gpu() -> anyhow::Result<()> {
+    let GpuCommand::Top {
+        node,
+        all_namespaces,
+        namespace,
+        kubeconfig,
+        daemon_namespace,
+        daemon_selector,
+        resource_domain,
+    } = KubectlGpu::parse().command;
+    let args = gpu_device_plugin::kubectl::TopArgs {
+        node,
+        all_namespaces,
+        namespace,
+        daemon_namespace,
+        daemon_selector,
+        domain: resource_domain,
+        kubeconfig,
+    };
+    print!("{}", gpu_device_plugin::kubectl::top(&args).await?);
+    Ok(())
 }
 
 fn init_logging(format: LogFormat, default_level: &str) {
@@ -226,6 +299,9 @@ fn extender_config(path: Option<&std::path::Path>) -> anyhow::Result<ExtenderCon
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    if as_kubectl_plugin() {
+        return kubectl_gpu().await;
+    }
     let cli = Cli::parse();
     match cli.command.unwrap_or(Command::Run) {
         Command::Run => {

@@ -564,13 +564,8 @@ async fn a_shares_use_from_the_driver_joins_its_grant() {
     let cp = ControlPlane::start();
     let a = gpu_uuid(0, 0);
     let host = tempfile::tempdir().unwrap();
-    let (procs, proc_root) = (host.path().join("procs"), host.path().join("proc"));
-    std::fs::create_dir_all(&procs).unwrap();
-    let usage = format!(
-        "[usage]\npoll_ms = 200\nmock_dir = {:?}\nproc_root = {:?}\n",
-        procs.display().to_string(),
-        proc_root.display().to_string()
-    );
+    let driver = FakeDriver::new(host.path());
+    let usage = driver.toml();
     // Two GPUs, so that a pod asking more than either passes the kubelet
     // (which counts the node's devices) and is refused by the daemon.
     let b = gpu_uuid(0, 1);
@@ -590,36 +585,10 @@ async fn a_shares_use_from_the_driver_joins_its_grant() {
         .into_iter()
         .find(|u| ledger.contains(u.as_str()))
         .unwrap();
-    let uid = ran.metadata.uid.clone().unwrap();
-    let status = &ran
-        .status
-        .as_ref()
-        .unwrap()
-        .container_statuses
-        .as_ref()
-        .unwrap()[0];
-    let id = status.container_id.as_deref().unwrap();
-    let id = id.split_once("://").unwrap().1;
-    // PID 4242 is the container's (systemd driver, cgroup v2); 7 is in no pod.
-    for (pid, cgroup) in [
-        (
-            4242,
-            format!(
-                "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice/\
-                 cri-containerd-{id}.scope\n",
-                uid.replace('-', "_")
-            ),
-        ),
-        (7, "0::/system.slice/nvidia-mps.service\n".to_owned()),
-    ] {
-        std::fs::create_dir_all(proc_root.join(pid.to_string())).unwrap();
-        std::fs::write(proc_root.join(format!("{pid}/cgroup")), cgroup).unwrap();
-    }
-    std::fs::write(
-        procs.join(format!("{a}.procs")),
-        "4242 1073741824 40\n7 33554432 -\n",
-    )
-    .unwrap();
+    // PID 4242 is the container's; 7 is in no pod.
+    driver.process_of(4242, &ran);
+    driver.process(7, "0::/system.slice/nvidia-mps.service\n");
+    driver.lists(&a, "4242 1073741824 40\n7 33554432 -\n");
 
     let addr = support::http_addr(&node.daemon);
     let labels = format!(r#"{{namespace="{NS}",pod="share",container="infer",gpu="{a}"}}"#);
@@ -684,4 +653,255 @@ async fn a_shares_use_from_the_driver_joins_its_grant() {
     )
     .await;
     assert_eq!(support::metric(&addr, &processes), Some(2.0));
+}
+
+/// `kubectl gpu top` (the binary as `kubectl-gpu`, as kubectl runs a
+/// plugin) on a two-node cluster: what each GPU grants to which pod from
+/// the API server, what each share uses from its node's daemon through
+/// the API server's pod proxy; as the admin, and as a service account
+/// holding only deploy/kubectl-gpu's roles; without the usage role it
+/// shows the grants and says why usage is unknown; without the right to
+/// list every namespace's pods, `-A` fails saying what it needs.
+#[tokio::test(flavor = "multi_thread")]
+async fn kubectl_gpu_top_prints_each_gpu_and_its_shares() {
+    let cp = ControlPlane::start();
+    let ip = support::host_ip();
+    let host = tempfile::tempdir().unwrap();
+    let driver = FakeDriver::new(host.path());
+    let usage = driver.toml();
+    let (a, b) = (gpu_uuid(0, 0), gpu_uuid(1, 0));
+    let node0 = KubeNode::start_reachable(&cp, "node-0", &[(&a, 16384)], &usage, ip).await;
+    let node1 = KubeNode::start_reachable(&cp, "node-1", &[(&b, 16384)], &usage, ip).await;
+    namespace(&cp, NS);
+    let client = cp.admin_client().await;
+    let on = |node: &str, mut pod: Pod| {
+        pod.spec.as_mut().unwrap().node_name = Some(node.into());
+        pod
+    };
+    create(
+        &client,
+        &on("node-0", gpu_pod(NS, "share", &[("infer", [4096, 30, 0])])),
+    )
+    .await;
+    create(
+        &client,
+        &on("node-1", gpu_pod(NS, "whole", &[("train", [0, 0, 1])])),
+    )
+    .await;
+    let mut running = Vec::new();
+    for name in ["share", "whole"] {
+        let logs = || format!("{}\n{}", node0.daemon.log_text(), node1.daemon.log_text());
+        running.push(
+            wait_pod(&client, NS, name, Duration::from_secs(60), |p| {
+                phase(p) == "Running"
+            })
+            .await
+            .unwrap_or_else(|p| panic!("{name} not Running: {p:?}\n{}", logs())),
+        );
+    }
+    driver.process_of(4242, &running[0]);
+    driver.lists(&a, "4242 1073741824 40\n");
+
+    let plugin = host.path().join("kubectl-gpu");
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_gpu-device-plugin"), &plugin).unwrap();
+    let top = |kubeconfig: &std::path::Path, args: &[&str]| {
+        let out = std::process::Command::new(&plugin)
+            .arg("top")
+            .args(args)
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let errors = String::from_utf8_lossy(&out.stderr).into_owned();
+        (out.status.success(), text, errors)
+    };
+    // The table's rows, each the cells between runs of spaces.
+    let rows = |text: &str| -> Vec<Vec<String>> {
+        text.lines()
+            .map(|l| {
+                l.split("  ")
+                    .map(str::trim)
+                    .filter(|c| !c.is_empty())
+                    .map(Into::into)
+                    .collect()
+            })
+            .collect()
+    };
+    let want = |used: bool| {
+        let (gpu, mine, sm) = if used {
+            ("1.0Gi", "1.0Gi", "40%")
+        } else {
+            ("-", "-", "-")
+        };
+        vec![
+            vec![
+                "node-0",
+                &a,
+                "1 share",
+                &format!("4.0Gi/{gpu}"),
+                "16.0Gi",
+                "30%",
+                sm,
+            ],
+            vec![
+                &format!("{NS}/share/infer"),
+                &format!("4.0Gi/{mine}"),
+                "30%",
+                sm,
+            ],
+            vec![
+                "node-1",
+                &b,
+                "1 share",
+                &format!("16.0Gi/{}", if used { "0Mi" } else { "-" }),
+                "16.0Gi",
+                "100%",
+                "-",
+            ],
+            vec![&format!("{NS}/whole/train"), "16.0Gi/-", "100%", "-"],
+        ]
+        .into_iter()
+        .map(|r| r.into_iter().map(|c| c.to_owned()).collect::<Vec<String>>())
+        .collect::<Vec<_>>()
+    };
+    let admin = cp.admin.clone();
+    let printed = support::poll_for(
+        Instant::now() + support::WAIT,
+        async || {
+            let (ok, text, _) = top(&admin, &["-A"]);
+            (ok && text.contains("4.0Gi/1.0Gi")).then_some(text)
+        },
+        || {
+            format!(
+                "top -A never showed the share's use: {:?}",
+                top(&admin, &["-A"])
+            )
+        },
+    )
+    .await;
+    eprintln!("{printed}");
+    assert_eq!(rows(&printed)[1..], want(true)[..], "{printed}");
+
+    // A service account with deploy/kubectl-gpu's roles, bound as its
+    // rbac.yaml says: the same table for its namespace.
+    cp.peers_ok(&[
+        "apply",
+        "--kubeconfig",
+        cp.admin.to_str().unwrap(),
+        "-k",
+        &format!("{}/deploy/kubectl-gpu", env!("CARGO_MANIFEST_DIR")),
+    ]);
+    let bind = |who: &str, usage: bool| {
+        let mut yaml = format!(
+            "apiVersion: v1\nkind: ServiceAccount\nmetadata: {{name: {who}, namespace: {NS}}}\n---\n\
+             apiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRoleBinding\nmetadata: {{name: {who}-nodes}}\n\
+             roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: \"gpu-device-plugin:top-nodes\"}}\n\
+             subjects: [{{kind: ServiceAccount, name: {who}, namespace: {NS}}}]\n---\n\
+             apiVersion: rbac.authorization.k8s.io/v1\nkind: RoleBinding\nmetadata: {{name: {who}-pods, namespace: {NS}}}\n\
+             roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: \"gpu-device-plugin:top-pods\"}}\n\
+             subjects: [{{kind: ServiceAccount, name: {who}, namespace: {NS}}}]\n"
+        );
+        if usage {
+            yaml.push_str(&format!(
+                "---\napiVersion: rbac.authorization.k8s.io/v1\nkind: RoleBinding\n\
+                 metadata: {{name: {who}-usage, namespace: gpu-device-plugin}}\n\
+                 roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: Role, name: \"gpu-device-plugin:top-usage\"}}\n\
+                 subjects: [{{kind: ServiceAccount, name: {who}, namespace: {NS}}}]\n"
+            ));
+        }
+        cp.apply(&yaml);
+        cp.token(NS, who, None)
+    };
+    let viewer = bind("viewer", true);
+    let printed = support::poll_for(
+        Instant::now() + support::WAIT,
+        async || {
+            let (ok, text, _) = top(&viewer, &["-n", NS]);
+            (ok && text.contains("4.0Gi/1.0Gi")).then_some(text)
+        },
+        || format!("the viewer's top: {:?}", top(&viewer, &["-n", NS])),
+    )
+    .await;
+    assert_eq!(rows(&printed)[1..], want(true)[..], "{printed}");
+    // --node: that node alone.
+    let (ok, text, errors) = top(&viewer, &["-n", NS, "--node", "node-1"]);
+    assert!(ok, "{errors}");
+    assert_eq!(rows(&text)[1..], want(true)[2..], "{text}");
+    // Every namespace's pods are not the viewer's to list.
+    let (ok, _, errors) = top(&viewer, &["-A"]);
+    assert!(!ok);
+    assert!(
+        errors.contains("refused to list pods in all namespaces")
+            && errors.contains("deploy/kubectl-gpu"),
+        "{errors}"
+    );
+    // Without the usage role: the grants, and why usage is unknown.
+    let granted_only = bind("granted-only", false);
+    let (ok, text, errors) = top(&granted_only, &["-n", NS]);
+    assert!(ok, "{errors}");
+    let table: Vec<Vec<String>> = rows(&text).into_iter().filter(|r| r.len() > 1).collect();
+    assert_eq!(table[1..], want(false)[..], "{text}");
+    for node in ["node-0", "node-1"] {
+        let note = format!(
+            "{node}: usage unknown: not allowed to list pods in namespace gpu-device-plugin"
+        );
+        assert!(text.contains(&note), "{note} in\n{text}");
+    }
+}
+
+/// The usage monitor's stand-ins under a test's directory: the GPUs'
+/// process lists (what NVML would report) and the host's /proc (each
+/// process's cgroup).
+struct FakeDriver {
+    procs: std::path::PathBuf,
+    proc_root: std::path::PathBuf,
+}
+
+impl FakeDriver {
+    fn new(host: &std::path::Path) -> FakeDriver {
+        let driver = FakeDriver {
+            procs: host.join("procs"),
+            proc_root: host.join("proc"),
+        };
+        std::fs::create_dir_all(&driver.procs).unwrap();
+        driver
+    }
+
+    /// The daemon's `[usage]` table: polled every 200 ms, from these.
+    fn toml(&self) -> String {
+        format!(
+            "[usage]\npoll_ms = 200\nmock_dir = {:?}\nproc_root = {:?}\n",
+            self.procs.display().to_string(),
+            self.proc_root.display().to_string()
+        )
+    }
+
+    /// Process `pid` has `cgroup`.
+    fn process(&self, pid: u32, cgroup: &str) {
+        std::fs::create_dir_all(self.proc_root.join(pid.to_string())).unwrap();
+        std::fs::write(self.proc_root.join(format!("{pid}/cgroup")), cgroup).unwrap();
+    }
+
+    /// Process `pid` runs in the first container of `pod`, as the kubelet
+    /// reported its ID, in the systemd driver's cgroup v2 form.
+    fn process_of(&self, pid: u32, pod: &Pod) {
+        let uid = pod.metadata.uid.clone().unwrap().replace('-', "_");
+        let status = pod.status.as_ref().unwrap();
+        let container = &status.container_statuses.as_ref().unwrap()[0];
+        let id = container.container_id.as_deref().unwrap();
+        let id = id.split_once("://").unwrap().1;
+        self.process(
+            pid,
+            &format!(
+                "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{uid}.slice/\
+                 cri-containerd-{id}.scope\n"
+            ),
+        );
+    }
+
+    /// GPU `gpu` runs `lines` (`pid memory_bytes sm_percent` each).
+    fn lists(&self, gpu: &str, lines: &str) {
+        std::fs::write(self.procs.join(format!("{gpu}.procs")), lines).unwrap();
+    }
 }

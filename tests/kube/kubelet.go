@@ -80,6 +80,7 @@ const namespacedEnv = "KUBE_PEERS_MOUNT_NS"
 
 type kubeletFlags struct {
 	kubeconfig, node, root, devicePlugins string
+	nodeIP                                string
 	numaNodes                             int
 	cpu, memory, pods                     string
 	statusEvery, syncBackoff              time.Duration
@@ -92,6 +93,7 @@ func runKubelet(args []string) error {
 	fs.StringVar(&f.node, "node", "", "node name")
 	fs.StringVar(&f.root, "root", "", "state directory: pods/<namespace>_<name>.json records")
 	fs.StringVar(&f.devicePlugins, "device-plugins", "", "host directory served as /var/lib/kubelet/device-plugins")
+	fs.StringVar(&f.nodeIP, "node-ip", "", "the node's IP: a host-network pod's IP, as the kubelet reports it")
 	fs.IntVar(&f.numaNodes, "numa-nodes", 2, "NUMA nodes of the machine")
 	fs.StringVar(&f.cpu, "cpu", "64", "the Node's cpu capacity")
 	fs.StringVar(&f.memory, "memory", "512Gi", "the Node's memory capacity")
@@ -663,6 +665,12 @@ func (k *kubeletPeer) setStatus(ctx context.Context, pod *v1.Pod, phase v1.PodPh
 		if phase == v1.PodRunning {
 			ready = v1.ConditionTrue
 			k.containerStatuses(current)
+			// A host-network pod's IP is the node's, as the kubelet
+			// reports it (the API server's pod proxy dials it).
+			if current.Spec.HostNetwork && k.flags.nodeIP != "" {
+				current.Status.PodIP = k.flags.nodeIP
+				current.Status.PodIPs = []v1.PodIP{{IP: k.flags.nodeIP}}
+			}
 		}
 		current.Status.Conditions = []v1.PodCondition{{Type: v1.PodReady, Status: ready, LastTransitionTime: now}}
 		_, err = k.client.CoreV1().Pods(pod.Namespace).UpdateStatus(ctx, current, metav1.UpdateOptions{})

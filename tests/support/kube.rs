@@ -326,13 +326,40 @@ pub struct KubeNode {
     /// The daemon's config, for a restart.
     config: String,
     pub gpus: usize,
+    /// The kubelet's `--node-ip`, for a restart.
+    node_ip: Option<std::net::IpAddr>,
 }
 
 impl KubeNode {
     /// Node `name` with mock `gpus` (uuid, MiB); `top` adds top-level keys
     /// to the daemon's config (pod matching is on, enforcement off).
     pub async fn start(cp: &ControlPlane, name: &str, gpus: &[(&str, u64)], top: &str) -> KubeNode {
-        let node = KubeNode::launch(cp, name, gpus, |_, kubeconfig| {
+        KubeNode::start_at(cp, name, gpus, top, None).await
+    }
+
+    /// As [`KubeNode::start`], with the daemon reachable as a DaemonSet's
+    /// pod is: its pod on the host network with the container port `http`
+    /// its `/metrics` listens on, at `ip` (the node's IP, which the kubelet
+    /// reports as the pod's), so the API server's pod proxy reaches it. The
+    /// proxy refuses loopback: `ip` is one of [`super::host_ip`]'s.
+    pub async fn start_reachable(
+        cp: &ControlPlane,
+        name: &str,
+        gpus: &[(&str, u64)],
+        top: &str,
+        ip: std::net::IpAddr,
+    ) -> KubeNode {
+        KubeNode::start_at(cp, name, gpus, top, Some(ip)).await
+    }
+
+    async fn start_at(
+        cp: &ControlPlane,
+        name: &str,
+        gpus: &[(&str, u64)],
+        top: &str,
+        ip: Option<std::net::IpAddr>,
+    ) -> KubeNode {
+        let node = KubeNode::launch(cp, name, gpus, ip, |_, kubeconfig| {
             format!(
                 "pod_matching = true\n{top}\n[matcher]\nkubeconfig = {:?}\n\
                  [enforcement]\nmode = \"none\"\n",
@@ -363,7 +390,7 @@ impl KubeNode {
             "-k",
             overlay.to_str().unwrap(),
         ]);
-        let node = KubeNode::launch(cp, name, gpus, |dir, kubeconfig| {
+        let node = KubeNode::launch(cp, name, gpus, None, |dir, kubeconfig| {
             format!(
                 "resources = []\npod_matching = false\n[matcher]\nkubeconfig = {:?}\n{tables}\n\
                  [dra]\nenabled = true\nplugins_registry_dir = {:?}\nplugins_dir = {:?}\n\
@@ -386,6 +413,7 @@ impl KubeNode {
         cp: &ControlPlane,
         name: &str,
         gpus: &[(&str, u64)],
+        ip: Option<std::net::IpAddr>,
         config: impl FnOnce(&Path, &Path) -> String,
     ) -> KubeNode {
         let dir = tempfile::tempdir().unwrap();
@@ -407,21 +435,40 @@ impl KubeNode {
             "--out",
             dir.path().join("kubelet.kubeconfig").to_str().unwrap(),
         ]);
-        let kubelet = KubeNode::spawn_kubelet(name, dir.path());
+        let kubelet = KubeNode::spawn_kubelet(name, dir.path(), ip);
+        // Where a reachable daemon listens: a free port at `ip`.
+        let listen = ip.map(|ip| {
+            let socket = std::net::TcpListener::bind((ip, 0)).unwrap();
+            socket.local_addr().unwrap()
+        });
+        let (network, ports) = match listen {
+            Some(at) => (
+                "\n  hostNetwork: true",
+                format!(", ports: [{{name: http, containerPort: {}}}]", at.port()),
+            ),
+            None => ("", String::new()),
+        };
         // The daemon's own pod on this node, as its DaemonSet would make it:
         // its token carries the node's name.
         let pod = format!("gpu-device-plugin-{name}");
         cp.apply(&format!(
-            "apiVersion: v1\nkind: Pod\nmetadata: {{name: {pod}, namespace: gpu-device-plugin}}\n\
-             spec:\n  nodeName: {name}\n  serviceAccountName: gpu-device-plugin\n  \
-             containers: [{{name: plugin, image: gpu-device-plugin}}]\n"
+            "apiVersion: v1\nkind: Pod\nmetadata: {{name: {pod}, namespace: gpu-device-plugin, \
+             labels: {{app.kubernetes.io/name: gpu-device-plugin}}}}\n\
+             spec:\n  nodeName: {name}\n  serviceAccountName: gpu-device-plugin{network}\n  \
+             containers: [{{name: plugin, image: gpu-device-plugin{ports}}}]\n"
         ));
         let kubeconfig = cp.token("gpu-device-plugin", "gpu-device-plugin", Some(&pod));
         let top = format!(
             "node_name = \"{name}\"\n{}",
             config(dir.path(), &kubeconfig)
         );
-        let config = mock_config(&plugins, &top, gpus);
+        let mut config = mock_config(&plugins, &top, gpus);
+        if let Some(at) = listen {
+            config = config.replace(
+                "http_listen = \"127.0.0.1:0\"",
+                &format!("http_listen = \"{at}\""),
+            );
+        }
         KubeNode {
             name: name.into(),
             daemon: Daemon::start(&config),
@@ -429,6 +476,7 @@ impl KubeNode {
             kubelet,
             dir,
             gpus: gpus.len(),
+            node_ip: ip,
         }
     }
 
@@ -462,7 +510,8 @@ impl KubeNode {
         .await;
     }
 
-    fn spawn_kubelet(name: &str, dir: &Path) -> Proc {
+    fn spawn_kubelet(name: &str, dir: &Path, ip: Option<std::net::IpAddr>) -> Proc {
+        let ip = ip.map(|ip| ip.to_string()).unwrap_or_default();
         Proc::spawn(
             &[
                 "kubelet".as_ref(),
@@ -474,6 +523,8 @@ impl KubeNode {
                 dir.join("kubelet").as_os_str(),
                 "--device-plugins".as_ref(),
                 dir.join("device-plugins").as_os_str(),
+                "--node-ip".as_ref(),
+                ip.as_ref(),
             ],
             dir.join(format!(
                 "kubelet-{}.log",
@@ -537,7 +588,7 @@ impl KubeNode {
     pub async fn restart_kubelet(&mut self) {
         unsafe { libc::kill(self.kubelet.child.id() as i32, libc::SIGKILL) };
         let _ = self.kubelet.child.wait();
-        self.kubelet = KubeNode::spawn_kubelet(&self.name, self.dir.path());
+        self.kubelet = KubeNode::spawn_kubelet(&self.name, self.dir.path(), self.node_ip);
     }
 
     /// The kubelet's plugins_registry (`<root>/plugins_registry`): its

@@ -544,3 +544,30 @@ pub fn dra_overlay() -> PathBuf {
     file.persist(dir.join("kustomization.yaml")).unwrap();
     dir
 }
+
+/// An IPv4 address of this host's own interfaces that is not loopback nor
+/// link-local: what the API server's pod proxy agrees to dial. Panics when
+/// there is none (a machine with no network interface up).
+pub fn host_ip() -> std::net::IpAddr {
+    let mut found = None;
+    // SAFETY: getifaddrs fills a list that freeifaddrs frees; each entry
+    // and its address are read while the list lives.
+    unsafe {
+        let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
+        assert_eq!(libc::getifaddrs(&mut list), 0, "getifaddrs failed");
+        let mut at = list;
+        while !at.is_null() && found.is_none() {
+            let addr = (*at).ifa_addr;
+            if !addr.is_null() && i32::from((*addr).sa_family) == libc::AF_INET {
+                let v4 = &*(addr as *const libc::sockaddr_in);
+                let ip = std::net::Ipv4Addr::from(u32::from_be(v4.sin_addr.s_addr));
+                if !ip.is_loopback() && !ip.is_link_local() && !ip.is_unspecified() {
+                    found = Some(ip);
+                }
+            }
+            at = (*at).ifa_next;
+        }
+        libc::freeifaddrs(list);
+    }
+    std::net::IpAddr::V4(found.expect("no IPv4 address other than loopback on this host"))
+}

@@ -23,7 +23,7 @@ use crate::node::metrics::{ContainerGrant, ContainerLabels, GpuMode, GpuSample};
 use crate::node::readiness::{Child, Hold};
 use crate::rules::device::{PerResource, Resource};
 use crate::rules::matching::pods::PodView;
-use crate::rules::matching::usage;
+use crate::rules::matching::{granted, usage};
 use crate::rules::usage::{Inventory, NodeUsage};
 
 /// Per resource, per GPU of the node: whether its devices are withdrawn
@@ -144,40 +144,17 @@ pub fn withdrawn(inv: &Inventory, views: &[PodView], usage: &NodeUsage) -> Withd
     })
 }
 
-/// Each live container's grant per GPU, from its ledger as far as its
-/// spec vouches for it (any tenant can write on its own pods): an amount
-/// is at most the container's ask, a GPU must be the node's, and a whole
-/// GPU is all of its memory and compute.
+/// Each live container's grant per GPU ([`granted`]), labelled for
+/// `/metrics`.
 fn grants(inv: &Inventory, views: &[PodView]) -> Vec<ContainerGrant> {
-    let mut out = Vec::new();
-    for v in views.iter().filter(|v| v.live) {
-        for c in &v.containers {
-            let Some(entry) = v.ledger.0.get(&c.name) else {
-                continue;
-            };
-            let asked_mib = c
-                .wants(Resource::GpuMemory)
-                .saturating_mul(inv.memory_unit_mib);
-            let asked_percent = c.wants(Resource::GpuCore).saturating_mul(100)
-                / u64::from(inv.cores_per_gpu.max(1));
-            for gpu in inv.gpus.iter().filter(|g| entry.gpus.contains(&g.uuid)) {
-                let (memory_mib, core_percent) = if c.whole() && entry.whole() {
-                    (gpu.memory_mib, 100)
-                } else {
-                    (
-                        entry.memory.unwrap_or(0).min(asked_mib),
-                        entry.core.unwrap_or(0).min(asked_percent),
-                    )
-                };
-                out.push(ContainerGrant {
-                    at: ContainerLabels::new(&v.key, &c.name, &gpu.uuid),
-                    memory_mib,
-                    core_percent,
-                });
-            }
-        }
-    }
-    out
+    granted(inv, views)
+        .into_iter()
+        .map(|g| ContainerGrant {
+            at: ContainerLabels::new(&g.pod, &g.container, &g.gpu),
+            memory_mib: g.memory_mib,
+            core_percent: g.core_percent,
+        })
+        .collect()
 }
 
 fn samples(inv: &Inventory, usage: &NodeUsage) -> Vec<GpuSample> {

@@ -597,3 +597,53 @@ pub fn record(ledger: &mut Ledger, inv: &Inventory, ask: &Ask, decision: &Decisi
         ask.digest.clone().unwrap_or_default(),
     );
 }
+
+/// What one live container is granted on one GPU, in real units.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Granted {
+    pub pod: PodKey,
+    pub container: String,
+    /// The GPU's UUID.
+    pub gpu: String,
+    pub memory_mib: u64,
+    /// Percent of the GPU's compute (100 for a whole GPU).
+    pub core_percent: u64,
+}
+
+/// Each live container's grant per GPU, from its ledger as far as its
+/// spec vouches for it (any tenant can write on its own pods): an amount
+/// is at most the container's ask, a GPU must be the node's, and a whole
+/// GPU is all of its memory and compute.
+pub fn granted(inv: &Inventory, views: &[PodView]) -> Vec<Granted> {
+    let mut out = Vec::new();
+    for v in views.iter().filter(|v| v.live) {
+        for c in &v.containers {
+            let Some(entry) = v.ledger.0.get(&c.name) else {
+                continue;
+            };
+            let asked_mib = c
+                .wants(Resource::GpuMemory)
+                .saturating_mul(inv.memory_unit_mib);
+            let asked_percent = c.wants(Resource::GpuCore).saturating_mul(100)
+                / u64::from(inv.cores_per_gpu.max(1));
+            for gpu in inv.gpus.iter().filter(|g| entry.gpus.contains(&g.uuid)) {
+                let (memory_mib, core_percent) = if c.whole() && entry.whole() {
+                    (gpu.memory_mib, 100)
+                } else {
+                    (
+                        entry.memory.unwrap_or(0).min(asked_mib),
+                        entry.core.unwrap_or(0).min(asked_percent),
+                    )
+                };
+                out.push(Granted {
+                    pod: v.key.clone(),
+                    container: c.name.clone(),
+                    gpu: gpu.uuid.clone(),
+                    memory_mib,
+                    core_percent,
+                });
+            }
+        }
+    }
+    out
+}
