@@ -998,13 +998,9 @@ impl ApiServerSim {
         inner.created += 1;
         let created = 1_700_000_000 + inner.created;
         let meta = &mut pod["metadata"];
-        meta["uid"] = format!(
-            "uid-{}-{}-{}",
-            meta["namespace"].as_str().unwrap_or_default(),
-            meta["name"].as_str().unwrap_or_default(),
-            inner.created
-        )
-        .into();
+        // A UUID, as the real API server's: the kubelet names the pod's
+        // cgroups after it, and a node agent parses it back.
+        meta["uid"] = format!("00000000-0000-4000-8000-{:012x}", inner.created).into();
         meta["creationTimestamp"] = k8s_openapi::jiff::Timestamp::from_second(created as i64)
             .expect("valid time")
             .to_string()
@@ -1054,6 +1050,24 @@ impl ApiServerSim {
         let key = pod_key(namespace, name);
         if let Some(mut pod) = inner.get(&key).cloned() {
             pod["status"]["phase"] = phase.into();
+            inner.write(key, Some(pod), &self.shared.changes);
+        }
+    }
+
+    /// Sets a pod Running with its containers' runtime IDs (`name, id`),
+    /// as the kubelet reports them in the containers' statuses.
+    pub fn set_running(&self, namespace: &str, name: &str, ids: &[(&str, &str)]) {
+        let mut inner = self.shared.lock();
+        let key = pod_key(namespace, name);
+        if let Some(mut pod) = inner.get(&key).cloned() {
+            pod["status"]["phase"] = "Running".into();
+            pod["status"]["containerStatuses"] = ids
+                .iter()
+                .map(|(c, id)| {
+                    json!({"name": c, "containerID": format!("containerd://{id}"), "ready": true,
+                           "restartCount": 0, "image": "app", "imageID": "app"})
+                })
+                .collect();
             inner.write(key, Some(pod), &self.shared.changes);
         }
     }
