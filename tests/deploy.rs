@@ -579,6 +579,9 @@ fn the_chart_renders_what_its_values_say() {
         svc["spec"]["ports"][0]["name"]
     );
     assert_eq!(sm["spec"]["endpoints"][0]["path"], "/metrics");
+    // The shares' own namespace/pod/container labels win over the
+    // target's, so the alerts' joins match shares.
+    assert_eq!(sm["spec"]["endpoints"][0]["honorLabels"], true);
     // Each series carries the node the daemon runs on.
     assert_eq!(
         sm["spec"]["endpoints"][0]["relabelings"],

@@ -705,9 +705,13 @@ async fn kubectl_gpu_top_prints_each_gpu_and_its_shares() {
     let plugin = host.path().join("kubectl-gpu");
     std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_gpu-device-plugin"), &plugin).unwrap();
     let top = |kubeconfig: &std::path::Path, args: &[&str]| {
+        // The test daemons' pods carry a label of their own (see
+        // KubeNode::start_reachable), not the DaemonSet's.
         let out = std::process::Command::new(&plugin)
             .arg("top")
             .args(args)
+            .arg("--daemon-selector")
+            .arg(format!("{REACHABLE_DAEMON}=true"))
             .arg("--kubeconfig")
             .arg(kubeconfig)
             .output()

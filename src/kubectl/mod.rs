@@ -4,7 +4,9 @@
 //! as far as its spec vouches: the daemon's own rule), beside what each
 //! uses, from each node's daemon: its `/metrics` read through the API
 //! server's pod proxy, so no port is opened to anyone and the caller's own
-//! RBAC decides (`deploy/kubectl-gpu-rbac.yaml` is the least it needs).
+//! RBAC decides (`deploy/kubectl-gpu/rbac.yaml` is the least it needs).
+//! Each daemon is read at the same time, within [`READ_TIMEOUT`] and
+//! [`METRICS_LIMIT`]: one slow or broken node costs its own usage only.
 //!
 //! - `scrape`: the used series of a daemon's `/metrics` (pure).
 //! - `table`: the table (pure).
@@ -15,6 +17,7 @@ mod table;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+use futures::AsyncReadExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::ListParams;
 use kube::{Api, Client};
@@ -23,6 +26,12 @@ use crate::rules::matching::granted;
 use crate::rules::matching::pods::PodView;
 use crate::rules::usage::{Inventory, Keys};
 use table::NodeView;
+
+/// How long one daemon's `/metrics` may take through the API server.
+const READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// The most of one daemon's `/metrics` read: a node of 8 GPUs × 16 shares
+/// serves well under 1 MiB.
+const METRICS_LIMIT: u64 = 16 << 20;
 
 /// What `kubectl gpu top` is asked.
 #[derive(Debug, Clone)]
@@ -51,13 +60,15 @@ pub enum TopError {
         "the API server refused to {what} ({reason}); kubectl gpu top needs: list nodes \
          (cluster-wide), list pods (in the namespace shown, or everywhere with -A), and for \
          usage list pods and get pods/proxy in the daemons' namespace (see \
-         deploy/kubectl-gpu-rbac.yaml)"
+         deploy/kubectl-gpu/rbac.yaml)"
     )]
     Forbidden { what: String, reason: String },
     #[error("cannot {what}: {source}")]
     Api { what: String, source: kube::Error },
     #[error("no node {0} with GPUs")]
     NoSuchNode(String),
+    #[error("node {node}: its GPU inventory annotation does not read: {reason}")]
+    BadInventory { node: String, reason: String },
 }
 
 /// Names a failed call: RBAC's refusal says what is missing.
@@ -82,31 +93,7 @@ pub async fn top(args: &TopArgs) -> Result<String, TopError> {
     }
     .map_err(|e| TopError::Client(e.to_string()))?;
     let keys = Keys::new(&args.domain);
-    let inventory_key = format!("{}/gpu-inventory", args.domain);
-    let nodes: Api<Node> = Api::all(client.clone());
-    let nodes = nodes
-        .list(&ListParams::default())
-        .await
-        .map_err(failed("list nodes"))?;
-    let mut gpu_nodes: BTreeMap<String, Inventory> = BTreeMap::new();
-    for n in nodes.items {
-        let name = n.metadata.name.unwrap_or_default();
-        let inventory = n
-            .metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(&inventory_key));
-        if args.node.as_ref().is_none_or(|wanted| *wanted == name)
-            && let Some(Ok(inventory)) = inventory.map(|text| Inventory::parse(text))
-        {
-            gpu_nodes.insert(name, inventory);
-        }
-    }
-    if let Some(node) = &args.node
-        && !gpu_nodes.contains_key(node)
-    {
-        return Err(TopError::NoSuchNode(node.clone()));
-    }
+    let gpu_nodes = gpu_nodes(&client, args).await?;
     let namespace = args
         .namespace
         .clone()
@@ -129,42 +116,77 @@ pub async fn top(args: &TopArgs) -> Result<String, TopError> {
     for p in &pods.items {
         let node = p.spec.as_ref().and_then(|s| s.node_name.clone());
         if let Some(node) = node.filter(|n| gpu_nodes.contains_key(n)) {
-            by_node
-                .entry(node)
-                .or_default()
-                .push(PodView::from_pod(&keys, p).0);
+            let view = PodView::from_pod(&keys, p).0;
+            by_node.entry(node).or_default().push(view);
         }
     }
     let daemons = daemons(&client, args).await;
-    let mut views = Vec::new();
-    for (name, inventory) in &gpu_nodes {
-        let pods = by_node.remove(name).unwrap_or_default();
-        let used = match &daemons {
-            Err(why) => Err(why.clone()),
-            Ok(d) => match d.get(name) {
-                None => Err(format!(
-                    "no daemon pod in namespace {}",
-                    args.daemon_namespace
-                )),
-                Some((pod, port)) => usage(&client, &args.daemon_namespace, pod, *port).await,
-            },
-        };
-        views.push(NodeView {
+    let reads = gpu_nodes.keys().map(|name| {
+        let (client, daemons) = (&client, &daemons);
+        async move {
+            let d = daemons.as_ref().map_err(Clone::clone)?;
+            let Some((pod, port)) = d.get(name) else {
+                let ns = &args.daemon_namespace;
+                return Err(format!("no running daemon pod in namespace {ns}"));
+            };
+            let read = usage(client, &args.daemon_namespace, pod, *port);
+            tokio::time::timeout(READ_TIMEOUT, read)
+                .await
+                .unwrap_or_else(|_| Err(format!("{pod}'s metrics took over {READ_TIMEOUT:?}")))
+        }
+    });
+    let used = futures::future::join_all(reads).await;
+    let views: Vec<NodeView> = (gpu_nodes.iter().zip(used))
+        .map(|((name, inventory), used)| NodeView {
             name: name.clone(),
-            gpus: inventory
-                .gpus
-                .iter()
+            gpus: (inventory.gpus.iter())
                 .map(|g| (g.uuid.clone(), g.memory_mib))
                 .collect(),
-            grants: granted(inventory, &pods),
+            grants: granted(inventory, &by_node.remove(name).unwrap_or_default()),
             used,
-        });
-    }
+        })
+        .collect();
     Ok(table::render(&views))
 }
 
-/// Per node, its daemon's pod and metrics port (the container port named
-/// `http`), or why they cannot be listed.
+/// The nodes shown, each with its GPU inventory: every node that has one,
+/// or `--node`'s alone. An inventory that does not read is an error,
+/// not a node without GPUs.
+async fn gpu_nodes(
+    client: &Client,
+    args: &TopArgs,
+) -> Result<BTreeMap<String, Inventory>, TopError> {
+    let key = format!("{}/gpu-inventory", args.domain);
+    let nodes: Api<Node> = Api::all(client.clone());
+    let nodes = nodes
+        .list(&ListParams::default())
+        .await
+        .map_err(failed("list nodes"))?;
+    let mut found = BTreeMap::new();
+    for n in nodes.items {
+        let name = n.metadata.name.unwrap_or_default();
+        if args.node.as_ref().is_some_and(|wanted| *wanted != name) {
+            continue;
+        }
+        let annotations = n.metadata.annotations.unwrap_or_default();
+        if let Some(text) = annotations.get(&key) {
+            let inventory = Inventory::parse(text).map_err(|e| TopError::BadInventory {
+                node: name.clone(),
+                reason: e.to_string(),
+            })?;
+            found.insert(name, inventory);
+        }
+    }
+    if let Some(node) = &args.node
+        && !found.contains_key(node)
+    {
+        return Err(TopError::NoSuchNode(node.clone()));
+    }
+    Ok(found)
+}
+
+/// Per node, its running daemon's pod and metrics port (the container port
+/// named `http`), or why they cannot be listed.
 async fn daemons(
     client: &Client,
     args: &TopArgs,
@@ -178,9 +200,15 @@ async fn daemons(
         ),
         e => format!("cannot list the daemons: {e}"),
     })?;
+    // A rollout's pods come and go: the running one, not being deleted.
+    let running = |p: &Pod| {
+        let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
+        phase == Some("Running") && p.metadata.deletion_timestamp.is_none()
+    };
     Ok(list
         .items
         .into_iter()
+        .filter(running)
         .filter_map(|p| {
             let spec = p.spec?;
             let port = spec
@@ -194,7 +222,8 @@ async fn daemons(
         .collect())
 }
 
-/// What a daemon reports used, read through the API server's pod proxy.
+/// What a daemon reports used, read through the API server's pod proxy,
+/// at most [`METRICS_LIMIT`] of it.
 async fn usage(
     client: &Client,
     namespace: &str,
@@ -205,12 +234,18 @@ async fn usage(
     let request = http::Request::get(&path)
         .body(Vec::new())
         .map_err(|e| e.to_string())?;
-    let text = client.request_text(request).await.map_err(|e| match e {
+    let body = client.request_stream(request).await.map_err(|e| match e {
         kube::Error::Api(s) if s.code == 403 => format!(
             "not allowed to get pods/proxy in namespace {namespace} ({})",
             s.message
         ),
         e => format!("cannot read {pod}'s metrics through the API server: {e}"),
     })?;
+    let mut text = String::new();
+    let read = body.take(METRICS_LIMIT + 1).read_to_string(&mut text).await;
+    read.map_err(|e| format!("cannot read {pod}'s metrics: {e}"))?;
+    if text.len() as u64 > METRICS_LIMIT {
+        return Err(format!("{pod}'s metrics exceed {METRICS_LIMIT} bytes"));
+    }
     Ok(scrape::parse(&text))
 }

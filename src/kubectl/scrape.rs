@@ -2,7 +2,8 @@
 //! shows, read from the daemon's own exposition (OpenMetrics text as
 //! prometheus-client writes it: `name{label="value",…} number`, with `\\`,
 //! `\"` and `\n` escaped in values). A line that does not parse is
-//! skipped, never guessed at; the text is bounded by its caller.
+//! skipped, never guessed at; the caller reads at most
+//! [`super::METRICS_LIMIT`] of it.
 
 use std::collections::HashMap;
 

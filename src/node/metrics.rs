@@ -24,6 +24,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
+use crate::node::readiness::Child;
 use crate::rules::matching::pods::PodKey;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric, MetricEncoder};
@@ -393,7 +394,8 @@ pub(crate) struct ContainerUsage {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct GpuUse {
     pub(crate) uuid: String,
-    pub(crate) memory_bytes: u64,
+    /// None when the driver gave no figure for one of its processes.
+    pub(crate) memory_bytes: Option<u64>,
     pub(crate) processes: u64,
 }
 
@@ -524,6 +526,16 @@ impl Metrics {
     /// Replaces what the driver says is used; None removes it.
     pub(crate) fn set_usage(&self, usage: Option<UsageSeries>) {
         *self.scraped.usage.lock().expect("metrics lock") = usage;
+    }
+
+    /// `child` goes on purpose: the series only it kept current go with
+    /// it (one that failed, waiting out its backoff, never cleared them).
+    pub(crate) fn release(&self, child: Child) {
+        match child {
+            Child::Mps => self.set_mps(None),
+            Child::Usage => self.set_usage(None),
+            _ => {}
+        }
     }
 
     /// Replaces whether each GPU's MPS control daemon answers; None
@@ -839,19 +851,21 @@ impl Scraped {
                 ConstGauge::new(f64::from(sm) / 100.0).encode(f.encode_family(&c.at)?)?;
             }
         }
-        let series: [PerGpu<GpuUse>; 2] = [
-            (
-                "gpu_memory_used_bytes",
-                "Device memory the GPU's compute processes hold, as the driver lists them \
-                 (in a pod or not).",
-                |g| g.memory_bytes,
-            ),
-            (
-                "gpu_processes",
-                "Compute processes on the GPU, MPS clients included.",
-                |g| g.processes,
-            ),
-        ];
+        let known: Vec<(&str, u64)> = (usage.gpus.iter())
+            .filter_map(|g| Some((g.uuid.as_str(), g.memory_bytes?)))
+            .collect();
+        let used: [PerGpu<(&str, u64)>; 1] = [(
+            "gpu_memory_used_bytes",
+            "Device memory the GPU's compute processes hold, as the driver lists them \
+             (in a pod or not); absent when it gives no figure for one of them.",
+            |g| g.1,
+        )];
+        per_gpu(encoder, used, &known, |g| g.0)?;
+        let series: [PerGpu<GpuUse>; 1] = [(
+            "gpu_processes",
+            "Compute processes on the GPU, MPS clients included.",
+            |g| g.processes,
+        )];
         per_gpu(encoder, series, &usage.gpus, |g| &g.uuid)
     }
 
@@ -978,7 +992,7 @@ mod tests {
             }],
             gpus: vec![GpuUse {
                 uuid: "GPU-a".into(),
-                memory_bytes: 1,
+                memory_bytes: Some(1),
                 processes: 1,
             }],
         }));
@@ -1169,7 +1183,7 @@ mod tests {
             }],
             gpus: vec![GpuUse {
                 uuid: "GPU-a".into(),
-                memory_bytes: 4 << 20,
+                memory_bytes: Some(4 << 20),
                 processes: 2,
             }],
         };
@@ -1202,6 +1216,23 @@ mod tests {
         metrics.set_usage(None);
         metrics.set_enforcement(None);
         assert!(!metrics.render().contains("used_bytes"));
+    }
+
+    /// A child stopped on purpose takes the series only it kept current,
+    /// even one that failed and never stopped itself.
+    #[test]
+    fn a_released_child_takes_its_series() {
+        let metrics = Metrics::default();
+        metrics.set_mps(Some(vec![("GPU-a".into(), false)]));
+        metrics.set_usage(Some(UsageSeries::default()));
+        assert!(metrics.render().contains("mps_control_daemon_up{"));
+        metrics.release(Child::Matcher);
+        assert!(metrics.render().contains("mps_control_daemon_up{"));
+        metrics.release(Child::Mps);
+        metrics.release(Child::Usage);
+        let text = metrics.render();
+        assert!(!text.contains("mps_control_daemon_up"), "{text}");
+        assert!(!text.contains("gpu_processes"), "{text}");
     }
 
     #[test]

@@ -24,6 +24,10 @@ const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 /// How long a component may take to come up on a loaded 2-core machine.
 pub const START: Duration = Duration::from_secs(120);
 
+/// The label of a reachable daemon's pod ([`KubeNode::start_reachable`]),
+/// for `kubectl gpu top --daemon-selector`.
+pub const REACHABLE_DAEMON: &str = "gpu-device-plugin.test/reachable";
+
 /// The peers binary (tests/kube), built when its Go sources or go.sum
 /// changed since the last build.
 pub fn peers() -> &'static Path {
@@ -441,19 +445,21 @@ impl KubeNode {
             let socket = std::net::TcpListener::bind((ip, 0)).unwrap();
             socket.local_addr().unwrap()
         });
-        let (network, ports) = match listen {
+        let (network, ports, labels) = match listen {
             Some(at) => (
                 "\n  hostNetwork: true",
                 format!(", ports: [{{name: http, containerPort: {}}}]", at.port()),
+                format!(", labels: {{{REACHABLE_DAEMON}: \"true\"}}"),
             ),
-            None => ("", String::new()),
+            None => ("", String::new(), String::new()),
         };
         // The daemon's own pod on this node, as its DaemonSet would make it:
-        // its token carries the node's name.
+        // its token carries the node's name. Not with the DaemonSet's
+        // label: its controller would adopt the pod and delete it (its
+        // node affinity excludes these nodes), and the token with it.
         let pod = format!("gpu-device-plugin-{name}");
         cp.apply(&format!(
-            "apiVersion: v1\nkind: Pod\nmetadata: {{name: {pod}, namespace: gpu-device-plugin, \
-             labels: {{app.kubernetes.io/name: gpu-device-plugin}}}}\n\
+            "apiVersion: v1\nkind: Pod\nmetadata: {{name: {pod}, namespace: gpu-device-plugin{labels}}}\n\
              spec:\n  nodeName: {name}\n  serviceAccountName: gpu-device-plugin{network}\n  \
              containers: [{{name: plugin, image: gpu-device-plugin{ports}}}]\n"
         ));

@@ -235,14 +235,23 @@ fn run_nvml(uuids: &[String], poll: Duration, report: &impl Fn(Round) -> bool) {
         match &events {
             Some(set) => {
                 // Waiting for an event is also the poll interval.
-                if let Ok(event) = set.wait(wait_ms)
-                    && let Ok(uuid) = event.device.uuid()
-                {
-                    let xid = match event.event_data {
-                        Some(XidError::Value(x)) => Some(x),
-                        _ => None,
-                    };
-                    round.fault(uuids, uuid, Xid(xid));
+                match set.wait(wait_ms) {
+                    Ok(event) => {
+                        if let Ok(uuid) = event.device.uuid() {
+                            let xid = match event.event_data {
+                                Some(XidError::Value(x)) => Some(x),
+                                _ => None,
+                            };
+                            round.fault(uuids, uuid, Xid(xid));
+                        }
+                    }
+                    Err(NvmlError::Timeout) => {}
+                    // Not a wait at all (a GPU lost, say): the queries
+                    // report the GPUs; the poll interval still holds.
+                    Err(e) => {
+                        tracing::warn!(error = %e, "waiting for XID events failed");
+                        std::thread::sleep(poll);
+                    }
                 }
             }
             None => std::thread::sleep(poll),

@@ -117,6 +117,7 @@ impl SupervisorState {
     /// successor marks its own).
     fn release(&mut self, child: Child) {
         self.readiness.release(child);
+        self.metrics.release(child);
         self.failures.remove(&child);
     }
 

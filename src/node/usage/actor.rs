@@ -11,7 +11,7 @@ use std::time::Duration;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use super::probe::{self, GpuProcesses, UsageSpec};
-use crate::node::matcher::MatcherHandle;
+use crate::node::matcher::{LiveContainer, MatcherHandle};
 use crate::node::metrics::Metrics;
 
 pub(crate) struct UsageMonitor;
@@ -69,8 +69,15 @@ pub(crate) struct UsageState {
     args: UsageArgs,
     /// Per GPU, why the driver gave nothing last time (logged once).
     failing: Vec<Option<String>>,
+    /// The matcher's live containers as last answered: a slow or
+    /// restarting matcher does not blank every share's series.
+    live: Vec<LiveContainer>,
     /// Tells the probe thread to end (it also ends when we are gone).
     stop: Arc<AtomicBool>,
+    /// Set by the probe thread when it sends a sample, cleared once it is
+    /// handled: while set, newer samples are dropped, so a slow matcher
+    /// never piles samples up in the mailbox.
+    busy: Arc<AtomicBool>,
 }
 
 impl Actor for UsageMonitor {
@@ -84,7 +91,8 @@ impl Actor for UsageMonitor {
         args: UsageArgs,
     ) -> Result<UsageState, ActorProcessingErr> {
         let stop = Arc::new(AtomicBool::new(false));
-        let flag = stop.clone();
+        let busy = Arc::new(AtomicBool::new(false));
+        let (flag, sending) = (stop.clone(), busy.clone());
         let (spec, uuids, root, poll) = (
             args.spec.clone(),
             args.uuids.clone(),
@@ -95,14 +103,20 @@ impl Actor for UsageMonitor {
             .name("gpu-usage".into())
             .spawn(move || {
                 probe::run(spec, uuids, root, poll, |gpus| {
-                    !flag.load(Ordering::SeqCst)
-                        && myself.send_message(UsageMsg::Sampled { gpus }).is_ok()
+                    if flag.load(Ordering::SeqCst) {
+                        return false;
+                    }
+                    // The last sample is still being named: this one goes.
+                    sending.swap(true, Ordering::SeqCst)
+                        || myself.send_message(UsageMsg::Sampled { gpus }).is_ok()
                 })
             })?;
         Ok(UsageState {
             failing: vec![None; args.uuids.len()],
             args,
+            live: Vec::new(),
             stop,
+            busy,
         })
     }
 
@@ -124,13 +138,14 @@ impl Actor for UsageMonitor {
                 was.clone_from(&gpu.failed);
             }
         }
-        // None: the matcher is down or not synced; no container can be
-        // named, the GPUs' totals still hold.
-        let live = state.args.matcher.live().await.unwrap_or_default();
-        state
-            .args
-            .metrics
-            .set_usage(Some(super::series(&gpus, &live)));
+        // None: the matcher is down, slow or not synced; the containers
+        // it last named still name the processes.
+        if let Some(live) = state.args.matcher.live().await {
+            state.live = live;
+        }
+        let series = super::series(&gpus, &state.live);
+        state.args.metrics.set_usage(Some(series));
+        state.busy.store(false, Ordering::SeqCst);
         Ok(())
     }
 

@@ -8,8 +8,12 @@
 //!   (`crio-<id>.scope`, `docker-<id>.scope`, `cri-dockerd-<id>.scope`);
 //! - cgroupfs: `…/kubepods/besteffort/pod<uid>/<id>`;
 //!
-//! anywhere in the path (a node that is itself a container nests them), on
-//! the v2 line `0::…` or any v1 controller's line.
+//! anywhere in the path, on the v2 line `0::…` or any v1 controller's line:
+//! a node that is itself a container nests them, and a reader in a cgroup
+//! namespace of its own (the runtimes' default on cgroup v2) sees them
+//! relative to its own cgroup (`0::/../../besteffort/pod<uid>/<id>`), with
+//! no `kubepods` left to anchor on. So the pod segment is found by its
+//! shape, and the container's is the one after it.
 
 /// A process's pod (its UID) and container (its runtime ID, as the
 /// container status's `containerID` ends after `://`).
@@ -29,12 +33,12 @@ pub(crate) fn owner(cgroup: &str) -> Option<Owner> {
     cgroup.lines().find_map(|line| {
         // hierarchy-ID:controllers:path, the path possibly holding ':'.
         let path = line.splitn(3, ':').nth(2)?;
-        let mut parts = path.split('/').skip_while(|p| !p.starts_with("kubepods"));
-        let pod_uid = parts.by_ref().find_map(pod_uid)?;
-        let container_id = container_id(parts.next()?)?;
-        Some(Owner {
-            pod_uid,
-            container_id,
+        let parts: Vec<&str> = path.split('/').collect();
+        parts.windows(2).find_map(|pair| {
+            Some(Owner {
+                pod_uid: pod_uid(pair[0])?,
+                container_id: container_id(pair[1])?,
+            })
         })
     })
 }
@@ -96,6 +100,12 @@ mod tests {
             ),
             // A node that is a container (kind): nested under its own.
             format!("0::/system.slice/docker-abc.scope/kubepods/pod{UID}/{ID}"),
+            // Read from a cgroup namespace of its own: relative paths.
+            format!("0::/../../besteffort/pod{UID}/{ID}"),
+            format!(
+                "0::/../../../kubepods-besteffort.slice/kubepods-besteffort-pod{systemd_uid}.slice/\
+                 cri-containerd-{ID}.scope"
+            ),
         ];
         for cgroup in cases {
             assert_eq!(owner(&cgroup), owned(), "{cgroup}");

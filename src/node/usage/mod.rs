@@ -35,7 +35,8 @@ fn series(gpus: &[GpuProcesses], live: &[LiveContainer]) -> UsageSeries {
     let mut containers: BTreeMap<ContainerLabels, (Option<u64>, Option<u32>)> = BTreeMap::new();
     let mut totals = Vec::new();
     for gpu in gpus.iter().filter(|g| g.failed.is_none()) {
-        let memory = gpu.processes.iter().filter_map(|(p, _)| p.memory_bytes);
+        // Unknown once one process's is: a partial sum would be a guess.
+        let memory = gpu.processes.iter().map(|(p, _)| p.memory_bytes);
         totals.push(GpuUse {
             uuid: gpu.uuid.clone(),
             memory_bytes: memory.sum(),
@@ -162,12 +163,12 @@ mod tests {
             [
                 GpuUse {
                     uuid: "GPU-a".into(),
-                    memory_bytes: 1230,
+                    memory_bytes: Some(1230),
                     processes: 6
                 },
                 GpuUse {
                     uuid: "GPU-b".into(),
-                    memory_bytes: 0,
+                    memory_bytes: None,
                     processes: 1
                 },
             ]
