@@ -71,6 +71,31 @@ pub enum TopError {
     BadInventory { node: String, reason: String },
 }
 
+/// Why a node's usage is unknown: `top` still prints its grants, and this
+/// after the table.
+#[derive(Debug, Clone, thiserror::Error)]
+pub(crate) enum UsageUnknown {
+    #[error("not allowed to {what} in namespace {namespace} ({reason})")]
+    Forbidden {
+        what: &'static str,
+        namespace: String,
+        reason: String,
+    },
+    #[error("cannot list the daemons: {0}")]
+    NoList(String),
+    #[error("no running daemon pod in namespace {0}")]
+    NoDaemon(String),
+    #[error("cannot read {pod}'s metrics through the API server: {reason}")]
+    Unreadable { pod: String, reason: String },
+    #[error("{pod}'s metrics took over {after:?}")]
+    TimedOut {
+        pod: String,
+        after: std::time::Duration,
+    },
+    #[error("{pod}'s metrics exceed {limit} bytes")]
+    TooLarge { pod: String, limit: u64 },
+}
+
 /// Names a failed call: RBAC's refusal says what is missing.
 fn failed(what: &str) -> impl Fn(kube::Error) -> TopError + '_ {
     move |e| match e {
@@ -126,13 +151,14 @@ pub async fn top(args: &TopArgs) -> Result<String, TopError> {
         async move {
             let d = daemons.as_ref().map_err(Clone::clone)?;
             let Some((pod, port)) = d.get(name) else {
-                let ns = &args.daemon_namespace;
-                return Err(format!("no running daemon pod in namespace {ns}"));
+                return Err(UsageUnknown::NoDaemon(args.daemon_namespace.clone()));
             };
             let read = usage(client, &args.daemon_namespace, pod, *port);
-            tokio::time::timeout(READ_TIMEOUT, read)
-                .await
-                .unwrap_or_else(|_| Err(format!("{pod}'s metrics took over {READ_TIMEOUT:?}")))
+            let timed_out = || UsageUnknown::TimedOut {
+                pod: pod.clone(),
+                after: READ_TIMEOUT,
+            };
+            (tokio::time::timeout(READ_TIMEOUT, read).await).unwrap_or_else(|_| Err(timed_out()))
         }
     });
     let used = futures::future::join_all(reads).await;
@@ -190,15 +216,16 @@ async fn gpu_nodes(
 async fn daemons(
     client: &Client,
     args: &TopArgs,
-) -> Result<BTreeMap<String, (String, u16)>, String> {
+) -> Result<BTreeMap<String, (String, u16)>, UsageUnknown> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), &args.daemon_namespace);
     let params = ListParams::default().labels(&args.daemon_selector);
     let list = pods.list(&params).await.map_err(|e| match e {
-        kube::Error::Api(s) if s.code == 403 => format!(
-            "not allowed to list pods in namespace {} ({})",
-            args.daemon_namespace, s.message
-        ),
-        e => format!("cannot list the daemons: {e}"),
+        kube::Error::Api(s) if s.code == 403 => UsageUnknown::Forbidden {
+            what: "list pods",
+            namespace: args.daemon_namespace.clone(),
+            reason: s.message,
+        },
+        e => UsageUnknown::NoList(e.to_string()),
     })?;
     // A rollout's pods come and go: the running one, not being deleted.
     let running = |p: &Pod| {
@@ -229,23 +256,31 @@ async fn usage(
     namespace: &str,
     pod: &str,
     port: u16,
-) -> Result<scrape::Used, String> {
+) -> Result<scrape::Used, UsageUnknown> {
+    let unreadable = |reason: String| UsageUnknown::Unreadable {
+        pod: pod.to_owned(),
+        reason,
+    };
     let path = format!("/api/v1/namespaces/{namespace}/pods/{pod}:{port}/proxy/metrics");
     let request = http::Request::get(&path)
         .body(Vec::new())
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| unreadable(e.to_string()))?;
     let body = client.request_stream(request).await.map_err(|e| match e {
-        kube::Error::Api(s) if s.code == 403 => format!(
-            "not allowed to get pods/proxy in namespace {namespace} ({})",
-            s.message
-        ),
-        e => format!("cannot read {pod}'s metrics through the API server: {e}"),
+        kube::Error::Api(s) if s.code == 403 => UsageUnknown::Forbidden {
+            what: "get pods/proxy",
+            namespace: namespace.to_owned(),
+            reason: s.message,
+        },
+        e => unreadable(e.to_string()),
     })?;
     let mut text = String::new();
     let read = body.take(METRICS_LIMIT + 1).read_to_string(&mut text).await;
-    read.map_err(|e| format!("cannot read {pod}'s metrics: {e}"))?;
+    read.map_err(|e| unreadable(e.to_string()))?;
     if text.len() as u64 > METRICS_LIMIT {
-        return Err(format!("{pod}'s metrics exceed {METRICS_LIMIT} bytes"));
+        return Err(UsageUnknown::TooLarge {
+            pod: pod.to_owned(),
+            limit: METRICS_LIMIT,
+        });
     }
     Ok(scrape::parse(&text))
 }

@@ -2,6 +2,7 @@
 //! granted and used, then each share on it. A figure nobody reported is
 //! `-`; why a node's usage is unknown follows the table.
 
+use super::UsageUnknown;
 use super::scrape::Used;
 use crate::rules::matching::Granted;
 
@@ -14,7 +15,7 @@ pub(crate) struct NodeView {
     /// The grants of the pods shown on it.
     pub(crate) grants: Vec<Granted>,
     /// What its daemon reports used, or why it could not be read.
-    pub(crate) used: Result<Used, String>,
+    pub(crate) used: Result<Used, UsageUnknown>,
 }
 
 const HEADER: [&str; 7] = [
@@ -141,6 +142,7 @@ mod tests {
             gpu: gpu.into(),
             memory_mib,
             core_percent,
+            whole: core_percent == 100,
         }
     }
 
@@ -173,7 +175,7 @@ mod tests {
                 name: "node-1".into(),
                 gpus: vec![("GPU-c".into(), 40960)],
                 grants: vec![grant("w", "train", "GPU-c", 40960, 100)],
-                used: Err("forbidden".into()),
+                used: Err(UsageUnknown::NoDaemon("gpu-device-plugin".into())),
             },
         ];
         let text = render(&nodes);
@@ -214,7 +216,7 @@ mod tests {
         assert_eq!(lines[6], ["ml/w/train", "40.0Gi/-", "100%", "-"]);
         assert_eq!(
             text.lines().last(),
-            Some("node-1: usage unknown: forbidden")
+            Some("node-1: usage unknown: no running daemon pod in namespace gpu-device-plugin")
         );
     }
 }

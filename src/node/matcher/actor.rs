@@ -600,7 +600,9 @@ impl Actor for PodMatcher {
             MatcherMsg::Warn { pod, note } => state.events.warn(&pod, Why::AllocateFailed, &note),
             MatcherMsg::Fault { fault } => {
                 let views = state.views();
-                for (pod, why, note) in super::faults::notices(&views, &fault, state.args.mps) {
+                let notices =
+                    super::faults::notices(&state.args.node, &views, &fault, state.args.mps);
+                for (pod, why, note) in notices {
                     tracing::info!(%pod, uuid = %fault.uuid, xid = %fault.xid, "telling a pod of its GPU's fault");
                     state.events.warn(&pod, why, &note);
                 }

@@ -10,28 +10,28 @@ use std::collections::BTreeMap;
 
 use super::events::Why;
 use crate::node::health::GpuFault;
+use crate::rules::matching::granted;
 use crate::rules::matching::pods::{PodKey, PodView};
+use crate::rules::usage::Inventory;
 
-/// Per pod with a container granted on the fault's GPU: why it is told
-/// and the Event's note. `mps`: shares on this node are MPS clients.
+/// Per pod with a container granted on the fault's GPU (the grants the
+/// metrics show, [`granted`]): why it is told and the Event's note.
+/// `mps`: shares on this node are MPS clients.
 pub(super) fn notices(
+    inv: &Inventory,
     views: &[PodView],
     fault: &GpuFault,
     mps: bool,
 ) -> Vec<(PodKey, Why, String)> {
     // Per pod: its containers on that GPU, and whether any is a share.
-    let mut hit: BTreeMap<&PodKey, (Vec<&str>, bool)> = BTreeMap::new();
-    for v in views.iter().filter(|v| v.live) {
-        for c in &v.containers {
-            let Some(entry) = v.ledger.0.get(&c.name) else {
-                continue;
-            };
-            if entry.gpus.contains(&fault.uuid) {
-                let (names, shared) = hit.entry(&v.key).or_default();
-                names.push(&c.name);
-                *shared |= !(c.whole() && entry.whole());
-            }
-        }
+    let mut hit: BTreeMap<PodKey, (Vec<String>, bool)> = BTreeMap::new();
+    for g in granted(inv, views)
+        .into_iter()
+        .filter(|g| g.gpu == fault.uuid)
+    {
+        let (names, shared) = hit.entry(g.pod).or_default();
+        names.push(g.container);
+        *shared |= !g.whole;
     }
     let critical = if fault.xid.critical() {
         "; the GPU is out of service until it passes its health checks again"
@@ -56,7 +56,7 @@ pub(super) fn notices(
                 );
                 (Why::Fault, note)
             };
-            (pod.clone(), why, note)
+            (pod, why, note)
         })
         .collect()
 }
@@ -66,6 +66,7 @@ mod tests {
     use super::*;
     use crate::node::health::Xid;
     use crate::node::matcher::report::tests::{SHARE, container, view, whole_and_done};
+    use crate::rules::matching::tests::gpus_of_1000_mib;
 
     fn fault(uuid: &str, xid: u64) -> GpuFault {
         GpuFault {
@@ -78,6 +79,7 @@ mod tests {
     /// per pod; MPS clients are told of the shared server.
     #[test]
     fn a_fault_reaches_the_pods_on_its_gpu_and_no_other() {
+        let inv = gpus_of_1000_mib(&["GPU-a", "GPU-b"]);
         let share = SHARE;
         let views = [
             view(
@@ -89,7 +91,7 @@ mod tests {
             view("waiting", true, vec![container("app", share)], "{}"),
         ];
         let views: Vec<PodView> = views.into_iter().chain(whole_and_done()).collect();
-        let told = notices(&views, &fault("GPU-a", 31), true);
+        let told = notices(&inv, &views, &fault("GPU-a", 31), true);
         assert_eq!(told.len(), 1, "{told:?}");
         let (pod, why, note) = &told[0];
         assert_eq!(pod.name, "two-shares");
@@ -100,7 +102,7 @@ mod tests {
             "31 is an application's: {note}"
         );
 
-        let told = notices(&views, &fault("GPU-b", 79), true);
+        let told = notices(&inv, &views, &fault("GPU-b", 79), true);
         assert_eq!(told.len(), 1, "{told:?}");
         let (pod, why, note) = &told[0];
         assert_eq!(
@@ -113,8 +115,8 @@ mod tests {
             "{note}"
         );
 
-        let told = notices(&views, &fault("GPU-a", 31), false);
+        let told = notices(&inv, &views, &fault("GPU-a", 31), false);
         assert_eq!(told[0].1, Why::Fault, "HAMi-core shares share no server");
-        assert!(notices(&views, &fault("GPU-c", 79), true).is_empty());
+        assert!(notices(&inv, &views, &fault("GPU-c", 79), true).is_empty());
     }
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
-use super::probe::{self, GpuProcesses, UsageSpec};
+use super::probe::{self, GpuProcesses, ListError, UsageSpec};
 use crate::node::matcher::{LiveContainer, MatcherHandle};
 use crate::node::metrics::Metrics;
 
@@ -68,7 +68,7 @@ pub(crate) enum UsageMsg {
 pub(crate) struct UsageState {
     args: UsageArgs,
     /// Per GPU, why the driver gave nothing last time (logged once).
-    failing: Vec<Option<String>>,
+    failing: Vec<Option<ListError>>,
     /// The matcher's live containers as last answered: a slow or
     /// restarting matcher does not blank every share's series.
     live: Vec<LiveContainer>,

@@ -134,7 +134,7 @@ mod tests {
             GpuProcesses {
                 uuid: "GPU-c".into(),
                 processes: Vec::new(),
-                failed: Some("NVML: lost".into()),
+                failed: Some(probe::ListError::Lost("GPU is lost".into())),
             },
         ];
         let s = series(&gpus, &live);

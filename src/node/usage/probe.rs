@@ -50,13 +50,28 @@ pub(crate) struct Process {
     pub(crate) sm_percent: Option<u32>,
 }
 
+/// Why the driver gave no process list for a GPU. NVML's own errors are
+/// kept as their text: the message is all that is logged, and a sample
+/// must compare with the last to log only changes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum ListError {
+    #[error("NVML: {0}")]
+    NoNvml(String),
+    #[error("NVML lost the GPU: {0}")]
+    Lost(String),
+    #[error("NVML cannot list its processes: {0}")]
+    Failed(String),
+    #[error("the process list kept growing")]
+    Grew,
+}
+
 /// One GPU's processes, each with its pod and container where it has one.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct GpuProcesses {
     pub(crate) uuid: String,
     pub(crate) processes: Vec<(Process, Option<Owner>)>,
     /// Why the driver gave nothing for this GPU, if it did not.
-    pub(crate) failed: Option<String>,
+    pub(crate) failed: Option<ListError>,
 }
 
 /// Runs a sample every `poll` until `report` returns false.
@@ -67,7 +82,7 @@ pub(crate) fn run(
     poll: Duration,
     report: impl Fn(Vec<GpuProcesses>) -> bool,
 ) {
-    let owners = |found: Vec<(String, Result<Vec<Process>, String>)>| -> Vec<GpuProcesses> {
+    let owners = |found: Vec<(String, Result<Vec<Process>, ListError>)>| -> Vec<GpuProcesses> {
         found
             .into_iter()
             .map(|(uuid, listed)| match listed {
@@ -108,7 +123,7 @@ pub(crate) fn run(
                     .map(|u| {
                         let listed = match &nvml {
                             Ok(nvml) => nvml_processes(nvml, u, &mut seen),
-                            Err(e) => Err(format!("NVML: {e}")),
+                            Err(e) => Err(ListError::NoNvml(e.to_string())),
                         };
                         (u.clone(), listed)
                     })
@@ -160,8 +175,8 @@ fn nvml_processes(
     nvml: &Nvml,
     uuid: &str,
     seen: &mut HashMap<String, u64>,
-) -> Result<Vec<Process>, String> {
-    let device = nvml.device_by_uuid(uuid).map_err(|e| e.to_string())?;
+) -> Result<Vec<Process>, ListError> {
+    let device = (nvml.device_by_uuid(uuid)).map_err(|e| ListError::Lost(e.to_string()))?;
     let mut infos = listed(|| device.running_compute_processes())?;
     // MPS clients: not every driver lists them; without MPS the list is
     // empty.
@@ -188,15 +203,14 @@ fn nvml_processes(
 
 fn listed(
     list: impl Fn() -> Result<Vec<ProcessInfo>, NvmlError>,
-) -> Result<Vec<ProcessInfo>, String> {
-    let mut last = None;
+) -> Result<Vec<ProcessInfo>, ListError> {
     for _ in 0..LIST_TRIES {
         match list() {
-            Err(NvmlError::InsufficientSize(_)) => last = Some("the process list kept growing"),
-            other => return other.map_err(|e| e.to_string()),
+            Err(NvmlError::InsufficientSize(_)) => {}
+            other => return other.map_err(|e| ListError::Failed(e.to_string())),
         }
     }
-    Err(last.unwrap_or_default().to_owned())
+    Err(ListError::Grew)
 }
 
 /// Per PID, its newest SM utilisation sample after `*seen` (µs), which

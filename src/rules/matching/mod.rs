@@ -608,6 +608,8 @@ pub struct Granted {
     pub memory_mib: u64,
     /// Percent of the GPU's compute (100 for a whole GPU).
     pub core_percent: u64,
+    /// Held whole (gpu-count), not a share.
+    pub whole: bool,
 }
 
 /// Each live container's grant per GPU, from its ledger as far as its
@@ -627,7 +629,8 @@ pub fn granted(inv: &Inventory, views: &[PodView]) -> Vec<Granted> {
             let asked_percent = c.wants(Resource::GpuCore).saturating_mul(100)
                 / u64::from(inv.cores_per_gpu.max(1));
             for gpu in inv.gpus.iter().filter(|g| entry.gpus.contains(&g.uuid)) {
-                let (memory_mib, core_percent) = if c.whole() && entry.whole() {
+                let whole = c.whole() && entry.whole();
+                let (memory_mib, core_percent) = if whole {
                     (gpu.memory_mib, 100)
                 } else {
                     (
@@ -641,6 +644,7 @@ pub fn granted(inv: &Inventory, views: &[PodView]) -> Vec<Granted> {
                     gpu: gpu.uuid.clone(),
                     memory_mib,
                     core_percent,
+                    whole,
                 });
             }
         }
