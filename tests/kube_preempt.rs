@@ -429,8 +429,24 @@ async fn preemption_spares_equal_and_higher_priorities_evicts_nothing_in_vain_an
                 })
                 .filter_map(|p| p.metadata.name.clone())
                 .collect();
-            *seen.borrow_mut() =
-                format!("{} bound; nominated, waiting: {nominated:?}", bound.len());
+            let stuck: Vec<String> = bound
+                .iter()
+                .filter(|p| phase(p) != "Running")
+                .map(|p| {
+                    let s = p.status.as_ref();
+                    format!(
+                        "{} {} ({}: {})",
+                        p.metadata.name.as_deref().unwrap_or(""),
+                        phase(p),
+                        s.and_then(|s| s.reason.as_deref()).unwrap_or(""),
+                        s.and_then(|s| s.message.as_deref()).unwrap_or("")
+                    )
+                })
+                .collect();
+            *seen.borrow_mut() = format!(
+                "{} bound; nominated, waiting: {nominated:?}; bound, not running: {stuck:?}",
+                bound.len()
+            );
             let settled = admitted && last.1.elapsed() >= Duration::from_secs(10);
             settled.then_some(())
         },

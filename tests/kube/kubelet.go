@@ -167,7 +167,8 @@ type kubeletPeer struct {
 
 	mu sync.Mutex
 	// admitted holds the pods this node runs or is admitting (the device
-	// manager's active pods); decided, every pod it admitted or rejected.
+	// manager's active pods); decided, every pod it admitted, rejected or
+	// began stopping (none of them is admitted again).
 	admitted map[types.UID]*v1.Pod
 	decided  sets.Set[types.UID]
 	// queue holds the pods bound here and not yet decided, in the order
@@ -396,9 +397,13 @@ func (k *kubeletPeer) poke() {
 // the kubelet.
 func (k *kubeletPeer) forget(uid types.UID) {
 	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.forgetLocked(uid)
+}
+
+func (k *kubeletPeer) forgetLocked(uid types.UID) {
 	delete(k.admitted, uid)
 	k.queue = slices.DeleteFunc(k.queue, func(p *v1.Pod) bool { return p.UID == uid })
-	k.mu.Unlock()
 }
 
 // terminate stops a pod that ends, once, as the kubelet's
@@ -408,9 +413,10 @@ func (k *kubeletPeer) forget(uid types.UID) {
 // registered yet after a restart), so that no claim is deallocated while
 // its driver still holds it prepared. The channel closes when that is done.
 func (k *kubeletPeer) terminate(ctx context.Context, pod *v1.Pod) <-chan struct{} {
-	k.forget(pod.UID)
 	k.mu.Lock()
 	defer k.mu.Unlock()
+	k.forgetLocked(pod.UID)
+	k.decided.Insert(pod.UID)
 	if done, ok := k.terminating[pod.UID]; ok {
 		return done
 	}
@@ -515,6 +521,14 @@ func (k *kubeletPeer) admitOne(ctx context.Context, pod *v1.Pod) {
 	// manager must see it active while its containers are allocated, or it
 	// frees the pod's first containers' devices at the next allocation.
 	k.mu.Lock()
+	// A pod that began terminating after it left the queue (a preemption
+	// victim bound a moment ago) is not admitted: held active, its devices
+	// would never be freed, as the kubelet's pod manager forgets a deleted
+	// pod.
+	if k.decided.Has(pod.UID) {
+		k.mu.Unlock()
+		return
+	}
 	k.decided.Insert(pod.UID)
 	k.admitted[pod.UID] = pod
 	k.mu.Unlock()
