@@ -2610,10 +2610,14 @@ const DAEMON_CALLS: [(Right, &str); 8] = [
 
 /// Every API call the daemon makes in DRA mode serving every GPU (no pod
 /// matching, no inventory): its ClusterRole must grant exactly these.
-const DRA_CALLS: [(Right, &str); 8] = [
+const DRA_CALLS: [(Right, &str); 9] = [
     (
         ("", "nodes", "get", None),
         "src/dra/slices.rs: publish, the Node that owns the slice",
+    ),
+    (
+        ("", "pods", "get", None),
+        "src/node/dra/shares.rs: the pods a prepared claim is reserved for (usage)",
     ),
     (
         ("resource.k8s.io", "resourceslices", "get", None),

@@ -7,8 +7,9 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kube::Api;
+use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
 use support::kube::*;
 
 const NS: &str = "tenant";
@@ -618,6 +619,38 @@ async fn a_shares_use_from_the_driver_joins_its_grant() {
     })
     .await
     .unwrap_or_else(|p| panic!("too-big not refused: {p:?}\n{}", node.daemon.log_text()));
+    // The monitoring manifests apply to the real API server as shipped,
+    // the PrometheusRule validated by the Prometheus Operator's own CRD.
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let crd = support::kube::prometheus_operator_crd("monitoring.coreos.com_prometheusrules.yaml");
+    let admin = cp.admin.to_str().unwrap();
+    cp.peers_ok(&["apply", "--kubeconfig", admin, "-f", crd.to_str().unwrap()]);
+    // Applied once the CRD is Established.
+    let applied = support::poll_sync(Instant::now() + support::WAIT, || {
+        std::process::Command::new(support::kube::peers())
+            .args(["apply", "--kubeconfig", admin, "-k", "deploy/monitoring"])
+            .current_dir(root)
+            .output()
+            .unwrap()
+            .status
+            .success()
+    });
+    assert!(applied, "deploy/monitoring never applied");
+    let dashboard: ConfigMap = Api::namespaced(client.clone(), "gpu-device-plugin")
+        .get("gpu-device-plugin-dashboard")
+        .await
+        .unwrap();
+    let shipped = std::fs::read_to_string(root.join("deploy/monitoring/dashboard.json")).unwrap();
+    assert_eq!(dashboard.data.unwrap()["gpu-sharing.json"], shipped);
+    assert_eq!(dashboard.metadata.labels.unwrap()["grafana_dashboard"], "1");
+    let kind = GroupVersionKind::gvk("monitoring.coreos.com", "v1", "PrometheusRule");
+    let rules: Api<DynamicObject> = Api::namespaced_with(
+        client.clone(),
+        "gpu-device-plugin",
+        &ApiResource::from_gvk_with_plural(&kind, "prometheusrules"),
+    );
+    let stored = rules.get("gpu-device-plugin").await.unwrap();
+    assert_eq!(stored.data["spec"]["groups"].as_array().unwrap().len(), 2);
     let scrape = host.path().join("node-0.prom");
     std::fs::write(&scrape, support::http_get(&addr, "/metrics").1).unwrap();
     let out = std::process::Command::new(support::kube::monitoring())
@@ -851,61 +884,5 @@ async fn kubectl_gpu_top_prints_each_gpu_and_its_shares() {
             "{node}: usage unknown: not allowed to list pods in namespace gpu-device-plugin"
         );
         assert!(text.contains(&note), "{note} in\n{text}");
-    }
-}
-
-/// The usage monitor's stand-ins under a test's directory: the GPUs'
-/// process lists (what NVML would report) and the host's /proc (each
-/// process's cgroup).
-struct FakeDriver {
-    procs: std::path::PathBuf,
-    proc_root: std::path::PathBuf,
-}
-
-impl FakeDriver {
-    fn new(host: &std::path::Path) -> FakeDriver {
-        let driver = FakeDriver {
-            procs: host.join("procs"),
-            proc_root: host.join("proc"),
-        };
-        std::fs::create_dir_all(&driver.procs).unwrap();
-        driver
-    }
-
-    /// The daemon's `[usage]` table: polled every 200 ms, from these.
-    fn toml(&self) -> String {
-        format!(
-            "[usage]\npoll_ms = 200\nmock_dir = {:?}\nproc_root = {:?}\n",
-            self.procs.display().to_string(),
-            self.proc_root.display().to_string()
-        )
-    }
-
-    /// Process `pid` has `cgroup`.
-    fn process(&self, pid: u32, cgroup: &str) {
-        std::fs::create_dir_all(self.proc_root.join(pid.to_string())).unwrap();
-        std::fs::write(self.proc_root.join(format!("{pid}/cgroup")), cgroup).unwrap();
-    }
-
-    /// Process `pid` runs in the first container of `pod`, as the kubelet
-    /// reported its ID, in the systemd driver's cgroup v2 form.
-    fn process_of(&self, pid: u32, pod: &Pod) {
-        let uid = pod.metadata.uid.clone().unwrap().replace('-', "_");
-        let status = pod.status.as_ref().unwrap();
-        let container = &status.container_statuses.as_ref().unwrap()[0];
-        let id = container.container_id.as_deref().unwrap();
-        let id = id.split_once("://").unwrap().1;
-        self.process(
-            pid,
-            &format!(
-                "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{uid}.slice/\
-                 cri-containerd-{id}.scope\n"
-            ),
-        );
-    }
-
-    /// GPU `gpu` runs `lines` (`pid memory_bytes sm_percent` each).
-    fn lists(&self, gpu: &str, lines: &str) {
-        std::fs::write(self.procs.join(format!("{gpu}.procs")), lines).unwrap();
     }
 }

@@ -387,14 +387,16 @@ async fn shares_and_whole_gpus_through_the_products_dra_plugin() {
     std::fs::create_dir_all(&lib).unwrap();
     std::fs::create_dir_all(&health).unwrap();
     std::fs::copy(support::real_shared_object(), lib.join("libvgpu.so")).unwrap();
+    let driver = FakeDriver::new(host.path());
     let gpus = [(gpu_uuid(0, 0), 16384), (gpu_uuid(0, 1), 16384)];
     let gpus: Vec<(&str, u64)> = gpus.iter().map(|(u, m)| (u.as_str(), *m)).collect();
     let tables = format!(
         "[enforcement]\nmode = \"hami-core\"\nlibrary_dir = {:?}\nstate_dir = {:?}\n\
-         [health]\nmock_dir = {:?}\npoll_ms = 200\nrecovery_ms = 400\n",
+         [health]\nmock_dir = {:?}\npoll_ms = 200\nrecovery_ms = 400\n{}",
         lib,
         host.path().join("state"),
-        health
+        health,
+        driver.toml()
     );
     let mut node = KubeNode::start_dra(&cp, "node-0", &gpus, &tables).await;
     namespace(&cp, NS);
@@ -432,6 +434,9 @@ async fn shares_and_whole_gpus_through_the_products_dra_plugin() {
         );
         shares.insert(name, id);
     }
+    let share_gpu = whole_other(&gpus, &taken);
+    let used_by_share_1 =
+        usage_by_claim(&client, &node, &driver, &share_gpu, &|| logs(&node)).await;
     // No room left for a third share; no GPU holds 32 GiB.
     create(&client, &claim_pod(NS, "share-3", "share")).await;
     create(&client, &claim_pod(NS, "huge", "huge")).await;
@@ -459,6 +464,19 @@ async fn shares_and_whole_gpus_through_the_products_dra_plugin() {
         1,
         "share-1's enforcement state left: {left:?} ({cache:?})"
     );
+    // Its claim unprepared, its series go, granted and used; the driver
+    // still lists the process (it has not exited yet), in its GPU's
+    // totals only.
+    let addr = support::http_addr(&node.daemon);
+    support::poll_until(
+        Instant::now() + support::WAIT,
+        || {
+            let scrape = support::http_get(&addr, "/metrics").1;
+            !scrape.contains(r#"pod="share-1""#)
+        },
+        || format!("{used_by_share_1} outlived its claim\n{}", logs(&node)),
+    )
+    .await;
     let (id3, _) = running_with(&client, &node, "share-3", &|| logs(&node)).await;
 
     // A kubelet restart with share-2 and share-3 prepared: they stay
@@ -548,6 +566,75 @@ async fn shares_and_whole_gpus_through_the_products_dra_plugin() {
         },
     )
     .await;
+}
+
+/// The GPU of `gpus` that is not `taken`.
+fn whole_other(gpus: &[(&str, u64)], taken: &str) -> String {
+    gpus.iter().find(|(u, _)| *u != taken).unwrap().0.to_owned()
+}
+
+/// share-1 and share-2 (8 GiB and 30 % each, claims from a template) run
+/// on `gpu`; a process of share-1's container uses 1 GiB and 40 % of its
+/// SMs there, one of no pod 32 MiB: the daemon's scrape shows each claim's
+/// grant and share-1's use, labelled with the claim, within a poll.
+/// Returns share-1's used-memory series.
+async fn usage_by_claim(
+    client: &kube::Client,
+    node: &KubeNode,
+    driver: &FakeDriver,
+    gpu: &str,
+    logs: &dyn Fn() -> String,
+) -> String {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let claim_of = |p: &Pod| -> String {
+        let statuses = p.status.as_ref().unwrap().resource_claim_statuses.as_ref();
+        statuses.unwrap()[0].resource_claim_name.clone().unwrap()
+    };
+    let (one, two) = (
+        pods.get("share-1").await.unwrap(),
+        pods.get("share-2").await.unwrap(),
+    );
+    driver.process_of(4242, &one);
+    driver.process(7, "0::/system.slice/nvidia-mps.service\n");
+    driver.lists(gpu, "4242 1073741824 40\n7 33554432 -\n");
+    let addr = support::http_addr(&node.daemon);
+    let claim = claim_of(&one);
+    let labels = format!(
+        r#"{{namespace="{NS}",pod="share-1",container="main",gpu="{gpu}",claim="{claim}"}}"#
+    );
+    let used = format!("gpu_device_plugin_container_memory_used_bytes{labels}");
+    let deadline = Instant::now() + support::WAIT;
+    support::poll_until(
+        deadline,
+        || support::metric(&addr, &used) == Some((1u64 << 30) as f64),
+        || {
+            format!(
+                "{used} never read 1 GiB:\n{}\n{}",
+                support::http_get(&addr, "/metrics").1,
+                logs()
+            )
+        },
+    )
+    .await;
+    let sm = format!("gpu_device_plugin_container_sm_utilization_ratio{labels}");
+    assert_eq!(support::metric(&addr, &sm), Some(0.4));
+    for (pod, claim) in [("share-1", claim), ("share-2", claim_of(&two))] {
+        let labels = format!(r#"{{namespace="{NS}",pod="{pod}",gpu="{gpu}",claim="{claim}"}}"#);
+        let memory = format!("gpu_device_plugin_container_memory_granted_bytes{labels}");
+        assert_eq!(
+            support::metric(&addr, &memory),
+            Some((8u64 << 30) as f64),
+            "{memory}"
+        );
+        let core = format!("gpu_device_plugin_container_core_granted_ratio{labels}");
+        assert_eq!(support::metric(&addr, &core), Some(0.3), "{core}");
+    }
+    let total = format!(r#"gpu_device_plugin_gpu_memory_used_bytes{{gpu="{gpu}"}}"#);
+    assert_eq!(
+        support::metric(&addr, &total),
+        Some(((1u64 << 30) + (32 << 20)) as f64)
+    );
+    used
 }
 
 /// The health and message of the device of pod `name`'s claim `gpu` in

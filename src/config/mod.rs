@@ -118,7 +118,8 @@ impl Default for Health {
     }
 }
 
-/// What each share uses, from the driver (see `usage`), with pod matching.
+/// What each share uses, from the driver (see `usage`), with pod matching
+/// or DRA.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Usage {

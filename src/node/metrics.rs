@@ -27,7 +27,9 @@ use std::time::Duration;
 use crate::node::readiness::Child;
 use crate::rules::matching::pods::PodKey;
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric, MetricEncoder};
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeLabelSet, EncodeMetric, LabelSetEncoder, MetricEncoder,
+};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
@@ -109,14 +111,18 @@ struct BackendLabels {
 }
 
 /// One container on one GPU: the labels every per-share series carries,
-/// so dashboards join granted and used on them.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, EncodeLabelSet)]
+/// so dashboards join granted and used on them. A DRA share adds its
+/// ResourceClaim; its grant is the claim's, shared by the containers that
+/// name it, so it carries no container.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) struct ContainerLabels {
     pub(crate) namespace: String,
     pub(crate) pod: String,
     pub(crate) container: String,
     /// The GPU's UUID.
     pub(crate) gpu: String,
+    /// The ResourceClaim's name (DRA); empty for the device plugin's.
+    pub(crate) claim: String,
 }
 
 impl ContainerLabels {
@@ -126,7 +132,33 @@ impl ContainerLabels {
             pod: pod.name.clone(),
             container: container.to_owned(),
             gpu: gpu.to_owned(),
+            claim: String::new(),
         }
+    }
+
+    /// The same share, through ResourceClaim `claim`.
+    pub(crate) fn in_claim(mut self, claim: &str) -> ContainerLabels {
+        self.claim = claim.to_owned();
+        self
+    }
+}
+
+/// An empty label is left out, as Prometheus drops it on ingestion anyway.
+impl EncodeLabelSet for ContainerLabels {
+    fn encode(&self, encoder: &mut LabelSetEncoder) -> fmt::Result {
+        let labels = [
+            ("namespace", &self.namespace),
+            ("pod", &self.pod),
+            ("container", &self.container),
+            ("gpu", &self.gpu),
+            ("claim", &self.claim),
+        ];
+        let present: Vec<(&str, &str)> = labels
+            .iter()
+            .filter(|(_, v)| !v.is_empty())
+            .map(|(k, v)| (*k, v.as_str()))
+            .collect();
+        present.encode(encoder)
     }
 }
 
@@ -404,6 +436,9 @@ pub(crate) struct GpuUse {
 pub(crate) struct UsageSeries {
     pub(crate) containers: Vec<ContainerUsage>,
     pub(crate) gpus: Vec<GpuUse>,
+    /// The grants of the DRA claims prepared here, per claim and GPU (the
+    /// device plugin's come from the pod matcher).
+    pub(crate) claims: Vec<ContainerGrant>,
 }
 
 /// Seconds since the Unix epoch, as Prometheus timestamps go.
@@ -797,7 +832,10 @@ impl Scraped {
     /// Each live container's grant per GPU, labelled as its used memory
     /// is, so that a dashboard joins granted against used.
     fn encode_grants(&self, encoder: &mut DescriptorEncoder) -> fmt::Result {
-        let grants = self.grants.lock().expect("metrics lock");
+        let matched = self.grants.lock().expect("metrics lock");
+        let usage = self.usage.lock().expect("metrics lock");
+        let claims = usage.iter().flat_map(|u| &u.claims);
+        let grants: Vec<&ContainerGrant> = matched.iter().chain(claims).collect();
         let help = "GPU memory granted to a container on a GPU (all of it for a whole GPU).";
         let name = "container_memory_granted_bytes";
         let mut f = family(encoder, name, help, MetricType::Gauge)?;
@@ -995,6 +1033,7 @@ mod tests {
                 memory_bytes: Some(1),
                 processes: 1,
             }],
+            claims: Vec::new(),
         }));
         metrics.set_gpus(vec![GpuSample {
             uuid: "GPU-a".into(),
@@ -1186,6 +1225,20 @@ mod tests {
                 memory_bytes: Some(4 << 20),
                 processes: 2,
             }],
+            // A DRA claim's grant: the claim's, no container's.
+            claims: vec![ContainerGrant {
+                at: ContainerLabels::new(
+                    &PodKey {
+                        namespace: "ns".into(),
+                        name: "d".into(),
+                    },
+                    "",
+                    "GPU-a",
+                )
+                .in_claim("d-gpu"),
+                memory_mib: 2,
+                core_percent: 50,
+            }],
         };
         metrics.set_usage(Some(usage(Some(25))));
         let text = metrics.render();
@@ -1197,6 +1250,12 @@ mod tests {
             format!("{PREFIX}_container_sm_utilization_ratio{p} 0.25"),
             format!(r#"{PREFIX}_gpu_memory_used_bytes{{gpu="GPU-a"}} 4194304"#),
             format!(r#"{PREFIX}_gpu_processes{{gpu="GPU-a"}} 2"#),
+            format!(
+                r#"{PREFIX}_container_memory_granted_bytes{{namespace="ns",pod="d",gpu="GPU-a",claim="d-gpu"}} 2097152"#
+            ),
+            format!(
+                r#"{PREFIX}_container_core_granted_ratio{{namespace="ns",pod="d",gpu="GPU-a",claim="d-gpu"}} 0.5"#
+            ),
         ] {
             assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
         }
@@ -1215,7 +1274,9 @@ mod tests {
         assert!(!text.contains("gpu_processes{"), "{text}");
         metrics.set_usage(None);
         metrics.set_enforcement(None);
-        assert!(!metrics.render().contains("used_bytes"));
+        let text = metrics.render();
+        assert!(!text.contains("used_bytes"));
+        assert!(!text.contains("claim="), "{text}");
     }
 
     /// A child stopped on purpose takes the series only it kept current,

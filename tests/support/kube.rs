@@ -41,6 +41,29 @@ pub fn monitoring() -> &'static Path {
     BIN.get_or_init(|| go_binary("tests/monitoring", "monitoring"))
 }
 
+/// The Prometheus Operator's CustomResourceDefinition `file` (under its
+/// `example/prometheus-operator-crd/`), from its Go module as the proxy
+/// serves it (v0.89.0: the newest the proxy has of the whole module; the
+/// API types the rules are decoded with are v0.95.2's).
+pub fn prometheus_operator_crd(file: &str) -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    let dir = DIR.get_or_init(|| {
+        let out = Command::new("go")
+            .args([
+                "mod",
+                "download",
+                "-json",
+                "github.com/prometheus-operator/prometheus-operator@v0.89.0",
+            ])
+            .output()
+            .expect("go is needed for the Prometheus Operator's CRDs");
+        let info: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert!(out.status.success(), "go mod download: {info}");
+        PathBuf::from(info["Dir"].as_str().unwrap())
+    });
+    dir.join("example/prometheus-operator-crd").join(file)
+}
+
 /// The Go module at `module` (relative to the repository) built as `name`
 /// under the target directory, again only when its Go sources or go.sum
 /// changed since the last build (a stamp beside it holds their hash).
@@ -1125,4 +1148,60 @@ pub fn tail(s: &str) -> &str {
     let at = s.len().saturating_sub(6000);
     let at = (at..s.len()).find(|i| s.is_char_boundary(*i)).unwrap_or(0);
     &s[at..]
+}
+
+/// The usage monitor's stand-ins under a test's directory: the GPUs'
+/// process lists (what NVML would report) and the host's /proc (each
+/// process's cgroup).
+pub struct FakeDriver {
+    procs: PathBuf,
+    proc_root: PathBuf,
+}
+
+impl FakeDriver {
+    pub fn new(host: &Path) -> FakeDriver {
+        let driver = FakeDriver {
+            procs: host.join("procs"),
+            proc_root: host.join("proc"),
+        };
+        std::fs::create_dir_all(&driver.procs).unwrap();
+        driver
+    }
+
+    /// The daemon's `[usage]` table: polled every 200 ms, from these.
+    pub fn toml(&self) -> String {
+        format!(
+            "[usage]\npoll_ms = 200\nmock_dir = {:?}\nproc_root = {:?}\n",
+            self.procs.display().to_string(),
+            self.proc_root.display().to_string()
+        )
+    }
+
+    /// Process `pid` has `cgroup`.
+    pub fn process(&self, pid: u32, cgroup: &str) {
+        std::fs::create_dir_all(self.proc_root.join(pid.to_string())).unwrap();
+        std::fs::write(self.proc_root.join(format!("{pid}/cgroup")), cgroup).unwrap();
+    }
+
+    /// Process `pid` runs in the first container of `pod`, as the kubelet
+    /// reported its ID, in the systemd driver's cgroup v2 form.
+    pub fn process_of(&self, pid: u32, pod: &Pod) {
+        let uid = pod.metadata.uid.clone().unwrap().replace('-', "_");
+        let status = pod.status.as_ref().unwrap();
+        let container = &status.container_statuses.as_ref().unwrap()[0];
+        let id = container.container_id.as_deref().unwrap();
+        let id = id.split_once("://").unwrap().1;
+        self.process(
+            pid,
+            &format!(
+                "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{uid}.slice/\
+                 cri-containerd-{id}.scope\n"
+            ),
+        );
+    }
+
+    /// GPU `gpu` runs `lines` (`pid memory_bytes sm_percent` each).
+    pub fn lists(&self, gpu: &str, lines: &str) {
+        std::fs::write(self.procs.join(format!("{gpu}.procs")), lines).unwrap();
+    }
 }

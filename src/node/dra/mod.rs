@@ -11,6 +11,8 @@
 //!   grant pipeline the device plugin uses too ([`crate::node::grant`]).
 //! - `slices`: the node's ResourceSlice.
 //! - `health`: the kubelet's device health stream (KEP-4680).
+//! - `shares`: the prepared claims' grants and containers, for the usage
+//!   monitor.
 //! - `service`: the gRPC adapters; `actor`: the supervised actor.
 
 mod actor;
@@ -21,8 +23,10 @@ mod health;
 mod prepare;
 pub mod proto;
 mod service;
+pub(crate) mod shares;
 mod slices;
 
 pub use crate::config::dra::{DraConfig, UnknownGpu};
 pub(crate) use actor::{DraActor, DraArgs, DraMsg};
 pub use checkpoint::CheckpointError;
+pub(crate) use grant::Node as DraNode;

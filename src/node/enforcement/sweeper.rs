@@ -338,6 +338,7 @@ mod tests {
                     pod: "p".into(),
                     container: "a".into(),
                     gpu: "GPU-a".into(),
+                    claim: String::new(),
                 },
                 bytes: 5 << 20,
             }]

@@ -48,8 +48,8 @@ pub(crate) fn wanted(config: &Config, plan: &Plan) -> Vec<Child> {
     if config.enforcement.compute() == Compute::Mps {
         children.push(Child::Mps);
     }
-    // Only pod matching names a process's container.
-    if config.pod_matching && config.usage.poll_ms > 0 {
+    // Only pod matching and DRA's claims name a process's container.
+    if (config.pod_matching || config.dra.enabled) && config.usage.poll_ms > 0 {
         children.push(Child::Usage);
     }
     if config.dra.enabled {
@@ -174,10 +174,11 @@ impl Args {
             }),
             Child::Usage => Args::Usage(UsageArgs::new(
                 config,
-                plan.gpus(),
+                (plan.gpus(), plan.dra_gpus()),
                 match &context.placement {
-                    Placement::Matcher { handle, .. } => handle.clone(),
-                    // Wanted only with pod matching, whose containers it names.
+                    Placement::Matcher { handle, .. } => Some(handle.clone()),
+                    // Without pod matching only DRA's claims name containers.
+                    Placement::Ids(_) if config.dra.enabled => None,
                     Placement::Ids(_) => return None,
                 },
                 context.metrics.clone(),

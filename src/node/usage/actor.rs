@@ -1,7 +1,7 @@
 //! The usage monitor actor: receives the probe thread's samples, names
-//! their processes through the pod matcher's live containers and publishes
-//! the result on `/metrics`, replacing the last, so a container gone is
-//! gone within one poll.
+//! their processes through the pod matcher's live containers and DRA's
+//! prepared claims, and publishes the result on `/metrics`, replacing the
+//! last, so a container gone is gone within one poll.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -11,6 +11,8 @@ use std::time::Duration;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use super::probe::{self, GpuProcesses, ListError, UsageSpec};
+use crate::node::dra::DraNode;
+use crate::node::dra::shares::{self, ClaimBook, ClaimRef};
 use crate::node::matcher::{LiveContainer, MatcherHandle};
 use crate::node::metrics::Metrics;
 
@@ -22,23 +24,46 @@ pub(crate) struct UsageArgs {
     pub(crate) uuids: Vec<String>,
     pub(crate) proc_root: PathBuf,
     pub(crate) poll: Duration,
-    pub(crate) matcher: MatcherHandle,
+    /// The pod matcher, with the device plugin's pod matching.
+    pub(crate) matcher: Option<MatcherHandle>,
+    /// DRA's claims, with DRA on.
+    pub(crate) claims: Option<ClaimSource>,
     pub(crate) metrics: Arc<Metrics>,
 }
 
+/// Where DRA's prepared claims are found and read.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ClaimSource {
+    pub(crate) checkpoint: PathBuf,
+    pub(crate) kubeconfig: PathBuf,
+    pub(crate) node: DraNode,
+}
+
 impl UsageArgs {
+    /// Usage of `gpus`, named through `matcher` and, with DRA on, the
+    /// claims prepared on `dra_gpus`.
     pub(crate) fn new(
         config: &crate::config::Config,
-        gpus: &[crate::rules::device::Gpu],
-        matcher: MatcherHandle,
+        (gpus, dra_gpus): (&[crate::rules::device::Gpu], &[crate::rules::device::Gpu]),
+        matcher: Option<MatcherHandle>,
         metrics: Arc<Metrics>,
     ) -> UsageArgs {
+        let claims = config.dra.enabled.then(|| ClaimSource {
+            checkpoint: config.dra.checkpoint_file(),
+            kubeconfig: config.matcher.kubeconfig.clone(),
+            node: crate::node::dra::DraArgs::new(config, dra_gpus.to_vec()).node,
+        });
         UsageArgs {
             spec: UsageSpec::new(config),
-            uuids: gpus.iter().map(|g| g.uuid.clone()).collect(),
+            uuids: gpus
+                .iter()
+                .chain(dra_gpus)
+                .map(|g| g.uuid.clone())
+                .collect(),
             proc_root: config.usage.proc_root.clone(),
             poll: Duration::from_millis(config.usage.poll_ms),
             matcher,
+            claims,
             metrics,
         }
     }
@@ -53,16 +78,21 @@ impl UsageArgs {
             proc_root,
             poll,
             matcher: _,
+            claims,
             metrics: _,
         } = self;
-        (spec, uuids, proc_root, poll)
+        (spec, uuids, proc_root, poll, claims)
     }
 }
 
 /// What the monitor is told; nothing waits for a reply.
 pub(crate) enum UsageMsg {
-    /// One sample from the probe thread: named and published.
-    Sampled { gpus: Vec<GpuProcesses> },
+    /// One sample from the probe thread: named and published. With DRA,
+    /// the claims its checkpoint named then (None: it could not be read).
+    Sampled {
+        gpus: Vec<GpuProcesses>,
+        prepared: Option<Vec<ClaimRef>>,
+    },
 }
 
 pub(crate) struct UsageState {
@@ -72,6 +102,8 @@ pub(crate) struct UsageState {
     /// The matcher's live containers as last answered: a slow or
     /// restarting matcher does not blank every share's series.
     live: Vec<LiveContainer>,
+    /// DRA's claims as last read, with DRA on.
+    claims: Option<ClaimBook>,
     /// Tells the probe thread to end (it also ends when we are gone).
     stop: Arc<AtomicBool>,
     /// Set by the probe thread when it sends a sample, cleared once it is
@@ -99,22 +131,49 @@ impl Actor for UsageMonitor {
             args.proc_root.clone(),
             args.poll,
         );
+        let claims = match &args.claims {
+            None => None,
+            Some(source) => Some(ClaimBook::new(
+                crate::net::kube_client::from_kubeconfig(&source.kubeconfig, "matcher.kubeconfig")
+                    .await?,
+                source.node.clone(),
+            )),
+        };
+        let checkpoint = args.claims.as_ref().map(|c| c.checkpoint.clone());
         std::thread::Builder::new()
             .name("gpu-usage".into())
             .spawn(move || {
+                // Whether the checkpoint could not be read last time (logged once).
+                let unread = std::cell::Cell::new(false);
                 probe::run(spec, uuids, root, poll, |gpus| {
                     if flag.load(Ordering::SeqCst) {
                         return false;
                     }
                     // The last sample is still being named: this one goes.
-                    sending.swap(true, Ordering::SeqCst)
-                        || myself.send_message(UsageMsg::Sampled { gpus }).is_ok()
+                    if sending.swap(true, Ordering::SeqCst) {
+                        return true;
+                    }
+                    // Read here, off the actor: a file read blocks.
+                    let prepared = checkpoint.as_deref().and_then(|path| {
+                        let read = shares::prepared(path);
+                        if let Err(e) = &read
+                            && !unread.replace(true)
+                        {
+                            tracing::warn!(error = %e, "cannot name DRA's shares");
+                        }
+                        unread.set(read.is_err());
+                        read.ok()
+                    });
+                    myself
+                        .send_message(UsageMsg::Sampled { gpus, prepared })
+                        .is_ok()
                 })
             })?;
         Ok(UsageState {
             failing: vec![None; args.uuids.len()],
             args,
             live: Vec::new(),
+            claims,
             stop,
             busy,
         })
@@ -126,7 +185,7 @@ impl Actor for UsageMonitor {
         msg: UsageMsg,
         state: &mut UsageState,
     ) -> Result<(), ActorProcessingErr> {
-        let UsageMsg::Sampled { gpus } = msg;
+        let UsageMsg::Sampled { gpus, prepared } = msg;
         for (gpu, was) in gpus.iter().zip(&mut state.failing) {
             if gpu.failed != *was {
                 match &gpu.failed {
@@ -140,10 +199,23 @@ impl Actor for UsageMonitor {
         }
         // None: the matcher is down, slow or not synced; the containers
         // it last named still name the processes.
-        if let Some(live) = state.args.matcher.live().await {
+        if let Some(matcher) = &state.args.matcher
+            && let Some(live) = matcher.live().await
+        {
             state.live = live;
         }
-        let series = super::series(&gpus, &state.live);
+        let (claimed, grants) = match (&mut state.claims, prepared) {
+            (Some(book), Some(prepared)) => {
+                let stale = super::strangers(&gpus, &book.containers());
+                book.follow(&prepared, &stale).await;
+                (book.containers(), book.grants())
+            }
+            // Unreadable just now: what was read last still holds.
+            (Some(book), None) => (book.containers(), book.grants()),
+            (None, _) => Default::default(),
+        };
+        let mut series = super::series(&gpus, &state.live, &claimed);
+        series.claims = grants;
         state.args.metrics.set_usage(Some(series));
         state.busy.store(false, Ordering::SeqCst);
         Ok(())

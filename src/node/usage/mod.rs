@@ -3,8 +3,10 @@
 //! device memory and their SM utilisation since the last poll, and reads
 //! each process's cgroup in the host's `/proc` for its pod UID and
 //! container ID (`cgroup`, pure); the monitor actor names them through the
-//! pod matcher's live containers (their statuses' `containerID`) and
-//! publishes per container and GPU what is used beside what is granted.
+//! pod matcher's live containers (their statuses' `containerID`) or, for
+//! DRA, the containers of the pods its prepared claims are reserved for
+//! (`crate::node::dra::shares`), and publishes per container and GPU what
+//! is used beside what is granted.
 //!
 //! A figure the driver does not give is left out, never guessed: NVML has
 //! no SM samples for a process it did not see run in the window, and
@@ -18,17 +20,27 @@ mod probe;
 
 pub(crate) use actor::{UsageArgs, UsageMonitor};
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
+use crate::node::dra::shares::ClaimContainer;
 use crate::node::matcher::LiveContainer;
 use crate::node::metrics::{ContainerLabels, ContainerUsage, GpuUse, UsageSeries};
 use probe::GpuProcesses;
 
-/// The series of one sample: per container (named through `live`) and
-/// GPU, its processes' memory and SM share summed; per GPU that answered,
-/// all its processes.
-fn series(gpus: &[GpuProcesses], live: &[LiveContainer]) -> UsageSeries {
+/// The series of one sample: per container (named through a claim of
+/// `claimed` holding the process's GPU, else through `live`) and GPU, its
+/// processes' memory and SM share summed; per GPU that answered, all its
+/// processes. The claims' grants are the caller's to add.
+fn series(
+    gpus: &[GpuProcesses],
+    live: &[LiveContainer],
+    claimed: &[ClaimContainer],
+) -> UsageSeries {
     let named: HashMap<(&str, &str), &LiveContainer> = live
+        .iter()
+        .filter_map(|c| Some(((c.uid.as_str(), c.id.as_deref()?), c)))
+        .collect();
+    let in_claims: HashMap<(&str, &str), &ClaimContainer> = claimed
         .iter()
         .filter_map(|c| Some(((c.uid.as_str(), c.id.as_deref()?), c)))
         .collect();
@@ -43,13 +55,19 @@ fn series(gpus: &[GpuProcesses], live: &[LiveContainer]) -> UsageSeries {
             processes: gpu.processes.len() as u64,
         });
         for (p, owner) in &gpu.processes {
-            let Some(c) = owner
+            let Some(key) = owner
                 .as_ref()
-                .and_then(|o| named.get(&(o.pod_uid.as_str(), o.container_id.as_str())))
+                .map(|o| (o.pod_uid.as_str(), o.container_id.as_str()))
             else {
                 continue;
             };
-            let at = ContainerLabels::new(&c.pod, &c.container, &gpu.uuid);
+            let through_claim = in_claims.get(&key).and_then(|c| c.labels(&gpu.uuid));
+            let Some(at) = through_claim.or_else(|| {
+                let c = named.get(&key)?;
+                Some(ContainerLabels::new(&c.pod, &c.container, &gpu.uuid))
+            }) else {
+                continue;
+            };
             let (memory, sm) = containers.entry(at).or_default();
             add(memory, p.memory_bytes);
             add(sm, p.sm_percent);
@@ -65,7 +83,25 @@ fn series(gpus: &[GpuProcesses], live: &[LiveContainer]) -> UsageSeries {
             })
             .collect(),
         gpus: totals,
+        claims: Vec::new(),
     }
+}
+
+/// The pods of `claimed` with a process in a container not known to be
+/// theirs (one started or restarted since their pod was read).
+fn strangers(gpus: &[GpuProcesses], claimed: &[ClaimContainer]) -> HashSet<String> {
+    let pods: HashSet<&str> = claimed.iter().map(|c| c.uid.as_str()).collect();
+    let known: HashSet<(&str, &str)> = claimed
+        .iter()
+        .filter_map(|c| Some((c.uid.as_str(), c.id.as_deref()?)))
+        .collect();
+    gpus.iter()
+        .flat_map(|g| &g.processes)
+        .filter_map(|(_, owner)| owner.as_ref())
+        .filter(|o| pods.contains(o.pod_uid.as_str()))
+        .filter(|o| !known.contains(&(o.pod_uid.as_str(), o.container_id.as_str())))
+        .map(|o| o.pod_uid.clone())
+        .collect()
 }
 
 /// Adds a figure the driver may not have given: known only once one is.
@@ -137,7 +173,7 @@ mod tests {
                 failed: Some(probe::ListError::Lost("GPU is lost".into())),
             },
         ];
-        let s = series(&gpus, &live);
+        let s = series(&gpus, &live, &[]);
         let got: Vec<(&str, &str, Option<u64>, Option<u32>)> = s
             .containers
             .iter()
@@ -173,5 +209,51 @@ mod tests {
                 },
             ]
         );
+    }
+
+    /// A DRA container's process is named by the claim holding its GPU;
+    /// on a GPU none of its claims holds, by the pod matcher, if at all;
+    /// a process of a claim's pod in a container not known marks the pod
+    /// to be read again.
+    #[test]
+    fn dra_processes_are_named_by_their_claims() {
+        let claimed = [ClaimContainer {
+            pod: crate::rules::matching::pods::PodKey {
+                namespace: "ns".into(),
+                name: "d".into(),
+            },
+            uid: "uid-d".into(),
+            container: "app".into(),
+            id: Some("id-d".into()),
+            claims: vec![("d-gpu".into(), vec!["GPU-a".into()])],
+        }];
+        let live = [LiveContainer::of("d", "app", Some("id-d"))];
+        let gpus = [
+            GpuProcesses {
+                uuid: "GPU-a".into(),
+                processes: vec![
+                    process(1, Some(100), Some(20), Some(("d", "id-d"))),
+                    process(2, Some(10), None, Some(("d", "id-new"))),
+                ],
+                failed: None,
+            },
+            GpuProcesses {
+                uuid: "GPU-b".into(),
+                processes: vec![process(3, Some(7), None, Some(("d", "id-d")))],
+                failed: None,
+            },
+        ];
+        let s = series(&gpus, &live, &claimed);
+        let got: Vec<(&str, &str, Option<u64>)> = s
+            .containers
+            .iter()
+            .map(|c| (c.at.gpu.as_str(), c.at.claim.as_str(), c.memory_bytes))
+            .collect();
+        assert_eq!(got, [("GPU-a", "d-gpu", Some(100)), ("GPU-b", "", Some(7))]);
+        assert_eq!(
+            strangers(&gpus, &claimed),
+            HashSet::from(["uid-d".to_owned()])
+        );
+        assert!(strangers(&gpus[1..], &claimed).is_empty());
     }
 }

@@ -155,8 +155,8 @@ resource_domain = {{ .Values.resourceDomain | quote }}
 system:serviceaccount:{{ .Values.extender.namespace }}:{{ .Values.extender.schedulerName }}
 {{- end }}
 
-{{/* Usage is read (and the host's /proc mounted): with pod matching, which
-names a process's container, and a poll. */}}
+{{/* Usage is read (and the host's /proc mounted): with pod matching or
+DRA, which name a process's container, and a poll. */}}
 {{- define "gpu-device-plugin.readsUsage" -}}
-{{- if and (not (include "gpu-device-plugin.draAll" .)) .Values.devicePlugin.podMatching (gt (int .Values.usage.pollMs) 0) }}true{{- end }}
+{{- if and (or .Values.devicePlugin.podMatching .Values.dra.enabled) (gt (int .Values.usage.pollMs) 0) }}true{{- end }}
 {{- end }}
