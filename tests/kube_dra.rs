@@ -619,7 +619,8 @@ async fn usage_by_claim(
     let sm = format!("gpu_device_plugin_container_sm_utilization_ratio{labels}");
     assert_eq!(support::metric(&addr, &sm), Some(0.4));
     for (pod, claim) in [("share-1", claim), ("share-2", claim_of(&two))] {
-        let labels = format!(r#"{{namespace="{NS}",pod="{pod}",gpu="{gpu}",claim="{claim}"}}"#);
+        let labels =
+            format!(r#"{{namespace="{NS}",pod="{pod}",container="",gpu="{gpu}",claim="{claim}"}}"#);
         let memory = format!("gpu_device_plugin_container_memory_granted_bytes{labels}");
         assert_eq!(
             support::metric(&addr, &memory),

@@ -143,22 +143,22 @@ impl ContainerLabels {
     }
 }
 
-/// An empty label is left out, as Prometheus drops it on ingestion anyway.
+/// `claim` only where there is one. `container` always, even empty (a
+/// claim's grant): a scrape that honours the series' labels adds the
+/// target's own `container` (the daemon's) to a series without one, and
+/// an empty one stops that, then goes on ingestion.
 impl EncodeLabelSet for ContainerLabels {
     fn encode(&self, encoder: &mut LabelSetEncoder) -> fmt::Result {
-        let labels = [
-            ("namespace", &self.namespace),
+        let mut labels = vec![
+            ("namespace", self.namespace.as_str()),
             ("pod", &self.pod),
             ("container", &self.container),
             ("gpu", &self.gpu),
-            ("claim", &self.claim),
         ];
-        let present: Vec<(&str, &str)> = labels
-            .iter()
-            .filter(|(_, v)| !v.is_empty())
-            .map(|(k, v)| (*k, v.as_str()))
-            .collect();
-        present.encode(encoder)
+        if !self.claim.is_empty() {
+            labels.push(("claim", &self.claim));
+        }
+        labels.encode(encoder)
     }
 }
 
@@ -830,19 +830,22 @@ impl Scraped {
     }
 
     /// Each live container's grant per GPU, labelled as its used memory
-    /// is, so that a dashboard joins granted against used.
+    /// is, so that a dashboard joins granted against used; and each DRA
+    /// claim's, per pod and GPU, with no container.
     fn encode_grants(&self, encoder: &mut DescriptorEncoder) -> fmt::Result {
         let matched = self.grants.lock().expect("metrics lock");
         let usage = self.usage.lock().expect("metrics lock");
         let claims = usage.iter().flat_map(|u| &u.claims);
         let grants: Vec<&ContainerGrant> = matched.iter().chain(claims).collect();
-        let help = "GPU memory granted to a container on a GPU (all of it for a whole GPU).";
+        let help = "GPU memory granted to a container on a GPU (all of it for a whole GPU), or to a DRA \
+                    claim (its containers together).";
         let name = "container_memory_granted_bytes";
         let mut f = family(encoder, name, help, MetricType::Gauge)?;
         for g in grants.iter() {
             gauge(&mut f, &g.at, g.memory_mib << 20)?;
         }
-        let help = "Share of a GPU's compute granted to a container (1 for a whole GPU).";
+        let help = "Share of a GPU's compute granted to a container (1 for a whole GPU), or to a DRA \
+                    claim (its containers together).";
         let name = "container_core_granted_ratio";
         let mut f = family(encoder, name, help, MetricType::Gauge)?;
         for g in grants.iter() {
@@ -1251,10 +1254,10 @@ mod tests {
             format!(r#"{PREFIX}_gpu_memory_used_bytes{{gpu="GPU-a"}} 4194304"#),
             format!(r#"{PREFIX}_gpu_processes{{gpu="GPU-a"}} 2"#),
             format!(
-                r#"{PREFIX}_container_memory_granted_bytes{{namespace="ns",pod="d",gpu="GPU-a",claim="d-gpu"}} 2097152"#
+                r#"{PREFIX}_container_memory_granted_bytes{{namespace="ns",pod="d",container="",gpu="GPU-a",claim="d-gpu"}} 2097152"#
             ),
             format!(
-                r#"{PREFIX}_container_core_granted_ratio{{namespace="ns",pod="d",gpu="GPU-a",claim="d-gpu"}} 0.5"#
+                r#"{PREFIX}_container_core_granted_ratio{{namespace="ns",pod="d",container="",gpu="GPU-a",claim="d-gpu"}} 0.5"#
             ),
         ] {
             assert!(text.lines().any(|l| l == line), "{line} in\n{text}");

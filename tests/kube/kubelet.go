@@ -553,6 +553,15 @@ func (k *kubeletPeer) admitOne(ctx context.Context, pod *v1.Pod) {
 // Then each container gets its run options: the device plugins' (allocated
 // at admission) and its claims' CDI devices.
 func (k *kubeletPeer) syncPod(ctx context.Context, pod *v1.Pod) {
+	// Stopped meanwhile (deleted while its admission ran): its claims are
+	// unprepared, or about to be; preparing them now would leave them
+	// prepared for a pod that is gone.
+	k.mu.Lock()
+	_, active := k.admitted[pod.UID]
+	k.mu.Unlock()
+	if !active {
+		return
+	}
 	if pod.Status.Phase != v1.PodRunning {
 		if err := k.dra.PrepareResources(ctx, pod); err != nil {
 			message := fmt.Sprintf("Failed to prepare dynamic resources: %v", err)

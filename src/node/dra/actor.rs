@@ -66,7 +66,7 @@ impl DraArgs {
             service_socket: dra.service_socket(&driver),
             cdi: CdiDir {
                 dir: dra.cdi_dir.clone(),
-                driver: driver.clone(),
+                driver,
             },
             checkpoint: dra.checkpoint_file(),
             kubeconfig: config.matcher.kubeconfig.clone(),
@@ -80,12 +80,7 @@ impl DraArgs {
             poll: Duration::from_millis(config.health.poll_ms),
             recovery: Duration::from_millis(config.health.recovery_ms),
             source: GpuSource::from(config),
-            node: Node {
-                driver,
-                pool: config.node_name.clone(),
-                gpus,
-                cores_per_gpu: config.cores_per_gpu,
-            },
+            node: Node::of(config, gpus),
         }
     }
 

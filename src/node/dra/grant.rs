@@ -33,6 +33,18 @@ pub(crate) struct Node {
     pub(crate) cores_per_gpu: u32,
 }
 
+impl Node {
+    /// This node's pool of DRA's `gpus`, as `config` names it.
+    pub(crate) fn of(config: &crate::config::Config, gpus: Vec<Gpu>) -> Node {
+        Node {
+            driver: config.dra.driver_name(&config.resource_domain),
+            pool: config.node_name.clone(),
+            gpus,
+            cores_per_gpu: config.cores_per_gpu,
+        }
+    }
+}
+
 /// One allocation result as the kubelet is answered about it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub(crate) struct ResultRef {

@@ -11,19 +11,44 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::Api;
 
 use super::checkpoint::{Checkpoint, CheckpointError};
-use super::grant::{Node, grant};
+use super::grant::{GrantError, Node, grant};
 use crate::node::metrics::{ContainerGrant, ContainerLabels};
 use crate::rules::matching::pods::PodKey;
 
 /// How long one read of a claim or a pod may take.
 const READ: Duration = Duration::from_secs(5);
+/// How often a claim is read again all the same (pods reserve it and end),
+/// and a claim that could not be read is tried again.
+const REREAD: Duration = Duration::from_secs(60);
+/// How soon a claim may be read again for a container of its pods not
+/// known (one that started since).
+const REREAD_STALE: Duration = Duration::from_secs(10);
+/// Claims read at once.
+const READS: usize = 8;
+
+/// Why a claim's shares could not be read.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ShareReadError {
+    #[error("the API server did not answer within {READ:?}")]
+    Timeout,
+    #[error(transparent)]
+    Api(#[from] kube::Error),
+    #[error(transparent)]
+    Grant(#[from] GrantError),
+}
+
+impl ShareReadError {
+    fn missing(&self) -> bool {
+        matches!(self, ShareReadError::Api(kube::Error::Api(s)) if s.code == 404)
+    }
+}
 
 /// A claim prepared here, as the checkpoint names it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -75,6 +100,7 @@ type Naming = Vec<(String, Option<String>)>;
 
 /// One claim read: its grant per GPU and the pods it is reserved for.
 struct Known {
+    read_at: Instant,
     name: String,
     /// Per GPU UUID: memory MiB and percent of compute.
     grants: BTreeMap<String, (u64, u64)>,
@@ -90,8 +116,8 @@ pub(crate) struct ClaimBook {
     client: kube::Client,
     node: Node,
     known: HashMap<String, Known>,
-    /// Claims that could not be read, with why (logged once each).
-    failing: HashMap<String, String>,
+    /// Claims that could not be read: when, and why (logged once each).
+    failing: HashMap<String, (Instant, String)>,
 }
 
 impl ClaimBook {
@@ -104,32 +130,53 @@ impl ClaimBook {
         }
     }
 
-    /// Follows `prepared`, reading what is new, and again the pods of
-    /// `stale` (pod UIDs with a process in a container not known).
+    /// Follows `prepared`: reads the claims not read yet, those read
+    /// [`REREAD`] ago, and those whose pods are in `stale` (pod UIDs with
+    /// a process in a container not known) read [`REREAD_STALE`] ago; a
+    /// claim that could not be read is tried again after [`REREAD`].
     pub(crate) async fn follow(&mut self, prepared: &[ClaimRef], stale: &HashSet<String>) {
         let now: HashSet<&str> = prepared.iter().map(|c| c.uid.as_str()).collect();
         self.known.retain(|uid, _| now.contains(uid.as_str()));
         self.failing.retain(|uid, _| now.contains(uid.as_str()));
-        for c in prepared {
-            let reread = self
-                .known
-                .get(&c.uid)
-                .is_some_and(|k| k.pods.keys().any(|p| stale.contains(p)));
-            if self.known.contains_key(&c.uid) && !reread {
-                continue;
+        let due: Vec<&ClaimRef> = prepared
+            .iter()
+            .filter(|c| match self.known.get(&c.uid) {
+                Some(k) => {
+                    let age = k.read_at.elapsed();
+                    age >= REREAD
+                        || (age >= REREAD_STALE && k.pods.keys().any(|p| stale.contains(p)))
+                }
+                None => self
+                    .failing
+                    .get(&c.uid)
+                    .is_none_or(|(at, _)| at.elapsed() >= REREAD),
+            })
+            .collect();
+        // A few at a time: a slow API server holds a poll for the
+        // batches, not for every claim in turn.
+        let mut reads = Vec::with_capacity(due.len());
+        for batch in due.chunks(READS) {
+            let mut pending = Vec::with_capacity(batch.len());
+            for c in batch {
+                pending.push(self.read(c));
             }
-            match self.read(c).await {
+            let done = futures::future::join_all(pending).await;
+            reads.extend(batch.iter().copied().zip(done));
+        }
+        for (c, read) in reads {
+            match read {
                 Ok(k) => {
                     if self.failing.remove(&c.uid).is_some() {
                         tracing::info!(claim = %c.name, namespace = %c.namespace, "claim's usage named again");
                     }
                     self.known.insert(c.uid.clone(), k);
                 }
-                Err(why) => {
-                    if self.failing.get(&c.uid) != Some(&why) {
-                        tracing::warn!(claim = %c.name, namespace = %c.namespace, error = %why, "cannot read the claim's pods; its usage counts in its GPUs' totals only");
+                Err(e) => {
+                    let why = e.to_string();
+                    if self.failing.get(&c.uid).is_none_or(|(_, was)| *was != why) {
+                        tracing::warn!(claim = %c.name, namespace = %c.namespace, error = %why, "cannot read the claim or its pods; its usage counts in its GPUs' totals only");
                     }
-                    self.failing.insert(c.uid.clone(), why);
+                    self.failing.insert(c.uid.clone(), (Instant::now(), why));
                 }
             }
         }
@@ -180,10 +227,11 @@ impl ClaimBook {
         out
     }
 
-    async fn read(&self, c: &ClaimRef) -> Result<Known, String> {
+    async fn read(&self, c: &ClaimRef) -> Result<Known, ShareReadError> {
+        let read_at = Instant::now();
         let claims: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &c.namespace);
         let claim = timed(claims.get(&c.name)).await?;
-        let grants = grant(&claim, &c.uid, &self.node).map_err(|e| e.to_string())?;
+        let grants = grant(&claim, &c.uid, &self.node)?;
         let mut per_gpu: BTreeMap<String, (u64, u64)> = BTreeMap::new();
         for g in &grants {
             for &i in &g.gpus {
@@ -202,7 +250,7 @@ impl ClaimBook {
         let mut known = BTreeMap::new();
         for r in reserved.iter().filter(|r| r.resource == "pods") {
             let pod = match timed(pods.get(&r.name)).await {
-                Err(e) if e.starts_with("404") => continue,
+                Err(e) if e.missing() => continue,
                 read => read?,
             };
             if pod.metadata.uid.as_deref() != Some(r.uid.as_str()) {
@@ -215,6 +263,7 @@ impl ClaimBook {
             known.insert(r.uid.clone(), (key, naming(&pod, &c.name)));
         }
         Ok(Known {
+            read_at,
             name: c.name.clone(),
             grants: per_gpu,
             pods: known,
@@ -222,14 +271,11 @@ impl ClaimBook {
     }
 }
 
-/// A read within [`READ`]; its error as text, a missing object's
-/// starting with its code 404.
-async fn timed<T>(read: impl Future<Output = Result<T, kube::Error>>) -> Result<T, String> {
+/// A read within [`READ`].
+async fn timed<T>(read: impl Future<Output = Result<T, kube::Error>>) -> Result<T, ShareReadError> {
     match tokio::time::timeout(READ, read).await {
-        Err(_) => Err(format!("the API server did not answer within {READ:?}")),
-        Ok(Err(kube::Error::Api(s))) if s.code == 404 => Err(format!("404 {}", s.message)),
-        Ok(Err(e)) => Err(e.to_string()),
-        Ok(Ok(found)) => Ok(found),
+        Err(_) => Err(ShareReadError::Timeout),
+        Ok(read) => Ok(read?),
     }
 }
 
@@ -256,10 +302,13 @@ fn naming(pod: &Pod, claim: &str) -> Naming {
         })
         .map(|r| r.name.as_str())
         .collect();
+    // Sidecars (init containers that keep running) have processes too.
     let ids: HashMap<&str, &str> = status
-        .and_then(|s| s.container_statuses.as_deref())
-        .unwrap_or_default()
-        .iter()
+        .into_iter()
+        .flat_map(|s| {
+            let app = s.container_statuses.iter().flatten();
+            app.chain(s.init_container_statuses.iter().flatten())
+        })
         .filter_map(|s| Some((s.name.as_str(), s.container_id.as_deref()?)))
         .collect();
     spec.containers

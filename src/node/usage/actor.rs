@@ -51,7 +51,7 @@ impl UsageArgs {
         let claims = config.dra.enabled.then(|| ClaimSource {
             checkpoint: config.dra.checkpoint_file(),
             kubeconfig: config.matcher.kubeconfig.clone(),
-            node: crate::node::dra::DraArgs::new(config, dra_gpus.to_vec()).node,
+            node: DraNode::of(config, dra_gpus.to_vec()),
         });
         UsageArgs {
             spec: UsageSpec::new(config),
@@ -70,18 +70,19 @@ impl UsageArgs {
 
     /// What restarts a running monitor when a reload changes it. Left out:
     /// the matcher handle and the metrics, the supervisor's, the same
-    /// across reloads.
+    /// across reloads (but whether there is a matcher at all counts).
     pub(crate) fn restart_key(&self) -> impl PartialEq + '_ {
         let UsageArgs {
             spec,
             uuids,
             proc_root,
             poll,
-            matcher: _,
+            matcher,
             claims,
             metrics: _,
         } = self;
-        (spec, uuids, proc_root, poll, claims)
+        // Pod matching switched on or off: its handle comes or goes.
+        (spec, uuids, proc_root, poll, claims, matcher.is_some())
     }
 }
 
@@ -206,7 +207,7 @@ impl Actor for UsageMonitor {
         }
         let (claimed, grants) = match (&mut state.claims, prepared) {
             (Some(book), Some(prepared)) => {
-                let stale = super::strangers(&gpus, &book.containers());
+                let stale = super::strangers(&gpus, &state.live, &book.containers());
                 book.follow(&prepared, &stale).await;
                 (book.containers(), book.grants())
             }

@@ -87,21 +87,43 @@ fn series(
     }
 }
 
-/// The pods of `claimed` with a process in a container not known to be
-/// theirs (one started or restarted since their pod was read).
-fn strangers(gpus: &[GpuProcesses], claimed: &[ClaimContainer]) -> HashSet<String> {
-    let pods: HashSet<&str> = claimed.iter().map(|c| c.uid.as_str()).collect();
+/// The pods of `claimed` with a process, on a GPU one of their claims
+/// holds, in a container neither their claims nor the pod matcher (`live`)
+/// know (one started or restarted since their pod was read).
+fn strangers(
+    gpus: &[GpuProcesses],
+    live: &[LiveContainer],
+    claimed: &[ClaimContainer],
+) -> HashSet<String> {
+    let mut held: HashMap<&str, HashSet<&str>> = HashMap::new();
+    for c in claimed {
+        let on = held.entry(c.uid.as_str()).or_default();
+        on.extend(
+            c.claims
+                .iter()
+                .flat_map(|(_, g)| g.iter().map(String::as_str)),
+        );
+    }
     let known: HashSet<(&str, &str)> = claimed
         .iter()
         .filter_map(|c| Some((c.uid.as_str(), c.id.as_deref()?)))
+        .chain(
+            live.iter()
+                .filter_map(|c| Some((c.uid.as_str(), c.id.as_deref()?))),
+        )
         .collect();
-    gpus.iter()
-        .flat_map(|g| &g.processes)
-        .filter_map(|(_, owner)| owner.as_ref())
-        .filter(|o| pods.contains(o.pod_uid.as_str()))
-        .filter(|o| !known.contains(&(o.pod_uid.as_str(), o.container_id.as_str())))
-        .map(|o| o.pod_uid.clone())
-        .collect()
+    let mut out = HashSet::new();
+    for gpu in gpus {
+        for o in gpu.processes.iter().filter_map(|(_, owner)| owner.as_ref()) {
+            let on_its_claim = held
+                .get(o.pod_uid.as_str())
+                .is_some_and(|g| g.contains(gpu.uuid.as_str()));
+            if on_its_claim && !known.contains(&(o.pod_uid.as_str(), o.container_id.as_str())) {
+                out.insert(o.pod_uid.clone());
+            }
+        }
+    }
+    out
 }
 
 /// Adds a figure the driver may not have given: known only once one is.
@@ -251,9 +273,12 @@ mod tests {
             .collect();
         assert_eq!(got, [("GPU-a", "d-gpu", Some(100)), ("GPU-b", "", Some(7))]);
         assert_eq!(
-            strangers(&gpus, &claimed),
+            strangers(&gpus, &[], &claimed),
             HashSet::from(["uid-d".to_owned()])
         );
-        assert!(strangers(&gpus[1..], &claimed).is_empty());
+        // Not on a GPU of its claims, or a container the matcher names.
+        assert!(strangers(&gpus[1..], &[], &claimed).is_empty());
+        let matched = [LiveContainer::of("d", "plugin", Some("id-new"))];
+        assert!(strangers(&gpus, &matched, &claimed).is_empty());
     }
 }
