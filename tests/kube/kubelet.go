@@ -180,8 +180,14 @@ type kubeletPeer struct {
 	// each is stopped by one goroutine however many updates come.
 	resync      []types.UID
 	terminating map[types.UID]chan struct{}
-	wake        chan struct{}
-	node        *v1.Node
+	// taken: pods out of the queue, not yet through admission; stopLater,
+	// those of them and of the queue whose deletion came meanwhile: as the
+	// kubelet, which admits each pod it was sent before it handles the
+	// pod's later updates, they are admitted first and stopped after.
+	taken     sets.Set[types.UID]
+	stopLater sets.Set[types.UID]
+	wake      chan struct{}
+	node      *v1.Node
 }
 
 func newKubeletPeer(f kubeletFlags) *kubeletPeer {
@@ -191,6 +197,8 @@ func newKubeletPeer(f kubeletFlags) *kubeletPeer {
 		admitted:    map[types.UID]*v1.Pod{},
 		decided:     sets.New[types.UID](),
 		terminating: map[types.UID]chan struct{}{},
+		taken:       sets.New[types.UID](),
+		stopLater:   sets.New[types.UID](),
 		wake:        make(chan struct{}, 1),
 	}
 }
@@ -360,7 +368,16 @@ func (k *kubeletPeer) activePods() []*v1.Pod {
 
 func (k *kubeletPeer) observe(ctx context.Context, pod *v1.Pod) {
 	if pod.DeletionTimestamp != nil {
-		go k.finishDeletion(ctx, pod)
+		k.mu.Lock()
+		waiting := k.taken.Has(pod.UID) ||
+			slices.ContainsFunc(k.queue, func(p *v1.Pod) bool { return p.UID == pod.UID })
+		if waiting {
+			k.stopLater.Insert(pod.UID)
+		}
+		k.mu.Unlock()
+		if !waiting {
+			go k.finishDeletion(ctx, pod)
+		}
 		return
 	}
 	if pod.Status.Phase == v1.PodSucceeded || pod.Status.Phase == v1.PodFailed {
@@ -481,12 +498,15 @@ func (k *kubeletPeer) admitLoop(ctx context.Context) {
 	k.mu.Lock()
 	batch := k.queue
 	k.queue = nil
+	for _, pod := range batch {
+		k.taken.Insert(pod.UID)
+	}
 	k.mu.Unlock()
 	sort.SliceStable(batch, func(i, j int) bool {
 		return batch[i].CreationTimestamp.Before(&batch[j].CreationTimestamp)
 	})
 	for _, pod := range batch {
-		k.admitOne(ctx, pod)
+		k.admitTaken(ctx, pod)
 	}
 	k.sources.ready.Store(true)
 	for {
@@ -495,6 +515,7 @@ func (k *kubeletPeer) admitLoop(ctx context.Context) {
 		busy := len(k.queue) > 0 || len(k.resync) > 0
 		if len(k.queue) > 0 {
 			next, k.queue = k.queue[0], k.queue[1:]
+			k.taken.Insert(next.UID)
 		} else if len(k.resync) > 0 {
 			again = k.admitted[k.resync[0]]
 			k.resync = k.resync[1:]
@@ -502,7 +523,7 @@ func (k *kubeletPeer) admitLoop(ctx context.Context) {
 		k.mu.Unlock()
 		switch {
 		case next != nil:
-			k.admitOne(ctx, next)
+			k.admitTaken(ctx, next)
 		case again != nil:
 			k.syncPod(ctx, again)
 		case !busy:
@@ -515,16 +536,28 @@ func (k *kubeletPeer) admitLoop(ctx context.Context) {
 	}
 }
 
+// admitTaken admits a pod taken from the queue, then stops it if its
+// deletion came meanwhile.
+func (k *kubeletPeer) admitTaken(ctx context.Context, pod *v1.Pod) {
+	k.admitOne(ctx, pod)
+	k.mu.Lock()
+	k.taken.Delete(pod.UID)
+	later := k.stopLater.Has(pod.UID)
+	k.stopLater.Delete(pod.UID)
+	k.mu.Unlock()
+	if later {
+		go k.finishDeletion(ctx, pod)
+	}
+}
+
 func (k *kubeletPeer) admitOne(ctx context.Context, pod *v1.Pod) {
 	attrs := &lifecycle.PodAdmitAttributes{Pod: pod, OtherPods: k.activePods(), Operation: lifecycle.AddOperation}
 	// The kubelet's pod manager holds a pod before admission: the device
 	// manager must see it active while its containers are allocated, or it
 	// frees the pod's first containers' devices at the next allocation.
 	k.mu.Lock()
-	// A pod that began terminating after it left the queue (a preemption
-	// victim bound a moment ago) is not admitted: held active, its devices
-	// would never be freed, as the kubelet's pod manager forgets a deleted
-	// pod.
+	// A pod already stopped (gone from the API server before its turn) is
+	// not admitted: held active, its devices would never be freed.
 	if k.decided.Has(pod.UID) {
 		k.mu.Unlock()
 		return

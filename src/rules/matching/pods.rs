@@ -22,7 +22,11 @@ impl std::fmt::Display for PodKey {
 pub struct PodView {
     pub key: PodKey,
     pub(crate) uid: String,
-    /// Phase `Pending` and not being deleted: the kubelet may be admitting it.
+    /// Phase `Pending`: the kubelet may be admitting it. A pod being
+    /// deleted too: the kubelet admits every pod it was sent, in order,
+    /// and stops it afterwards, so its Allocates come all the same (a
+    /// preemption's victim bound a moment before), and handed to the next
+    /// pod of the same ask they would give that pod another's grant.
     pub admitting: bool,
     /// Not `Succeeded` or `Failed`: its grants still occupy GPUs.
     pub(crate) live: bool,
@@ -83,14 +87,13 @@ impl PodView {
             warnings.push(PodWarning::Assignment(g.key, g.error));
         }
         let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
-        let deleting = meta.deletion_timestamp.is_some();
         let view = PodView {
             key: PodKey {
                 namespace: meta.namespace.clone().unwrap_or_default(),
                 name: meta.name.clone().unwrap_or_default(),
             },
             uid: meta.uid.clone().unwrap_or_default(),
-            admitting: matches!(phase, None | Some("Pending")) && !deleting,
+            admitting: matches!(phase, None | Some("Pending")),
             live: !finished(pod),
             assume_time,
             created: meta

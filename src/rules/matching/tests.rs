@@ -248,9 +248,30 @@ fn a_pod_being_deleted_is_no_candidate() {
         pod("gone", 1, vec![container("c", 10, 0, 0)]),
         pod("next", 2, vec![container("c", 10, 0, 0)]),
     ];
-    pods[0].admitting = false; // deletionTimestamp set mid-way
+    pods[0].admitting = false; // no longer Pending: rejected, or it ran
     let d = serve(&mut pods, &ask(GpuMemory, 10, &[0], &["i"])).unwrap();
     assert_eq!(d.pod.name, "next");
+}
+
+/// A preemption's victim, bound before the preemptor and deleted before
+/// the kubelet admits it, is admitted all the same (the kubelet stops it
+/// afterwards): its Allocate is its own, not the preemptor's of the same
+/// ask, which then gets its own.
+#[test]
+fn a_victim_admitted_while_being_deleted_keeps_its_own_allocate() {
+    let mut pods = vec![
+        pod("victim", 1, vec![container("c", 10, 0, 0)]),
+        pod("preemptor", 2, vec![container("c", 10, 0, 0)]),
+    ];
+    let (view, _) = PodView::from_pod(&Keys::new("doslab.io"), &api_pod(&[], "Pending", true));
+    pods[0].admitting = view.admitting;
+    let first = serve(&mut pods, &ask(GpuMemory, 10, &[0], &["a"])).unwrap();
+    assert_eq!(first.pod.name, "victim");
+    let second = serve(&mut pods, &ask(GpuMemory, 10, &[0], &["b"])).unwrap();
+    assert_eq!(
+        (second.pod.name.as_str(), second.repeat),
+        ("preemptor", false)
+    );
 }
 
 #[test]
@@ -680,7 +701,10 @@ fn pods_are_read_from_the_api_with_bad_annotations_named() {
     assert_eq!(view.assume_time, Some(1_700_000_000_000_000_000));
     assert_eq!(view.gpu_uuid.as_deref(), Some("GPU-b"));
     assert_eq!(view.assignment.0["app"], ["GPU-b"]);
-    assert!(!view.admitting, "a pod being deleted is not admitted");
+    assert!(
+        view.admitting,
+        "a pod being deleted is still admitted: the kubelet admits what it was sent"
+    );
     let (view, _) = PodView::from_pod(&keys, &api_pod(&[], "Succeeded", false));
     assert!(!view.live && !view.admitting);
 }
