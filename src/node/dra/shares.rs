@@ -1,6 +1,7 @@
 //! DRA's shares as the usage monitor sees them: the claims prepared on this
-//! node (its checkpoint, read on the usage probe's thread), each read once
-//! from the API server with the pods it is reserved for, so that a process
+//! node (its checkpoint, read on the usage probe's thread), each read from
+//! the API server with the pods it is reserved for (when first prepared,
+//! then every minute, or sooner for a container not known), so that a process
 //! found in a pod's container is named by the claim whose GPU it runs on,
 //! and each claim's grant is exported beside what its containers use.
 //!
@@ -20,7 +21,7 @@ use kube::Api;
 use super::checkpoint::{Checkpoint, CheckpointError};
 use super::grant::{GrantError, Node, grant};
 use crate::node::metrics::{ContainerGrant, ContainerLabels};
-use crate::rules::matching::pods::PodKey;
+use crate::rules::matching::pods::{PodKey, runtime_ids};
 
 /// How long one read of a claim or a pod may take.
 const READ: Duration = Duration::from_secs(5);
@@ -109,9 +110,9 @@ struct Known {
 }
 
 /// What the usage monitor knows of DRA's claims, kept across polls: a
-/// claim is read from the API server when it is first prepared and
-/// forgotten when it is not any more; a pod again when one of its
-/// processes runs in a container it did not know.
+/// claim is read from the API server when it is first prepared, again as
+/// [`ClaimBook::follow`] says, and forgotten when it is not prepared any
+/// more.
 pub(crate) struct ClaimBook {
     client: kube::Client,
     node: Node,
@@ -302,15 +303,7 @@ fn naming(pod: &Pod, claim: &str) -> Naming {
         })
         .map(|r| r.name.as_str())
         .collect();
-    // Sidecars (init containers that keep running) have processes too.
-    let ids: HashMap<&str, &str> = status
-        .into_iter()
-        .flat_map(|s| {
-            let app = s.container_statuses.iter().flatten();
-            app.chain(s.init_container_statuses.iter().flatten())
-        })
-        .filter_map(|s| Some((s.name.as_str(), s.container_id.as_deref()?)))
-        .collect();
+    let ids = runtime_ids(status);
     spec.containers
         .iter()
         .chain(spec.init_containers.iter().flatten())
@@ -321,15 +314,10 @@ fn naming(pod: &Pod, claim: &str) -> Naming {
                 .is_some_and(|cs| cs.iter().any(|r| names.contains(r.name.as_str())))
         })
         .map(|c| {
-            let id = ids.get(c.name.as_str()).map(|id| runtime_id(id).to_owned());
+            let id = ids.get(c.name.as_str()).map(|id| (*id).to_owned());
             (c.name.clone(), id)
         })
         .collect()
-}
-
-/// A status's `containerID` without its runtime's scheme.
-fn runtime_id(id: &str) -> &str {
-    id.split_once("://").map_or(id, |(_, id)| id)
 }
 
 #[cfg(test)]

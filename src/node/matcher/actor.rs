@@ -31,7 +31,7 @@ use super::write::{self, Landed, WriteError};
 use crate::config::enforcement::Compute;
 use crate::node::metrics::Metrics;
 use crate::node::readiness::{Child, Hold, Readiness};
-use crate::rules::matching::pods::{PodKey, PodView};
+use crate::rules::matching::pods::{PodKey, PodView, runtime_ids};
 use crate::rules::matching::{
     Ask, Decision, MatchError, decide, decide_with, deleting, record, usage,
 };
@@ -475,23 +475,7 @@ impl MatcherState {
                 name: meta.name.clone().unwrap_or_default(),
             };
             let uid = meta.uid.clone().unwrap_or_default();
-            let status = pod.status.as_ref();
-            let statuses = status.and_then(|s| s.init_container_statuses.as_ref());
-            let statuses = statuses.into_iter().flatten().chain(
-                status
-                    .and_then(|s| s.container_statuses.as_ref())
-                    .into_iter()
-                    .flatten(),
-            );
-            let ids: HashMap<&str, &str> = statuses
-                .filter_map(|s| {
-                    let id = s.container_id.as_deref()?;
-                    Some((
-                        s.name.as_str(),
-                        id.split_once("://").map_or(id, |(_, id)| id),
-                    ))
-                })
-                .collect();
+            let ids = runtime_ids(pod.status.as_ref());
             let inits = spec.init_containers.iter().flatten();
             for c in inits.chain(&spec.containers) {
                 live.push(LiveContainer {

@@ -1,7 +1,7 @@
 //! A node's pods as the matcher sees them: only what matching needs, read
 //! from the API's `Pod` once per lookup. Pure, so tests build pods by hand.
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, PodStatus};
 
 use crate::rules::device::Resource;
 use crate::rules::usage::{Assignment, ContainerAsk, Keys, Ledger, PodAsks, Records, finished};
@@ -125,4 +125,24 @@ impl PodView {
                 .all(|&r| c.wants(r) == 0 || self.ledger.served(&c.name, r))
         })
     }
+}
+
+/// Each container's runtime ID, by name, as the kubelet reports it in the
+/// pod's status (init containers' too: a sidecar runs), without the
+/// runtime's scheme (`containerd://`): what a process's cgroup names.
+pub(crate) fn runtime_ids(status: Option<&PodStatus>) -> std::collections::HashMap<&str, &str> {
+    status
+        .into_iter()
+        .flat_map(|s| {
+            let init = s.init_container_statuses.iter().flatten();
+            init.chain(s.container_statuses.iter().flatten())
+        })
+        .filter_map(|s| {
+            let id = s.container_id.as_deref()?;
+            Some((
+                s.name.as_str(),
+                id.split_once("://").map_or(id, |(_, id)| id),
+            ))
+        })
+        .collect()
 }
