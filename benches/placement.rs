@@ -2,7 +2,8 @@
 //! GPU pods compared with node-total scheduling (what kube-scheduler does
 //! alone), what filter and bind cost at 1,000 nodes, and (`burst`) how the
 //! real extender behind the kube-scheduler stand-in binds a 40-pod burst
-//! and how full binpack and spread let the GPUs get. Prints figures for
+//! and how full each policy lets the GPUs get; (`harder`) the fill test's
+//! harder mix through the same stand-in over ten seeds. Prints figures for
 //! benches/README.md; nothing here asserts a number.
 //!
 //! Both schedulers hand their pods to the same node side: a kubelet
@@ -913,6 +914,144 @@ async fn fill(
     held as f64 * 100.0 / (total * GIB) as f64
 }
 
+/// One shared container of the fill test's mix.
+fn fill_share(rng: &mut Rng) -> PodContainer {
+    use gpu_sim::fill::{CORE_PERCENT, MEMORY_GIB};
+    let memory = rng.weighted(MEMORY_GIB);
+    let core = if rng.below(4) == 0 {
+        rng.weighted(CORE_PERCENT)
+    } else {
+        0
+    };
+    PodContainer {
+        wants: [memory * GIB, core, 0],
+        ..container(0)
+    }
+}
+
+/// The fill test's harder mix, drawn from this bench's generator: one pod
+/// in twenty asks one or two whole GPUs, the others one to three shares.
+fn harder_mix(seed: u64) -> Vec<Vec<PodContainer>> {
+    let mut rng = Rng(seed);
+    (0..200)
+        .map(|_| {
+            if rng.below(20) == 0 {
+                let n = 1 + rng.below(2) as u64;
+                vec![PodContainer {
+                    wants: [0, 0, n],
+                    ..container(0)
+                }]
+            } else {
+                let n = 1 + rng.below(3);
+                (0..n)
+                    .map(|c| PodContainer {
+                        name: format!("c{c}"),
+                        ..fill_share(&mut rng)
+                    })
+                    .collect()
+            }
+        })
+        .collect()
+}
+
+/// The harder mix on the fill test's cluster, one pod at a time until the
+/// first Unschedulable: the share of GPU memory held then, GPUs taken
+/// whole counting all of theirs.
+async fn harder_fill(policy: &str, seed: u64) -> (f64, f64) {
+    use gpu_sim::scheduler::SchedulerConfig;
+    let sizes: HashMap<String, u64> = gpu_sim::fill::NODES
+        .iter()
+        .flat_map(|(n, g)| {
+            g.iter()
+                .enumerate()
+                .map(move |(i, gib)| (format!("GPU-{n}-{i}"), gib * GIB))
+        })
+        .collect();
+    let total: u64 = sizes.values().sum();
+    let pods = harder_mix(seed);
+    let held = |w: &StandIn, i: usize| -> u64 {
+        if pods[i][0].wants[2] == 0 {
+            return pods[i].iter().map(|c| c.wants[0]).sum();
+        }
+        let pod = w
+            .api
+            .pod(gpu_sim::fill::NAMESPACE, &format!("fill-{i:03}"))
+            .unwrap();
+        let assignment = pod["metadata"]["annotations"]["doslab.io/gpu-assignment"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        sizes
+            .iter()
+            .filter(|(uuid, _)| assignment.contains(&format!("\"{uuid}\"")))
+            .map(|(_, m)| m)
+            .sum()
+    };
+    let share = |h: u64| h as f64 * 100.0 / total as f64;
+    let cluster = || {
+        StandIn::start(
+            &gpu_sim::fill::NODES,
+            policy,
+            SchedulerConfig::shipped,
+            seed,
+        )
+    };
+    let w = cluster().await;
+    let (_, ran) = w.fill(&pods).await;
+    let first = share((0..ran).map(|i| held(&w, i)).sum());
+    drop(w);
+    let w = cluster().await;
+    // The paper's arrival: pods come until what they ask reaches the
+    // cluster's memory (a whole GPU asking the mean GPU's), none leaves.
+    let mean_gpu = total / sizes.len() as u64;
+    let mut asked = 0;
+    let arrived = pods
+        .iter()
+        .take_while(|p| {
+            let before = asked;
+            asked += p
+                .iter()
+                .map(|c| c.wants[0] + c.wants[2] * mean_gpu)
+                .sum::<u64>();
+            before < total
+        })
+        .count();
+    let bound = w.arrive(&pods[..arrived]).await;
+    let all = share(
+        (0..arrived)
+            .filter(|&i| bound[i])
+            .map(|i| held(&w, i))
+            .sum(),
+    );
+    (first, all)
+}
+
+/// The fill test's harder mix through the stand-in, per policy and seed.
+async fn harder_figures() {
+    const SEEDS: u64 = 10;
+    for policy in ["binpack", "fragmentation"] {
+        let (mut first, mut all) = (Vec::new(), Vec::new());
+        for seed in 1..=SEEDS {
+            let (f, a) = harder_fill(policy, seed).await;
+            first.push(f);
+            all.push(a);
+        }
+        let show = |v: &[f64]| {
+            let each: Vec<String> = v.iter().map(|x| format!("{x:.1}")).collect();
+            format!(
+                "{} (mean {:.1})",
+                each.join(" / "),
+                v.iter().sum::<f64>() / v.len() as f64
+            )
+        };
+        println!(
+            "harder: {policy}, shipped config, seeds 1-{SEEDS}: GPU memory held at the first Unschedulable {} %; arrived until their asks reach 100 % (the unschedulable dropped), {} %",
+            show(&first),
+            show(&all)
+        );
+    }
+}
+
 /// The real extender behind the scheduler stand-in: a 40-pod burst, then
 /// one pod at a time until the first Unschedulable, for each policy under
 /// kube-scheduler's defaults (weight 1, the spreading score plugins on)
@@ -947,8 +1086,8 @@ async fn burst_figures() {
 
 fn main() {
     // `cargo bench --bench placement -- NAME` runs the sections whose name
-    // contains NAME (`latency`, `placement`, `burst`); `cargo bench` passes
-    // --bench.
+    // contains NAME (`latency`, `placement`, `burst`, `harder`); `cargo
+    // bench` passes --bench.
     let only = std::env::args().skip(1).find(|a| !a.starts_with("--"));
     let run = |name: &str| only.as_deref().is_none_or(|o| name.contains(o));
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -968,6 +1107,9 @@ fn main() {
         }
         if run("burst") {
             burst_figures().await;
+        }
+        if run("harder") {
+            harder_figures().await;
         }
     });
 }

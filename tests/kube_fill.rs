@@ -18,7 +18,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use gpu_sim::apiserver::PodContainer;
-use gpu_sim::fill::StandIn;
+use gpu_sim::fill::{CORE_PERCENT, MEMORY_GIB, NODES, StandIn};
 use gpu_sim::scheduler::SchedulerConfig;
 use std::collections::BTreeMap;
 
@@ -32,18 +32,6 @@ const NS: &str = "fill";
 const UNIT: &str = "memory_unit_mib = 1024";
 const GIB: u64 = 1024;
 
-/// (node, GPU sizes in GiB): 13 GPUs, 464 GiB. The big node first in name
-/// order: among equals a policy takes the first name, so an empty cluster
-/// does not steer small pods to the small GPUs by luck of the names.
-const NODES: [(&str, &[u64]); 6] = [
-    ("node-0", &[80, 80]),
-    ("node-1", &[40, 40]),
-    ("node-2", &[16, 16, 16, 16]),
-    ("node-3", &[16, 16, 16, 16]),
-    ("node-4", &[24, 24]),
-    ("node-5", &[48]),
-];
-
 const SEEDS: [u64; 3] = [1, 2, 3];
 
 /// The target, asserted: binpack holds at least this share of GPU
@@ -52,24 +40,6 @@ const TARGET: f64 = 95.0;
 
 /// The target for the harder mix (%), asserted likewise.
 const HARDER_TARGET: f64 = 85.0;
-
-/// Memory asks in GiB and how often they come: mostly small replicas, a
-/// tail up to 20 GiB, and some 36 GiB asks that only the 40, 48 and 80 GiB
-/// GPUs hold.
-const MEMORY_GIB: &[(u64, u64)] = &[
-    (1, 10),
-    (2, 12),
-    (4, 14),
-    (6, 10),
-    (8, 12),
-    (10, 8),
-    (12, 8),
-    (16, 8),
-    (20, 6),
-    (36, 4),
-];
-/// gpu-core asks (%) of the one pod in four that makes one.
-const CORE_PERCENT: &[(u64, u64)] = &[(10, 3), (20, 3), (25, 2), (30, 2), (50, 1)];
 
 fn weighted(rng: &mut support::Lcg, table: &[(u64, u64)]) -> u64 {
     let total: u64 = table.iter().map(|&(_, w)| w).sum();

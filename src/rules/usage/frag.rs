@@ -96,6 +96,9 @@ struct GpuRoom {
     /// Thousandths of it free for new work: the mean of its free memory
     /// and core.
     free: u64,
+    /// Thousandths of its memory free: all a kind asking no compute can
+    /// use of it.
+    memory: u64,
     /// Free of any work: a whole ask can take it.
     fresh: bool,
 }
@@ -121,6 +124,7 @@ impl NodeRoom<'_> {
                     return GpuRoom {
                         left: None,
                         free: 0,
+                        memory: 0,
                         fresh: false,
                     };
                 }
@@ -128,9 +132,11 @@ impl NodeRoom<'_> {
                 let left = [Resource::GpuMemory, Resource::GpuCore].map(|r| u.free(inv, g, r));
                 let share =
                     |i: usize, r: Resource| (left[i] * GPU).checked_div(cap[r]).unwrap_or(0);
+                let memory = share(0, Resource::GpuMemory);
                 GpuRoom {
                     left: Some(left),
-                    free: (share(0, Resource::GpuMemory) + share(1, Resource::GpuCore)) / 2,
+                    free: (memory + share(1, Resource::GpuCore)) / 2,
+                    memory,
                     fresh: !u.gpus[g].carries_shared(),
                 }
             })
@@ -139,7 +145,14 @@ impl NodeRoom<'_> {
 
     /// The free thousandths of GPU that `kind` could not use here.
     fn stranded(&self, kind: &Kind, gpus: &[GpuRoom]) -> u64 {
-        let all = gpus.iter().map(|g| g.free).sum();
+        // What a kind could use of a GPU is what it asks of it: the
+        // compute of a GPU whose memory is full is no loss to pods that
+        // ask memory alone (and counting it would steer them away from
+        // filling GPUs: 80 % of the fill mix's memory held, not 98 %).
+        let memory_only =
+            kind.whole == 0 && !kind.shares.is_empty() && kind.shares.iter().all(|s| s[1] == 0);
+        let free = |g: &GpuRoom| if memory_only { g.memory } else { g.free };
+        let all = gpus.iter().map(free).sum();
         if !kind.asks_gpus() || self.cpu_free.is_some_and(|c| c < kind.cpu_milli) {
             return all;
         }
@@ -147,7 +160,7 @@ impl NodeRoom<'_> {
             return all;
         }
         if kind.shares.is_empty() {
-            return gpus.iter().filter(|g| !g.fresh).map(|g| g.free).sum();
+            return gpus.iter().filter(|g| !g.fresh).map(free).sum();
         }
         let unit = self.inventory.unit();
         let needs: Vec<[u64; 2]> = kind
@@ -165,7 +178,7 @@ impl NodeRoom<'_> {
         }
         gpus.iter()
             .filter(|g| !needs.iter().any(|&n| g.holds(n)))
-            .map(|g| g.free)
+            .map(free)
             .sum()
     }
 }

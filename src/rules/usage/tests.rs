@@ -1548,6 +1548,26 @@ mod fragmentation {
         assert_eq!(frag(kind(0, &[[2, 20], [11, 10]], 0), None), 1500.0);
     }
 
+    /// A kind asking memory alone measures a GPU by its free memory: the
+    /// compute left on a GPU whose memory is taken is no loss to it.
+    #[test]
+    fn a_kind_asking_memory_alone_measures_memory() {
+        let inv = inventory(&[2560, 2560]);
+        // GPU-0: 8 of 10 memory devices and 10 % of compute taken.
+        let usage = on_gpu0(&inv, ask("a", false, 8, 10, 0));
+        let room = NodeRoom {
+            inventory: &inv,
+            usage: &usage,
+            cpu_free: None,
+        };
+        let frag = |k: Kind| alone(k).fragmentation(&room);
+        // 3 devices of memory do not fit GPU-0: its 20 % of memory free
+        // is stranded, not the mean with its 90 % of compute (550).
+        assert_eq!(frag(kind(0, &[[3, 0]], 0)), 200.0);
+        // Asking compute too, the mean is what it could not use.
+        assert_eq!(frag(kind(0, &[[3, 10]], 0)), 550.0);
+    }
+
     #[test]
     fn the_workload_weighs_its_most_common_kinds() {
         let (inv, usage) = half_used();

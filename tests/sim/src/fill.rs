@@ -20,6 +20,37 @@ const DOMAIN: &str = "doslab.io";
 pub const NAMESPACE: &str = "standin";
 const GIB: u64 = 1024;
 
+/// The fill test's cluster (tests/kube_fill.rs; the placement bench's
+/// harder mix too), as (node, GPU sizes in GiB): 13 GPUs, 464 GiB. The big node first in name
+/// order: among equals a policy takes the first name, so an empty cluster
+/// does not steer small pods to the small GPUs by luck of the names.
+pub const NODES: [(&str, &[u64]); 6] = [
+    ("node-0", &[80, 80]),
+    ("node-1", &[40, 40]),
+    ("node-2", &[16, 16, 16, 16]),
+    ("node-3", &[16, 16, 16, 16]),
+    ("node-4", &[24, 24]),
+    ("node-5", &[48]),
+];
+
+/// Memory asks in GiB and how often they come: mostly small replicas, a
+/// tail up to 20 GiB, and some 36 GiB asks that only the 40, 48 and 80 GiB
+/// GPUs hold.
+pub const MEMORY_GIB: &[(u64, u64)] = &[
+    (1, 10),
+    (2, 12),
+    (4, 14),
+    (6, 10),
+    (8, 12),
+    (10, 8),
+    (12, 8),
+    (16, 8),
+    (20, 6),
+    (36, 4),
+];
+/// gpu-core asks (%) of the one pod in four that makes one.
+pub const CORE_PERCENT: &[(u64, u64)] = &[(10, 3), (20, 3), (25, 2), (30, 2), (50, 1)];
+
 /// A cluster of `(node, GPU sizes in GiB)` in the API-server stand-in,
 /// with the real extender and the scheduler stand-in pointed at it.
 pub struct StandIn {
@@ -115,25 +146,48 @@ impl StandIn {
     pub async fn fill(&self, pods: &[Vec<PodContainer>]) -> (u64, usize) {
         let mut held = 0;
         for (i, containers) in pods.iter().enumerate() {
-            let name = format!("fill-{i:03}");
-            self.add(&name, containers);
-            let key = format!("{NAMESPACE}/{name}");
-            loop {
-                match self.outcomes().get(&key) {
-                    Some(o) if o.node.is_some() => break,
-                    Some(o)
-                        if o.attempts > o.bind_failures
-                            && o.bound_at.is_none()
-                            && o.filtered.len() == self.nodes =>
-                    {
-                        return (held, i);
-                    }
-                    _ => tokio::time::sleep(Duration::from_millis(2)).await,
-                }
+            if !self.place(i, containers).await {
+                return (held, i);
             }
             held += containers.iter().map(|c| c.wants[0]).sum::<u64>();
         }
         (held, pods.len())
+    }
+
+    /// Creates `pods` one at a time, each waited until bound or
+    /// unschedulable, the way the trace replay arrives tasks: one that
+    /// fits nowhere is deleted and the next comes. Which were bound.
+    pub async fn arrive(&self, pods: &[Vec<PodContainer>]) -> Vec<bool> {
+        let mut bound = Vec::with_capacity(pods.len());
+        for (i, containers) in pods.iter().enumerate() {
+            let placed = self.place(i, containers).await;
+            if !placed {
+                self.api.delete_pod(NAMESPACE, &format!("fill-{i:03}"));
+            }
+            bound.push(placed);
+        }
+        bound
+    }
+
+    /// Creates pod `fill-<i>` and waits until it is bound (true) or
+    /// filtered out of every node (false; a refused bind is tried again).
+    async fn place(&self, i: usize, containers: &[PodContainer]) -> bool {
+        let name = format!("fill-{i:03}");
+        self.add(&name, containers);
+        let key = format!("{NAMESPACE}/{name}");
+        loop {
+            match self.outcomes().get(&key) {
+                Some(o) if o.node.is_some() => return true,
+                Some(o)
+                    if o.attempts > o.bind_failures
+                        && o.bound_at.is_none()
+                        && o.filtered.len() == self.nodes =>
+                {
+                    return false;
+                }
+                _ => tokio::time::sleep(Duration::from_millis(2)).await,
+            }
+        }
     }
 }
 
