@@ -58,15 +58,7 @@ impl Rng {
 
     /// A value of `table` by its weight.
     fn weighted(&mut self, table: &[(u64, u64)]) -> u64 {
-        let total: u64 = table.iter().map(|&(_, w)| w).sum();
-        let mut x = self.next() % total;
-        for &(v, w) in table {
-            if x < w {
-                return v;
-            }
-            x -= w;
-        }
-        unreachable!("x < total")
+        gpu_sim::fill::weighted(&mut |n| self.next() % n, table)
     }
 
     /// The index of the highest key, ties broken at random (kube-scheduler
@@ -914,49 +906,36 @@ async fn fill(
     held as f64 * 100.0 / (total * GIB) as f64
 }
 
-/// One shared container of the fill test's mix.
-fn fill_share(rng: &mut Rng) -> PodContainer {
-    use gpu_sim::fill::{CORE_PERCENT, MEMORY_GIB};
-    let memory = rng.weighted(MEMORY_GIB);
-    let core = if rng.below(4) == 0 {
-        rng.weighted(CORE_PERCENT)
-    } else {
-        0
-    };
-    PodContainer {
-        wants: [memory * GIB, core, 0],
-        ..container(0)
-    }
-}
-
-/// The fill test's harder mix, drawn from this bench's generator: one pod
-/// in twenty asks one or two whole GPUs, the others one to three shares.
+/// The fill test's harder mix, drawn from this bench's generator (other
+/// pods than the test's for the same seed).
 fn harder_mix(seed: u64) -> Vec<Vec<PodContainer>> {
+    use gpu_sim::fill::Ask;
     let mut rng = Rng(seed);
-    (0..200)
-        .map(|_| {
-            if rng.below(20) == 0 {
-                let n = 1 + rng.below(2) as u64;
-                vec![PodContainer {
-                    wants: [0, 0, n],
+    let asks = gpu_sim::fill::harder_mix(&mut |n| rng.next() % n, 200);
+    asks.into_iter()
+        .map(|ask| match ask {
+            Ask::Whole(n) => vec![PodContainer {
+                wants: [0, 0, n],
+                ..container(0)
+            }],
+            Ask::Shares(shares) => shares
+                .into_iter()
+                .enumerate()
+                .map(|(c, (memory, core))| PodContainer {
+                    name: format!("c{c}"),
+                    wants: [memory * GIB, core, 0],
                     ..container(0)
-                }]
-            } else {
-                let n = 1 + rng.below(3);
-                (0..n)
-                    .map(|c| PodContainer {
-                        name: format!("c{c}"),
-                        ..fill_share(&mut rng)
-                    })
-                    .collect()
-            }
+                })
+                .collect(),
         })
         .collect()
 }
 
-/// The harder mix on the fill test's cluster, one pod at a time until the
-/// first Unschedulable: the share of GPU memory held then, GPUs taken
-/// whole counting all of theirs.
+/// The harder mix on the fill test's cluster: the share of GPU memory
+/// held (GPUs taken whole counting all of theirs) at the first
+/// Unschedulable, one pod at a time; and, on a fresh cluster, once pods
+/// have arrived until their asks reach the cluster's memory, those that
+/// fit nowhere dropped.
 async fn harder_fill(policy: &str, seed: u64) -> (f64, f64) {
     use gpu_sim::scheduler::SchedulerConfig;
     let sizes: HashMap<String, u64> = gpu_sim::fill::NODES
@@ -979,13 +958,9 @@ async fn harder_fill(policy: &str, seed: u64) -> (f64, f64) {
             .unwrap();
         let assignment = pod["metadata"]["annotations"]["doslab.io/gpu-assignment"]
             .as_str()
-            .unwrap_or_default()
-            .to_owned();
-        sizes
-            .iter()
-            .filter(|(uuid, _)| assignment.contains(&format!("\"{uuid}\"")))
-            .map(|(_, m)| m)
-            .sum()
+            .expect("a bound GPU pod carries its assignment");
+        let gpus: HashMap<String, Vec<String>> = serde_json::from_str(assignment).unwrap();
+        gpus.values().flatten().map(|uuid| sizes[uuid]).sum()
     };
     let share = |h: u64| h as f64 * 100.0 / total as f64;
     let cluster = || {

@@ -18,7 +18,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use gpu_sim::apiserver::PodContainer;
-use gpu_sim::fill::{CORE_PERCENT, MEMORY_GIB, NODES, StandIn};
+use gpu_sim::fill::{Ask, NODES, StandIn, share};
 use gpu_sim::scheduler::SchedulerConfig;
 use std::collections::BTreeMap;
 
@@ -41,60 +41,17 @@ const TARGET: f64 = 95.0;
 /// The target for the harder mix (%), asserted likewise.
 const HARDER_TARGET: f64 = 85.0;
 
-fn weighted(rng: &mut support::Lcg, table: &[(u64, u64)]) -> u64 {
-    let total: u64 = table.iter().map(|&(_, w)| w).sum();
-    let mut x = rng.below(total);
-    for &(v, w) in table {
-        if x < w {
-            return v;
-        }
-        x -= w;
-    }
-    unreachable!("x < total")
-}
-
 /// One shared container per pod: (gpu-memory GiB, gpu-core %); more pods
 /// than the cluster holds.
 fn mix(seed: u64) -> Vec<(u64, u64)> {
     let mut rng = support::Lcg(seed);
-    (0..200).map(|_| share(&mut rng)).collect()
+    (0..200).map(|_| share(&mut |n| rng.below(n))).collect()
 }
 
-/// One shared container's ask: (gpu-memory GiB, gpu-core %).
-fn share(rng: &mut support::Lcg) -> (u64, u64) {
-    let memory = weighted(rng, MEMORY_GIB);
-    let core = if rng.below(4) == 0 {
-        weighted(rng, CORE_PERCENT)
-    } else {
-        0
-    };
-    (memory, core)
-}
-
-/// A pod of the harder mix.
-#[derive(Debug, Clone)]
-enum Ask {
-    /// Shared containers, each (gpu-memory GiB, gpu-core %).
-    Shares(Vec<(u64, u64)>),
-    /// Whole GPUs.
-    Whole(u64),
-}
-
-/// The harder mix: one pod in twenty asks one or two whole GPUs, the
-/// others one to three shared containers of [`share`]; more pods than the
-/// cluster holds.
+/// The harder mix of `seed`; more pods than the cluster holds.
 fn harder_mix(seed: u64) -> Vec<Ask> {
     let mut rng = support::Lcg(seed);
-    (0..200)
-        .map(|_| {
-            if rng.below(20) == 0 {
-                Ask::Whole(1 + rng.below(2))
-            } else {
-                let containers = 1 + rng.below(3);
-                Ask::Shares((0..containers).map(|_| share(&mut rng)).collect())
-            }
-        })
-        .collect()
+    gpu_sim::fill::harder_mix(&mut |n| rng.below(n), 200)
 }
 
 /// Pod `fill-<i>` asking `ask`.

@@ -243,7 +243,7 @@ fn scheduler_annotation_wins_and_an_unknown_gpu_is_refused() {
 }
 
 #[test]
-fn a_pod_being_deleted_is_no_candidate() {
+fn a_pod_no_longer_pending_is_no_candidate() {
     let mut pods = vec![
         pod("gone", 1, vec![container("c", 10, 0, 0)]),
         pod("next", 2, vec![container("c", 10, 0, 0)]),

@@ -21,9 +21,10 @@ pub const NAMESPACE: &str = "standin";
 const GIB: u64 = 1024;
 
 /// The fill test's cluster (tests/kube_fill.rs; the placement bench's
-/// harder mix too), as (node, GPU sizes in GiB): 13 GPUs, 464 GiB. The big node first in name
-/// order: among equals a policy takes the first name, so an empty cluster
-/// does not steer small pods to the small GPUs by luck of the names.
+/// harder mix too), as (node, GPU sizes in GiB): 13 GPUs, 464 GiB. The big
+/// node first in name order: among equals a policy takes the first name,
+/// so an empty cluster does not steer small pods to the small GPUs by luck
+/// of the names.
 pub const NODES: [(&str, &[u64]); 6] = [
     ("node-0", &[80, 80]),
     ("node-1", &[40, 40]),
@@ -50,6 +51,55 @@ pub const MEMORY_GIB: &[(u64, u64)] = &[
 ];
 /// gpu-core asks (%) of the one pod in four that makes one.
 pub const CORE_PERCENT: &[(u64, u64)] = &[(10, 3), (20, 3), (25, 2), (30, 2), (50, 1)];
+
+/// A value of `table` by its weight; `below(n)` draws a number below `n`.
+pub fn weighted(below: &mut impl FnMut(u64) -> u64, table: &[(u64, u64)]) -> u64 {
+    let total: u64 = table.iter().map(|&(_, w)| w).sum();
+    let mut x = below(total);
+    for &(v, w) in table {
+        if x < w {
+            return v;
+        }
+        x -= w;
+    }
+    unreachable!("x < total")
+}
+
+/// One shared container's ask of the fill mix: (gpu-memory GiB, gpu-core
+/// %), one in four asking compute.
+pub fn share(below: &mut impl FnMut(u64) -> u64) -> (u64, u64) {
+    let memory = weighted(below, MEMORY_GIB);
+    let core = if below(4) == 0 {
+        weighted(below, CORE_PERCENT)
+    } else {
+        0
+    };
+    (memory, core)
+}
+
+/// A pod of the harder mix.
+#[derive(Debug, Clone)]
+pub enum Ask {
+    /// Shared containers, each (gpu-memory GiB, gpu-core %).
+    Shares(Vec<(u64, u64)>),
+    /// Whole GPUs.
+    Whole(u64),
+}
+
+/// `n` pods of the harder mix: one in twenty asks one or two whole GPUs,
+/// the others one to three shared containers of [`share`].
+pub fn harder_mix(below: &mut impl FnMut(u64) -> u64, n: usize) -> Vec<Ask> {
+    (0..n)
+        .map(|_| {
+            if below(20) == 0 {
+                Ask::Whole(1 + below(2))
+            } else {
+                let containers = 1 + below(3);
+                Ask::Shares((0..containers).map(|_| share(below)).collect())
+            }
+        })
+        .collect()
+}
 
 /// A cluster of `(node, GPU sizes in GiB)` in the API-server stand-in,
 /// with the real extender and the scheduler stand-in pointed at it.
