@@ -40,8 +40,8 @@ pub(crate) struct BindPlan {
 pub(crate) struct Rank {
     /// Binpack: minus the MiB the pod leaves on the GPUs it takes
     /// ([`leftover`]), then 0. Fragmentation: how little fragmentation the
-    /// pod adds ([`added_score`]), then minus the room the node has left
-    /// ([`room_left`]). Spread: 0, 0: the score alone ranks.
+    /// pod adds ([`added_score`]), then whether the node's GPUs already
+    /// carry work ([`at_work`]). Spread: 0, 0: the score alone ranks.
     key: [i64; 2],
     /// The policy's 0..=10 ([`score`]): under binpack, the busier node
     /// among those the pod leaves as much room on.
@@ -51,22 +51,27 @@ pub(crate) struct Rank {
 /// 0..=100 for the fragmentation a pod adds to a node (thousandths of a
 /// GPU; negative where it takes pieces no other kind of pod could use),
 /// 50 for none: the paper's sigmoid of it in GPUs, whole points only, so
-/// that moves within a few hundredths of a GPU of each other tie and the
-/// node with the least room left takes the pod (FGD on the trace leaves
-/// 292 GPUs unallocated so, 431 ranked by the exact amount:
-/// benches/README.md, Placement on a trace).
+/// that moves within a few hundredths of a GPU of each other tie and go
+/// by a fixed order ([`at_work`], then the GPUs the pod lands on fullest,
+/// then the name): FGD on the trace leaves 291 GPUs unallocated so, 440
+/// ranked by the exact amount (10 seeds; benches/README.md, Placement on
+/// a trace). The fragmentation a pod adds is a weak signal at that scale,
+/// and a fixed order gathers the pods that tie on the same nodes.
 fn added_score(added: f64) -> i64 {
     (100.0 / (1.0 + (added / 1000.0).exp())).floor() as i64
 }
 
-/// A node's room left once a pod is there, to be least: its free GPU
-/// (thousandths) and CPU (millicores), a GPU counting as 16 cores (the
-/// paper's best fit over nodes of up to 8 GPUs and 128 cores, half each).
-fn room_left(gpu_free: u64, cpu_free: Option<u64>) -> i64 {
-    let room = gpu_free
-        .saturating_mul(16)
-        .saturating_add(cpu_free.unwrap_or(0));
-    -i64::try_from(room).unwrap_or(i64::MAX)
+/// 0 for a node whose GPUs already carry work, -1 for one whose GPUs are
+/// all idle: among moves that fragment alike, a pod joins the nodes in use
+/// and the idle ones stay whole for the asks that need an idle node. Ties
+/// broken by the least room left instead spread those pods (317 GPUs
+/// unallocated on the trace against 303; benches/README.md).
+fn at_work(usage: &NodeUsage) -> i64 {
+    let idle = usage
+        .gpus
+        .iter()
+        .all(|g| !g.held_whole() && !g.carries_shared());
+    -i64::from(idle)
 }
 
 pub struct Planner {
@@ -155,9 +160,8 @@ struct Fit<'a> {
     inventory: &'a Inventory,
     usage: Cow<'a, NodeUsage>,
     assignment: Assignment,
-    /// Fragmentation: what the pod adds there, and the room left.
+    /// Fragmentation: what the pod adds there.
     added: f64,
-    left: i64,
 }
 
 impl Planner {
@@ -245,7 +249,6 @@ impl Planner {
             usage,
             assignment,
             added: 0.0,
-            left: 0,
         };
         Ok(match self.policy {
             Policy::Fragmentation => least_fragmenting(fit, cpu, asks, workload),
@@ -322,7 +325,7 @@ impl Planner {
             // (or whose GPUs are unknown here): the kubelet's checks are
             // the scheduler's own.
             return Ok(Rank {
-                key: [added_score(0.0), room_left(0, None)],
+                key: [added_score(0.0), 0],
                 score: 0,
             });
         }
@@ -332,7 +335,7 @@ impl Planner {
                 let left = leftover(f.inventory, &f.usage, asks, &f.assignment);
                 [-i64::try_from(left).unwrap_or(i64::MAX), 0]
             }
-            Policy::Fragmentation => [added_score(f.added), f.left],
+            Policy::Fragmentation => [added_score(f.added), at_work(&f.usage)],
             Policy::Spread => [0, 0],
         };
         Ok(Rank {
@@ -397,7 +400,7 @@ pub(super) fn asks_gpus(asks: &PodAsks) -> bool {
 
 /// `fit` moved to the GPUs of the node where the pod adds the least
 /// fragmentation for `workload` (the fit's own choice among equals), with
-/// what it adds and the room it leaves.
+/// what it adds.
 fn least_fragmenting<'a>(
     fit: Fit<'a>,
     cpu: NodeCpu,
@@ -410,7 +413,7 @@ fn least_fragmenting<'a>(
         cpu_free: cpu.free(),
     };
     let before = workload.fragmentation(&room);
-    let mut best: Option<(f64, Assignment, NodeUsage, Option<u64>)> = None;
+    let mut best: Option<(f64, Assignment)> = None;
     for a in alternatives(fit.inventory, &fit.usage, asks, &fit.assignment) {
         let (usage, cpu_free) = room_after(&room, asks, &a);
         let after = NodeRoom {
@@ -419,22 +422,14 @@ fn least_fragmenting<'a>(
             ..room
         };
         let added = workload.fragmentation(&after) - before;
-        if best.as_ref().is_none_or(|(b, ..)| added < *b) {
-            best = Some((added, a, usage, cpu_free));
+        if best.as_ref().is_none_or(|(b, _)| added < *b) {
+            best = Some((added, a));
         }
     }
-    let (added, assignment, usage, cpu_free) =
-        best.expect("the fit's own assignment is an alternative");
-    let after = NodeRoom {
-        usage: &usage,
-        cpu_free,
-        ..room
-    };
-    let left = room_left(after.gpu_free(), cpu_free);
+    let (added, assignment) = best.expect("the fit's own assignment is an alternative");
     Fit {
         assignment,
         added,
-        left,
         ..fit
     }
 }
@@ -825,10 +820,25 @@ mod tests {
         let f = fragmentation();
         let asks = f.asks(&pod).unwrap();
         assert!(f.rank(&ix, "roomy", &asks) > f.rank(&ix, "tight", &asks));
-        // With CPU to spare on both, the fuller node (less CPU left) wins.
-        let small = with_cpu(gpu_pod("ns", "q", &[c("app", false, 3072, 30, 0)]), "1");
-        let asks = f.asks(&small).unwrap();
-        assert!(f.rank(&ix, "tight", &asks) > f.rank(&ix, "roomy", &asks));
+    }
+
+    /// Where a pod fragments two nodes alike and lands on GPUs as full on
+    /// each, it joins the node whose GPUs already carry work, though the
+    /// idle one comes first by name and would have less room left.
+    #[test]
+    fn fragmentation_ties_go_to_a_node_at_work() {
+        let mut ix = Index::new("doslab.io");
+        ix.apply_node(gpu_node("a-idle", &[("GPU-a", 4096)]));
+        ix.apply_node(gpu_node("b-busy", &[("GPU-b", 5120), ("GPU-c", 5120)]));
+        let ledger = r#"{"app":{"gpus":["GPU-b"],"gpu-memory":512,"gpu-core":5}}"#;
+        let holder = gpu_pod("ns", "holder", &[c("app", false, 512, 5, 0)]);
+        ix.apply_pod(bound(holder, "b-busy", &[("doslab.io/gpu-ledger", ledger)]));
+        let pod = gpu_pod("ns", "p", &[c("app", false, 2048, 10, 0)]);
+        let f = fragmentation();
+        let asks = f.asks(&pod).unwrap();
+        let (idle, busy) = (f.rank(&ix, "a-idle", &asks), f.rank(&ix, "b-busy", &asks));
+        assert_eq!(idle.unwrap().key[0], busy.unwrap().key[0]);
+        assert!(busy > idle);
     }
 
     /// Under fragmentation a pod asking no GPU is placed too (it may take

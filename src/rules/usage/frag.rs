@@ -111,11 +111,6 @@ impl GpuRoom {
 }
 
 impl NodeRoom<'_> {
-    /// Thousandths of a GPU free on the node, all GPUs together.
-    pub(crate) fn gpu_free(&self) -> u64 {
-        self.gpus().iter().map(|g| g.free).sum()
-    }
-
     fn gpus(&self) -> Vec<GpuRoom> {
         let (inv, u) = (self.inventory, self.usage);
         (0..inv.gpus.len())
