@@ -67,11 +67,7 @@ fn added_score(added: f64) -> i64 {
 /// broken by the least room left instead spread those pods (317 GPUs
 /// unallocated on the trace against 303; benches/README.md).
 fn at_work(usage: &NodeUsage) -> i64 {
-    let idle = usage
-        .gpus
-        .iter()
-        .all(|g| !g.held_whole() && !g.carries_shared());
-    -i64::from(idle)
+    -i64::from(usage.gpus.iter().all(|g| g.idle()))
 }
 
 pub struct Planner {

@@ -120,8 +120,7 @@ fn holds(inv: &Inventory, usage: &NodeUsage, g: usize, need: &PerResource<u64>) 
 
 /// Whether GPU `g` is healthy and free of any work: what a whole ask takes.
 fn free_of_work(inv: &Inventory, usage: &NodeUsage, g: usize) -> bool {
-    let u = &usage.gpus[g];
-    inv.gpus[g].healthy && !u.held_whole() && !u.carries_shared()
+    inv.gpus[g].healthy && usage.gpus[g].idle()
 }
 
 /// GPUs for every container of the pod at once: each shared container on

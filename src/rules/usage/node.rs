@@ -182,6 +182,11 @@ impl GpuUsage {
     pub(crate) fn carries_shared(&self) -> bool {
         self.sharers > 0
     }
+
+    /// Carries no work, whole or shared.
+    pub(crate) fn idle(&self) -> bool {
+        !self.held_whole() && !self.carries_shared()
+    }
 }
 
 /// Per GPU of an [`Inventory`], in its order.
