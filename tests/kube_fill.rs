@@ -15,7 +15,7 @@
 
 mod support;
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use gpu_sim::apiserver::PodContainer;
 use gpu_sim::fill::{Ask, NODES, StandIn, share};
@@ -121,19 +121,6 @@ impl Fill {
     }
 }
 
-/// The scheduler's verdict that no node takes the pod.
-fn unschedulable(pod: &Pod) -> Option<String> {
-    let conditions = pod.status.as_ref()?.conditions.as_ref()?;
-    conditions
-        .iter()
-        .find(|c| {
-            c.type_ == "PodScheduled"
-                && c.status == "False"
-                && c.reason.as_deref() == Some("Unschedulable")
-        })
-        .map(|c| c.message.clone().unwrap_or_default())
-}
-
 /// The fill on a fresh control plane with [`NODES`], the real scheduler
 /// and extender (binpack, the shipped default).
 async fn real_fill(pods: &[(u64, u64)]) -> Fill {
@@ -200,17 +187,7 @@ async fn fill_one_by_one<T: std::fmt::Debug>(
     for (i, ask) in pods.iter().enumerate() {
         let p = pod(i, ask);
         let name = p.metadata.name.clone().unwrap();
-        create(client, &p).await;
-        let p = wait_pod(client, NS, &name, Duration::from_secs(60), |p| {
-            matches!(phase(p), "Running" | "Failed") || unschedulable(p).is_some()
-        })
-        .await
-        .unwrap_or_else(|p| {
-            panic!(
-                "{name} neither ran nor was unschedulable: {p:#?}\n{}",
-                logs()
-            )
-        });
+        let p = create_and_decide(client, &p, &logs).await;
         if let Some(why) = unschedulable(&p) {
             fill.refused = Some((format!("{ask:?}"), why));
             break;

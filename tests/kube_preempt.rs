@@ -258,7 +258,7 @@ async fn preemption_frees_one_gpu_with_the_fewest_victims_where_default_preempti
     // The same on the shipped profile without the verb: kube-scheduler's
     // own preemption, by the node's totals.
     clear(&client).await;
-    let sched = Scheduler::start_edited(&cp, |profile| {
+    let sched = Scheduler::start_edited(&cp, "", |profile| {
         let extender = profile["extenders"][0].as_mapping_mut().unwrap();
         extender.remove("preemptVerb");
     });

@@ -5,7 +5,10 @@
 //! and the same check of every placement. Prints, per trace variant and
 //! policy, the share of the cluster's GPUs allocated as the arrived load
 //! grows to 130 % of their capacity, and the GPUs left unallocated at
-//! 100 %. Nothing here asserts a number.
+//! 100 %. Nothing here asserts a number. The trace's files, the replayed
+//! cluster and the product's placement over it are `gpu_sim::trace`'s,
+//! which `tests/kube_trace.rs` checks against the real components on a
+//! sample; the paper's policies are here.
 //!
 //! `TRACE_DIR`: the trace's folder (default `../shared/traces/
 //! alibaba-gpu-v2023` beside the checkout); `TRACE_VARIANTS`: the pod
@@ -14,16 +17,14 @@
 //! `TRACE_POLICIES`: only the policies whose names contain one of these
 //! (comma-separated).
 
-mod cluster;
-mod load;
 mod policies;
-mod product;
 
 use std::path::PathBuf;
 use std::time::Instant;
 
-use cluster::{Cluster, Placement};
-use load::Task;
+use gpu_sim::trace::cluster::{Cluster, Placement};
+use gpu_sim::trace::load::{self, Task};
+use gpu_sim::trace::product;
 
 /// A way of choosing where a task goes.
 pub trait Policy {

@@ -10,9 +10,9 @@
 use std::collections::HashMap;
 
 use crate::Policy;
-use crate::cluster::{Cluster, GPU, NodeState, Placement};
-use crate::load::{Task, TraceNode};
-use crate::product::Product;
+use gpu_sim::trace::cluster::{Cluster, GPU, NodeState, Placement};
+use gpu_sim::trace::load::{Task, TraceNode};
+use gpu_sim::trace::product::Product;
 
 /// The simulator's normalising constants: the largest node's CPU
 /// (milli) and GPUs (thousandths).

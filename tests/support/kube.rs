@@ -353,15 +353,32 @@ pub struct KubeNode {
     /// The daemon's config, for a restart.
     config: String,
     pub gpus: usize,
-    /// The kubelet's `--node-ip`, for a restart.
-    node_ip: Option<std::net::IpAddr>,
+    /// The kubelet's own flags (`--node-ip`, capacities), for a restart.
+    kubelet_flags: Vec<String>,
 }
 
 impl KubeNode {
     /// Node `name` with mock `gpus` (uuid, MiB); `top` adds top-level keys
     /// to the daemon's config (pod matching is on, enforcement off).
     pub async fn start(cp: &ControlPlane, name: &str, gpus: &[(&str, u64)], top: &str) -> KubeNode {
-        KubeNode::start_at(cp, name, gpus, top, None).await
+        KubeNode::start_at(cp, name, gpus, top, None, Vec::new()).await
+    }
+
+    /// As [`KubeNode::start`], the Node's `cpu`, `memory` and `pods`
+    /// capacity as given (quantities), which the scheduler counts and the
+    /// kubelet's admission checks.
+    pub async fn start_sized(
+        cp: &ControlPlane,
+        name: &str,
+        gpus: &[(&str, u64)],
+        top: &str,
+        [cpu, memory, pods]: [&str; 3],
+    ) -> KubeNode {
+        let flags = [("--cpu", cpu), ("--memory", memory), ("--pods", pods)]
+            .into_iter()
+            .flat_map(|(flag, value)| [flag.to_owned(), value.to_owned()])
+            .collect();
+        KubeNode::start_at(cp, name, gpus, top, None, flags).await
     }
 
     /// As [`KubeNode::start`], with the daemon reachable as a DaemonSet's
@@ -376,7 +393,7 @@ impl KubeNode {
         top: &str,
         ip: std::net::IpAddr,
     ) -> KubeNode {
-        KubeNode::start_at(cp, name, gpus, top, Some(ip)).await
+        KubeNode::start_at(cp, name, gpus, top, Some(ip), Vec::new()).await
     }
 
     async fn start_at(
@@ -385,8 +402,9 @@ impl KubeNode {
         gpus: &[(&str, u64)],
         top: &str,
         ip: Option<std::net::IpAddr>,
+        capacity: Vec<String>,
     ) -> KubeNode {
-        let node = KubeNode::launch(cp, name, gpus, ip, |_, kubeconfig| {
+        let node = KubeNode::launch(cp, name, gpus, ip, capacity, |_, kubeconfig| {
             format!(
                 "pod_matching = true\n{top}\n[matcher]\nkubeconfig = {:?}\n\
                  [enforcement]\nmode = \"none\"\n",
@@ -417,7 +435,7 @@ impl KubeNode {
             "-k",
             overlay.to_str().unwrap(),
         ]);
-        let node = KubeNode::launch(cp, name, gpus, None, |dir, kubeconfig| {
+        let node = KubeNode::launch(cp, name, gpus, None, Vec::new(), |dir, kubeconfig| {
             format!(
                 "resources = []\npod_matching = false\n[matcher]\nkubeconfig = {:?}\n{tables}\n\
                  [dra]\nenabled = true\nplugins_registry_dir = {:?}\nplugins_dir = {:?}\n\
@@ -441,8 +459,13 @@ impl KubeNode {
         name: &str,
         gpus: &[(&str, u64)],
         ip: Option<std::net::IpAddr>,
+        capacity: Vec<String>,
         config: impl FnOnce(&Path, &Path) -> String,
     ) -> KubeNode {
+        let mut kubelet_flags = capacity;
+        if let Some(ip) = ip {
+            kubelet_flags.extend(["--node-ip".into(), ip.to_string()]);
+        }
         let dir = tempfile::tempdir().unwrap();
         let plugins = dir.path().join("device-plugins");
         std::fs::create_dir_all(&plugins).unwrap();
@@ -462,7 +485,7 @@ impl KubeNode {
             "--out",
             dir.path().join("kubelet.kubeconfig").to_str().unwrap(),
         ]);
-        let kubelet = KubeNode::spawn_kubelet(name, dir.path(), ip);
+        let kubelet = KubeNode::spawn_kubelet(name, dir.path(), &kubelet_flags);
         // Where a reachable daemon listens: a free port at `ip`.
         let listen = ip.map(|ip| {
             let socket = std::net::TcpListener::bind((ip, 0)).unwrap();
@@ -505,7 +528,7 @@ impl KubeNode {
             kubelet,
             dir,
             gpus: gpus.len(),
-            node_ip: ip,
+            kubelet_flags,
         }
     }
 
@@ -539,22 +562,22 @@ impl KubeNode {
         .await;
     }
 
-    fn spawn_kubelet(name: &str, dir: &Path, ip: Option<std::net::IpAddr>) -> Proc {
-        let ip = ip.map(|ip| ip.to_string()).unwrap_or_default();
+    fn spawn_kubelet(name: &str, dir: &Path, flags: &[String]) -> Proc {
+        let paths = ["kubelet.kubeconfig", "kubelet", "device-plugins"].map(|p| dir.join(p));
+        let mut args: Vec<&std::ffi::OsStr> = vec![
+            "kubelet".as_ref(),
+            "--kubeconfig".as_ref(),
+            paths[0].as_os_str(),
+            "--node".as_ref(),
+            name.as_ref(),
+            "--root".as_ref(),
+            paths[1].as_os_str(),
+            "--device-plugins".as_ref(),
+            paths[2].as_os_str(),
+        ];
+        args.extend(flags.iter().map(std::ffi::OsStr::new));
         Proc::spawn(
-            &[
-                "kubelet".as_ref(),
-                "--kubeconfig".as_ref(),
-                dir.join("kubelet.kubeconfig").as_os_str(),
-                "--node".as_ref(),
-                name.as_ref(),
-                "--root".as_ref(),
-                dir.join("kubelet").as_os_str(),
-                "--device-plugins".as_ref(),
-                dir.join("device-plugins").as_os_str(),
-                "--node-ip".as_ref(),
-                ip.as_ref(),
-            ],
+            &args,
             dir.join(format!(
                 "kubelet-{}.log",
                 std::time::SystemTime::now()
@@ -617,7 +640,7 @@ impl KubeNode {
     pub async fn restart_kubelet(&mut self) {
         unsafe { libc::kill(self.kubelet.child.id() as i32, libc::SIGKILL) };
         let _ = self.kubelet.child.wait();
-        self.kubelet = KubeNode::spawn_kubelet(&self.name, self.dir.path(), self.node_ip);
+        self.kubelet = KubeNode::spawn_kubelet(&self.name, self.dir.path(), &self.kubelet_flags);
     }
 
     /// The kubelet's plugins_registry (`<root>/plugins_registry`): its
@@ -732,9 +755,13 @@ impl Scheduler {
         Scheduler::spawn(cp, extender_toml, true, |_| {})
     }
 
-    /// [`Scheduler::start`] on the shipped profile changed by `edit`.
-    pub fn start_edited(cp: &ControlPlane, edit: impl FnOnce(&mut serde_yaml::Value)) -> Scheduler {
-        Scheduler::spawn(cp, "", true, edit)
+    /// [`Scheduler::start_with`] on the shipped profile changed by `edit`.
+    pub fn start_edited(
+        cp: &ControlPlane,
+        extender_toml: &str,
+        edit: impl FnOnce(&mut serde_yaml::Value),
+    ) -> Scheduler {
+        Scheduler::spawn(cp, extender_toml, true, edit)
     }
 
     /// [`Scheduler::start`] with leader election off. A kube-scheduler
@@ -909,6 +936,37 @@ pub async fn create(client: &kube::Client, pod: &Pod) -> Instant {
     let api: Api<Pod> = Api::namespaced(client.clone(), ns);
     api.create(&PostParams::default(), pod).await.unwrap();
     Instant::now()
+}
+
+/// The scheduler's verdict that no node takes the pod.
+pub fn unschedulable(pod: &Pod) -> Option<String> {
+    let conditions = pod.status.as_ref()?.conditions.as_ref()?;
+    conditions
+        .iter()
+        .find(|c| {
+            c.type_ == "PodScheduled"
+                && c.status == "False"
+                && c.reason.as_deref() == Some("Unschedulable")
+        })
+        .map(|c| c.message.clone().unwrap_or_default())
+}
+
+/// Creates `pod` and waits until it runs, fails or is unschedulable (a
+/// minute at most, else fails the test with `logs()`); returns it then.
+pub async fn create_and_decide(client: &kube::Client, pod: &Pod, logs: impl Fn() -> String) -> Pod {
+    let ns = pod.metadata.namespace.as_deref().unwrap();
+    let name = pod.metadata.name.clone().unwrap();
+    create(client, pod).await;
+    wait_pod(client, ns, &name, Duration::from_secs(60), |p| {
+        matches!(phase(p), "Running" | "Failed") || unschedulable(p).is_some()
+    })
+    .await
+    .unwrap_or_else(|p| {
+        panic!(
+            "{name} neither ran nor was unschedulable: {p:#?}\n{}",
+            logs()
+        )
+    })
 }
 
 /// Waits until pod `namespace/name` satisfies `done`; returns it.

@@ -186,14 +186,18 @@ impl Workload {
 
     /// The workload of pods counted by kind: the most common kinds down to
     /// [`KEEP_PERCENT`] of the pods, [`MAX_KINDS`] at most (ties in kind
-    /// order), each weighted by its share of those.
+    /// order), each weighted by its share of those. Pods asking neither CPU
+    /// nor GPUs (a DaemonSet's agents, often one a node) fit on any node
+    /// and are never stranded: counted, they would only shrink the other
+    /// kinds' weights, and with them which moves tie.
     pub(crate) fn of(counts: &HashMap<Kind, u64>) -> Workload {
-        let total: u64 = counts.values().sum();
-        let mut kinds: Vec<(&Kind, u64)> = counts
+        let kinds: Vec<(&Kind, u64)> = counts
             .iter()
-            .filter(|(_, n)| **n > 0)
+            .filter(|(k, n)| **n > 0 && (k.cpu_milli > 0 || k.asks_gpus()))
             .map(|(k, n)| (k, *n))
             .collect();
+        let total: u64 = kinds.iter().map(|(_, n)| n).sum();
+        let mut kinds = kinds;
         kinds.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(b.0)));
         let mut kept = 0;
         let mut chosen = Vec::new();

@@ -1583,7 +1583,11 @@ mod fragmentation {
             0.5 * 500.0 + 0.25 * 500.0 + 0.25 * 1500.0
         );
         // Kinds past 95 % of the pods are left out.
-        let w = Workload::of(&HashMap::from([(a, 99), (kind(0, &[], 2), 1)]));
+        let w = Workload::of(&HashMap::from([(a.clone(), 99), (kind(0, &[], 2), 1)]));
+        assert_eq!(w.fragmentation(&room), 500.0);
+        // Pods asking nothing (an agent on every node) weigh nothing: the
+        // shares keep their whole weight.
+        let w = Workload::of(&HashMap::from([(a, 1), (kind(0, &[], 0), 3)]));
         assert_eq!(w.fragmentation(&room), 500.0);
     }
 

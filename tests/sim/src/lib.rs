@@ -18,3 +18,4 @@ pub mod memory;
 pub mod mps_control;
 mod placement_demo;
 pub mod scheduler;
+pub mod trace;

@@ -7,14 +7,17 @@
 
 use std::collections::BTreeMap;
 
+use crate::memory::MemoryCluster;
 use gpu_device_plugin::extender::wire::{ExtenderArgs, ExtenderBindingArgs};
 use gpu_device_plugin::extender::{Extender, ExtenderConfig, pod_name};
-use gpu_sim::memory::MemoryCluster;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde_json::json;
 
-use crate::cluster::{Cluster, Placement};
-use crate::load::{MODELS, Task, TraceNode};
+use super::cluster::{Cluster, Placement};
+use super::load::{MODELS, Task, TraceNode};
+
+/// The namespace of the trace's pods.
+pub const NAMESPACE: &str = "trace";
 
 /// The label a GPU-model selector names.
 const MODEL_LABEL: &str = "gpu.example.com/model";
@@ -110,7 +113,15 @@ fn node(name: &str, n: &TraceNode, uuids: &[String]) -> Node {
     .expect("a valid Node")
 }
 
-fn pod(name: &str, t: &Task) -> Pod {
+/// The name of the trace's `i`-th node, in the replay and on real nodes.
+pub fn node_name(i: usize) -> String {
+    format!("node-{i:04}")
+}
+
+/// Task `t` as pod `trace/<name>` of the GPU scheduler: a share asks its
+/// thousandths as percent of one GPU's memory units and cores, whole GPUs
+/// `gpu-count`, a GPU-model constraint a required node affinity.
+pub fn pod(name: &str, t: &Task) -> Pod {
     let mut limits = BTreeMap::new();
     if t.shared() {
         let percent = (t.gpu_milli / 10).to_string();
@@ -131,12 +142,13 @@ fn pod(name: &str, t: &Task) -> Pod {
         }})
     });
     serde_json::from_value(json!({
-        "metadata": { "name": name, "namespace": "trace", "uid": format!("uid-{name}") },
+        "metadata": { "name": name, "namespace": NAMESPACE, "uid": format!("uid-{name}") },
         "spec": {
             "schedulerName": "doslab-gpu-scheduler",
             "affinity": affinity,
             "containers": [{
                 "name": "task",
+                "image": "task",
                 "resources": {
                     "requests": { "cpu": format!("{}m", t.cpu_milli), "memory": format!("{}Mi", t.memory_mib) },
                     "limits": limits,
@@ -157,7 +169,7 @@ impl Product {
         let mut names = Vec::new();
         let mut uuids = Vec::new();
         for (i, n) in nodes.iter().enumerate() {
-            let name = format!("node-{i:04}");
+            let name = node_name(i);
             let gpus: Vec<String> = (0..n.gpus).map(|g| format!("GPU-{i:04}-{g}")).collect();
             cluster.add_node(node(&name, n, &gpus));
             names.push(name);

@@ -1,7 +1,7 @@
 //! The replayed cluster: what each node has left, the one truth every
 //! policy reads and every placement is checked against before it counts.
 
-use crate::load::{Task, TraceNode};
+use super::load::{Task, TraceNode};
 
 /// Thousandths of a GPU in one GPU.
 pub const GPU: u32 = 1000;
