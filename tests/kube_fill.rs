@@ -187,7 +187,7 @@ async fn fill_one_by_one<T: std::fmt::Debug>(
     for (i, ask) in pods.iter().enumerate() {
         let p = pod(i, ask);
         let name = p.metadata.name.clone().unwrap();
-        let p = create_and_decide(client, &p, &logs).await;
+        let p = create_and_decide(client, &p, |_| logs()).await;
         if let Some(why) = unschedulable(&p) {
             fill.refused = Some((format!("{ask:?}"), why));
             break;

@@ -93,11 +93,19 @@ async fn a_trace_sample_allocates_as_its_replay() {
     });
     let client = cp.admin_client().await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
-    let logs = || {
+    // The node a pod that never ran was bound to: its kubelet's and
+    // daemon's logs join the scheduler's and the extender's.
+    let logs = |node: Option<&str>| {
+        let on = kube_nodes.iter().find(|n| Some(n.name.as_str()) == node);
+        let (kubelet, daemon) = on.map_or_else(Default::default, |n| {
+            (n.kubelet.log_text(), n.daemon.log_text())
+        });
         format!(
-            "--- scheduler\n{}\n--- extender\n{}",
+            "--- scheduler\n{}\n--- extender\n{}\n--- kubelet of {node:?}\n{}\n--- daemon\n{}",
             tail(&sched.proc.log_text()),
-            tail(&sched.extender.log_text())
+            tail(&sched.extender.log_text()),
+            tail(&kubelet),
+            tail(&daemon),
         )
     };
     let (mut allocated, mut failed, mut elsewhere) = (0u64, Vec::new(), 0usize);
@@ -106,7 +114,7 @@ async fn a_trace_sample_allocates_as_its_replay() {
         let mut pod = product::pod(&name, t);
         pod.metadata.uid = None;
         pod.status = None;
-        let ran = create_and_decide(&client, &pod, logs).await;
+        let ran = create_and_decide(&client, &pod, &logs).await;
         if unschedulable(&ran).is_some() {
             pods.delete(&name, &Default::default()).await.unwrap();
             wait_gone(&client, NAMESPACE, &name, Duration::from_secs(30)).await;
@@ -131,7 +139,7 @@ async fn a_trace_sample_allocates_as_its_replay() {
     assert!(
         (real_share - replay_share).abs() <= WITHIN,
         "real {real_share:.1} % against the replay's {replay_share:.1} %\n{}",
-        logs()
+        logs(None)
     );
     drop(sched);
     drop(kube_nodes);

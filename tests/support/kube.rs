@@ -952,8 +952,13 @@ pub fn unschedulable(pod: &Pod) -> Option<String> {
 }
 
 /// Creates `pod` and waits until it runs, fails or is unschedulable (a
-/// minute at most, else fails the test with `logs()`); returns it then.
-pub async fn create_and_decide(client: &kube::Client, pod: &Pod, logs: impl Fn() -> String) -> Pod {
+/// minute at most, else fails the test with `logs(node)`, `node` the one
+/// it was bound to if any); returns it then.
+pub async fn create_and_decide(
+    client: &kube::Client,
+    pod: &Pod,
+    logs: impl Fn(Option<&str>) -> String,
+) -> Pod {
     let ns = pod.metadata.namespace.as_deref().unwrap();
     let name = pod.metadata.name.clone().unwrap();
     create(client, pod).await;
@@ -962,9 +967,12 @@ pub async fn create_and_decide(client: &kube::Client, pod: &Pod, logs: impl Fn()
     })
     .await
     .unwrap_or_else(|p| {
+        let node = p
+            .as_ref()
+            .and_then(|p| p.spec.as_ref()?.node_name.as_deref());
         panic!(
             "{name} neither ran nor was unschedulable: {p:#?}\n{}",
-            logs()
+            logs(node)
         )
     })
 }

@@ -70,6 +70,14 @@ impl Kind {
     fn asks_gpus(&self) -> bool {
         self.whole > 0 || !self.shares.is_empty()
     }
+
+    /// Whether pods of this kind count in a workload: pods asking neither
+    /// CPU nor GPUs (a DaemonSet's agents, often one a node) fit on any
+    /// node and are never stranded; counted, they would only shrink the
+    /// other kinds' weights, and with them which moves tie.
+    pub(crate) fn weighs(&self) -> bool {
+        self.cpu_milli > 0 || self.asks_gpus()
+    }
 }
 
 /// The kinds of pods the cluster runs, each with its share of them.
@@ -179,6 +187,10 @@ impl NodeRoom<'_> {
 }
 
 impl Workload {
+    pub(crate) fn is_empty(&self) -> bool {
+        self.kinds.is_empty()
+    }
+
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.kinds.len()
@@ -186,14 +198,12 @@ impl Workload {
 
     /// The workload of pods counted by kind: the most common kinds down to
     /// [`KEEP_PERCENT`] of the pods, [`MAX_KINDS`] at most (ties in kind
-    /// order), each weighted by its share of those. Pods asking neither CPU
-    /// nor GPUs (a DaemonSet's agents, often one a node) fit on any node
-    /// and are never stranded: counted, they would only shrink the other
-    /// kinds' weights, and with them which moves tie.
+    /// order), each weighted by its share of those; kinds that do not
+    /// [`Kind::weighs`] left out.
     pub(crate) fn of(counts: &HashMap<Kind, u64>) -> Workload {
         let kinds: Vec<(&Kind, u64)> = counts
             .iter()
-            .filter(|(k, n)| **n > 0 && (k.cpu_milli > 0 || k.asks_gpus()))
+            .filter(|(k, n)| **n > 0 && k.weighs())
             .map(|(k, n)| (k, *n))
             .collect();
         let total: u64 = kinds.iter().map(|(_, n)| n).sum();
