@@ -798,12 +798,20 @@ func (k *kubeletPeer) healthLoop(ctx context.Context) {
 	}
 }
 
+// forbiddenPasses is how long a Forbidden answer is taken to pass: the
+// Node authorizer learns that a pod is bound to this node from its own
+// informer, which may deliver the binding after this node's watch did, and
+// until then refuses the node the pod ("no relationship found"); the
+// kubelet's status manager retries such a write at its next sync.
+const forbiddenPasses = 30 * time.Second
+
 // retry runs write until it reports done, the pod is gone (NotFound), the
 // API server refuses it for good or ctx ends. A conflict is retried at
-// once; an error that may pass (no answer, a timeout, a 5xx, throttling)
-// after a backoff.
+// once; an error that may pass (no answer, a timeout, a 5xx, throttling,
+// Forbidden for a while) after a backoff.
 func (k *kubeletPeer) retry(ctx context.Context, what string, pod *v1.Pod, write func() (bool, error)) {
 	delay := 100 * time.Millisecond
+	started := time.Now()
 	for {
 		done, err := write()
 		if done || apierrors.IsNotFound(err) {
@@ -816,7 +824,8 @@ func (k *kubeletPeer) retry(ctx context.Context, what string, pod *v1.Pod, write
 		var status apierrors.APIStatus
 		passing := apierrors.IsServerTimeout(err) || apierrors.IsTimeout(err) ||
 			apierrors.IsTooManyRequests(err) || apierrors.IsInternalError(err) ||
-			apierrors.IsServiceUnavailable(err)
+			apierrors.IsServiceUnavailable(err) ||
+			(apierrors.IsForbidden(err) && time.Since(started) < forbiddenPasses)
 		if errors.As(err, &status) && !passing {
 			return
 		}
