@@ -135,16 +135,7 @@ impl Learned {
                 changes.abs_diff(at) >= (self.pods / RELEARN_DIVISOR).max(RELEARN_MIN)
             });
             if moved {
-                let seen: u64 = counts
-                    .iter()
-                    .filter(|(k, _)| k.weighs())
-                    .map(|(_, n)| n)
-                    .sum();
-                self.workload = Arc::new(if seen < LEARNED_FROM {
-                    Workload::default()
-                } else {
-                    Workload::of(counts)
-                });
+                self.workload = Arc::new(Workload::of(counts, LEARNED_FROM));
                 self.pods = counts.values().sum();
                 self.at = Some(changes);
                 self.generation += 1;
@@ -345,16 +336,14 @@ impl Planner {
         }
         let f = self.place(ix, node, asking, workload)?;
         let key = match self.policy {
-            // Nothing learned yet: pack.
-            Policy::Fragmentation if workload.is_empty() => {
+            Policy::Fragmentation if !workload.is_empty() => {
+                [added_score(f.added), at_work(&f.usage)]
+            }
+            // Fragmentation with nothing learned yet packs.
+            Policy::Binpack | Policy::Fragmentation => {
                 let left = leftover(f.inventory, &f.usage, asks, &f.assignment);
                 [-i64::try_from(left).unwrap_or(i64::MAX), 0]
             }
-            Policy::Binpack => {
-                let left = leftover(f.inventory, &f.usage, asks, &f.assignment);
-                [-i64::try_from(left).unwrap_or(i64::MAX), 0]
-            }
-            Policy::Fragmentation => [added_score(f.added), at_work(&f.usage)],
             Policy::Spread => [0, 0],
         };
         Ok(Rank {

@@ -75,7 +75,7 @@ impl Kind {
     /// CPU nor GPUs (a DaemonSet's agents, often one a node) fit on any
     /// node and are never stranded; counted, they would only shrink the
     /// other kinds' weights, and with them which moves tie.
-    pub(crate) fn weighs(&self) -> bool {
+    fn weighs(&self) -> bool {
         self.cpu_milli > 0 || self.asks_gpus()
     }
 }
@@ -199,15 +199,18 @@ impl Workload {
     /// The workload of pods counted by kind: the most common kinds down to
     /// [`KEEP_PERCENT`] of the pods, [`MAX_KINDS`] at most (ties in kind
     /// order), each weighted by its share of those; kinds that do not
-    /// [`Kind::weighs`] left out.
-    pub(crate) fn of(counts: &HashMap<Kind, u64>) -> Workload {
-        let kinds: Vec<(&Kind, u64)> = counts
+    /// [`Kind::weighs`] left out. None (empty) while fewer than
+    /// `at_least` pods weigh.
+    pub(crate) fn of(counts: &HashMap<Kind, u64>, at_least: u64) -> Workload {
+        let mut kinds: Vec<(&Kind, u64)> = counts
             .iter()
             .filter(|(k, n)| **n > 0 && k.weighs())
             .map(|(k, n)| (k, *n))
             .collect();
         let total: u64 = kinds.iter().map(|(_, n)| n).sum();
-        let mut kinds = kinds;
+        if total < at_least {
+            return Workload::default();
+        }
         kinds.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(b.0)));
         let mut kept = 0;
         let mut chosen = Vec::new();

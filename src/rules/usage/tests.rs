@@ -1520,7 +1520,7 @@ mod fragmentation {
     }
 
     fn alone(k: Kind) -> Workload {
-        Workload::of(&HashMap::from([(k, 1)]))
+        Workload::of(&HashMap::from([(k, 1)]), 0)
     }
 
     #[test]
@@ -1577,17 +1577,17 @@ mod fragmentation {
             cpu_free: None,
         };
         let (a, b, c) = (kind(0, &[[6, 60]], 0), kind(0, &[], 1), kind(0, &[], 2));
-        let w = Workload::of(&HashMap::from([(a.clone(), 2), (b, 1), (c, 1)]));
+        let w = Workload::of(&HashMap::from([(a.clone(), 2), (b, 1), (c, 1)]), 0);
         assert_eq!(
             w.fragmentation(&room),
             0.5 * 500.0 + 0.25 * 500.0 + 0.25 * 1500.0
         );
         // Kinds past 95 % of the pods are left out.
-        let w = Workload::of(&HashMap::from([(a.clone(), 99), (kind(0, &[], 2), 1)]));
+        let w = Workload::of(&HashMap::from([(a.clone(), 99), (kind(0, &[], 2), 1)]), 0);
         assert_eq!(w.fragmentation(&room), 500.0);
         // Pods asking nothing (an agent on every node) weigh nothing: the
         // shares keep their whole weight.
-        let w = Workload::of(&HashMap::from([(a, 1), (kind(0, &[], 0), 3)]));
+        let w = Workload::of(&HashMap::from([(a, 1), (kind(0, &[], 0), 3)]), 0);
         assert_eq!(w.fragmentation(&room), 500.0);
     }
 
@@ -1672,7 +1672,7 @@ fn a_workload_keeps_at_most_64_kinds() {
     };
     // CPU-only kinds strand all of a free GPU whatever their weights: the
     // weights of the kept kinds still add up to one.
-    let f = Workload::of(&counts).fragmentation(&room);
+    let f = Workload::of(&counts, 0).fragmentation(&room);
     assert!((f - 1000.0).abs() < 1e-6, "{f}");
-    assert_eq!(Workload::of(&counts).len(), 64);
+    assert_eq!(Workload::of(&counts, 0).len(), 64);
 }
