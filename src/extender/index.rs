@@ -15,8 +15,8 @@ use kube::core::{Selector, SelectorExt};
 
 use crate::rules::usage::quantity::parse_milli;
 use crate::rules::usage::{
-    Assignment, ContainerAsk, Holding, Inventory, InventoryError, Keys, Kind, Ledger, NodeUsage,
-    PodAsks, Records, finished, pod_holdings,
+    Assignment, ContainerAsk, Holding, Inventory, InventoryError, Keys, Kind, Ledger,
+    NodeSelection, NodeUsage, PodAsks, Records, finished, pod_holdings,
 };
 
 /// `namespace/name`, the key kube-scheduler's bind call names a pod by.
@@ -33,6 +33,8 @@ pub(crate) enum Gpus {
         inventory: Inventory,
         usage: NodeUsage,
         cpu: NodeCpu,
+        /// What pods' node selectors and affinities read.
+        labels: BTreeMap<String, String>,
     },
 }
 
@@ -97,7 +99,7 @@ impl PodRecord {
             priority: priority(pod),
             labels: pod.metadata.labels.clone().unwrap_or_default(),
             node,
-            kind: Kind::of(&asks),
+            kind: Kind::of(&asks, NodeSelection::of(pod.spec.as_ref())),
             cpu_milli: asks.cpu_milli,
             containers: asks.containers,
             ledger: records.ledger,
@@ -347,6 +349,7 @@ impl Index {
                         allocatable: allocatable_cpu(&node),
                         requested: 0,
                     },
+                    labels: node.metadata.labels.clone().unwrap_or_default(),
                 },
             },
         };
@@ -573,6 +576,7 @@ impl Index {
             inventory,
             usage,
             cpu,
+            ..
         }) = self.nodes.get(node)
         else {
             return None;

@@ -216,7 +216,7 @@ impl Planner {
             return Err(never(e.to_string()));
         }
         let key = &self.keys.inventory;
-        let (inventory, usage, cpu) = match ix.gpus(node) {
+        let (inventory, usage, cpu, labels) = match ix.gpus(node) {
             None => {
                 return Err(FilterRefusal {
                     reason: "node is not in the extender's cache yet".into(),
@@ -234,7 +234,8 @@ impl Planner {
                 inventory,
                 usage,
                 cpu,
-            }) => (inventory, usage, *cpu),
+                labels,
+            }) => (inventory, usage, *cpu, labels),
         };
         let (usage, cpu) = match nominees(ix, node, inventory, usage, asking) {
             Some((held, nominated_cpu)) => {
@@ -256,7 +257,7 @@ impl Planner {
             added: 0.0,
         };
         Ok(match self.policy {
-            Policy::Fragmentation => least_fragmenting(fit, cpu, asks, workload),
+            Policy::Fragmentation => least_fragmenting(fit, cpu, labels, asks, workload),
             Policy::Binpack | Policy::Spread => fit,
         })
     }
@@ -412,6 +413,7 @@ pub(super) fn asks_gpus(asks: &PodAsks) -> bool {
 fn least_fragmenting<'a>(
     fit: Fit<'a>,
     cpu: NodeCpu,
+    labels: &BTreeMap<String, String>,
     asks: &PodAsks,
     workload: &Workload,
 ) -> Fit<'a> {
@@ -419,6 +421,7 @@ fn least_fragmenting<'a>(
         inventory: fit.inventory,
         usage: &fit.usage,
         cpu_free: cpu.free(),
+        labels,
     };
     let before = workload.fragmentation(&room);
     let mut best: Option<(f64, Assignment)> = None;

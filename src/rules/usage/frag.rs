@@ -14,11 +14,12 @@
 //! holds, the mean of its free shares of memory and of compute. Shares ask
 //! devices; what a device is worth is each node's ([`Inventory::amount`]),
 //! so one kind of pod is measured on each node as it would be granted
-//! there.
+//! there. A kind that may not run on a node ([`NodeSelection`]: a GPU
+//! model its pods ask for, say) could use none of its GPUs.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
-use super::{Inventory, NodeUsage, PodAsks};
+use super::{Inventory, NodeSelection, NodeUsage, PodAsks};
 use crate::rules::device::Resource;
 
 /// Thousandths of a GPU in one GPU.
@@ -34,8 +35,8 @@ const KEEP_PERCENT: u64 = 95;
 /// trace's 95 % are 35 kinds).
 const MAX_KINDS: usize = 64;
 
-/// A kind of pod, as fragmentation sees it: the CPU it asks of the node
-/// and what its containers ask of GPUs.
+/// A kind of pod, as fragmentation sees it: the CPU it asks of the node,
+/// what its containers ask of GPUs, and the nodes it may run on.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) struct Kind {
     pub(crate) cpu_milli: u64,
@@ -43,16 +44,18 @@ pub(crate) struct Kind {
     pub(crate) shares: Vec<[u64; 2]>,
     /// GPUs its containers take whole.
     pub(crate) whole: u64,
+    pub(crate) nodes: NodeSelection,
 }
 
 impl Kind {
     /// The kind of a pod asking `asks`: its app containers' and sidecars'
     /// GPUs (an init container that ends hands its GPUs on, so it asks
-    /// nothing more of the node).
-    pub(crate) fn of(asks: &PodAsks) -> Kind {
+    /// nothing more of the node), on the nodes its spec admits.
+    pub(crate) fn of(asks: &PodAsks, nodes: NodeSelection) -> Kind {
         let lasting = asks.containers.iter().filter(|c| !c.hands_on());
         let mut kind = Kind {
             cpu_milli: asks.cpu_milli,
+            nodes,
             ..Kind::default()
         };
         for c in lasting {
@@ -86,13 +89,15 @@ pub(crate) struct Workload {
     kinds: Vec<(Kind, f64)>,
 }
 
-/// A node as fragmentation measures it: its GPUs, what they carry, and
-/// the CPU it has left (`None`: not known, never what stops a pod).
+/// A node as fragmentation measures it: its GPUs, what they carry, the
+/// CPU it has left (`None`: not known, never what stops a pod) and its
+/// labels.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct NodeRoom<'a> {
     pub(crate) inventory: &'a Inventory,
     pub(crate) usage: &'a NodeUsage,
     pub(crate) cpu_free: Option<u64>,
+    pub(crate) labels: &'a BTreeMap<String, String>,
 }
 
 /// One GPU as a measure reads it, read once per measure of its node.
@@ -156,7 +161,10 @@ impl NodeRoom<'_> {
             kind.whole == 0 && !kind.shares.is_empty() && kind.shares.iter().all(|s| s[1] == 0);
         let free = |g: &GpuRoom| if memory_only { g.memory } else { g.free };
         let all = gpus.iter().map(free).sum();
-        if !kind.asks_gpus() || self.cpu_free.is_some_and(|c| c < kind.cpu_milli) {
+        if !kind.asks_gpus()
+            || self.cpu_free.is_some_and(|c| c < kind.cpu_milli)
+            || !kind.nodes.admits(self.labels)
+        {
             return all;
         }
         if kind.whole > gpus.iter().filter(|g| g.fresh).count() as u64 {

@@ -14,6 +14,7 @@
 //! bound but not yet admitted, plus whatever the caller adds (the
 //! extender's binds in flight). Pure: callers bring the pods.
 
+mod affinity;
 mod annotations;
 mod asks;
 mod fit;
@@ -22,6 +23,7 @@ mod node;
 pub mod quantity;
 mod select;
 
+pub(crate) use affinity::NodeSelection;
 pub(crate) use annotations::ledger::LedgerEntry;
 pub(crate) use annotations::{Assignment, InventoryError, Records, ids_digest};
 pub use annotations::{Inventory, Keys, Ledger};

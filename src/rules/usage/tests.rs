@@ -8,6 +8,9 @@ use super::node::GpuUsage;
 use super::*;
 use crate::rules::device::{Gpu, Offer, PerResource, Resource, Units};
 
+/// A node without labels.
+static NO_LABELS: std::collections::BTreeMap<String, String> = std::collections::BTreeMap::new();
+
 /// GPUs of the given MiB, 256 MiB per memory device, 1 % per core device.
 fn inventory(mib: &[u64]) -> Inventory {
     let gpus: Vec<Gpu> = mib
@@ -1516,6 +1519,7 @@ mod fragmentation {
             cpu_milli,
             shares: shares.to_vec(),
             whole,
+            ..Kind::default()
         }
     }
 
@@ -1530,6 +1534,7 @@ mod fragmentation {
             inventory: &inv,
             usage: &usage,
             cpu_free,
+            labels: &NO_LABELS,
         };
         let frag = |k: Kind, cpu_free| alone(k).fragmentation(&room(cpu_free));
         // 60 % shares: GPU-0's free half is too small for one.
@@ -1548,6 +1553,35 @@ mod fragmentation {
         assert_eq!(frag(kind(0, &[[2, 20], [11, 10]], 0), None), 1500.0);
     }
 
+    /// A kind whose pods may not run on the node (another GPU model, say)
+    /// could use none of its GPUs; on a node it may run on, it strands
+    /// what any other kind would.
+    #[test]
+    fn a_kind_strands_all_of_a_node_it_may_not_run_on() {
+        let (inv, usage) = half_used();
+        let spec: PodSpec = serde_json::from_value(serde_json::json!({
+            "containers": [], "nodeSelector": { "model": "V100" },
+        }))
+        .unwrap();
+        let v100 = Kind {
+            nodes: NodeSelection::of(Some(&spec)),
+            ..kind(0, &[[2, 20]], 0)
+        };
+        let labelled = |model: &str| [("model".to_string(), model.to_string())].into();
+        let frag = |labels: &std::collections::BTreeMap<String, String>| {
+            let room = NodeRoom {
+                inventory: &inv,
+                usage: &usage,
+                cpu_free: None,
+                labels,
+            };
+            alone(v100.clone()).fragmentation(&room)
+        };
+        assert_eq!(frag(&labelled("V100")), 0.0);
+        assert_eq!(frag(&labelled("T4")), 1500.0);
+        assert_eq!(frag(&NO_LABELS), 1500.0);
+    }
+
     /// A kind asking memory alone measures a GPU by its free memory: the
     /// compute left on a GPU whose memory is taken is no loss to it.
     #[test]
@@ -1559,6 +1593,7 @@ mod fragmentation {
             inventory: &inv,
             usage: &usage,
             cpu_free: None,
+            labels: &NO_LABELS,
         };
         let frag = |k: Kind| alone(k).fragmentation(&room);
         // 3 devices of memory do not fit GPU-0: its 20 % of memory free
@@ -1575,6 +1610,7 @@ mod fragmentation {
             inventory: &inv,
             usage: &usage,
             cpu_free: None,
+            labels: &NO_LABELS,
         };
         let (a, b, c) = (kind(0, &[[6, 60]], 0), kind(0, &[], 1), kind(0, &[], 2));
         let w = Workload::of(&HashMap::from([(a.clone(), 2), (b, 1), (c, 1)]), 0);
@@ -1601,6 +1637,7 @@ mod fragmentation {
             inventory: &inv,
             usage: &usage,
             cpu_free: None,
+            labels: &NO_LABELS,
         };
         assert_eq!(alone(kind(100, &[], 0)).fragmentation(&room), 0.0);
     }
@@ -1614,13 +1651,16 @@ mod fragmentation {
             ask("w", false, 0, 0, 2),
         ]);
         asks.cpu_milli = 1500;
-        assert_eq!(Kind::of(&asks), kind(1500, &[[1, 10], [3, 30]], 2));
+        assert_eq!(
+            Kind::of(&asks, NodeSelection::default()),
+            kind(1500, &[[1, 10], [3, 30]], 2)
+        );
         // Counts past u64 together stay at its top, not wrapped to few.
         let hostile = pod(vec![
             ask("a", false, 0, 0, u64::MAX),
             ask("b", false, 0, 0, 2),
         ]);
-        assert_eq!(Kind::of(&hostile).whole, u64::MAX);
+        assert_eq!(Kind::of(&hostile, NodeSelection::default()).whole, u64::MAX);
     }
 }
 
@@ -1669,6 +1709,7 @@ fn a_workload_keeps_at_most_64_kinds() {
         inventory: &inv,
         usage: &usage,
         cpu_free: Some(500),
+        labels: &NO_LABELS,
     };
     // CPU-only kinds strand all of a free GPU whatever their weights: the
     // weights of the kept kinds still add up to one.
