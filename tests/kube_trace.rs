@@ -8,6 +8,10 @@
 //! deleted: it arrived and was dropped, as in the replay). The share of
 //! the GPUs allocated must be the one the bench's replay of the same
 //! sample gives, within a point: the bench's figures are the cluster's.
+//!
+//! `KUBE_TRACE_VARIANT`: the trace's pod list (default `default`; the
+//! nodes carry their GPU model's label, so `gpuspec33`'s model
+//! affinities hold as in the replay).
 
 mod support;
 
@@ -16,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use gpu_sim::trace::cluster::Cluster;
 use gpu_sim::trace::load::{self, MODELS, Task, TraceNode};
-use gpu_sim::trace::product::{self, NAMESPACE, Product};
+use gpu_sim::trace::product::{self, MODEL_LABEL, NAMESPACE, Product};
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use support::kube::*;
@@ -54,7 +58,8 @@ async fn a_trace_sample_allocates_as_its_replay() {
     let started = Instant::now();
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces/alibaba-gpu-v2023");
     let all_nodes = load::nodes(&dir).unwrap_or_else(|e| panic!("the trace's nodes: {e}"));
-    let all_tasks = load::tasks(&dir, "default").unwrap_or_else(|e| panic!("its tasks: {e}"));
+    let variant = std::env::var("KUBE_TRACE_VARIANT").unwrap_or_else(|_| "default".into());
+    let all_tasks = load::tasks(&dir, &variant).unwrap_or_else(|e| panic!("its tasks: {e}"));
     let mut rng = support::Lcg(SEED);
     let (nodes, tasks) =
         gpu_sim::trace::sample(&all_nodes, &all_tasks, NODES, 100, &mut |n| rng.below(n));
@@ -78,8 +83,11 @@ async fn a_trace_sample_allocates_as_its_replay() {
         let gpus: Vec<(&str, u64)> = uuids.iter().map(|u| (u.as_str(), gb * 1000)).collect();
         let (cpu, memory) = (format!("{}m", n.cpu_milli), format!("{}Mi", n.memory_mib));
         let unit = format!("memory_unit_mib = {}", gb * 10);
-        kube_nodes
-            .push(KubeNode::start_sized(&cp, &name, &gpus, &unit, [&cpu, &memory, "1000"]).await);
+        // Labelled with the GPU model as the replay's Nodes, for the
+        // model affinities.
+        let model = format!("{MODEL_LABEL}={}", MODELS[n.model].0);
+        let sized = [cpu.as_str(), &memory, "1000", &model];
+        kube_nodes.push(KubeNode::start_sized(&cp, &name, &gpus, &unit, sized).await);
     }
     namespace(&cp, NAMESPACE);
     // Pods asking no GPU go through the extender too, as the fragmentation
@@ -129,7 +137,7 @@ async fn a_trace_sample_allocates_as_its_replay() {
     let real_share = allocated as f64 * 100.0 / replayed.capacity as f64;
     let gpus: usize = nodes.iter().map(|n| n.gpus).sum();
     eprintln!(
-        "trace sample (seed {SEED}): {} nodes, {gpus} GPUs, {} tasks; allocated: real components \
+        "trace sample ({variant}, seed {SEED}): {} nodes, {gpus} GPUs, {} tasks; allocated: real components \
          {real_share:.1} %, replay {replay_share:.1} %; {elsewhere} tasks placed otherwise ({:.0} s)",
         nodes.len(),
         tasks.len(),

@@ -409,10 +409,11 @@ impl Index {
 
     /// Keeps `pod` (uncounted: the caller counts its nodes again).
     fn store(&mut self, key: PodName, pod: &Pod) {
-        self.unindex(&key);
+        let was = self.unindex(&key);
         // Succeeded and Failed pods hold nothing: their GPUs are free at once.
         if finished(pod) {
             self.reserved.remove(&key);
+            self.kind_changes += u64::from(was.is_some());
             return;
         }
         if let Some(node) = node_of(pod) {
@@ -425,7 +426,10 @@ impl Index {
         }
         let record = PodRecord::of(&self.keys, pod);
         *self.kinds.entry(record.kind.clone()).or_default() += 1;
-        self.kind_changes += 1;
+        // An update of a pod that stays of its kind moves no count.
+        if was.as_ref() != Some(&record.kind) {
+            self.kind_changes += 1 + u64::from(was.is_some());
+        }
         if let Some(node) = &record.nominated {
             let on = self.nominations.entry(node.clone()).or_default();
             on.insert(key.clone());
@@ -435,7 +439,9 @@ impl Index {
 
     pub fn delete_pod(&mut self, key: &PodName) {
         self.changing(key, |ix| {
-            ix.unindex(key);
+            if ix.unindex(key).is_some() {
+                ix.kind_changes += 1;
+            }
             ix.reserved.remove(key);
         });
     }
@@ -456,17 +462,16 @@ impl Index {
         self.recount_all();
     }
 
-    fn unindex(&mut self, key: &PodName) {
-        let Some(old) = self.pods.remove(key) else {
-            return;
-        };
+    /// Forgets the pod, and returns its kind (whose count the caller
+    /// reports moved, or not).
+    fn unindex(&mut self, key: &PodName) -> Option<Kind> {
+        let old = self.pods.remove(key)?;
         if let Some(n) = self.kinds.get_mut(&old.kind) {
             *n -= 1;
             if *n == 0 {
                 self.kinds.remove(&old.kind);
             }
         }
-        self.kind_changes += 1;
         for (node, by) in [
             (old.node, &mut self.by_node),
             (old.nominated, &mut self.nominations),
@@ -480,6 +485,7 @@ impl Index {
                 }
             }
         }
+        Some(old.kind)
     }
 
     /// Counts `pod` (already carrying its assignment and node) until it is
@@ -660,9 +666,11 @@ impl Index {
         self.pods.len()
     }
 
-    /// The pods by kind, and a count that grows each time a pod is stored
-    /// or removed (how far the counts may have moved since someone last
-    /// read them).
+    /// The pods by kind, and a count that grows each time a pod of a kind
+    /// comes or goes (how far the counts may have moved since someone last
+    /// read them): an update of a pod that keeps its kind, as each pod's
+    /// bind and status are, moves nothing, so the workload is learned again
+    /// after as many pods in a cluster as in a replay of it.
     pub(crate) fn kinds(&self) -> (&HashMap<Kind, u64>, u64) {
         (&self.kinds, self.kind_changes)
     }
@@ -794,6 +802,32 @@ mod tests {
         ix.expire(soon);
         assert!(on(&ix, "n1").is_empty() && on(&ix, "n2").is_empty());
         assert!(ix.reserved.is_empty());
+    }
+
+    /// The workload's count of changes moves when a pod of a kind comes
+    /// or goes, not when its bind or status updates it: a real cluster's
+    /// pods are updated many times, a replay's once, and both must learn
+    /// their workload after the same pods.
+    #[test]
+    fn kinds_move_when_pods_come_or_go_not_on_updates() {
+        let mut ix = Index::new("doslab.io");
+        let pod = gpu_pod("ns", "a", &[app("app", [1000, 0, 0])]);
+        let moved = |ix: &Index| ix.kinds().1;
+        ix.apply_pod(pod.clone());
+        assert_eq!(moved(&ix), 1);
+        let mut bound = pod.clone();
+        bound.spec.get_or_insert_default().node_name = Some("n".into());
+        ix.apply_pod(bound.clone());
+        ix.apply_pod(bound.clone());
+        assert_eq!(moved(&ix), 1);
+        // Another kind: one gone, one come.
+        ix.apply_pod(gpu_pod("ns", "a", &[app("app", [2000, 0, 0])]));
+        assert_eq!(moved(&ix), 3);
+        ix.delete_pod(&("ns".into(), "a".into()));
+        assert_eq!(moved(&ix), 4);
+        ix.delete_pod(&("ns".into(), "a".into()));
+        assert_eq!(moved(&ix), 4);
+        assert!(ix.kinds().0.is_empty());
     }
 
     /// GPU memory used per GPU of `node`, as the filter reads it.

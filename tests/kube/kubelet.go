@@ -37,6 +37,7 @@ import (
 	"path/filepath"
 	"slices"
 	"sort"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -83,6 +84,7 @@ type kubeletFlags struct {
 	nodeIP                                string
 	numaNodes                             int
 	cpu, memory, pods                     string
+	nodeLabels                            string
 	statusEvery, syncBackoff              time.Duration
 }
 
@@ -98,6 +100,7 @@ func runKubelet(args []string) error {
 	fs.StringVar(&f.cpu, "cpu", "64", "the Node's cpu capacity")
 	fs.StringVar(&f.memory, "memory", "512Gi", "the Node's memory capacity")
 	fs.StringVar(&f.pods, "pods", "110", "the Node's pods capacity")
+	fs.StringVar(&f.nodeLabels, "node-labels", "", "labels the Node registers with, key=value,... (the kubelet's --node-labels)")
 	fs.DurationVar(&f.statusEvery, "node-status-update-frequency", time.Second, "the kubelet's nodeStatusUpdateFrequency")
 	// The pod workers' backOffPeriod: a pod whose sync failed (a DRA
 	// prepare error) is synced again after it, jittered by half.
@@ -330,6 +333,11 @@ func (k *kubeletPeer) registerNode(ctx context.Context) error {
 			Name:   k.flags.node,
 			Labels: map[string]string{v1.LabelHostname: k.flags.node, v1.LabelOSStable: "linux", v1.LabelArchStable: "amd64"},
 		},
+	}
+	for _, pair := range strings.Split(k.flags.nodeLabels, ",") {
+		if key, value, ok := strings.Cut(pair, "="); ok {
+			node.Labels[key] = value
+		}
 	}
 	created, err := k.client.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{})
 	if apierrors.IsAlreadyExists(err) {

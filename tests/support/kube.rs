@@ -372,12 +372,17 @@ impl KubeNode {
         name: &str,
         gpus: &[(&str, u64)],
         top: &str,
-        [cpu, memory, pods]: [&str; 3],
+        [cpu, memory, pods, labels]: [&str; 4],
     ) -> KubeNode {
-        let flags = [("--cpu", cpu), ("--memory", memory), ("--pods", pods)]
-            .into_iter()
-            .flat_map(|(flag, value)| [flag.to_owned(), value.to_owned()])
-            .collect();
+        let flags = [
+            ("--cpu", cpu),
+            ("--memory", memory),
+            ("--pods", pods),
+            ("--node-labels", labels),
+        ]
+        .into_iter()
+        .flat_map(|(flag, value)| [flag.to_owned(), value.to_owned()])
+        .collect();
         KubeNode::start_at(cp, name, gpus, top, None, flags).await
     }
 

@@ -20,7 +20,7 @@ use super::load::{MODELS, Task, TraceNode};
 pub const NAMESPACE: &str = "trace";
 
 /// The label a GPU-model selector names.
-const MODEL_LABEL: &str = "gpu.example.com/model";
+pub const MODEL_LABEL: &str = "gpu.example.com/model";
 
 /// kube-scheduler's look at the nodes: from where the last one stopped,
 /// it filters until `size` nodes pass or it has seen every node
