@@ -11,6 +11,7 @@ import (
 	"crypto/rand"
 	"crypto/tls"
 	"encoding/hex"
+	"errors"
 	"flag"
 	"fmt"
 	"net"
@@ -21,6 +22,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -194,7 +196,21 @@ func freePort() (int, error) {
 	return l.Addr().(*net.TCPAddr).Port, nil
 }
 
+// startEtcd starts etcd on two free ports. A port found free may be taken
+// by another process before etcd binds it (tests start control planes side
+// by side): then it tries other ports, a few times.
 func startEtcd(dir string) (*embed.Etcd, string, error) {
+	for attempt := 1; ; attempt++ {
+		e, url, err := startEtcdOnce(dir)
+		taken := err != nil && (errors.Is(err, syscall.EADDRINUSE) ||
+			strings.Contains(err.Error(), "address already in use"))
+		if !taken || attempt == 5 {
+			return e, url, err
+		}
+	}
+}
+
+func startEtcdOnce(dir string) (*embed.Etcd, string, error) {
 	cfg := embed.NewConfig()
 	cfg.Dir = dir
 	cfg.LogLevel = "error"
