@@ -413,7 +413,7 @@ impl Index {
         // Succeeded and Failed pods hold nothing: their GPUs are free at once.
         if finished(pod) {
             self.reserved.remove(&key);
-            self.kind_changes += u64::from(was.is_some());
+            self.kind_moved(was.as_ref(), None);
             return;
         }
         if let Some(node) = node_of(pod) {
@@ -426,10 +426,7 @@ impl Index {
         }
         let record = PodRecord::of(&self.keys, pod);
         *self.kinds.entry(record.kind.clone()).or_default() += 1;
-        // An update of a pod that stays of its kind moves no count.
-        if was.as_ref() != Some(&record.kind) {
-            self.kind_changes += 1 + u64::from(was.is_some());
-        }
+        self.kind_moved(was.as_ref(), Some(&record.kind));
         if let Some(node) = &record.nominated {
             let on = self.nominations.entry(node.clone()).or_default();
             on.insert(key.clone());
@@ -439,9 +436,8 @@ impl Index {
 
     pub fn delete_pod(&mut self, key: &PodName) {
         self.changing(key, |ix| {
-            if ix.unindex(key).is_some() {
-                ix.kind_changes += 1;
-            }
+            let was = ix.unindex(key);
+            ix.kind_moved(was.as_ref(), None);
             ix.reserved.remove(key);
         });
     }
@@ -462,8 +458,17 @@ impl Index {
         self.recount_all();
     }
 
-    /// Forgets the pod, and returns its kind (whose count the caller
-    /// reports moved, or not).
+    /// Counts a pod of kind `was` (`None`: none) become one of `now`
+    /// (`None`: gone) toward [`Index::kinds`]' changes: one for a kind it
+    /// left, one for a kind it joined, none for an update that keeps its
+    /// kind.
+    fn kind_moved(&mut self, was: Option<&Kind>, now: Option<&Kind>) {
+        if was != now {
+            self.kind_changes += u64::from(was.is_some()) + u64::from(now.is_some());
+        }
+    }
+
+    /// Forgets the pod, and returns its kind (for [`Index::kind_moved`]).
     fn unindex(&mut self, key: &PodName) -> Option<Kind> {
         let old = self.pods.remove(key)?;
         if let Some(n) = self.kinds.get_mut(&old.kind) {
