@@ -334,8 +334,13 @@ func (k *kubeletPeer) registerNode(ctx context.Context) error {
 			Labels: map[string]string{v1.LabelHostname: k.flags.node, v1.LabelOSStable: "linux", v1.LabelArchStable: "amd64"},
 		},
 	}
+	// As the kubelet, a pair that is not key=value is refused, not dropped.
 	for _, pair := range strings.Split(k.flags.nodeLabels, ",") {
-		if key, value, ok := strings.Cut(pair, "="); ok {
+		key, value, ok := strings.Cut(pair, "=")
+		if pair != "" && !ok {
+			return fmt.Errorf("--node-labels: %q is not key=value", pair)
+		}
+		if ok {
 			node.Labels[key] = value
 		}
 	}
