@@ -15,7 +15,7 @@ use kube::core::{Selector, SelectorExt};
 
 use crate::rules::usage::quantity::parse_milli;
 use crate::rules::usage::{
-    Assignment, ContainerAsk, Holding, Inventory, InventoryError, Keys, Kind, Ledger,
+    Assignment, ContainerAsk, Holding, Inventory, InventoryError, Keys, Kind, Ledger, NodeAsk,
     NodeSelection, NodeUsage, PodAsks, Records, finished, pod_holdings,
 };
 
@@ -32,24 +32,25 @@ pub(crate) enum Gpus {
     Published {
         inventory: Inventory,
         usage: NodeUsage,
-        cpu: NodeCpu,
+        requests: NodeRequests,
         /// What pods' node selectors and affinities read.
         labels: BTreeMap<String, String>,
     },
 }
 
-/// A node's CPU as kube-scheduler counts it: its allocatable millicores
-/// (`None` when the Node states none) and what its pods request.
+/// A node's CPU and memory as kube-scheduler counts them: what it has
+/// allocatable (unbounded where the Node states none) and what its pods
+/// request.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct NodeCpu {
-    pub(crate) allocatable: Option<u64>,
-    pub(crate) requested: u64,
+pub(crate) struct NodeRequests {
+    pub(crate) allocatable: NodeAsk,
+    pub(crate) requested: NodeAsk,
 }
 
-impl NodeCpu {
-    /// Millicores left for new pods; `None` when not known.
-    pub(crate) fn free(&self) -> Option<u64> {
-        self.allocatable.map(|a| a.saturating_sub(self.requested))
+impl NodeRequests {
+    /// What is left for new pods.
+    pub(crate) fn free(&self) -> NodeAsk {
+        self.allocatable.minus(self.requested)
     }
 }
 
@@ -61,9 +62,9 @@ impl NodeCpu {
 struct PodRecord {
     node: Option<String>,
     containers: Vec<ContainerAsk>,
-    /// What it asks of its node's CPU, and its kind of pod for the
-    /// workload the fragmentation policy measures against.
-    cpu_milli: u64,
+    /// What it asks of its node's CPU and memory, and its kind of pod for
+    /// the workload the fragmentation policy measures against.
+    node_ask: NodeAsk,
     kind: Kind,
     ledger: Ledger,
     assignment: Assignment,
@@ -100,7 +101,7 @@ impl PodRecord {
             labels: pod.metadata.labels.clone().unwrap_or_default(),
             node,
             kind: Kind::of(&asks, NodeSelection::of(pod.spec.as_ref())),
-            cpu_milli: asks.cpu_milli,
+            node_ask: asks.node,
             containers: asks.containers,
             ledger: records.ledger,
             assignment: records.assignment,
@@ -202,16 +203,16 @@ pub(crate) struct Holder {
     /// evict it. A bind still in flight holds its room but is no victim.
     pub(crate) evictable: bool,
     pub(crate) holdings: Vec<Holding>,
-    pub(crate) cpu_milli: u64,
+    pub(crate) node_ask: NodeAsk,
 }
 
-/// A node as preemption sees it: its GPUs and CPU, and every pod that
-/// holds some of them.
+/// A node as preemption sees it: its GPUs, CPU and memory, and every pod
+/// that holds some of them.
 pub(crate) struct Holders<'a> {
     pub(crate) inventory: &'a Inventory,
     /// What they all hold, as the filter counts it.
     pub(crate) usage: &'a NodeUsage,
-    pub(crate) cpu: NodeCpu,
+    pub(crate) requests: NodeRequests,
     pub(crate) pods: Vec<Holder>,
 }
 
@@ -293,16 +294,19 @@ impl Index {
             return;
         };
         let mut counted = NodeUsage::empty(inventory);
-        let mut requested = 0u64;
+        let mut requested = NodeAsk::default();
         for (_, held) in self.held_on(node) {
-            requested = requested.saturating_add(held.cpu_milli);
+            requested = requested.plus(held.node_ask);
             for h in pod_holdings(inventory, &held.containers, &held.ledger, &held.assignment) {
                 counted.add(inventory, &h);
             }
         }
-        if let Some(Gpus::Published { usage, cpu, .. }) = self.nodes.get_mut(node) {
+        if let Some(Gpus::Published {
+            usage, requests, ..
+        }) = self.nodes.get_mut(node)
+        {
             *usage = counted;
-            cpu.requested = requested;
+            requests.requested = requested;
         }
     }
 
@@ -345,9 +349,9 @@ impl Index {
                 Ok(inventory) => Gpus::Published {
                     usage: NodeUsage::empty(&inventory),
                     inventory,
-                    cpu: NodeCpu {
-                        allocatable: allocatable_cpu(&node),
-                        requested: 0,
+                    requests: NodeRequests {
+                        allocatable: allocatable(&node),
+                        requested: NodeAsk::default(),
                     },
                     labels: node.metadata.labels.clone().unwrap_or_default(),
                 },
@@ -565,7 +569,7 @@ impl Index {
             .map(|(k, r)| {
                 let asks = PodAsks {
                     containers: r.containers.clone(),
-                    cpu_milli: r.cpu_milli,
+                    node: r.node_ask,
                 };
                 (k, r.priority, asks)
             })
@@ -580,13 +584,13 @@ impl Index {
         self.nominations.contains_key(node)
     }
 
-    /// `node`'s GPUs and CPU with each pod that holds some of them;
+    /// `node`'s GPUs, CPU and memory with each pod that holds some of them;
     /// `None` where the node publishes no GPUs.
     pub(crate) fn holders(&self, node: &str) -> Option<Holders<'_>> {
         let Some(Gpus::Published {
             inventory,
             usage,
-            cpu,
+            requests,
             ..
         }) = self.nodes.get(node)
         else {
@@ -600,13 +604,13 @@ impl Index {
                 priority: held.priority,
                 evictable: !self.reserved.contains_key(key),
                 holdings: pod_holdings(inventory, &held.containers, &held.ledger, &held.assignment),
-                cpu_milli: held.cpu_milli,
+                node_ask: held.node_ask,
             })
             .collect();
         Some(Holders {
             inventory,
             usage,
-            cpu: *cpu,
+            requests: *requests,
             pods,
         })
     }
@@ -681,10 +685,19 @@ impl Index {
     }
 }
 
-/// The Node's allocatable CPU in millicores, if it states one.
-fn allocatable_cpu(node: &Node) -> Option<u64> {
-    let q = node.status.as_ref()?.allocatable.as_ref()?.get("cpu")?;
-    parse_milli(&q.0)
+/// The Node's allocatable CPU (millicores) and memory (bytes), each
+/// unbounded where it states none.
+fn allocatable(node: &Node) -> NodeAsk {
+    let stated = node.status.as_ref().and_then(|s| s.allocatable.as_ref());
+    let read = |r: &str| {
+        stated
+            .and_then(|a| a.get(r))
+            .and_then(|q| parse_milli(&q.0))
+    };
+    NodeAsk {
+        cpu_milli: read("cpu").unwrap_or(u64::MAX),
+        memory: read("memory").map_or(u64::MAX, |m| m / 1000),
+    }
 }
 
 #[cfg(test)]

@@ -12,10 +12,10 @@ use std::sync::{Arc, Mutex};
 use k8s_openapi::api::core::v1::Pod;
 
 use super::RequestError;
-use super::index::{Gpus, Index, NodeCpu, PodName, pod_name, priority};
+use super::index::{Gpus, Index, NodeRequests, PodName, pod_name, priority};
 use crate::rules::usage::{
-    Assignment, Holding, Inventory, Keys, Ledger, NodeRoom, NodeUsage, PodAsks, Policy, Workload,
-    alternatives, fit, leftover, pod_holdings, room_after, score,
+    Assignment, Holding, Inventory, Keys, Ledger, NodeAsk, NodeRoom, NodeUsage, PodAsks, Policy,
+    Workload, alternatives, fit, leftover, pod_holdings, room_after, score,
 };
 
 /// Why a node is filtered out.
@@ -216,7 +216,7 @@ impl Planner {
             return Err(never(e.to_string()));
         }
         let key = &self.keys.inventory;
-        let (inventory, usage, cpu, labels) = match ix.gpus(node) {
+        let (inventory, usage, requests, labels) = match ix.gpus(node) {
             None => {
                 return Err(FilterRefusal {
                     reason: "node is not in the extender's cache yet".into(),
@@ -233,18 +233,24 @@ impl Planner {
             Some(Gpus::Published {
                 inventory,
                 usage,
-                cpu,
+                requests,
                 labels,
-            }) => (inventory, usage, *cpu, labels),
+            }) => (inventory, usage, *requests, labels),
         };
-        let (usage, cpu) = match nominees(ix, node, inventory, usage, asking) {
-            Some((held, nominated_cpu)) => {
+        let (usage, requests) = match nominees(ix, node, inventory, usage, asking) {
+            Some((held, nominated)) => {
                 let mut usage = usage.clone();
                 held.iter().for_each(|h| usage.add(inventory, h));
-                let requested = cpu.requested.saturating_add(nominated_cpu);
-                (Cow::Owned(usage), NodeCpu { requested, ..cpu })
+                let requested = requests.requested.plus(nominated);
+                (
+                    Cow::Owned(usage),
+                    NodeRequests {
+                        requested,
+                        ..requests
+                    },
+                )
             }
-            None => (Cow::Borrowed(usage), cpu),
+            None => (Cow::Borrowed(usage), requests),
         };
         let assignment = fit(inventory, &usage, asks).map_err(|e| FilterRefusal {
             reason: e.to_string(),
@@ -257,7 +263,7 @@ impl Planner {
             added: 0.0,
         };
         Ok(match self.policy {
-            Policy::Fragmentation => least_fragmenting(fit, cpu, labels, asks, workload),
+            Policy::Fragmentation => least_fragmenting(fit, requests, labels, asks, workload),
             Policy::Binpack | Policy::Spread => fit,
         })
     }
@@ -412,7 +418,7 @@ pub(super) fn asks_gpus(asks: &PodAsks) -> bool {
 /// what it adds.
 fn least_fragmenting<'a>(
     fit: Fit<'a>,
-    cpu: NodeCpu,
+    requests: NodeRequests,
     labels: &BTreeMap<String, String>,
     asks: &PodAsks,
     workload: &Workload,
@@ -420,16 +426,16 @@ fn least_fragmenting<'a>(
     let room = NodeRoom {
         inventory: fit.inventory,
         usage: &fit.usage,
-        cpu_free: cpu.free(),
+        free: requests.free(),
         labels,
     };
     let before = workload.fragmentation(&room);
     let mut best: Option<(f64, Assignment)> = None;
     for a in alternatives(fit.inventory, &fit.usage, asks, &fit.assignment) {
-        let (usage, cpu_free) = room_after(&room, asks, &a);
+        let (usage, free) = room_after(&room, asks, &a);
         let after = NodeRoom {
             usage: &usage,
-            cpu_free,
+            free,
             ..room
         };
         let added = workload.fragmentation(&after) - before;
@@ -446,8 +452,8 @@ fn least_fragmenting<'a>(
 }
 
 /// Where the pods kube-scheduler nominated to `node` that `asking` must
-/// leave room for go on `usage`, each where it fits now, and the CPU they
-/// ask; `None` when there are none. Those are the nominees of higher
+/// leave room for go on `usage`, each where it fits now, and the CPU and
+/// memory they ask; `None` when there are none. Those are the nominees of higher
 /// priority and those of equal priority, except, against another nominee
 /// of this node, the ones after it in name order. The scheduler counts
 /// every nominee of equal priority against another, which its node totals
@@ -462,7 +468,7 @@ pub(super) fn nominees(
     inventory: &Inventory,
     usage: &NodeUsage,
     asking: &Asking,
-) -> Option<(Vec<Holding>, u64)> {
+) -> Option<(Vec<Holding>, NodeAsk)> {
     let nominees: Vec<_> = ix
         .nominated_to(node)
         .into_iter()
@@ -475,17 +481,17 @@ pub(super) fn nominees(
         return None;
     }
     let mut usage = usage.clone();
-    let (mut held, mut cpu) = (Vec::new(), 0u64);
+    let (mut held, mut node_ask) = (Vec::new(), NodeAsk::default());
     for (_, _, asks) in nominees {
         if let Ok(a) = fit(inventory, &usage, &asks) {
             for h in pod_holdings(inventory, &asks.containers, &Ledger::default(), &a) {
                 usage.add(inventory, &h);
                 held.push(h);
             }
-            cpu = cpu.saturating_add(asks.cpu_milli);
+            node_ask = node_ask.plus(asks.node);
         }
     }
-    Some((held, cpu))
+    Some((held, node_ask))
 }
 
 #[cfg(test)]
@@ -753,39 +759,59 @@ mod tests {
     }
 
     /// `pod` with each container asking `cpu`.
-    fn with_cpu(mut pod: Pod, cpu: &str) -> Pod {
+    fn with_cpu(pod: Pod, cpu: &str) -> Pod {
+        with_request(pod, "cpu", cpu)
+    }
+
+    /// `pod` with each container requesting `amount` of `resource`.
+    fn with_request(mut pod: Pod, resource: &str, amount: &str) -> Pod {
         for c in &mut pod.spec.as_mut().unwrap().containers {
             let r = c.resources.get_or_insert_default();
-            let q = k8s_openapi::apimachinery::pkg::api::resource::Quantity(cpu.into());
-            r.requests.get_or_insert_default().insert("cpu".into(), q);
+            let q = k8s_openapi::apimachinery::pkg::api::resource::Quantity(amount.into());
+            r.requests
+                .get_or_insert_default()
+                .insert(resource.into(), q);
         }
         pod
     }
 
-    /// `node` with `cpu` allocatable.
+    /// `node` with `amount` of `resource` allocatable.
     fn with_allocatable(
         mut node: k8s_openapi::api::core::v1::Node,
-        cpu: &str,
+        resource: &str,
+        amount: &str,
     ) -> k8s_openapi::api::core::v1::Node {
-        let q = k8s_openapi::apimachinery::pkg::api::resource::Quantity(cpu.into());
+        let q = k8s_openapi::apimachinery::pkg::api::resource::Quantity(amount.into());
         let status = node.status.get_or_insert_default();
         status
             .allocatable
             .get_or_insert_default()
-            .insert("cpu".into(), q);
+            .insert(resource.into(), q);
         node
     }
 
     /// Pods of `memory` MiB and `core` % (and `cpu`) bound to `node`,
     /// `count` of them: the workload the policy learns.
     fn workload(ix: &mut Index, node: &str, count: u64, memory: u64, core: u64, cpu: &str) {
+        workload_asking(ix, node, count, memory, core, ("cpu", cpu));
+    }
+
+    /// [`workload`]'s pods each requesting `amount` of `resource`.
+    fn workload_asking(
+        ix: &mut Index,
+        node: &str,
+        count: u64,
+        memory: u64,
+        core: u64,
+        (resource, amount): (&str, &str),
+    ) {
         for i in 0..count {
             let pod = gpu_pod(
                 "ns",
                 &format!("w{memory}-{i}"),
                 &[c("app", false, memory, core, 0)],
             );
-            ix.apply_pod(bound(with_cpu(pod, cpu), node, &[]));
+            ix.apply_pod(bound(with_request(pod, resource, amount), node, &[]));
         }
     }
 
@@ -823,22 +849,31 @@ mod tests {
         assert_eq!(gpu(&fragmentation(), &ix), "GPU-b");
     }
 
-    /// A pod taking the CPU the workload's pods need strands the node's
-    /// GPUs: it goes where CPU is left, though the other node is fuller.
+    /// A pod taking the CPU or memory the workload's pods need strands the
+    /// node's GPUs: it goes where they are left, though the other node is
+    /// fuller.
     #[test]
-    fn fragmentation_keeps_cpu_beside_free_gpus() {
-        let mut ix = Index::new("doslab.io");
-        let node = |name: &str, gpu: &str, cpu: &str| {
-            with_allocatable(gpu_node(name, &[(gpu, 10240)]), cpu)
-        };
-        ix.apply_node(node("tight", "GPU-t", "8"));
-        ix.apply_node(node("roomy", "GPU-r", "64"));
-        ix.apply_node(node_with("elsewhere", None));
-        workload(&mut ix, "elsewhere", LEARNED_FROM, 5120, 50, "4");
-        let pod = with_cpu(gpu_pod("ns", "p", &[c("app", false, 3072, 30, 0)]), "6");
-        let f = fragmentation();
-        let asks = f.asks(&pod).unwrap();
-        assert!(f.rank(&ix, "roomy", &asks) > f.rank(&ix, "tight", &asks));
+    fn fragmentation_keeps_cpu_and_memory_beside_free_gpus() {
+        for (resource, [tight, roomy, workload_asks, pod_asks]) in [
+            ("cpu", ["8", "64", "4", "6"]),
+            ("memory", ["8Gi", "64Gi", "4Gi", "6Gi"]),
+        ] {
+            let mut ix = Index::new("doslab.io");
+            let node = |name: &str, gpu: &str, amount: &str| {
+                with_allocatable(gpu_node(name, &[(gpu, 10240)]), resource, amount)
+            };
+            ix.apply_node(node("tight", "GPU-t", tight));
+            ix.apply_node(node("roomy", "GPU-r", roomy));
+            ix.apply_node(node_with("elsewhere", None));
+            let asks = (resource, workload_asks);
+            workload_asking(&mut ix, "elsewhere", LEARNED_FROM, 5120, 50, asks);
+            let pod = gpu_pod("ns", "p", &[c("app", false, 3072, 30, 0)]);
+            let pod = with_request(pod, resource, pod_asks);
+            let f = fragmentation();
+            let asks = f.asks(&pod).unwrap();
+            let (roomy, tight) = (f.rank(&ix, "roomy", &asks), f.rank(&ix, "tight", &asks));
+            assert!(roomy > tight, "{resource}: {roomy:?} {tight:?}");
+        }
     }
 
     /// Where a pod fragments two nodes alike and lands on GPUs as full on

@@ -6,7 +6,8 @@
 //! evictions. Here, for each node the scheduler offers, the victims are
 //! pods of lower priority whose going lets every container of the
 //! preemptor fit as the filter places it (each share on one GPU, whole
-//! GPUs free of work, the node's CPU), checked by the filter's own fit.
+//! GPUs free of work, the node's CPU and memory), checked by the filter's
+//! own fit.
 //! A node where even all of them going makes no room is dropped.
 //!
 //! The choice, in this order: the fewest victims; then the lowest highest
@@ -25,9 +26,9 @@
 //! so its sets are drawn from one GPU's pods at a time, every GPU's sets
 //! of one size before the next size.
 //!
-//! Only GPUs and CPU are weighed here. The scheduler's own victims that
-//! hold no GPU stay victims: its dry run chose them for what is not
-//! weighed here (memory, ports, the pod count).
+//! Only GPUs, CPU and memory are weighed here. The scheduler's own
+//! victims that hold no GPU stay victims: its dry run chose them for what
+//! is not weighed here (ports, the pod count, extended resources).
 //!
 //! Pods still being bound here are not victims (the scheduler may not
 //! know them yet) but hold their room; pods the extender bound that the
@@ -38,9 +39,9 @@
 
 use std::cmp::Reverse;
 
-use super::index::{Holder, Index, NodeCpu, PodName};
+use super::index::{Holder, Index, NodeRequests, PodName};
 use super::plan::{Asking, nominees};
-use crate::rules::usage::{Inventory, NodeUsage, fits};
+use crate::rules::usage::{Inventory, NodeAsk, NodeUsage, fits};
 
 /// The pods to evict on a node, and how many of them break a budget.
 #[derive(Debug, PartialEq, Eq)]
@@ -81,26 +82,26 @@ pub(crate) fn victims(
         .partition(|h| lower(h) && h.holdings.is_empty() && kept.contains(&h.uid.as_str()));
     let (candidates, fixed): (Vec<Holder>, Vec<Holder>) = pods.into_iter().partition(lower);
     let mut base = NodeUsage::empty(inv);
-    let mut cpu = NodeCpu {
-        requested: 0,
-        ..holders.cpu
+    let mut requests = NodeRequests {
+        requested: NodeAsk::default(),
+        ..holders.requests
     };
     for h in &fixed {
         for held in &h.holdings {
             base.add(inv, held);
         }
-        cpu.requested = cpu.requested.saturating_add(h.cpu_milli);
+        requests.requested = requests.requested.plus(h.node_ask);
     }
     // Nominees go where they fit with every pod still there, as the
     // filter places them, and stay there whatever is evicted.
-    if let Some((held, nominated_cpu)) = nominees(ix, node, inv, holders.usage, asking) {
+    if let Some((held, nominated)) = nominees(ix, node, inv, holders.usage, asking) {
         held.iter().for_each(|h| base.add(inv, h));
-        cpu.requested = cpu.requested.saturating_add(nominated_cpu);
+        requests.requested = requests.requested.plus(nominated);
     }
     let mut s = Search {
         inv,
         base,
-        cpu,
+        requests,
         candidates: &candidates,
         asking,
         checks: 0,
@@ -157,7 +158,7 @@ struct Search<'a> {
     /// What stays whatever is evicted: the pods that are no candidates,
     /// and the nominated pods that keep their room.
     base: NodeUsage,
-    cpu: NodeCpu,
+    requests: NodeRequests,
     candidates: &'a [Holder],
     asking: &'a Asking,
     checks: usize,
@@ -168,18 +169,17 @@ impl Search<'_> {
     fn fits_without(&mut self, out: &[bool]) -> bool {
         self.checks += 1;
         let mut usage = self.base.clone();
-        let mut requested = self.cpu.requested;
+        let mut requested = self.requests.requested;
         for (c, &gone) in self.candidates.iter().zip(out) {
             if !gone {
                 for held in &c.holdings {
                     usage.add(self.inv, held);
                 }
-                requested = requested.saturating_add(c.cpu_milli);
+                requested = requested.plus(c.node_ask);
             }
         }
         let asks = &self.asking.asks;
-        let cpu = requested.saturating_add(asks.cpu_milli);
-        self.cpu.allocatable.is_none_or(|a| cpu <= a) && fits(self.inv, &usage, asks)
+        requested.plus(asks.node).within(self.requests.allocatable) && fits(self.inv, &usage, asks)
     }
 
     /// Every candidate out, then each back in while the pod still fits;
@@ -207,21 +207,18 @@ impl Search<'_> {
     }
 
     /// The candidates the sets are drawn from, each pool lowest priority
-    /// first: those holding GPUs (and those holding only CPU, when the
-    /// node is short of CPU), or for a lone shared container those of one
+    /// first: those holding GPUs (and those holding only CPU or memory,
+    /// when the node is short of them), or for a lone shared container those of one
     /// GPU at a time.
     fn pools(&self) -> Vec<Vec<usize>> {
         let asks = &self.asking.asks;
-        let all_stay: u64 = self
+        let all_stay = self
             .candidates
             .iter()
-            .fold(self.cpu.requested, |a, c| a.saturating_add(c.cpu_milli));
-        let cpu_short = self
-            .cpu
-            .allocatable
-            .is_some_and(|a| all_stay.saturating_add(asks.cpu_milli) > a);
+            .fold(self.requests.requested, |a, c| a.plus(c.node_ask));
+        let short = !all_stay.plus(asks.node).within(self.requests.allocatable);
         let useful = |c: &Holder, gpu: Option<&str>| match gpu {
-            _ if c.holdings.is_empty() => cpu_short,
+            _ if c.holdings.is_empty() => short,
             None => true,
             Some(g) => c.holdings.iter().any(|h| h.gpus.iter().any(|u| u == g)),
         };

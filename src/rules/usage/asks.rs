@@ -120,13 +120,45 @@ impl ContainerAsk {
     }
 }
 
+/// What kube-scheduler's NodeResourcesFit counts of a node: CPU in
+/// millicores and memory in bytes, as a pod asks them ([`request`]) or a
+/// node has them left. A node that states no allocatable amount has
+/// `u64::MAX` of it: never what stops a pod.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct NodeAsk {
+    pub(crate) cpu_milli: u64,
+    pub(crate) memory: u64,
+}
+
+impl NodeAsk {
+    pub(crate) fn plus(self, other: NodeAsk) -> NodeAsk {
+        NodeAsk {
+            cpu_milli: self.cpu_milli.saturating_add(other.cpu_milli),
+            memory: self.memory.saturating_add(other.memory),
+        }
+    }
+
+    /// What is left of `self` once `other` is taken (none below 0).
+    pub(crate) fn minus(self, other: NodeAsk) -> NodeAsk {
+        NodeAsk {
+            cpu_milli: self.cpu_milli.saturating_sub(other.cpu_milli),
+            memory: self.memory.saturating_sub(other.memory),
+        }
+    }
+
+    /// Whether this ask fits in `room`, each resource alike.
+    pub(crate) fn within(self, room: NodeAsk) -> bool {
+        self.cpu_milli <= room.cpu_milli && self.memory <= room.memory
+    }
+}
+
 /// Init containers, then app containers, in spec order.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct PodAsks {
     pub(crate) containers: Vec<ContainerAsk>,
-    /// The CPU the scheduler counts the pod as asking, in millicores
-    /// ([`cpu_request`]).
-    pub(crate) cpu_milli: u64,
+    /// The CPU and memory the scheduler counts the pod as asking of its
+    /// node ([`request`]).
+    pub(crate) node: NodeAsk,
 }
 
 impl PodAsks {
@@ -146,20 +178,28 @@ impl PodAsks {
                 .map(|c| ContainerAsk::from_container(keys, c, true))
                 .chain(app.map(|c| ContainerAsk::from_container(keys, c, false)))
                 .collect(),
-            cpu_milli: spec.map_or(0, cpu_request),
+            node: NodeAsk {
+                cpu_milli: spec.map_or(0, |s| request(s, "cpu")),
+                // Bytes, as the scheduler counts memory: thousandths of a
+                // byte rounded up.
+                memory: spec.map_or(0, |s| request(s, "memory").div_ceil(1000)),
+            },
         }
     }
 }
 
-/// A container's CPU request in millicores: its request, else its limit
-/// (the API server defaults one to the other), else none; one that cannot
-/// be read counts as none (the API server refuses it anyway).
-fn container_cpu(c: &Container) -> u64 {
+/// A container's request of `resource` in thousandths: its request, else
+/// its limit (the API server defaults one to the other), else none; one
+/// that cannot be read counts as none (the API server refuses it anyway).
+fn container_request(c: &Container, resource: &str) -> u64 {
     let r = c.resources.as_ref();
     let q = r
         .and_then(|r| r.requests.as_ref())
-        .and_then(|m| m.get("cpu"))
-        .or_else(|| r.and_then(|r| r.limits.as_ref()).and_then(|m| m.get("cpu")));
+        .and_then(|m| m.get(resource))
+        .or_else(|| {
+            r.and_then(|r| r.limits.as_ref())
+                .and_then(|m| m.get(resource))
+        });
     milli(q)
 }
 
@@ -168,25 +208,26 @@ fn milli(q: Option<&k8s_openapi::apimachinery::pkg::api::resource::Quantity>) ->
     q.and_then(|q| parse_milli(&q.0)).unwrap_or(0)
 }
 
-/// The pod's CPU request as kube-scheduler counts it: the app containers
-/// and sidecars together, or, if more, the peak while init containers run
-/// (each beside the sidecars started before it), plus the pod's overhead.
-fn cpu_request(spec: &PodSpec) -> u64 {
+/// The pod's request of `resource` (in thousandths) as kube-scheduler
+/// counts it: the app containers and sidecars together, or, if more, the
+/// peak while init containers run (each beside the sidecars started
+/// before it), plus the pod's overhead.
+fn request(spec: &PodSpec, resource: &str) -> u64 {
     let (mut sidecars, mut peak) = (0u64, 0u64);
     for c in spec.init_containers.iter().flatten() {
-        let cpu = container_cpu(c);
+        let asked = container_request(c, resource);
         if c.restart_policy.as_deref() == Some("Always") {
-            sidecars = sidecars.saturating_add(cpu);
+            sidecars = sidecars.saturating_add(asked);
             peak = peak.max(sidecars);
         } else {
-            peak = peak.max(sidecars.saturating_add(cpu));
+            peak = peak.max(sidecars.saturating_add(asked));
         }
     }
     let app = spec
         .containers
         .iter()
-        .map(container_cpu)
+        .map(|c| container_request(c, resource))
         .fold(sidecars, u64::saturating_add);
-    let overhead = milli(spec.overhead.as_ref().and_then(|o| o.get("cpu")));
+    let overhead = milli(spec.overhead.as_ref().and_then(|o| o.get(resource)));
     app.max(peak).saturating_add(overhead)
 }

@@ -6,7 +6,8 @@ use serde::Deserialize;
 
 use super::select::{Candidate, Order, choose};
 use super::{
-    Assignment, ContainerAsk, Inventory, Ledger, NodeRoom, NodeUsage, PodAsks, pod_holdings,
+    Assignment, ContainerAsk, Inventory, Ledger, NodeAsk, NodeRoom, NodeUsage, PodAsks,
+    pod_holdings,
 };
 use crate::rules::device::{PerResource, Resource};
 
@@ -885,15 +886,15 @@ pub(crate) fn alternatives(
 }
 
 /// The node as it would be with the pod on `assignment`: its GPUs' usage
-/// and the CPU left.
+/// and the CPU and memory left.
 pub(crate) fn room_after(
     room: &NodeRoom,
     asks: &PodAsks,
     assignment: &Assignment,
-) -> (NodeUsage, Option<u64>) {
+) -> (NodeUsage, NodeAsk) {
     (
         with_pod(room.inventory, room.usage, asks, assignment),
-        room.cpu_free.map(|c| c.saturating_sub(asks.cpu_milli)),
+        room.free.minus(asks.node),
     )
 }
 

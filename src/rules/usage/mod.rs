@@ -27,7 +27,7 @@ pub(crate) use affinity::NodeSelection;
 pub(crate) use annotations::ledger::LedgerEntry;
 pub(crate) use annotations::{Assignment, InventoryError, Records, ids_digest};
 pub use annotations::{Inventory, Keys, Ledger};
-pub(crate) use asks::{ContainerAsk, PodAsks};
+pub(crate) use asks::{ContainerAsk, NodeAsk, PodAsks};
 pub use fit::Policy;
 pub(crate) use fit::{
     alternatives, best_shared, fit, fits, leftover, room_after, score, whole_gpus,

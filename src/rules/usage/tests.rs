@@ -11,6 +11,12 @@ use crate::rules::device::{Gpu, Offer, PerResource, Resource, Units};
 /// A node without labels.
 static NO_LABELS: std::collections::BTreeMap<String, String> = std::collections::BTreeMap::new();
 
+/// A node that states no allocatable CPU or memory.
+const UNBOUNDED: NodeAsk = NodeAsk {
+    cpu_milli: u64::MAX,
+    memory: u64::MAX,
+};
+
 /// GPUs of the given MiB, 256 MiB per memory device, 1 % per core device.
 fn inventory(mib: &[u64]) -> Inventory {
     let gpus: Vec<Gpu> = mib
@@ -1516,7 +1522,10 @@ mod fragmentation {
 
     fn kind(cpu_milli: u64, shares: &[[u64; 2]], whole: u64) -> Kind {
         Kind {
-            cpu_milli,
+            node: NodeAsk {
+                cpu_milli,
+                memory: 0,
+            },
             shares: shares.to_vec(),
             whole,
             ..Kind::default()
@@ -1530,27 +1539,40 @@ mod fragmentation {
     #[test]
     fn each_kind_strands_what_it_cannot_use() {
         let (inv, usage) = half_used();
-        let room = |cpu_free| NodeRoom {
+        let room = |free| NodeRoom {
             inventory: &inv,
             usage: &usage,
-            cpu_free,
+            free,
             labels: &NO_LABELS,
         };
-        let frag = |k: Kind, cpu_free| alone(k).fragmentation(&room(cpu_free));
+        let frag = |k: Kind, free| alone(k).fragmentation(&room(free));
+        let (any, cpu) = (UNBOUNDED, |cpu_milli| NodeAsk {
+            cpu_milli,
+            ..UNBOUNDED
+        });
         // 60 % shares: GPU-0's free half is too small for one.
-        assert_eq!(frag(kind(0, &[[6, 60]], 0), None), 500.0);
+        assert_eq!(frag(kind(0, &[[6, 60]], 0), any), 500.0);
         // 20 % shares fit both GPUs: nothing stranded...
-        assert_eq!(frag(kind(0, &[[2, 20]], 0), None), 0.0);
+        assert_eq!(frag(kind(0, &[[2, 20]], 0), any), 0.0);
         // ...unless the node lacks the CPU they ask: then all of it.
-        assert_eq!(frag(kind(4000, &[[2, 20]], 0), Some(2000)), 1500.0);
-        assert_eq!(frag(kind(4000, &[[2, 20]], 0), Some(4000)), 0.0);
+        assert_eq!(frag(kind(4000, &[[2, 20]], 0), cpu(2000)), 1500.0);
+        assert_eq!(frag(kind(4000, &[[2, 20]], 0), cpu(4000)), 0.0);
+        // Or the memory: a kind asking 8 GiB of a node with 4 left.
+        let mut big = kind(0, &[[2, 20]], 0);
+        big.node.memory = 8 << 30;
+        let memory = NodeAsk {
+            memory: 4 << 30,
+            ..UNBOUNDED
+        };
+        assert_eq!(frag(big.clone(), memory), 1500.0);
+        assert_eq!(frag(big, any), 0.0);
         // One whole GPU: the half-used one is stranded; two: all is.
-        assert_eq!(frag(kind(0, &[], 1), None), 500.0);
-        assert_eq!(frag(kind(0, &[], 2), None), 1500.0);
+        assert_eq!(frag(kind(0, &[], 1), any), 500.0);
+        assert_eq!(frag(kind(0, &[], 2), any), 1500.0);
         // A pod asking no GPU uses none of it.
-        assert_eq!(frag(kind(100, &[], 0), None), 1500.0);
+        assert_eq!(frag(kind(100, &[], 0), any), 1500.0);
         // A pod with a share too big for any GPU uses none either.
-        assert_eq!(frag(kind(0, &[[2, 20], [11, 10]], 0), None), 1500.0);
+        assert_eq!(frag(kind(0, &[[2, 20], [11, 10]], 0), any), 1500.0);
     }
 
     /// A kind whose pods may not run on the node (another GPU model, say)
@@ -1572,7 +1594,7 @@ mod fragmentation {
             let room = NodeRoom {
                 inventory: &inv,
                 usage: &usage,
-                cpu_free: None,
+                free: UNBOUNDED,
                 labels,
             };
             alone(v100.clone()).fragmentation(&room)
@@ -1592,7 +1614,7 @@ mod fragmentation {
         let room = NodeRoom {
             inventory: &inv,
             usage: &usage,
-            cpu_free: None,
+            free: UNBOUNDED,
             labels: &NO_LABELS,
         };
         let frag = |k: Kind| alone(k).fragmentation(&room);
@@ -1609,7 +1631,7 @@ mod fragmentation {
         let room = NodeRoom {
             inventory: &inv,
             usage: &usage,
-            cpu_free: None,
+            free: UNBOUNDED,
             labels: &NO_LABELS,
         };
         let (a, b, c) = (kind(0, &[[6, 60]], 0), kind(0, &[], 1), kind(0, &[], 2));
@@ -1636,7 +1658,7 @@ mod fragmentation {
         let room = NodeRoom {
             inventory: &inv,
             usage: &usage,
-            cpu_free: None,
+            free: UNBOUNDED,
             labels: &NO_LABELS,
         };
         assert_eq!(alone(kind(100, &[], 0)).fragmentation(&room), 0.0);
@@ -1650,7 +1672,7 @@ mod fragmentation {
             ask("a", false, 3, 30, 0),
             ask("w", false, 0, 0, 2),
         ]);
-        asks.cpu_milli = 1500;
+        asks.node.cpu_milli = 1500;
         assert_eq!(
             Kind::of(&asks, NodeSelection::default()),
             kind(1500, &[[1, 10], [3, 30]], 2)
@@ -1664,29 +1686,33 @@ mod fragmentation {
     }
 }
 
-/// The CPU a pod asks, as kube-scheduler counts it.
+/// The CPU and memory a pod asks, as kube-scheduler counts them.
 #[test]
-fn a_pods_cpu_is_its_containers_or_its_init_peak_and_overhead() {
+fn a_pods_node_ask_is_its_containers_or_its_init_peak_and_overhead() {
     let pod: Pod = serde_json::from_value(serde_json::json!({
         "spec": {
             "initContainers": [
-                {"name": "side", "restartPolicy": "Always", "resources": {"requests": {"cpu": "250m"}}},
-                {"name": "init", "resources": {"requests": {"cpu": "3"}}},
+                {"name": "side", "restartPolicy": "Always", "resources": {"requests": {"cpu": "250m", "memory": "1Gi"}}},
+                {"name": "init", "resources": {"requests": {"cpu": "3", "memory": "100Mi"}}},
             ],
             "containers": [
-                {"name": "a", "resources": {"requests": {"cpu": "500m"}}},
+                {"name": "a", "resources": {"requests": {"cpu": "500m", "memory": "2Gi"}}},
                 // A limit alone is the request too.
-                {"name": "b", "resources": {"limits": {"cpu": "1"}}},
+                {"name": "b", "resources": {"limits": {"cpu": "1", "memory": "1500M"}}},
                 {"name": "c"},
             ],
-            "overhead": {"cpu": "100m"},
+            "overhead": {"cpu": "100m", "memory": "0.5"},
         },
     }))
     .unwrap();
     let asks = PodAsks::from_pod(&Keys::new("doslab.io"), &pod);
     // The init container beside the sidecar (3.25) outweighs the app
     // containers beside it (1.75); the overhead comes on top.
-    assert_eq!(asks.cpu_milli, 3350);
+    assert_eq!(asks.node.cpu_milli, 3350);
+    // Memory the other way round: the app containers and the sidecar
+    // (3 GiB and 1.5 GB) outweigh the init container beside the sidecar;
+    // half a byte of overhead counts as a whole one.
+    assert_eq!(asks.node.memory, (3 << 30) + 1_500_000_000 + 1);
 }
 
 /// However many kinds of pods a cluster runs, the workload keeps the 64
@@ -1697,7 +1723,10 @@ fn a_workload_keeps_at_most_64_kinds() {
     let counts: HashMap<Kind, u64> = (0..1000)
         .map(|i| {
             let kind = Kind {
-                cpu_milli: i,
+                node: NodeAsk {
+                    cpu_milli: i,
+                    memory: 0,
+                },
                 ..Kind::default()
             };
             (kind, 1 + i % 3)
@@ -1708,7 +1737,10 @@ fn a_workload_keeps_at_most_64_kinds() {
     let room = NodeRoom {
         inventory: &inv,
         usage: &usage,
-        cpu_free: Some(500),
+        free: NodeAsk {
+            cpu_milli: 500,
+            ..UNBOUNDED
+        },
         labels: &NO_LABELS,
     };
     // CPU-only kinds strand all of a free GPU whatever their weights: the
