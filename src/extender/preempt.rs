@@ -482,6 +482,50 @@ mod tests {
         assert_eq!(names(&v).len(), 1, "{v:?}");
     }
 
+    /// A node short of the memory the preemptor requests makes room with
+    /// a pod holding only memory, though its GPUs already have room; with
+    /// the memory left, no pod goes.
+    #[test]
+    fn memory_the_preemptor_needs_is_freed_too() {
+        let request = |mut p: Pod, memory: &str| {
+            let c = &mut p.spec.get_or_insert_default().containers[0];
+            let q = k8s_openapi::apimachinery::pkg::api::resource::Quantity(memory.into());
+            let requests = c
+                .resources
+                .get_or_insert_default()
+                .requests
+                .get_or_insert_default();
+            requests.insert("memory".into(), q);
+            p
+        };
+        let mut ix = node(&[holder("a1", 0, "GPU-a", 10 * GIB)]);
+        let mut n = gpu_node("n", &[("GPU-a", 40 * GIB), ("GPU-b", 40 * GIB)]);
+        let q = k8s_openapi::apimachinery::pkg::api::resource::Quantity("8Gi".into());
+        let status = n.status.get_or_insert_default();
+        status
+            .allocatable
+            .get_or_insert_default()
+            .insert("memory".into(), q);
+        ix.apply_node(n);
+        let mut hog = request(gpu_pod("ns", "hog", &[app("app", [0, 0, 0])]), "6Gi");
+        let spec = hog.spec.get_or_insert_default();
+        spec.node_name = Some("n".into());
+        spec.priority = Some(0);
+        ix.apply_pod(hog);
+        let mut high = request(
+            gpu_pod("ns", "high", &[app("app", [10 * GIB, 0, 0])]),
+            "4Gi",
+        );
+        high.spec.get_or_insert_default().priority = Some(100);
+        let planner = Planner::new("doslab.io", Policy::Binpack);
+        let asking = planner.asks(&high).expect("a GPU pod");
+        let v = victims(&ix, "n", &asking).unwrap();
+        assert_eq!(names(&v), ["hog"]);
+        let small = request(high, "2Gi");
+        let v = victims(&ix, "n", &planner.asks(&small).unwrap()).unwrap();
+        assert!(names(&v).is_empty(), "{v:?}");
+    }
+
     /// A pod whose bind is in flight holds its room and is no victim.
     #[test]
     fn binds_in_flight_hold_their_room_and_stay() {

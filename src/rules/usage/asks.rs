@@ -3,7 +3,7 @@
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
 
 use super::Keys;
-use super::quantity::{QuantityError, parse_count, parse_milli};
+use super::quantity::{Quantity, QuantityError, parse_count};
 use crate::rules::device::{PerResource, Resource};
 
 /// A limit that is not a whole number of devices: the container's ask
@@ -203,9 +203,11 @@ fn container_request(c: &Container, resource: &str) -> u64 {
     milli(q)
 }
 
-/// `q` in thousandths; 0 when absent, unreadable or negative.
+/// `q` in thousandths; 0 when absent, unreadable or negative, and past
+/// `u64` the most it holds: an ask that large fits no node, never none.
 fn milli(q: Option<&k8s_openapi::apimachinery::pkg::api::resource::Quantity>) -> u64 {
-    q.and_then(|q| parse_milli(&q.0)).unwrap_or(0)
+    let thousandths = q.and_then(|q| Quantity::parse(&q.0).ok()?.milli());
+    thousandths.map_or(0, |m| u64::try_from(m.max(0)).unwrap_or(u64::MAX))
 }
 
 /// The pod's request of `resource` (in thousandths) as kube-scheduler

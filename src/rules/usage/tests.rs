@@ -1713,6 +1713,13 @@ fn a_pods_node_ask_is_its_containers_or_its_init_peak_and_overhead() {
     // (3 GiB and 1.5 GB) outweigh the init container beside the sidecar;
     // half a byte of overhead counts as a whole one.
     assert_eq!(asks.node.memory, (3 << 30) + 1_500_000_000 + 1);
+    // An ask past what a u64 of thousandths holds asks the most, not none.
+    let huge: Pod = serde_json::from_value(serde_json::json!({
+        "spec": {"containers": [{"name": "a", "resources": {"requests": {"memory": "1Ei"}}}]},
+    }))
+    .unwrap();
+    let asks = PodAsks::from_pod(&Keys::new("doslab.io"), &huge);
+    assert_eq!(asks.node.memory, u64::MAX / 1000 + 1);
 }
 
 /// However many kinds of pods a cluster runs, the workload keeps the 64
