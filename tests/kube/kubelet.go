@@ -167,6 +167,10 @@ type kubeletPeer struct {
 	dra     *dra.Manager
 	admit   []lifecycle.PodAdmitHandler
 	sources sourcesReady
+	// pods is the informer's store of the pods bound to this node: a pod
+	// missing from it is gone, which the API server, through the Node
+	// authorizer, answers as Forbidden rather than NotFound.
+	pods cache.Store
 
 	mu sync.Mutex
 	// admitted holds the pods this node runs or is admitting (the device
@@ -263,6 +267,7 @@ func (k *kubeletPeer) run(ctx context.Context) error {
 		o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", k.flags.node).String()
 	}))
 	pods := factory.Core().V1().Pods().Informer()
+	k.pods = pods.GetStore()
 	if _, err := pods.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { k.observe(ctx, obj.(*v1.Pod)) },
 		UpdateFunc: func(_, obj any) { k.observe(ctx, obj.(*v1.Pod)) },
@@ -830,6 +835,11 @@ func (k *kubeletPeer) retry(ctx context.Context, what string, pod *v1.Pod, write
 		if done || apierrors.IsNotFound(err) {
 			return
 		}
+		// Forbidden for a pod this node no longer has: it is gone. Waiting
+		// out forbiddenPasses would hold up every pod admitted after it.
+		if apierrors.IsForbidden(err) && k.dropped(pod) {
+			return
+		}
 		if apierrors.IsConflict(err) {
 			continue
 		}
@@ -849,6 +859,16 @@ func (k *kubeletPeer) retry(ctx context.Context, what string, pod *v1.Pod, write
 		}
 		delay = min(2*delay, 5*time.Second)
 	}
+}
+
+// dropped: the informer no longer holds pod (by UID) bound to this node.
+func (k *kubeletPeer) dropped(pod *v1.Pod) bool {
+	obj, exists, err := k.pods.Get(pod)
+	if err != nil || !exists {
+		return err == nil
+	}
+	current, ok := obj.(*v1.Pod)
+	return ok && current.UID != pod.UID
 }
 
 // updateNodeStatus publishes the device manager's capacity and

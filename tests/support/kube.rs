@@ -352,6 +352,8 @@ pub struct KubeNode {
     pub daemon: Daemon,
     /// The daemon's config, for a restart.
     config: String,
+    /// The daemon's kubeconfig (its token bound to its pod).
+    pub kubeconfig: PathBuf,
     pub gpus: usize,
     /// The kubelet's own flags (`--node-ip`, capacities), for a restart.
     kubelet_flags: Vec<String>,
@@ -530,6 +532,7 @@ impl KubeNode {
             name: name.into(),
             daemon: Daemon::start(&config),
             config,
+            kubeconfig,
             kubelet,
             dir,
             gpus: gpus.len(),
@@ -706,6 +709,33 @@ impl KubeNode {
         self.daemon = Daemon::start(&self.config);
     }
 
+    /// Kills the daemon (`kill -9`, as a crash or an OOM kill ends it)
+    /// and starts it again on the same config, as its DaemonSet would.
+    pub fn kill_daemon(&mut self) {
+        self.daemon.signal(libc::SIGKILL);
+        self.daemon.wait_exit(Duration::from_secs(20));
+        self.daemon = Daemon::start(&self.config);
+    }
+
+    /// Rewrites the daemon's config file to `toml` and sends it SIGHUP,
+    /// as an operator's edit of its ConfigMap and a reload do; a later
+    /// restart starts on `toml`.
+    pub fn reload_daemon(&mut self, toml: String) {
+        std::fs::write(&self.daemon.config, &toml).unwrap();
+        self.config = toml;
+        self.daemon.signal(libc::SIGHUP);
+    }
+
+    /// The daemon's config now.
+    pub fn config(&self) -> &str {
+        &self.config
+    }
+
+    /// The kubelet's kubeconfig (its identity `system:node:<name>`).
+    pub fn kubelet_kubeconfig(&self) -> PathBuf {
+        self.dir.path().join("kubelet.kubeconfig")
+    }
+
     /// What the kubelet recorded for pod `namespace/name`: admitted or not,
     /// the reason, each container's envs, mounts, devices and CDI devices.
     pub fn record(&self, namespace: &str, name: &str) -> Option<Value> {
@@ -746,6 +776,11 @@ pub struct Scheduler {
     pub extender: Daemon,
     pub url: String,
     pub proc: Proc,
+    /// What a restart starts again on: kube-scheduler's config file, the
+    /// extender's identity and its extra config.
+    config: PathBuf,
+    kubeconfig: PathBuf,
+    extender_toml: String,
 }
 
 impl Scheduler {
@@ -789,20 +824,46 @@ impl Scheduler {
         edit(&mut profile);
         let config = cp.dir.path().join("scheduler.yaml");
         std::fs::write(&config, serde_yaml::to_string(&profile).unwrap()).unwrap();
-        let proc = Proc::spawn(
+        Scheduler {
+            proc: Scheduler::spawn_scheduler(&config, "kube-scheduler.log"),
+            extender,
+            url,
+            config,
+            kubeconfig: cp.scheduler.clone(),
+            extender_toml: extender_toml.to_owned(),
+        }
+    }
+
+    /// kube-scheduler on `config`, logging to `log` beside it.
+    fn spawn_scheduler(config: &Path, log: &str) -> Proc {
+        Proc::spawn(
             &[
                 "kube-scheduler".as_ref(),
                 "--config".as_ref(),
                 config.as_os_str(),
                 "--secure-port=0".as_ref(),
             ],
-            cp.dir.path().join("kube-scheduler.log"),
-        );
-        Scheduler {
-            extender,
-            url,
-            proc,
-        }
+            config.with_file_name(log),
+        )
+    }
+
+    /// Kills kube-scheduler (`kill -9`) and starts a new one on the same
+    /// config, its log a new file (`restart` numbers it).
+    pub fn kill_scheduler(&mut self, restart: usize) {
+        unsafe { libc::kill(self.proc.child.id() as i32, libc::SIGKILL) };
+        let _ = self.proc.child.wait();
+        self.proc =
+            Scheduler::spawn_scheduler(&self.config, &format!("kube-scheduler-{restart}.log"));
+    }
+
+    /// Kills the extender (`kill -9`) and starts a new one on the same
+    /// address, the one kube-scheduler calls.
+    pub fn kill_extender(&mut self) {
+        self.extender.signal(libc::SIGKILL);
+        self.extender.wait_exit(Duration::from_secs(20));
+        let listen = self.url.trim_start_matches("http://");
+        let (extender, _) = super::start_extender_at(&self.kubeconfig, listen, &self.extender_toml);
+        self.extender = extender;
     }
 }
 

@@ -324,7 +324,7 @@ fn proc_addr(field: &str) -> Option<std::net::SocketAddr> {
 /// reaches, and its URL. It serves until the test's runtime ends; the
 /// value returned holds its reflectors.
 pub async fn start_extender(kubeconfig: &Path) -> (gpu_device_plugin::extender::Started, String) {
-    let toml = extender_toml(kubeconfig, "");
+    let toml = extender_toml(kubeconfig, "127.0.0.1:0", "");
     let config: gpu_device_plugin::extender::ExtenderConfig =
         gpu_device_plugin::extender::ExtenderConfig::from_toml(&toml).unwrap();
     let started = gpu_device_plugin::extender::launch(&config).await.unwrap();
@@ -335,18 +335,24 @@ pub async fn start_extender(kubeconfig: &Path) -> (gpu_device_plugin::extender::
 /// The scheduler extender (the binary's subcommand), `extra` added to its
 /// config, on the API server `kubeconfig` reaches, and its URL.
 pub fn start_extender_with(kubeconfig: &Path, extra: &str) -> (Daemon, String) {
+    start_extender_at(kubeconfig, "127.0.0.1:0", extra)
+}
+
+/// [`start_extender_with`] listening on `listen` (a restart takes the
+/// address its scheduler already calls).
+pub fn start_extender_at(kubeconfig: &Path, listen: &str, extra: &str) -> (Daemon, String) {
     let extender = Daemon::start_command(
         &["scheduler-extender"],
-        &extender_toml(kubeconfig, extra),
+        &extender_toml(kubeconfig, listen, extra),
         &[],
     );
     let addr = extender.listening();
     (extender, format!("http://{addr}"))
 }
 
-fn extender_toml(kubeconfig: &Path, extra: &str) -> String {
+fn extender_toml(kubeconfig: &Path, listen: &str, extra: &str) -> String {
     format!(
-        "[extender]\nlisten = \"127.0.0.1:0\"\nkubeconfig = {:?}\n{extra}",
+        "[extender]\nlisten = {listen:?}\nkubeconfig = {:?}\n{extra}",
         kubeconfig.display().to_string()
     )
 }
