@@ -14,16 +14,6 @@ use std::time::{Duration, Instant};
 use gpu_sim::apiserver::ApiServerSim;
 use support::*;
 
-/// Resident memory of `pid`, in KiB.
-fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap()
-}
-
 fn connections() -> usize {
     std::env::var("HTTP_BOUNDS_CONNECTIONS")
         .ok()

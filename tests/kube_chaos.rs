@@ -366,11 +366,7 @@ fn check_running(
         watch.violate(format!("{name} runs on unknown node {node:?}"));
         return;
     };
-    let path = dir.join(format!("kubelet/pods/{NS}_{name}.json"));
-    let Some(record) = std::fs::read(&path)
-        .ok()
-        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-    else {
+    let Some(record) = record_in(dir, NS, &name) else {
         watch.violate(format!("{name} Running with no kubelet record on {node}"));
         return;
     };
@@ -527,16 +523,20 @@ async fn sample(
 /// Retries an API call through restarts and slowness for up to a minute;
 /// the last error after that.
 async fn retry<T>(mut call: impl AsyncFnMut() -> Result<T, kube::Error>) -> Result<T, kube::Error> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
+    let mut last = None;
+    let answered = support::poll_within(Instant::now() + Duration::from_secs(60), async || {
         match call().await {
-            Ok(v) => return Ok(v),
             // An answer of the API server itself is final.
-            Err(kube::Error::Api(e)) if e.code < 500 => return Err(kube::Error::Api(e)),
-            Err(e) if Instant::now() >= deadline => return Err(e),
-            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+            Err(kube::Error::Api(e)) if e.code < 500 => Some(Err(kube::Error::Api(e))),
+            Err(e) => {
+                last = Some(e);
+                None
+            }
+            ok => Some(ok),
         }
-    }
+    })
+    .await;
+    answered.unwrap_or_else(|| Err(last.expect("tried at least once")))
 }
 
 /// `pod` allowed only on node `node`.
@@ -576,15 +576,6 @@ struct Report {
     rss_kib: (u64, u64),
     fds: (usize, usize),
     took: Duration,
-}
-
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap()
 }
 
 /// The daemon's config with its health recovery changed: a reload that
@@ -653,16 +644,17 @@ async fn run(seed: u64, pods: usize, faults: &[Fault]) -> Report {
         ..Watch::default()
     }));
     let soak_pid = nodes[0].daemon.child.id();
-    let rss_start = rss_kib(soak_pid);
+    let rss_start = support::rss_kib(soak_pid);
     let fds_start = support::fds_and_threads(soak_pid).0;
     let stop = Arc::new(AtomicBool::new(false));
     let checker = {
         let (watch, api, dirs, stop) = (watch.clone(), api.clone(), dirs.clone(), stop.clone());
         tokio::spawn(async move {
             let mut pending = HashMap::new();
+            let mut every = tokio::time::interval(Duration::from_millis(250));
             while !stop.load(Ordering::Relaxed) {
+                every.tick().await;
                 sample(&watch, &api, &dirs, &mut pending).await;
-                tokio::time::sleep(Duration::from_millis(250)).await;
             }
         })
     };
@@ -754,21 +746,15 @@ async fn run(seed: u64, pods: usize, faults: &[Fault]) -> Report {
                     Fault::ApiserverSlow => {
                         let windows = proxy.windows.clone();
                         windows.fetch_add(1, Ordering::Relaxed);
-                        let (lasts, watch) = (*lasts, watch.clone());
-                        lasting.push(tokio::spawn(async move {
-                            tokio::time::sleep(lasts).await;
+                        lasting.push(ends_after(*lasts, &watch, move || {
                             windows.fetch_sub(1, Ordering::Relaxed);
-                            watch.lock().unwrap().last_fault = Some(Instant::now());
                         }));
                     }
                     Fault::GpuUnhealthy => {
                         let file = health[*node].path().join(gpu_uuid(*node, *gpu));
                         std::fs::write(&file, "").unwrap();
-                        let (lasts, watch) = (*lasts, watch.clone());
-                        lasting.push(tokio::spawn(async move {
-                            tokio::time::sleep(lasts).await;
+                        lasting.push(ends_after(*lasts, &watch, move || {
                             std::fs::remove_file(file).unwrap();
-                            watch.lock().unwrap().last_fault = Some(Instant::now());
                         }));
                     }
                 }
@@ -807,7 +793,7 @@ async fn run(seed: u64, pods: usize, faults: &[Fault]) -> Report {
     for name in &live {
         wait_deleted(&api, &watch, name).await;
     }
-    let rss_end = rss_kib(soak_pid);
+    let rss_end = support::rss_kib(soak_pid);
     let fds_end = support::fds_and_threads(soak_pid).0;
     leaks(&watch, &client, &nodes).await;
 
@@ -915,25 +901,41 @@ fn artifacts(
     eprintln!("logs under {}", dir.display());
 }
 
+/// A lasting fault's end: `undo` once `lasts` is over, which counts as
+/// the last fault for the Pending bound.
+fn ends_after(
+    lasts: Duration,
+    watch: &Arc<Mutex<Watch>>,
+    undo: impl FnOnce() + Send + 'static,
+) -> tokio::task::JoinHandle<()> {
+    let watch = watch.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(lasts).await;
+        undo();
+        watch.lock().unwrap().last_fault = Some(Instant::now());
+    })
+}
+
 /// Waits until pod `name` has been seen Running, within [`PENDING`] of
 /// its creation or the last fault; a violation if not.
 async fn wait_running(watch: &Mutex<Watch>, name: &str) {
-    loop {
-        {
-            let mut w = watch.lock().unwrap();
-            if w.running.contains_key(name) || w.lost.contains_key(name) {
-                return;
-            }
-            let created = w.created[name];
-            let since = w.last_fault.map_or(created, |f| f.max(created));
-            // The checker's own verdict comes first; this only stops the wait.
-            if since.elapsed() > PENDING + Duration::from_secs(5) {
-                w.violate(format!("{name} never ran"));
-                return;
-            }
+    // The probe ends the wait: its bound moves with each fault.
+    let unbounded = Instant::now() + Duration::from_secs(24 * 3600);
+    support::poll_within(unbounded, async || {
+        let mut w = watch.lock().unwrap();
+        if w.running.contains_key(name) || w.lost.contains_key(name) {
+            return Some(());
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+        let created = w.created[name];
+        let since = w.last_fault.map_or(created, |f| f.max(created));
+        // The checker's own verdict comes first; this only stops the wait.
+        if since.elapsed() > PENDING + Duration::from_secs(5) {
+            w.violate(format!("{name} never ran"));
+            return Some(());
+        }
+        None
+    })
+    .await;
 }
 
 async fn delete(api: &Api<Pod>, watch: &Mutex<Watch>, name: &str) {
@@ -950,17 +952,16 @@ async fn delete(api: &Api<Pod>, watch: &Mutex<Watch>, name: &str) {
 /// Waits until deleted pod `name` is gone from the API server (its
 /// kubelet finished it); a violation if it stays.
 async fn wait_deleted(api: &Api<Pod>, watch: &Mutex<Watch>, name: &str) {
-    let deadline = Instant::now() + PENDING;
-    while Instant::now() < deadline {
-        if let Ok(None) = api.get_opt(name).await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    let gone = async || matches!(api.get_opt(name).await, Ok(None)).then_some(());
+    if support::poll_within(Instant::now() + PENDING, gone)
+        .await
+        .is_none()
+    {
+        watch
+            .lock()
+            .unwrap()
+            .violate(format!("deleted pod {name} never went"));
     }
-    watch
-        .lock()
-        .unwrap()
-        .violate(format!("deleted pod {name} never went"));
 }
 
 /// Once every pod is gone, nothing is held: every daemon's ledger is empty

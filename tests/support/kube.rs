@@ -704,15 +704,18 @@ impl KubeNode {
     /// Stops the daemon (SIGTERM, as its pod's deletion does) and starts it
     /// again on the same config.
     pub fn restart_daemon(&mut self) {
-        self.daemon.signal(libc::SIGTERM);
-        self.daemon.wait_exit(Duration::from_secs(20));
-        self.daemon = Daemon::start(&self.config);
+        self.replace_daemon(libc::SIGTERM);
     }
 
     /// Kills the daemon (`kill -9`, as a crash or an OOM kill ends it)
     /// and starts it again on the same config, as its DaemonSet would.
     pub fn kill_daemon(&mut self) {
-        self.daemon.signal(libc::SIGKILL);
+        self.replace_daemon(libc::SIGKILL);
+    }
+
+    /// Ends the daemon with `signal` and starts it again on its config.
+    fn replace_daemon(&mut self, signal: i32) {
+        self.daemon.signal(signal);
         self.daemon.wait_exit(Duration::from_secs(20));
         self.daemon = Daemon::start(&self.config);
     }
@@ -739,15 +742,18 @@ impl KubeNode {
     /// What the kubelet recorded for pod `namespace/name`: admitted or not,
     /// the reason, each container's envs, mounts, devices and CDI devices.
     pub fn record(&self, namespace: &str, name: &str) -> Option<Value> {
-        let path = self
-            .dir
-            .path()
-            .join("kubelet/pods")
-            .join(format!("{namespace}_{name}.json"));
-        std::fs::read(path)
-            .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok())
+        record_in(self.dir.path(), namespace, name)
     }
+}
+
+/// [`KubeNode::record`] of the node whose directory is `dir`.
+pub fn record_in(dir: &Path, namespace: &str, name: &str) -> Option<Value> {
+    let path = dir
+        .join("kubelet/pods")
+        .join(format!("{namespace}_{name}.json"));
+    std::fs::read(path)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
 }
 
 /// The test-only DRA driver of [`KubeNode::start_test_dra_driver`].

@@ -230,6 +230,16 @@ pub async fn expect_kubelet(
     );
 }
 
+/// Resident memory of `pid`, in KiB.
+pub fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
 /// Open file descriptors and threads of a process.
 pub fn fds_and_threads(pid: u32) -> (usize, usize) {
     let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
