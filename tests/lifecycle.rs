@@ -209,6 +209,32 @@ async fn an_unhealthy_gpu_turns_its_devices_unhealthy_everywhere_and_back() {
     wait_for_sample(&addr, &healthy(GPU_A), 1.0).await;
 }
 
+/// Found by the chaos test: a reload restarts the health monitor, and a new
+/// monitor that only reported changes left a GPU that recovered meanwhile
+/// unhealthy for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_recovering_while_a_reload_restarts_the_monitor_is_healthy_again() {
+    let health = tempfile::tempdir().unwrap();
+    // A recovery window longer than the test: only the new monitor can
+    // find the GPU healthy.
+    let extra = |recovery_ms: u32| {
+        format!(
+            "[health]\npoll_ms = 50\nrecovery_ms = {recovery_ms}\nmock_dir = {:?}",
+            health.path().display().to_string()
+        )
+    };
+    let (dir, daemon, _kubelet) = started(&extra(600_000)).await;
+    let addr = daemon.http.clone();
+    let healthy = format!("gpu_device_plugin_gpu_healthy{{gpu=\"{GPU_A}\"}}");
+    std::fs::write(health.path().join(GPU_A), "").unwrap();
+    wait_for_sample(&addr, &healthy, 0.0).await;
+
+    std::fs::remove_file(health.path().join(GPU_A)).unwrap();
+    daemon.rewrite(&mock_config(dir.path(), &extra(599_000), GPUS));
+    wait_for_sample(&addr, &healthy, 1.0).await;
+    wait_for_sample(&addr, RELOADS_APPLIED, 1.0).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plugin_that_cannot_start_is_retried_and_the_others_keep_serving() {
     let (dir, daemon, kubelet) = started("").await;

@@ -10,6 +10,10 @@ pub(crate) struct HealthTracker {
     recovery: Duration,
     last_failure: Vec<Option<Instant>>,
     healthy: Vec<bool>,
+    /// Whether a round was observed: the first one is news even when all
+    /// pass, since whoever listens may hold an earlier monitor's view (a
+    /// reload restarts the monitor, maybe while a GPU was unhealthy).
+    observed: bool,
 }
 
 impl HealthTracker {
@@ -18,6 +22,7 @@ impl HealthTracker {
             recovery,
             last_failure: vec![None; gpus],
             healthy: vec![true; gpus],
+            observed: false,
         }
     }
 
@@ -26,7 +31,7 @@ impl HealthTracker {
     }
 
     /// Applies one round (`failing[g]` is true when GPU g failed a check);
-    /// returns the new health when it changed.
+    /// returns the new health when it changed, and after the first round.
     pub(crate) fn observe(&mut self, failing: &[bool], now: Instant) -> Option<Arc<[bool]>> {
         let before = self.healthy.clone();
         for (g, &fails) in failing.iter().enumerate().take(self.healthy.len()) {
@@ -39,7 +44,8 @@ impl HealthTracker {
                 self.healthy[g] = true;
             }
         }
-        (self.healthy != before).then(|| self.healthy())
+        let first = !std::mem::replace(&mut self.observed, true);
+        (first || self.healthy != before).then(|| self.healthy())
     }
 }
 
@@ -52,7 +58,11 @@ mod tests {
         let t0 = Instant::now();
         let s = Duration::from_secs(1);
         let mut h = HealthTracker::new(2, Duration::from_secs(10));
-        assert_eq!(h.observe(&[false, false], t0), None);
+        assert_eq!(
+            h.observe(&[false, false], t0).as_deref(),
+            Some(&[true, true][..]),
+            "the first round is news"
+        );
         assert_eq!(
             h.observe(&[true, false], t0 + s).as_deref(),
             Some(&[false, true][..])

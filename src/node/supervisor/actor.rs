@@ -476,7 +476,8 @@ impl Actor for Supervisor {
                 }
             }
             SupervisorMsg::Health { healthy } => {
-                if healthy.len() == state.plan.gpus().len() {
+                // A new monitor's first report is often what we hold.
+                if healthy.len() == state.plan.gpus().len() && healthy != state.healthy {
                     state.healthy = healthy;
                     for plugin in state.plugins() {
                         let _ = plugin.send_message(PluginMsg::SetHealth {
