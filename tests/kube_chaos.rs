@@ -291,7 +291,8 @@ impl Watch {
             || message.contains("rpc error: code = Unavailable");
         self.strikes
             .iter()
-            .filter(|(_, n, _, at)| *n == node && *at >= since)
+            // A slow API server is slow for every node.
+            .filter(|(f, n, _, at)| (*n == node || *f == Fault::ApiserverSlow) && *at >= since)
             .find(|(fault, _, gpu, _)| match fault {
                 Fault::DaemonKill => unhealthy,
                 Fault::KubeletRestart => {
@@ -305,6 +306,10 @@ impl Watch {
                     message.contains(&format!("is assigned [\"{gpu}\"]"))
                         || message.contains("by the extender, but the kubelet's")
                 }
+                // The daemon's watch lags the extender's: the kubelet's
+                // devices of a GPU the extender saw freed may still be
+                // withdrawn (listed unhealthy) when the kubelet admits.
+                Fault::ApiserverSlow => message.contains("by the extender, but the kubelet's"),
                 _ => false,
             })
             .map(|(fault, ..)| *fault)

@@ -188,11 +188,14 @@ type kubeletPeer struct {
 	resync      []types.UID
 	terminating map[types.UID]chan struct{}
 	// taken: pods out of the queue, not yet through admission; stopLater,
-	// those of them and of the queue whose deletion came meanwhile: as the
-	// kubelet, which admits each pod it was sent before it handles the
-	// pod's later updates, they are admitted first and stopped after.
+	// those of them and of the queue whose deletion came meanwhile, and
+	// goneLater, those that left the API server meanwhile: as the kubelet,
+	// which admits each pod it was sent before it handles the pod's later
+	// updates (its config source sends the removal after the addition),
+	// they are admitted first and stopped after.
 	taken     sets.Set[types.UID]
 	stopLater sets.Set[types.UID]
+	goneLater sets.Set[types.UID]
 	wake      chan struct{}
 	node      *v1.Node
 }
@@ -206,6 +209,7 @@ func newKubeletPeer(f kubeletFlags) *kubeletPeer {
 		terminating: map[types.UID]chan struct{}{},
 		taken:       sets.New[types.UID](),
 		stopLater:   sets.New[types.UID](),
+		goneLater:   sets.New[types.UID](),
 		wake:        make(chan struct{}, 1),
 	}
 }
@@ -386,14 +390,7 @@ func (k *kubeletPeer) activePods() []*v1.Pod {
 
 func (k *kubeletPeer) observe(ctx context.Context, pod *v1.Pod) {
 	if pod.DeletionTimestamp != nil {
-		k.mu.Lock()
-		waiting := k.taken.Has(pod.UID) ||
-			slices.ContainsFunc(k.queue, func(p *v1.Pod) bool { return p.UID == pod.UID })
-		if waiting {
-			k.stopLater.Insert(pod.UID)
-		}
-		k.mu.Unlock()
-		if !waiting {
+		if !k.waiting(pod.UID, k.stopLater) {
 			go k.finishDeletion(ctx, pod)
 		}
 		return
@@ -418,6 +415,19 @@ func (k *kubeletPeer) observe(ctx context.Context, pod *v1.Pod) {
 	}
 	k.queue = append(k.queue, pod)
 	k.poke()
+}
+
+// waiting: whether the pod waits for admission (queued, or taken and not
+// through it yet); if so, it is marked in later, to be stopped after.
+func (k *kubeletPeer) waiting(uid types.UID, later sets.Set[types.UID]) bool {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	waiting := k.taken.Has(uid) ||
+		slices.ContainsFunc(k.queue, func(p *v1.Pod) bool { return p.UID == uid })
+	if waiting {
+		later.Insert(uid)
+	}
+	return waiting
 }
 
 func (k *kubeletPeer) poke() {
@@ -477,8 +487,12 @@ func (k *kubeletPeer) terminate(ctx context.Context, pod *v1.Pod) <-chan struct{
 }
 
 // gone: the pod left the API server (a final delete, or a force delete
-// that did not wait for this node); it is stopped all the same.
+// that did not wait for this node); it is stopped all the same, after its
+// admission if it is waiting for it.
 func (k *kubeletPeer) gone(ctx context.Context, pod *v1.Pod) {
+	if k.waiting(pod.UID, k.goneLater) {
+		return
+	}
 	done := k.terminate(ctx, pod)
 	go func() {
 		<-done
@@ -560,10 +574,14 @@ func (k *kubeletPeer) admitTaken(ctx context.Context, pod *v1.Pod) {
 	k.admitOne(ctx, pod)
 	k.mu.Lock()
 	k.taken.Delete(pod.UID)
-	later := k.stopLater.Has(pod.UID)
+	later, gone := k.stopLater.Has(pod.UID), k.goneLater.Has(pod.UID)
 	k.stopLater.Delete(pod.UID)
+	k.goneLater.Delete(pod.UID)
 	k.mu.Unlock()
-	if later {
+	switch {
+	case gone:
+		k.gone(ctx, pod)
+	case later:
 		go k.finishDeletion(ctx, pod)
 	}
 }

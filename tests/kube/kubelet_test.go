@@ -63,6 +63,22 @@ func TestStatusOfAPodGoneIsNotRetried(t *testing.T) {
 	}
 }
 
+// The kubelet admits every pod its config source sent it before it handles
+// the pod's removal, sent after: a pod deleted from the API server at once
+// (deleted as it was bound) is admitted, its devices allocated, then
+// stopped. The peer dropped it from its queue instead, so the device
+// plugin's Allocates for it never came (found by the chaos run, after the
+// daemon learnt to wait for them).
+func TestAPodGoneBeforeItsTurnIsAdmittedThenStopped(t *testing.T) {
+	k := newKubeletPeer(kubeletFlags{node: "node-0"})
+	pod := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "p", UID: "a"}}
+	k.observe(context.Background(), pod)
+	k.gone(context.Background(), pod)
+	if len(k.queue) != 1 || k.decided.Has(pod.UID) || !k.goneLater.Has(pod.UID) {
+		t.Fatalf("queue %v, decided %v, goneLater %v", k.queue, k.decided, k.goneLater)
+	}
+}
+
 type errFor string
 
 func (e errFor) Error() string { return string(e) }

@@ -136,8 +136,20 @@ pub(crate) struct MatcherState {
     /// Lookups that found a repeat on a pod with a write in flight, by pod
     /// UID: decided again once its writes are done.
     deferred: HashMap<String, Vec<(Ask, Instant, DecideReply)>>,
-    /// Pods our writes found gone that the cache still holds.
-    gone: HashSet<String>,
+    /// Pods deleted while the kubelet may be admitting them (the watch
+    /// saw them go while Pending, or our write found them gone), by UID.
+    /// The kubelet admits every pod it was sent before it stops it: their
+    /// Allocates still come, and handed to the next pod of the same ask
+    /// they would give it another's grant. So they stay candidates for
+    /// `matcher.wait_ms` (until the kubelet restarts: a new one never saw
+    /// them), holding nothing, their grants recorded here alone.
+    deleted: HashMap<String, Deleted>,
+}
+
+/// A pod deleted while the kubelet may be admitting it.
+struct Deleted {
+    view: PodView,
+    since: Instant,
 }
 
 /// A decision its caller is readying (enforcement) before it is recorded.
@@ -167,18 +179,19 @@ struct Written {
 
 impl MatcherState {
     /// The pods as recorded: the cache, with our writes it has not shown
-    /// yet, less the pods our writes found gone.
+    /// yet; the pods deleted while Pending in place of what it holds of
+    /// them.
     fn views(&mut self) -> Vec<PodView> {
+        for (since, pod) in self.cache.take_deleted() {
+            self.bury(self.view(&pod), since);
+        }
+        let wait = self.args.wait;
+        self.deleted.retain(|_, d| d.since.elapsed() < wait);
         let pods = self.cache.pods();
-        let mut views = Vec::with_capacity(pods.len());
-        let mut cached = HashSet::with_capacity(pods.len());
+        let mut views = Vec::with_capacity(pods.len() + self.deleted.len());
         for pod in pods {
-            let (mut view, warnings) = PodView::from_pod(&self.args.keys, &pod);
-            for w in warnings {
-                tracing::debug!(pod = %view.key, warning = %w, "pod annotation");
-            }
-            cached.insert(view.uid.clone());
-            if self.gone.contains(&view.uid) {
+            let mut view = self.view(&pod);
+            if self.deleted.contains_key(&view.uid) {
                 continue;
             }
             if let Some(w) = self.written.get(&view.uid) {
@@ -192,10 +205,35 @@ impl MatcherState {
             }
             views.push(view);
         }
+        for d in self.deleted.values() {
+            let mut view = d.view.clone();
+            view.live = false;
+            if let Some(w) = self.written.get(&view.uid) {
+                view.ledger.merge(&w.ledger);
+            }
+            views.push(view);
+        }
         let live: HashSet<&str> = views.iter().map(|v| v.uid.as_str()).collect();
         self.written.retain(|uid, _| live.contains(uid.as_str()));
-        self.gone.retain(|uid| cached.contains(uid));
         views
+    }
+
+    fn view(&self, pod: &Pod) -> PodView {
+        let (view, warnings) = PodView::from_pod(&self.args.keys, pod);
+        for w in warnings {
+            tracing::debug!(pod = %view.key, warning = %w, "pod annotation");
+        }
+        view
+    }
+
+    /// Keeps `view`, of a pod deleted `since`, as a candidate the kubelet
+    /// may yet admit, if it may be admitting it.
+    fn bury(&mut self, view: PodView, since: Instant) {
+        if view.admitting && !self.deleted.contains_key(&view.uid) {
+            tracing::info!(pod = %view.key, "pod deleted while Pending; its Allocates may still come");
+            self.deleted
+                .insert(view.uid.clone(), Deleted { view, since });
+        }
     }
 
     /// The pods as a new decision must see them: `recorded` with every
@@ -332,6 +370,22 @@ impl MatcherState {
             .into_iter()
             .find(|v| v.uid == r.decision.uid)
             .expect("decided on it");
+        if self.deleted.contains_key(&view.uid) {
+            // Nothing to write to: its grant is recorded here alone.
+            let mut ledger = view.ledger;
+            record(&mut ledger, &self.args.node, &r.ask, &r.decision);
+            self.written.insert(
+                view.uid,
+                Written {
+                    ledger,
+                    before: HashSet::new(),
+                    after: String::new(),
+                },
+            );
+            self.log(&r.ask, &r.decision);
+            let _ = reply.send(Ok(Recorded::Done));
+            return false;
+        }
         let deadline = r.expires.min(Instant::now() + self.args.wait);
         let (api, args, myself) = (
             self.pods(&r.decision.pod.namespace),
@@ -382,8 +436,17 @@ impl MatcherState {
                 Ok(Recorded::Done)
             }
             Err(WriteError::Gone) => {
+                // Decided again, onto the pod as deleted, or onto nothing
+                // if it was no longer Pending.
                 tracing::info!(pod = %r.decision.pod, "pod went away while being served");
-                self.gone.insert(uid.clone());
+                if let Some(pod) = self
+                    .cache
+                    .pods()
+                    .into_iter()
+                    .find(|p| p.metadata.uid.as_ref() == Some(&uid))
+                {
+                    self.bury(self.view(&pod), Instant::now());
+                }
                 Ok(Recorded::Again)
             }
             Err(WriteError::Unreachable(e)) => Err(self.failure(&r.ask, Refusal::ApiServer(e))),
@@ -525,7 +588,7 @@ impl Actor for PodMatcher {
             ticket: 0,
             writing: HashMap::new(),
             deferred: HashMap::new(),
-            gone: HashSet::new(),
+            deleted: HashMap::new(),
         })
     }
 
@@ -589,6 +652,16 @@ impl Actor for PodMatcher {
                 for (pod, why, note) in notices {
                     tracing::info!(%pod, uuid = %fault.uuid, xid = %fault.xid, "telling a pod of its GPU's fault");
                     state.events.warn(&pod, why, &note);
+                }
+            }
+            MatcherMsg::KubeletRestarted => {
+                state.cache.take_deleted();
+                if !state.deleted.is_empty() {
+                    tracing::info!(
+                        pods = state.deleted.len(),
+                        "kubelet restarted; forgetting the pods deleted while Pending"
+                    );
+                    state.deleted.clear();
                 }
             }
             MatcherMsg::Prefer {

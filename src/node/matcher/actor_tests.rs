@@ -278,3 +278,92 @@ async fn a_retry_is_not_answered_from_a_ledger_write_still_in_flight() {
         "the retry recorded its grant rather than taking the failed write for it"
     );
 }
+
+/// Waits until the matcher's pod cache holds exactly the pods `names`.
+async fn cached(handle: &MatcherHandle, names: &[&str]) {
+    let deadline = Instant::now() + ANSWER;
+    loop {
+        let live = handle.live().await.unwrap_or_default();
+        let mut now: Vec<&str> = live.iter().map(|c| c.pod.name.as_str()).collect();
+        now.sort();
+        now.dedup();
+        if now == names {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "cache holds {now:?}, not {names:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Found by the chaos test: a pod deleted as it was bound is admitted by
+/// the kubelet all the same (it saw the pod bound before it saw it go),
+/// and its Allocate, handed to the next pod of the same ask, gave that pod
+/// another's grant and left its own Allocate nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_deleted_while_pending_keeps_its_allocates_from_the_next_pod() {
+    let api = ApiServerSim::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    api.add_pod("default", "first", NODE, &[app(4)], &[]);
+    api.add_pod("default", "second", NODE, &[app(4)], &[]);
+    let (handle, wait) = matcher(&api, dir.path()).await;
+    cached(&handle, &["first", "second"]).await;
+    api.delete_pod("default", "first");
+    cached(&handle, &["second"]).await;
+
+    let ok: Prepare = Arc::new(|_| Box::pin(async { Ok(()) }));
+    let ids = ["a0", "a1", "a2", "a3"];
+    let first = allocate(handle.clone(), wait, ids, ok.clone()).await;
+    assert_eq!(first.as_deref(), Ok("first"));
+    let patches = api.requests().get("patch").copied();
+    assert_eq!(patches, None, "nothing to write on a deleted pod");
+    // Its grant holds nothing on the GPU: the next pod's fits beside it.
+    let ids = ["b0", "b1", "b2", "b3"];
+    let second = allocate(handle.clone(), wait, ids, ok).await;
+    assert_eq!(second.as_deref(), Ok("second"));
+    assert!(ledger(&api, "second").is_some());
+}
+
+/// The kubelet's Allocate may reach a pod the watch has not yet shown
+/// deleted: its ledger write finds it gone, and it is served as deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_whose_write_finds_it_gone_keeps_its_allocates_from_the_next_pod() {
+    let api = ApiServerSim::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    api.add_pod("default", "first", NODE, &[app(4)], &[]);
+    api.add_pod("default", "second", NODE, &[app(4)], &[]);
+    let (handle, wait) = matcher(&api, dir.path()).await;
+    cached(&handle, &["first", "second"]).await;
+    api.delete_pod_late("default", "first", Duration::from_secs(3600));
+
+    let ok: Prepare = Arc::new(|_| Box::pin(async { Ok(()) }));
+    let first = allocate(handle.clone(), wait, ["a0", "a1", "a2", "a3"], ok.clone()).await;
+    assert_eq!(first.as_deref(), Ok("first"));
+    assert_eq!(ledger(&api, "second"), None);
+    let second = allocate(handle.clone(), wait, ["b0", "b1", "b2", "b3"], ok).await;
+    assert_eq!(second.as_deref(), Ok("second"));
+    assert!(ledger(&api, "second").is_some());
+}
+
+/// A restarted kubelet never saw the deleted pod: it admits none of its
+/// containers, so the next pod's Allocate is the next pod's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kubelet_restart_forgets_the_pods_deleted_while_pending() {
+    let api = ApiServerSim::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    api.add_pod("default", "first", NODE, &[app(4)], &[]);
+    api.add_pod("default", "second", NODE, &[app(4)], &[]);
+    let (handle, wait) = matcher(&api, dir.path()).await;
+    cached(&handle, &["first", "second"]).await;
+    api.delete_pod("default", "first");
+    cached(&handle, &["second"]).await;
+
+    // A lookup takes the deletion in before the restart.
+    handle.prefer(Resource::GpuMemory, 4).await;
+    handle.kubelet_restarted();
+    let ok: Prepare = Arc::new(|_| Box::pin(async { Ok(()) }));
+    let second = allocate(handle.clone(), wait, ["b0", "b1", "b2", "b3"], ok).await;
+    assert_eq!(second.as_deref(), Ok("second"));
+}

@@ -102,6 +102,9 @@ pub(crate) enum MatcherMsg {
     /// An XID on a GPU: a Warning Event on every pod with a container
     /// granted on it.
     Fault { fault: GpuFault },
+    /// The kubelet restarted: it never saw the pods deleted before, so
+    /// none of them is admitted any more.
+    KubeletRestarted,
     /// The same lookup for GetPreferredAllocation, recording nothing, by
     /// `deadline` (the caller's). Reply with where the devices should come
     /// from (no opinion when nothing was found).
@@ -320,6 +323,13 @@ impl MatcherHandle {
             None => {
                 tracing::info!(uuid = %fault.uuid, "no pod matcher to tell the pods of a GPU fault")
             }
+        }
+    }
+
+    /// Says the kubelet restarted (see [`MatcherMsg::KubeletRestarted`]).
+    pub(crate) fn kubelet_restarted(&self) {
+        if let Some(actor) = self.actor() {
+            let _ = actor.cast(MatcherMsg::KubeletRestarted);
         }
     }
 

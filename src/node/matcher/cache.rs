@@ -11,8 +11,12 @@
 //! its devices, so it holds nothing and is no candidate), and a live one is
 //! stored [`lean`], without managed fields, status beyond its phase, or
 //! container fields besides name, limits and restart policy.
+//!
+//! It also remembers, for the matcher, the pods deleted while still
+//! Pending ([`PodCache::take_deleted`]): the kubelet may be admitting them.
 
-use std::sync::Arc;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use futures::StreamExt;
@@ -31,6 +35,13 @@ use crate::rules::usage::finished;
 
 /// What the cache says before its first list is in.
 const UNLISTED: &str = "the first list of this node's pods has not arrived";
+/// Deletions kept for the matcher between its reads: a bound on what a
+/// burst of deletes can make it hold, far above what one Allocate's wait
+/// sees on one node.
+const DELETIONS_KEPT: usize = 512;
+
+/// Pending pods the watch saw deleted, with when, oldest first.
+type Deletions = Arc<Mutex<VecDeque<(Instant, Arc<Pod>)>>>;
 
 pub(crate) struct PodCache {
     store: Store<Pod>,
@@ -40,6 +51,7 @@ pub(crate) struct PodCache {
     /// watch failed and the list after it has not arrived); None while it
     /// follows the API server.
     stale: watch::Receiver<Option<String>>,
+    deleted: Deletions,
     task: JoinHandle<()>,
 }
 
@@ -51,12 +63,23 @@ impl PodCache {
         let (tx, changes) = watch::channel(0u64);
         let (mark, stale) = watch::channel(Some(UNLISTED.to_owned()));
         let events = relisting(api, config).filter_map(|e| std::future::ready(kept(e)));
+        let deleted = Deletions::default();
+        let deletions = deleted.clone();
         let task = tokio::spawn(async move {
             futures::pin_mut!(events);
             while let Some(event) = events.next().await {
                 use watcher::Event::{Apply, Delete, InitDone};
                 match event {
                     Ok(event) => {
+                        if let Delete(pod) = &event
+                            && pending(pod)
+                        {
+                            let mut list = deletions.lock().expect("deletions");
+                            if list.len() == DELETIONS_KEPT {
+                                list.pop_front();
+                            }
+                            list.push_back((Instant::now(), Arc::new(pod.clone())));
+                        }
                         writer.apply_watcher_event(&event);
                         if let InitDone = event
                             && mark.send_replace(None).is_some_and(|was| was != UNLISTED)
@@ -79,8 +102,15 @@ impl PodCache {
             store,
             changes,
             stale,
+            deleted,
             task,
         }
+    }
+
+    /// The Pending pods the watch saw deleted since the last call, with
+    /// when, oldest first (at most the last [`DELETIONS_KEPT`]).
+    pub(crate) fn take_deleted(&self) -> Vec<(Instant, Arc<Pod>)> {
+        self.deleted.lock().expect("deletions").drain(..).collect()
     }
 
     pub(crate) fn pods(&self) -> Vec<Arc<Pod>> {
@@ -123,6 +153,12 @@ impl PodCache {
             .await
             .is_ok_and(|r| r.is_ok())
     }
+}
+
+/// Whether `pod` had not started: no phase yet, or Pending.
+fn pending(pod: &Pod) -> bool {
+    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    phase.is_none_or(|p| p == "Pending")
 }
 
 /// `event` as the store should apply it: a pod that finished is deleted

@@ -633,6 +633,9 @@ impl PluginActor {
         }
         match (kubelet, state.registered) {
             (Some(now), Some((then, _))) if now != then => {
+                if let Placement::Matcher { handle, .. } = &state.args.placement {
+                    handle.kubelet_restarted();
+                }
                 Self::restart(myself, state, "kubelet restarted", false).await
             }
             (Some(_), Some((_, at)))
