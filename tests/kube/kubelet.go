@@ -53,7 +53,6 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/apimachinery/pkg/util/wait"
-	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/scheme"
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
@@ -70,9 +69,11 @@ import (
 	"k8s.io/kubernetes/pkg/kubelet/cm/devicemanager/checkpoint"
 	"k8s.io/kubernetes/pkg/kubelet/cm/dra"
 	"k8s.io/kubernetes/pkg/kubelet/cm/topologymanager"
+	kubeletconfig "k8s.io/kubernetes/pkg/kubelet/config"
 	kubeletevents "k8s.io/kubernetes/pkg/kubelet/events"
 	"k8s.io/kubernetes/pkg/kubelet/lifecycle"
 	"k8s.io/kubernetes/pkg/kubelet/pluginmanager"
+	kubetypes "k8s.io/kubernetes/pkg/kubelet/types"
 	kubeletutil "k8s.io/kubernetes/pkg/kubelet/util"
 	"k8s.io/utils/clock"
 )
@@ -162,14 +163,15 @@ type kubeletPeer struct {
 	flags   kubeletFlags
 	client  kubernetes.Interface
 	logger  klog.Logger
-	events  record.EventRecorder
+	events  record.EventRecorderLogger
 	devices *devicemanager.ManagerImpl
 	dra     *dra.Manager
 	admit   []lifecycle.PodAdmitHandler
 	sources sourcesReady
-	// pods is the informer's store of the pods bound to this node: a pod
-	// missing from it is gone, which the API server, through the Node
-	// authorizer, answers as Forbidden rather than NotFound.
+	// pods holds the pods bound to this node as the kubelet's pod config
+	// last showed them: a pod missing from it is gone, which the API
+	// server, through the Node authorizer, answers as Forbidden rather
+	// than NotFound.
 	pods cache.Store
 
 	mu sync.Mutex
@@ -179,8 +181,9 @@ type kubeletPeer struct {
 	admitted map[types.UID]*v1.Pod
 	decided  sets.Set[types.UID]
 	// queue holds the pods bound here and not yet decided, in the order
-	// they arrived (the kubelet's config source hands it one pod per
-	// watch event, so it admits in arrival order).
+	// they arrived (the kubelet's pod config hands it one update per watch
+	// event, so it admits in arrival order; a relist's new pods come in one,
+	// sorted by creation time).
 	queue []*v1.Pod
 	// resync holds admitted pods whose sync failed, due again after the
 	// backoff; terminating, the pods being stopped (unprepared), so that
@@ -211,6 +214,7 @@ func newKubeletPeer(f kubeletFlags) *kubeletPeer {
 		stopLater:   sets.New[types.UID](),
 		goneLater:   sets.New[types.UID](),
 		wake:        make(chan struct{}, 1),
+		pods:        cache.NewStore(cache.MetaNamespaceKeyFunc),
 	}
 }
 
@@ -267,26 +271,6 @@ func (k *kubeletPeer) run(ctx context.Context) error {
 		lifecycle.NewPredicateAdmitHandler(k.cachedNode, lifecycle.NewAdmissionFailureHandlerStub(), k.devices.UpdatePluginResources),
 	}
 
-	factory := informers.NewSharedInformerFactoryWithOptions(k.client, 0, informers.WithTweakListOptions(func(o *metav1.ListOptions) {
-		o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", k.flags.node).String()
-	}))
-	pods := factory.Core().V1().Pods().Informer()
-	k.pods = pods.GetStore()
-	if _, err := pods.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    func(obj any) { k.observe(ctx, obj.(*v1.Pod)) },
-		UpdateFunc: func(_, obj any) { k.observe(ctx, obj.(*v1.Pod)) },
-		DeleteFunc: func(obj any) {
-			if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
-				obj = tomb.Obj
-			}
-			if pod, ok := obj.(*v1.Pod); ok {
-				k.gone(ctx, pod)
-			}
-		},
-	}); err != nil {
-		return err
-	}
-
 	// Pods running before a restart: their containers are in the runtime.
 	existing, err := k.client.CoreV1().Pods("").List(ctx, metav1.ListOptions{
 		FieldSelector: fields.OneTermEqualSelector("spec.nodeName", k.flags.node).String(),
@@ -325,8 +309,17 @@ func (k *kubeletPeer) run(ctx context.Context) error {
 	plugins.AddHandler(pluginwatcherapi.DRAPlugin, k.dra.GetWatcherHandler())
 	go plugins.Run(ctx, &k.sources, ctx.Done())
 
-	go factory.Start(ctx.Done())
-	if !cache.WaitForCacheSync(ctx.Done(), pods.HasSynced) {
+	// The kubelet's own pod source: a reflector into an undelta store,
+	// merged by its pod config into ADD, UPDATE, DELETE, REMOVE and
+	// RECONCILE updates in order, as its sync loop reads them.
+	pods := kubeletconfig.NewPodConfig(k.events, noStartupSLI{})
+	kubeletconfig.NewSourceApiserver(k.logger, k.client, types.NodeName(k.flags.node),
+		func() bool { return true }, pods.Channel(ctx, kubetypes.ApiserverSource))
+	first := make(chan struct{})
+	go k.follow(ctx, pods.Updates(), first)
+	select {
+	case <-first:
+	case <-ctx.Done():
 		return ctx.Err()
 	}
 	go k.updateNodeStatus(ctx)
@@ -335,6 +328,55 @@ func (k *kubeletPeer) run(ctx context.Context) error {
 	k.admitLoop(ctx)
 	return nil
 }
+
+// follow hands the pod config's updates to admission as the kubelet's sync
+// loop does: the pods of one ADD (the first list, or a relist's new pods)
+// sorted by creation time, as HandlePodAdditions sorts them; a pod's
+// removal after its addition. first is closed once the first update (the
+// first list, maybe empty) is handed over.
+func (k *kubeletPeer) follow(ctx context.Context, updates <-chan kubetypes.PodUpdate, first chan struct{}) {
+	for {
+		var u kubetypes.PodUpdate
+		select {
+		case <-ctx.Done():
+			return
+		case u = <-updates:
+		}
+		pods := slices.Clone(u.Pods)
+		for _, pod := range pods {
+			if u.Op == kubetypes.REMOVE {
+				_ = k.pods.Delete(pod)
+			} else {
+				_ = k.pods.Update(pod)
+			}
+		}
+		switch u.Op {
+		case kubetypes.REMOVE:
+			for _, pod := range pods {
+				k.gone(ctx, pod)
+			}
+		case kubetypes.ADD:
+			sort.SliceStable(pods, func(i, j int) bool {
+				return pods[i].CreationTimestamp.Before(&pods[j].CreationTimestamp)
+			})
+			fallthrough
+		default:
+			for _, pod := range pods {
+				k.observe(ctx, pod)
+			}
+		}
+		if first != nil {
+			close(first)
+			first = nil
+		}
+	}
+}
+
+// noStartupSLI: the pod startup latency tracker the kubelet hands its pod
+// config, not kept here.
+type noStartupSLI struct{}
+
+func (noStartupSLI) ObservedPodOnWatch(klog.Logger, *v1.Pod, time.Time) {}
 
 func (k *kubeletPeer) registerNode(ctx context.Context) error {
 	node := &v1.Node{
@@ -879,7 +921,7 @@ func (k *kubeletPeer) retry(ctx context.Context, what string, pod *v1.Pod, write
 	}
 }
 
-// dropped: the informer no longer holds pod (by UID) bound to this node.
+// dropped: the pod config no longer holds pod (by UID) bound to this node.
 func (k *kubeletPeer) dropped(pod *v1.Pod) bool {
 	obj, exists, err := k.pods.Get(pod)
 	if err != nil || !exists {

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"slices"
 	"testing"
 	"time"
 
@@ -9,7 +10,9 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
+	kubetypes "k8s.io/kubernetes/pkg/kubelet/types"
 )
 
 // A status write for a pod this node no longer has is answered Forbidden
@@ -76,6 +79,48 @@ func TestAPodGoneBeforeItsTurnIsAdmittedThenStopped(t *testing.T) {
 	k.gone(context.Background(), pod)
 	if len(k.queue) != 1 || k.decided.Has(pod.UID) || !k.goneLater.Has(pod.UID) {
 		t.Fatalf("queue %v, decided %v, goneLater %v", k.queue, k.decided, k.goneLater)
+	}
+}
+
+// A relist hands the kubelet the pods it missed in one ADD, which it
+// admits sorted by creation time, not in the order the list (by name)
+// returned them: the peer's informer queued them in list order, so after an
+// API server restart it admitted p100 before p99, unlike the kubelet, and
+// the daemon, matching in the kubelet's order, seemed to hand pods each
+// other's grants (found by the chaos run). A removal comes after.
+func TestARelistsPodsAreAdmittedInCreationOrder(t *testing.T) {
+	k := newKubeletPeer(kubeletFlags{node: "node-0"})
+	at := func(name string, second int) *v1.Pod {
+		created := metav1.NewTime(time.Unix(int64(second), 0))
+		return &v1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: name,
+			UID: types.UID(name), CreationTimestamp: created}}
+	}
+	updates := make(chan kubetypes.PodUpdate, 2)
+	updates <- kubetypes.PodUpdate{Op: kubetypes.ADD, Pods: []*v1.Pod{at("p100", 2), at("p99", 1)}}
+	updates <- kubetypes.PodUpdate{Op: kubetypes.ADD, Pods: []*v1.Pod{at("p101", 0)}}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	first := make(chan struct{})
+	go k.follow(ctx, updates, first)
+	<-first
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		k.mu.Lock()
+		var names []string
+		for _, p := range k.queue {
+			names = append(names, p.Name)
+		}
+		k.mu.Unlock()
+		if slices.Equal(names, []string{"p99", "p100", "p101"}) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("queue %v", names)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if _, held, _ := k.pods.GetByKey("ns/p100"); !held {
+		t.Fatal("the pod config's pods are not held")
 	}
 }
 

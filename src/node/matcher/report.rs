@@ -70,7 +70,7 @@ pub(super) fn spawn(cache: &PodCache, args: &MatcherArgs) -> JoinHandle<()> {
                     metrics.set_gpus(samples(&node, &usage));
                     metrics.set_grants(grants(&node, &views));
                     if let Some(tx) = &withdrawals {
-                        publish(tx, withdrawn(&node, &views, &usage));
+                        publish(tx, withdrawn(&node, &views));
                     }
                 }
                 changed = stale.changed() => {
@@ -99,17 +99,25 @@ pub(crate) fn publish(tx: &watch::Sender<Withdrawn>, w: Withdrawn) {
     });
 }
 
-/// The devices the kubelet could not admit work to under `usage`: the
-/// gpu-count device of a GPU carrying shared work, and the gpu-memory and
-/// gpu-core devices of a GPU held whole (whole and shared work never mix,
-/// so listing them only overstates node allocatable). Never the devices a
-/// whole container on that GPU still waits for: a container asking whole
-/// GPUs and a share of them (`ContainerAsk::rides_whole`) gets its share's
-/// devices on its own GPUs, and the kubelet may serve its resources in any
-/// order, so they stay listed until every such container is fully served.
-pub fn withdrawn(inv: &Inventory, views: &[PodView], usage: &NodeUsage) -> Withdrawn {
+/// The devices the kubelet could not admit work to under the usage of
+/// `views`: the gpu-count device of a GPU carrying shared work, and the
+/// gpu-memory and gpu-core devices of a GPU held whole (whole and shared
+/// work never mix, so listing them only overstates node allocatable).
+/// Never the devices a whole container on that GPU still waits for: a
+/// container asking whole GPUs and a share of them
+/// (`ContainerAsk::rides_whole`) gets its share's devices on its own GPUs,
+/// and the kubelet may serve its resources in any order, so they stay
+/// listed until every such container is fully served. Nor those of a pod
+/// being deleted: the extender places the next pod on its GPUs once it is
+/// gone, and this node's watch may trail the extender's (a slow API
+/// server), so withdrawn until this node sees it gone they would turn the
+/// kubelet away from the very GPUs the extender assigned (found by the
+/// chaos test).
+pub fn withdrawn(inv: &Inventory, views: &[PodView]) -> Withdrawn {
+    let staying: Vec<PodView> = views.iter().filter(|p| !p.deleting).cloned().collect();
+    let usage = usage(inv, &staying);
     let mut waits = PerResource::from_fn(|_| vec![false; inv.gpus.len()]);
-    for p in views.iter().filter(|p| p.admitting) {
+    for p in staying.iter().filter(|p| p.admitting) {
         for c in p.containers.iter().filter(|c| c.whole()) {
             let grant = p.ledger.0.get(&c.name);
             // Its GPUs once one resource is served, else the extender's;
@@ -211,6 +219,7 @@ pub(super) mod tests {
             uid: format!("uid-{name}"),
             admitting: false,
             live,
+            deleting: false,
             assume_time: None,
             created: 0,
             gpu_uuid: None,

@@ -30,6 +30,8 @@ pub struct PodView {
     pub admitting: bool,
     /// Not `Succeeded` or `Failed`: its grants still occupy GPUs.
     pub(crate) live: bool,
+    /// It has a deletionTimestamp: its GPUs are free once it is gone.
+    pub(crate) deleting: bool,
     /// `<domain>/gpu-assume-time`, when present and a decimal number.
     pub(crate) assume_time: Option<u128>,
     /// creationTimestamp, nanoseconds since the epoch.
@@ -95,6 +97,7 @@ impl PodView {
             uid: meta.uid.clone().unwrap_or_default(),
             admitting: matches!(phase, None | Some("Pending")),
             live: !finished(pod),
+            deleting: meta.deletion_timestamp.is_some(),
             assume_time,
             created: meta
                 .creation_timestamp

@@ -60,6 +60,7 @@ fn pod(name: &str, created: i128, containers: Vec<ContainerAsk>) -> PodView {
         uid: format!("uid-{name}"),
         admitting: true,
         live: true,
+        deleting: false,
         assume_time: None,
         created,
         gpu_uuid: None,
@@ -834,7 +835,7 @@ const NOTHING: [Vec<usize>; 3] = [Vec::new(), Vec::new(), Vec::new()];
 /// withdrawn from the kubelet's lists.
 fn withdrawn_gpus(pods: &[PodView]) -> [Vec<usize>; 3] {
     let inv = node();
-    let w = crate::node::matcher::report::withdrawn(&inv, pods, &super::usage(&inv, pods));
+    let w = crate::node::matcher::report::withdrawn(&inv, pods);
     Resource::ALL.map(|r| (0..2).filter(|&g| w[r][g]).collect())
 }
 
@@ -853,6 +854,10 @@ fn exclusive_devices_are_withdrawn_once_no_whole_container_waits_for_them() {
     pods.push(pod("sharer", 2, vec![container("c", 10, 0, 0)]));
     serve(&mut pods, &ask(GpuMemory, 10, &[0], &["s"])).unwrap();
     assert_eq!(withdrawn_gpus(&pods), [vec![1], vec![1], vec![0]]);
+    // The sharer being deleted: the extender gives its GPU to the next
+    // pod once it is gone, maybe before this node hears of it.
+    pods[1].deleting = true;
+    assert_eq!(withdrawn_gpus(&pods), [vec![1], vec![1], vec![]]);
     // Both done: everything goes back.
     for p in &mut pods {
         p.live = false;
@@ -883,7 +888,7 @@ fn withdrawals_are_published_only_when_they_change() {
     let mut rx = tx.subscribe();
     let mut pods = vec![pod("whole", 1, vec![container("c", 0, 0, 1)])];
     let publish = |pods: &[PodView]| {
-        let w = crate::node::matcher::report::withdrawn(&inv, pods, &super::usage(&inv, pods));
+        let w = crate::node::matcher::report::withdrawn(&inv, pods);
         crate::node::matcher::report::publish(&tx, w);
     };
     publish(&pods);
