@@ -389,7 +389,7 @@ struct NodeTotalScheduler {
 fn allocatable(side: &NodeSide, withdraw: bool) -> [u64; 3] {
     let inv = &side.inventory;
     let unit = inv.unit();
-    let gone = withdraw.then(|| withdrawn(inv, &side.pods, &usage(inv, &side.pods)));
+    let gone = withdraw.then(|| withdrawn(inv, &side.pods));
     (0..inv.gpus.len()).fold([0; 3], |mut a, g| {
         let cap = inv.capacity(g);
         for (i, r) in Resource::ALL.into_iter().enumerate() {
