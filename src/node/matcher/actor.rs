@@ -21,10 +21,11 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::sync::watch;
 
 use super::api::{
-    LiveContainer, MatcherError, MatcherHandle, MatcherMsg, Recorded, Refusal, Reserved, Steer,
-    UNSEEN_POD_WAIT,
+    KubeletId, LiveContainer, MatcherError, MatcherHandle, MatcherMsg, Recorded, Refusal, Reserved,
+    Steer, UNSEEN_POD_WAIT,
 };
 use super::cache::PodCache;
+use super::checkpoint::{self, Void};
 use super::events::{Events, Why};
 use super::report::Withdrawn;
 use super::write::{self, Landed, WriteError};
@@ -47,6 +48,8 @@ pub(crate) struct MatcherArgs {
     pub(crate) keys: Keys,
     pub(crate) wait: Duration,
     pub(crate) kubeconfig: PathBuf,
+    /// The kubelet's device manager checkpoint, read when it restarts.
+    pub(crate) kubelet_checkpoint: PathBuf,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) readiness: Arc<Readiness>,
     /// Where to publish the devices withdrawn from the kubelet's lists;
@@ -71,6 +74,7 @@ impl MatcherArgs {
             keys: Keys::new(&config.resource_domain),
             wait: Duration::from_millis(config.matcher.wait_ms),
             kubeconfig: config.matcher.kubeconfig.clone(),
+            kubelet_checkpoint: config.device_plugin_dir.join("kubelet_internal_checkpoint"),
             metrics,
             readiness,
             withdrawals: config
@@ -94,6 +98,7 @@ impl MatcherArgs {
             keys,
             wait,
             kubeconfig,
+            kubelet_checkpoint,
             withdrawals,
             mps,
             metrics: _,
@@ -105,6 +110,7 @@ impl MatcherArgs {
             keys,
             wait,
             kubeconfig,
+            kubelet_checkpoint,
             withdrawals.is_some(),
             mps,
         )
@@ -144,6 +150,12 @@ pub(crate) struct MatcherState {
     /// `matcher.wait_ms` (until the kubelet restarts: a new one never saw
     /// them), holding nothing, their grants recorded here alone.
     deleted: HashMap<String, Deleted>,
+    /// Grants of Pending pods that the last kubelet restart lost (it had
+    /// not checkpointed them): left out of the pods' ledgers until the
+    /// cache shows them served again.
+    void: Void,
+    /// The kubelet whose restart was last handled.
+    kubelet: Option<KubeletId>,
 }
 
 /// A pod deleted while the kubelet may be admitting it.
@@ -194,6 +206,19 @@ impl MatcherState {
             if self.deleted.contains_key(&view.uid) {
                 continue;
             }
+            if let Some(void) = self.void.get_mut(&view.uid) {
+                // Void until the cache shows what we wrote since.
+                let written = self.written.get(&view.uid);
+                void.retain(|(c, r)| {
+                    let ids = |l: &Ledger| l.0.get(c).and_then(|g| g.ids.get(r)).cloned();
+                    let again = written.and_then(|w| ids(&w.ledger));
+                    let shown = again.is_some() && again == ids(&view.ledger);
+                    if !shown {
+                        view.ledger.void(c, *r);
+                    }
+                    !shown
+                });
+            }
             if let Some(w) = self.written.get(&view.uid) {
                 view.ledger.merge(&w.ledger);
                 if w.before.contains(&view.resource_version) {
@@ -215,7 +240,46 @@ impl MatcherState {
         }
         let live: HashSet<&str> = views.iter().map(|v| v.uid.as_str()).collect();
         self.written.retain(|uid, _| live.contains(uid.as_str()));
+        self.void
+            .retain(|uid, v| !v.is_empty() && live.contains(uid.as_str()));
         views
+    }
+
+    /// A new kubelet: the pods deleted before are no longer admitted, and
+    /// the grants it had not checkpointed come again.
+    async fn kubelet_restarted(&mut self, kubelet: KubeletId) {
+        // Every plugin tells of the same restart.
+        if self.kubelet.replace(kubelet) == Some(kubelet) {
+            return;
+        }
+        self.cache.take_deleted();
+        if !self.deleted.is_empty() {
+            tracing::info!(
+                pods = self.deleted.len(),
+                "kubelet restarted; forgetting the pods deleted while Pending"
+            );
+            self.deleted.clear();
+        }
+        let kept = match checkpoint::read(&self.args.kubelet_checkpoint).await {
+            Ok(kept) => kept,
+            Err(e) => {
+                tracing::warn!(error = %e, "kubelet restarted; taking every grant as kept");
+                return;
+            }
+        };
+        self.void.clear();
+        let views = self.views();
+        let void = checkpoint::void(&views, &self.args.keys, &kept);
+        for (uid, grants) in &void {
+            for (c, r) in grants {
+                tracing::info!(%uid, container = %c, resource = %r,
+                    "the restarted kubelet lost this grant; serving it again");
+                if let Some(w) = self.written.get_mut(uid) {
+                    w.ledger.void(c, *r);
+                }
+            }
+        }
+        self.void = void;
     }
 
     fn view(&self, pod: &Pod) -> PodView {
@@ -589,6 +653,8 @@ impl Actor for PodMatcher {
             writing: HashMap::new(),
             deferred: HashMap::new(),
             deleted: HashMap::new(),
+            void: Void::new(),
+            kubelet: None,
         })
     }
 
@@ -654,16 +720,7 @@ impl Actor for PodMatcher {
                     state.events.warn(&pod, why, &note);
                 }
             }
-            MatcherMsg::KubeletRestarted => {
-                state.cache.take_deleted();
-                if !state.deleted.is_empty() {
-                    tracing::info!(
-                        pods = state.deleted.len(),
-                        "kubelet restarted; forgetting the pods deleted while Pending"
-                    );
-                    state.deleted.clear();
-                }
-            }
+            MatcherMsg::KubeletRestarted { kubelet } => state.kubelet_restarted(kubelet).await,
             MatcherMsg::Prefer {
                 ask,
                 deadline,

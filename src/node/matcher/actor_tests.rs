@@ -38,8 +38,10 @@ async fn matcher_with(
     let kubeconfig = dir.join("kubeconfig");
     api.write_kubeconfig(&kubeconfig).unwrap();
     let toml = format!(
-        "pod_matching = true\nhttp_listen = \"\"\n[matcher]\nkubeconfig = {:?}\n{keys}\n\
+        "pod_matching = true\nhttp_listen = \"\"\ndevice_plugin_dir = {:?}\n[matcher]\n\
+         kubeconfig = {:?}\n{keys}\n\
          [devices]\nbackend = \"mock\"\n[[devices.mock]]\nuuid = \"GPU-a\"\nmemory_mib = 1024\n",
+        dir.display().to_string(),
         kubeconfig.display().to_string()
     );
     let config = Config::from_toml(&toml, Some(NODE.into())).unwrap();
@@ -362,8 +364,48 @@ async fn a_kubelet_restart_forgets_the_pods_deleted_while_pending() {
 
     // A lookup takes the deletion in before the restart.
     handle.prefer(Resource::GpuMemory, 4).await;
-    handle.kubelet_restarted();
+    handle.kubelet_restarted((1, 0, 0));
     let ok: Prepare = Arc::new(|_| Box::pin(async { Ok(()) }));
     let second = allocate(handle.clone(), wait, ["b0", "b1", "b2", "b3"], ok).await;
+    assert_eq!(second.as_deref(), Ok("second"));
+}
+
+/// Found by the chaos test: a kubelet killed between a container's
+/// Allocate and its checkpoint asks again, restarted, with other devices.
+/// The grant on the ledger is void: the re-ask is that container's, not
+/// the next pod's of the same ask (nor refused).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_the_restarted_kubelet_did_not_checkpoint_is_served_again() {
+    let api = ApiServerSim::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    api.add_pod("default", "first", NODE, &[app(4)], &[]);
+    api.add_pod("default", "second", NODE, &[app(4)], &[]);
+    let (handle, wait) = matcher(&api, dir.path()).await;
+    let ok: Prepare = Arc::new(|_| Box::pin(async { Ok(()) }));
+    let first = allocate(handle.clone(), wait, ["a0", "a1", "a2", "a3"], ok.clone()).await;
+    assert_eq!(first.as_deref(), Ok("first"));
+    let before = ledger(&api, "first").unwrap();
+    // A matcher (the daemon restarted too) that knows first's grant from
+    // its pod cache alone.
+    let (handle, wait) = matcher(&api, dir.path()).await;
+    cached(&handle, &["first", "second"]).await;
+
+    // The kubelet died before its checkpoint named first's devices.
+    std::fs::write(
+        dir.path().join("kubelet_internal_checkpoint"),
+        r#"{"Data":{"PodDeviceEntries":null,"RegisteredDevices":{}},"Checksum":1}"#,
+    )
+    .unwrap();
+    handle.kubelet_restarted((1, 0, 0));
+    let again = allocate(handle.clone(), wait, ["c0", "c1", "c2", "c3"], ok.clone()).await;
+    assert_eq!(again.as_deref(), Ok("first"));
+    assert_ne!(
+        ledger(&api, "first").unwrap(),
+        before,
+        "the new grant recorded"
+    );
+    // The same restart told again by another plugin changes nothing.
+    handle.kubelet_restarted((1, 0, 0));
+    let second = allocate(handle, wait, ["b0", "b1", "b2", "b3"], ok).await;
     assert_eq!(second.as_deref(), Ok("second"));
 }

@@ -30,6 +30,10 @@ const LIVE_TIMEOUT: Duration = Duration::from_secs(2);
 pub(super) const UNSEEN_POD_WAIT: Duration =
     Duration::from_millis(PREFER_TIMEOUT.as_millis() as u64 / 2);
 
+/// Which kubelet: its socket's inode and change time (seconds,
+/// nanoseconds), new with every kubelet that creates it.
+pub(crate) type KubeletId = (u64, i64, i64);
+
 /// Where GetPreferredAllocation should take devices from.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Steer {
@@ -102,9 +106,11 @@ pub(crate) enum MatcherMsg {
     /// An XID on a GPU: a Warning Event on every pod with a container
     /// granted on it.
     Fault { fault: GpuFault },
-    /// The kubelet restarted: it never saw the pods deleted before, so
-    /// none of them is admitted any more.
-    KubeletRestarted,
+    /// The kubelet restarted (`kubelet`: its socket's identity, the same
+    /// from every plugin that tells of it): it never saw the pods deleted
+    /// before, so none of them is admitted any more, and the grants it had
+    /// not checkpointed it asks for again.
+    KubeletRestarted { kubelet: KubeletId },
     /// The same lookup for GetPreferredAllocation, recording nothing, by
     /// `deadline` (the caller's). Reply with where the devices should come
     /// from (no opinion when nothing was found).
@@ -327,9 +333,9 @@ impl MatcherHandle {
     }
 
     /// Says the kubelet restarted (see [`MatcherMsg::KubeletRestarted`]).
-    pub(crate) fn kubelet_restarted(&self) {
+    pub(crate) fn kubelet_restarted(&self, kubelet: KubeletId) {
         if let Some(actor) = self.actor() {
-            let _ = actor.cast(MatcherMsg::KubeletRestarted);
+            let _ = actor.cast(MatcherMsg::KubeletRestarted { kubelet });
         }
     }
 

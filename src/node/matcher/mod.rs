@@ -12,6 +12,7 @@
 mod actor;
 mod api;
 pub(crate) mod cache;
+mod checkpoint;
 mod events;
 mod faults;
 pub mod report;

@@ -33,6 +33,7 @@ fn args() -> MatcherArgs {
         keys: Keys::new("doslab.io"),
         wait: Duration::from_secs(1),
         kubeconfig: Default::default(),
+        kubelet_checkpoint: Default::default(),
         metrics: Arc::new(Metrics::default()),
         readiness: Arc::default(),
         withdrawals: None,

@@ -334,6 +334,12 @@ pub(crate) struct FileId {
     ctime_nsec: i64,
 }
 
+impl FileId {
+    fn key(self) -> (u64, i64, i64) {
+        (self.ino, self.ctime, self.ctime_nsec)
+    }
+}
+
 fn file_id(path: &Path) -> Option<FileId> {
     std::fs::metadata(path).ok().map(|m| FileId {
         ino: m.ino(),
@@ -634,7 +640,7 @@ impl PluginActor {
         match (kubelet, state.registered) {
             (Some(now), Some((then, _))) if now != then => {
                 if let Placement::Matcher { handle, .. } = &state.args.placement {
-                    handle.kubelet_restarted();
+                    handle.kubelet_restarted(now.key());
                 }
                 Self::restart(myself, state, "kubelet restarted", false).await
             }

@@ -43,12 +43,16 @@ impl LedgerEntry {
     }
 
     pub(crate) fn set(&mut self, r: Resource, amount: u64, ids: String) {
-        *match r {
+        *self.slot(r) = Some(amount);
+        self.ids.insert(r, ids);
+    }
+
+    fn slot(&mut self, r: Resource) -> &mut Option<u64> {
+        match r {
             Resource::GpuMemory => &mut self.memory,
             Resource::GpuCore => &mut self.core,
             Resource::GpuCount => &mut self.count,
-        } = Some(amount);
-        self.ids.insert(r, ids);
+        }
     }
 
     /// Holds its GPUs whole (gpu-count) rather than a share of one.
@@ -91,6 +95,18 @@ impl Ledger {
 
     pub(crate) fn served(&self, container: &str, r: Resource) -> bool {
         self.0.get(container).is_some_and(|g| g.amount(r).is_some())
+    }
+
+    /// Forgets `container`'s grant of `r` (a restarted kubelet no longer
+    /// holds it), and the container's entry once it holds nothing.
+    pub(crate) fn void(&mut self, container: &str, r: Resource) {
+        if let Some(grant) = self.0.get_mut(container) {
+            *grant.slot(r) = None;
+            grant.ids.remove(&r);
+            if Resource::ALL.iter().all(|&r| grant.amount(r).is_none()) {
+                self.0.remove(container);
+            }
+        }
     }
 
     /// Adds what `other` has and this one lacks: entries are only ever
