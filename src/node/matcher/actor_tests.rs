@@ -75,6 +75,22 @@ fn ledger(api: &ApiServerSim, pod: &str) -> Option<serde_json::Value> {
         .cloned()
 }
 
+/// Pods `first` and `second`, each asking 4 gpu-memory devices, and a
+/// matcher over them.
+async fn first_and_second() -> (ApiServerSim, tempfile::TempDir, MatcherHandle, Duration) {
+    let api = ApiServerSim::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    api.add_pod("default", "first", NODE, &[app(4)], &[]);
+    api.add_pod("default", "second", NODE, &[app(4)], &[]);
+    let (handle, wait) = matcher(&api, dir.path()).await;
+    (api, dir, handle, wait)
+}
+
+/// An enforcement step that readies every grant at once.
+fn ready() -> Prepare {
+    Arc::new(|_| Box::pin(async { Ok(()) }))
+}
+
 /// The enforcement step a test puts between a decision and its record.
 type Prepare =
     Arc<dyn Fn(&Decision) -> BoxFuture<'static, Result<(), EnforcementError>> + Send + Sync>;
@@ -114,13 +130,9 @@ async fn allocate(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_allocate_is_answered_while_another_ones_enforcement_step_is_blocked() {
-    let api = ApiServerSim::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     // Two pods asking the same: the first Allocate is first's (created
     // first), and its reservation must send the second to second.
-    api.add_pod("default", "first", NODE, &[app(4)], &[]);
-    api.add_pod("default", "second", NODE, &[app(4)], &[]);
-    let (handle, wait) = matcher(&api, dir.path()).await;
+    let (api, _dir, handle, wait) = first_and_second().await;
 
     // The enforcement step of first's grant blocks until released; that of
     // any other grant returns at once.
@@ -194,8 +206,7 @@ async fn a_refused_enforcement_step_records_nothing_and_releases_the_container()
     );
     // The reservation went with the refusal: the same container is served
     // by the kubelet's next try.
-    let ok: Prepare = Arc::new(|_| Box::pin(async { Ok(()) }));
-    let served = tokio::time::timeout(ANSWER, allocate(handle, wait, ids, ok))
+    let served = tokio::time::timeout(ANSWER, allocate(handle, wait, ids, ready()))
         .await
         .unwrap();
     assert_eq!(served.as_deref(), Ok("only"));
@@ -204,11 +215,7 @@ async fn a_refused_enforcement_step_records_nothing_and_releases_the_container()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_allocate_is_decided_while_another_ones_ledger_write_is_in_flight() {
-    let api = ApiServerSim::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    api.add_pod("default", "first", NODE, &[app(4)], &[]);
-    api.add_pod("default", "second", NODE, &[app(4)], &[]);
-    let (handle, wait) = matcher(&api, dir.path()).await;
+    let (api, _dir, handle, wait) = first_and_second().await;
     let ask = |ids| four_devices(ids, wait);
 
     // First's decision, then its ledger PATCH held by the API server far
@@ -306,16 +313,12 @@ async fn cached(handle: &MatcherHandle, names: &[&str]) {
 /// another's grant and left its own Allocate nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_deleted_while_pending_keeps_its_allocates_from_the_next_pod() {
-    let api = ApiServerSim::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    api.add_pod("default", "first", NODE, &[app(4)], &[]);
-    api.add_pod("default", "second", NODE, &[app(4)], &[]);
-    let (handle, wait) = matcher(&api, dir.path()).await;
+    let (api, _dir, handle, wait) = first_and_second().await;
     cached(&handle, &["first", "second"]).await;
     api.delete_pod("default", "first");
     cached(&handle, &["second"]).await;
 
-    let ok: Prepare = Arc::new(|_| Box::pin(async { Ok(()) }));
+    let ok = ready();
     let ids = ["a0", "a1", "a2", "a3"];
     let first = allocate(handle.clone(), wait, ids, ok.clone()).await;
     assert_eq!(first.as_deref(), Ok("first"));
@@ -332,15 +335,11 @@ async fn a_pod_deleted_while_pending_keeps_its_allocates_from_the_next_pod() {
 /// deleted: its ledger write finds it gone, and it is served as deleted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_whose_write_finds_it_gone_keeps_its_allocates_from_the_next_pod() {
-    let api = ApiServerSim::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    api.add_pod("default", "first", NODE, &[app(4)], &[]);
-    api.add_pod("default", "second", NODE, &[app(4)], &[]);
-    let (handle, wait) = matcher(&api, dir.path()).await;
+    let (api, _dir, handle, wait) = first_and_second().await;
     cached(&handle, &["first", "second"]).await;
     api.delete_pod_late("default", "first", Duration::from_secs(3600));
 
-    let ok: Prepare = Arc::new(|_| Box::pin(async { Ok(()) }));
+    let ok = ready();
     let first = allocate(handle.clone(), wait, ["a0", "a1", "a2", "a3"], ok.clone()).await;
     assert_eq!(first.as_deref(), Ok("first"));
     assert_eq!(ledger(&api, "second"), None);
@@ -353,11 +352,7 @@ async fn a_pod_whose_write_finds_it_gone_keeps_its_allocates_from_the_next_pod()
 /// containers, so the next pod's Allocate is the next pod's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kubelet_restart_forgets_the_pods_deleted_while_pending() {
-    let api = ApiServerSim::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    api.add_pod("default", "first", NODE, &[app(4)], &[]);
-    api.add_pod("default", "second", NODE, &[app(4)], &[]);
-    let (handle, wait) = matcher(&api, dir.path()).await;
+    let (api, _dir, handle, wait) = first_and_second().await;
     cached(&handle, &["first", "second"]).await;
     api.delete_pod("default", "first");
     cached(&handle, &["second"]).await;
@@ -365,7 +360,7 @@ async fn a_kubelet_restart_forgets_the_pods_deleted_while_pending() {
     // A lookup takes the deletion in before the restart.
     handle.prefer(Resource::GpuMemory, 4).await;
     handle.kubelet_restarted((1, 0, 0));
-    let ok: Prepare = Arc::new(|_| Box::pin(async { Ok(()) }));
+    let ok = ready();
     let second = allocate(handle.clone(), wait, ["b0", "b1", "b2", "b3"], ok).await;
     assert_eq!(second.as_deref(), Ok("second"));
 }
@@ -376,12 +371,8 @@ async fn a_kubelet_restart_forgets_the_pods_deleted_while_pending() {
 /// the next pod's of the same ask (nor refused).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grant_the_restarted_kubelet_did_not_checkpoint_is_served_again() {
-    let api = ApiServerSim::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    api.add_pod("default", "first", NODE, &[app(4)], &[]);
-    api.add_pod("default", "second", NODE, &[app(4)], &[]);
-    let (handle, wait) = matcher(&api, dir.path()).await;
-    let ok: Prepare = Arc::new(|_| Box::pin(async { Ok(()) }));
+    let (api, dir, handle, wait) = first_and_second().await;
+    let ok = ready();
     let first = allocate(handle.clone(), wait, ["a0", "a1", "a2", "a3"], ok.clone()).await;
     assert_eq!(first.as_deref(), Ok("first"));
     let before = ledger(&api, "first").unwrap();
