@@ -267,22 +267,25 @@ struct Watch {
 impl Watch {
     /// The fault a pod that failed admission on `node` lost to, if its
     /// failure is one that fault causes and the fault struck that node
-    /// from shortly before the pod was created. Each is a defect of the
-    /// closing note, not yet fixed:
+    /// (a slow API server: any node) from shortly before the pod was
+    /// created. Upstream's windows, or the open defects of the closing
+    /// note:
     /// - a daemon or kubelet restart: the kubelet refuses a pod whose
     ///   devices it holds unhealthy (a device plugin not registered again
     ///   yet marks all of its devices so), or whose plugin's call broke
-    ///   off as the plugin died;
+    ///   off as the plugin died; a restarted daemon steers no
+    ///   GetPreferredAllocation before its pod cache synced, so the
+    ///   kubelet may take another GPU than the one assigned;
     /// - a kubelet restart: its first pods are admitted before it frees
     ///   the devices of pods deleted meanwhile, so it offers none on the
-    ///   GPU the extender assigned ("the kubelet's ... devices are on");
-    ///   and a kubelet killed between a container's Allocate and its
-    ///   checkpoint asks again with other devices, which the daemon, its
-    ///   ledger already holding that container, refuses ("no pending
-    ///   pod");
+    ///   GPU the extender assigned ("the kubelet's ... devices are on"),
+    ///   and a re-ask the daemon cannot tell ("no pending pod");
     /// - a GPU gone unhealthy: the daemon refuses the GPU the extender
     ///   assigned before it learnt, or another GPU of the node the
-    ///   kubelet offered instead of the one assigned.
+    ///   kubelet offered instead of the one assigned; the kubelet's
+    ///   allocatable loses that GPU's devices while still counting those
+    ///   in use on it ("didn't have enough resource");
+    /// - a slow API server: the daemon's view trails the extender's.
     fn lost_to(&self, node: usize, created: Instant, message: &str) -> Option<Fault> {
         let since = created
             .checked_sub(Duration::from_secs(5))
@@ -295,7 +298,11 @@ impl Watch {
             // A slow API server is slow for every node.
             .filter(|(f, n, _, at)| (*n == node || *f == Fault::ApiserverSlow) && *at >= since)
             .find(|(fault, _, gpu, _)| match fault {
-                Fault::DaemonKill => unhealthy,
+                // A restarted daemon steers no GetPreferredAllocation
+                // until its pod cache has synced.
+                Fault::DaemonKill => {
+                    unhealthy || message.contains("by the extender, but the kubelet's")
+                }
                 Fault::KubeletRestart => {
                     unhealthy
                         || message.contains("by the extender, but the kubelet's")
@@ -303,9 +310,12 @@ impl Watch {
                 }
                 // The kubelet's devices of that GPU withdrawn, it may
                 // also take another pod's GPU for this one.
+                // The kubelet's allocatable loses the GPU's devices and
+                // still counts those in use on it.
                 Fault::GpuUnhealthy => {
                     message.contains(&format!("is assigned [\"{gpu}\"]"))
                         || message.contains("by the extender, but the kubelet's")
+                        || message.contains("Node didn't have enough resource")
                 }
                 // The daemon's watch lags the extender's: the kubelet's
                 // devices of a GPU the extender saw freed may still be
@@ -619,6 +629,8 @@ async fn run(seed: u64, pods: usize, faults: &[Fault]) -> Report {
     proxy.route(&cp.scheduler, &apiserver);
 
     let health: Vec<tempfile::TempDir> = (0..NODES).map(|_| tempfile::tempdir().unwrap()).collect();
+    // Per health file, the unhealthy windows open on it.
+    let unhealthy: Arc<Mutex<HashMap<PathBuf, usize>>> = Arc::default();
     let mut nodes = Vec::new();
     for (n, health) in health.iter().enumerate() {
         let gpus: Vec<(String, u64)> = (0..GPUS)
@@ -757,10 +769,19 @@ async fn run(seed: u64, pods: usize, faults: &[Fault]) -> Report {
                         }));
                     }
                     Fault::GpuUnhealthy => {
+                        // Windows on one GPU may overlap: it is healthy
+                        // again when the last one ends.
                         let file = health[*node].path().join(gpu_uuid(*node, *gpu));
+                        let open = unhealthy.clone();
+                        *open.lock().unwrap().entry(file.clone()).or_insert(0) += 1;
                         std::fs::write(&file, "").unwrap();
                         lasting.push(ends_after(*lasts, &watch, move || {
-                            std::fs::remove_file(file).unwrap();
+                            let mut open = open.lock().unwrap();
+                            let left = open.get_mut(&file).expect("opened");
+                            *left -= 1;
+                            if *left == 0 {
+                                std::fs::remove_file(&file).unwrap();
+                            }
                         }));
                     }
                 }

@@ -432,9 +432,10 @@ func (k *kubeletPeer) activePods() []*v1.Pod {
 
 func (k *kubeletPeer) observe(ctx context.Context, pod *v1.Pod) {
 	if pod.DeletionTimestamp != nil {
-		if !k.waiting(pod.UID, k.stopLater) {
-			go k.finishDeletion(ctx, pod)
+		if k.waiting(pod.UID, k.stopLater) || k.admitFirst(pod) {
+			return
 		}
+		go k.finishDeletion(ctx, pod)
 		return
 	}
 	if pod.Status.Phase == v1.PodSucceeded || pod.Status.Phase == v1.PodFailed {
@@ -470,6 +471,22 @@ func (k *kubeletPeer) waiting(uid types.UID, later sets.Set[types.UID]) bool {
 		later.Insert(uid)
 	}
 	return waiting
+}
+
+// admitFirst queues a pod first seen being deleted (deleted as it was
+// bound) to be stopped after its admission, as the kubelet's
+// HandlePodAdditions admits every pod not yet asked to terminate; false
+// for a pod already decided.
+func (k *kubeletPeer) admitFirst(pod *v1.Pod) bool {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.decided.Has(pod.UID) {
+		return false
+	}
+	k.queue = append(k.queue, pod)
+	k.stopLater.Insert(pod.UID)
+	k.poke()
+	return true
 }
 
 func (k *kubeletPeer) poke() {

@@ -82,6 +82,22 @@ func TestAPodGoneBeforeItsTurnIsAdmittedThenStopped(t *testing.T) {
 	}
 }
 
+// A pod the kubelet first sees already being deleted (deleted as it was
+// bound: a bound pod's deletion is graceful) is admitted all the same, its
+// devices allocated, then stopped: HandlePodAdditions admits every pod not
+// yet asked to terminate. The peer stopped it unadmitted, and the daemon,
+// which rightly waited for its Allocates, gave them to the next pod of the
+// same ask (found by the 10,000-pod chaos run).
+func TestAPodFirstSeenBeingDeletedIsAdmittedThenStopped(t *testing.T) {
+	k := newKubeletPeer(kubeletFlags{node: "node-0"})
+	now := metav1.Now()
+	pod := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "p", UID: "a", DeletionTimestamp: &now}}
+	k.observe(context.Background(), pod)
+	if len(k.queue) != 1 || !k.stopLater.Has(pod.UID) {
+		t.Fatalf("queue %v, stopLater %v", k.queue, k.stopLater)
+	}
+}
+
 // A relist hands the kubelet the pods it missed in one ADD, which it
 // admits sorted by creation time, not in the order the list (by name)
 // returned them: the peer's informer queued them in list order, so after an
