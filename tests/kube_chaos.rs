@@ -275,7 +275,9 @@ impl Watch {
     ///   yet marks all of its devices so), or whose plugin's call broke
     ///   off as the plugin died; a restarted daemon steers no
     ///   GetPreferredAllocation before its pod cache synced, so the
-    ///   kubelet may take another GPU than the one assigned;
+    ///   kubelet may take another GPU than the one assigned, and the
+    ///   kubelet's allocatable is short while the plugins register again
+    ///   ("didn't have enough resource");
     /// - a kubelet restart: its first pods are admitted before it frees
     ///   the devices of pods deleted meanwhile, so it offers none on the
     ///   GPU the extender assigned ("the kubelet's ... devices are on"),
@@ -301,7 +303,9 @@ impl Watch {
                 // A restarted daemon steers no GetPreferredAllocation
                 // until its pod cache has synced.
                 Fault::DaemonKill => {
-                    unhealthy || message.contains("by the extender, but the kubelet's")
+                    unhealthy
+                        || message.contains("by the extender, but the kubelet's")
+                        || message.contains("Node didn't have enough resource")
                 }
                 Fault::KubeletRestart => {
                     unhealthy
