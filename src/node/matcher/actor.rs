@@ -180,6 +180,7 @@ type RecordReply = RpcReplyPort<Result<Recorded, MatcherError>>;
 /// Where a decision goes.
 type DecideReply = RpcReplyPort<Result<Reserved, MatcherError>>;
 
+#[derive(Default)]
 struct Written {
     ledger: Ledger,
     /// The resourceVersions our patches replaced, and the one the last one
@@ -438,14 +439,11 @@ impl MatcherState {
             // Nothing to write to: its grant is recorded here alone.
             let mut ledger = view.ledger;
             record(&mut ledger, &self.args.node, &r.ask, &r.decision);
-            self.written.insert(
-                view.uid,
-                Written {
-                    ledger,
-                    before: HashSet::new(),
-                    after: String::new(),
-                },
-            );
+            let written = Written {
+                ledger,
+                ..Written::default()
+            };
+            self.written.insert(view.uid, written);
             self.log(&r.ask, &r.decision);
             let _ = reply.send(Ok(Recorded::Done));
             return false;
@@ -488,11 +486,7 @@ impl MatcherState {
         let uid = r.decision.uid.clone();
         let answer = match landed {
             Ok(landed) => {
-                let w = self.written.entry(uid.clone()).or_insert(Written {
-                    ledger: Ledger::default(),
-                    before: HashSet::new(),
-                    after: String::new(),
-                });
+                let w = self.written.entry(uid.clone()).or_default();
                 w.ledger = landed.ledger;
                 w.before.insert(landed.replaced);
                 w.after = landed.resource_version;

@@ -31,7 +31,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::net::kube_client::{relisting, status_code};
-use crate::rules::usage::finished;
+use crate::rules::usage::{finished, pending};
 
 /// What the cache says before its first list is in.
 const UNLISTED: &str = "the first list of this node's pods has not arrived";
@@ -153,12 +153,6 @@ impl PodCache {
             .await
             .is_ok_and(|r| r.is_ok())
     }
-}
-
-/// Whether `pod` had not started: no phase yet, or Pending.
-fn pending(pod: &Pod) -> bool {
-    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
-    phase.is_none_or(|p| p == "Pending")
 }
 
 /// `event` as the store should apply it: a pod that finished is deleted

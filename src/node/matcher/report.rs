@@ -114,10 +114,10 @@ pub(crate) fn publish(tx: &watch::Sender<Withdrawn>, w: Withdrawn) {
 /// kubelet away from the very GPUs the extender assigned (found by the
 /// chaos test).
 pub fn withdrawn(inv: &Inventory, views: &[PodView]) -> Withdrawn {
-    let staying: Vec<PodView> = views.iter().filter(|p| !p.deleting).cloned().collect();
-    let usage = usage(inv, &staying);
+    let staying = || views.iter().filter(|p| !p.deleting);
+    let usage = usage(inv, staying());
     let mut waits = PerResource::from_fn(|_| vec![false; inv.gpus.len()]);
-    for p in staying.iter().filter(|p| p.admitting) {
+    for p in staying().filter(|p| p.admitting) {
         for c in p.containers.iter().filter(|c| c.whole()) {
             let grant = p.ledger.0.get(&c.name);
             // Its GPUs once one resource is served, else the extender's;

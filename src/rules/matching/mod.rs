@@ -134,9 +134,9 @@ impl MatchError {
 
 /// What the live pods hold on the node's GPUs: their ledgers, and the
 /// assignments of containers not served yet.
-pub fn usage(inv: &Inventory, pods: &[PodView]) -> NodeUsage {
+pub fn usage<'a>(inv: &Inventory, pods: impl IntoIterator<Item = &'a PodView>) -> NodeUsage {
     let holdings: Vec<Holding> = pods
-        .iter()
+        .into_iter()
         .filter(|p| p.live)
         .flat_map(|p| pod_holdings(inv, &p.containers, &p.ledger, &p.assignment))
         .collect();

@@ -4,7 +4,9 @@
 use k8s_openapi::api::core::v1::{Pod, PodStatus};
 
 use crate::rules::device::Resource;
-use crate::rules::usage::{Assignment, ContainerAsk, Keys, Ledger, PodAsks, Records, finished};
+use crate::rules::usage::{
+    Assignment, ContainerAsk, Keys, Ledger, PodAsks, Records, finished, pending,
+};
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct PodKey {
@@ -88,14 +90,13 @@ impl PodView {
         if let Some(g) = records.garbled_assignment {
             warnings.push(PodWarning::Assignment(g.key, g.error));
         }
-        let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
         let view = PodView {
             key: PodKey {
                 namespace: meta.namespace.clone().unwrap_or_default(),
                 name: meta.name.clone().unwrap_or_default(),
             },
             uid: meta.uid.clone().unwrap_or_default(),
-            admitting: matches!(phase, None | Some("Pending")),
+            admitting: pending(pod),
             live: !finished(pod),
             deleting: meta.deletion_timestamp.is_some(),
             assume_time,

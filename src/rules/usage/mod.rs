@@ -33,7 +33,7 @@ pub(crate) use fit::{
     alternatives, best_shared, fit, fits, leftover, room_after, score, whole_gpus,
 };
 pub(crate) use frag::{Kind, NodeRoom, Workload};
-pub(crate) use node::{Holding, NodeUsage, finished, pod_holdings};
+pub(crate) use node::{Holding, NodeUsage, finished, pending, pod_holdings};
 pub(crate) use select::{Candidate, Order, choose};
 
 #[cfg(test)]

@@ -26,8 +26,17 @@ impl Holding {
 /// Succeeded or Failed: the kubelet released its devices, so the pod holds
 /// nothing, whatever its ledger says, and is no candidate for matching.
 pub(crate) fn finished(pod: &Pod) -> bool {
-    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
-    matches!(phase, Some("Succeeded" | "Failed"))
+    matches!(phase(pod), Some("Succeeded" | "Failed"))
+}
+
+/// Whether `pod` has not started: no phase yet, or `Pending`. The kubelet
+/// may be admitting it.
+pub(crate) fn pending(pod: &Pod) -> bool {
+    matches!(phase(pod), None | Some("Pending"))
+}
+
+fn phase(pod: &Pod) -> Option<&str> {
+    pod.status.as_ref().and_then(|s| s.phase.as_deref())
 }
 
 /// What a live pod holds, counted only as far as its spec vouches for its
