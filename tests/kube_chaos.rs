@@ -1,13 +1,15 @@
 //! Soak and chaos on the real components (tests/kube): a seeded workload
 //! of GPU pods created and deleted on a few nodes (the kubelet peer and
-//! the real daemon each) behind kube-scheduler and the real extender,
-//! while faults land at seeded moments: `kill -9` of a node daemon, of the
-//! extender and of kube-scheduler, a kubelet restart (its checkpoint
-//! kept), an API server restart (etcd kept), a reload with a changed
-//! config, a slow API server (a delay in front of it) and a GPU going
-//! unhealthy and back. Invariants are checked all along, from the API
-//! server's pods, the kubelets' records and the daemons' metrics, and
-//! again once the workload drains.
+//! the real daemon each) behind kube-scheduler and the real extender, and
+//! of pods on ResourceClaims on a node the daemon serves through DRA,
+//! while faults land at seeded moments: `kill -9` of a node daemon (during
+//! an Allocate, or during a NodePrepareResources), of the extender and of
+//! kube-scheduler, a kubelet restart (its checkpoint kept), an API server
+//! restart (etcd kept), a reload with a changed config, a slow API server
+//! (a delay in front of it) and a GPU going unhealthy and back. Invariants
+//! are checked all along, from the API server's pods and claims, the
+//! kubelets' records, the CDI specs and the daemons' metrics, and again
+//! once the workload drains.
 //!
 //! The short run without kubelet or API server restarts is in the suite;
 //! the one with every fault and the soak are ignored until the defect
@@ -28,6 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::Api;
 use kube::api::{DeleteParams, ListParams, PostParams};
 use support::Lcg;
@@ -35,8 +38,11 @@ use support::kube::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const NS: &str = "chaos";
+/// Device-plugin nodes, `node-0` on; the DRA node is `node-{NODES}`.
 const NODES: usize = 3;
 const GPUS: usize = 4;
+/// The product's DRA driver.
+const DRIVER: &str = "gpu.doslab.io";
 const GPU_GIB: u64 = 16;
 /// Pods alive at once: few enough that any of them fits whatever the
 /// others hold (three pods touch at most nine of the twelve GPUs, and
@@ -55,6 +61,9 @@ enum Fault {
     /// `kill -9` of a node daemon (not node 0's, which the soak watches
     /// for leaks), moments after a pod was created: often mid-Allocate.
     DaemonKill,
+    /// `kill -9` of the DRA node's daemon moments after a claim's pod was
+    /// created: often mid-NodePrepareResources.
+    PrepareKill,
     /// `kill -9` of the extender moments after a pod was created: often
     /// mid-bind.
     ExtenderKill,
@@ -71,8 +80,9 @@ enum Fault {
     GpuUnhealthy,
 }
 
-const FAULTS: [Fault; 8] = [
+const FAULTS: [Fault; 9] = [
     Fault::DaemonKill,
+    Fault::PrepareKill,
     Fault::ExtenderKill,
     Fault::SchedulerKill,
     Fault::KubeletRestart,
@@ -83,8 +93,8 @@ const FAULTS: [Fault; 8] = [
 ];
 
 impl Fault {
-    /// Whether it strikes one node: the pod after it is pinned there, so
-    /// that its recovery is that node's.
+    /// Whether it strikes one node: the next plugin pod is pinned there
+    /// (a device-plugin node), so that its recovery is that node's.
     fn on_node(self) -> bool {
         matches!(
             self,
@@ -93,9 +103,16 @@ impl Fault {
     }
 }
 
-/// A pod's containers: name (`init-*` for init containers) and
-/// (gpu-memory GiB, gpu-core, gpu-count).
-type Shape = Vec<(String, [u64; 3])>;
+/// What a pod asks.
+#[derive(Clone, Debug)]
+enum Shape {
+    /// Device-plugin containers: name (`init-*` for init containers) and
+    /// (gpu-memory GiB, gpu-core, gpu-count).
+    Plugin(Vec<(String, [u64; 3])>),
+    /// One container `main` on a ResourceClaim from a template: (memory
+    /// GiB, cores) of one GPU, or `None` for a whole GPU.
+    Claim(Option<(u64, u64)>),
+}
 
 #[derive(Clone, Debug)]
 enum Step {
@@ -139,8 +156,19 @@ fn schedule(seed: u64, pods: usize, faults: &[Fault]) -> Vec<Step> {
             let fault = kinds.pop().unwrap();
             let node = match fault {
                 Fault::DaemonKill => 1 + rng.below(NODES as u64 - 1),
+                Fault::PrepareKill => NODES as u64,
+                // The DRA node's kubelet restarts too.
+                Fault::KubeletRestart => rng.below(NODES as u64 + 1),
                 _ => rng.below(NODES as u64),
             } as usize;
+            // The kill strikes while the claim of the pod just created
+            // is being prepared.
+            if fault == Fault::PrepareKill
+                && let Some(Step::Create { shape, early, .. }) = steps.last_mut()
+            {
+                *shape = Shape::Claim(claim(&mut rng));
+                *early = false;
+            }
             steps.push(Step::Fault {
                 fault,
                 node,
@@ -153,8 +181,15 @@ fn schedule(seed: u64, pods: usize, faults: &[Fault]) -> Vec<Step> {
     steps
 }
 
+/// Node `n`'s GPUs: [`GPUS`] of [`GPU_GIB`] each.
+fn node_gpus(n: usize) -> Vec<(String, u64)> {
+    (0..GPUS)
+        .map(|g| (gpu_uuid(n, g), GPU_GIB * 1024))
+        .collect()
+}
+
 /// One whole GPU, an init container before a share, or one to three
-/// shares of 1–4 GiB, some with 10–30 % of the GPU's compute.
+/// shares of 1–4 GiB, some with 10–30 % of the GPU's compute; or a claim.
 fn shape(rng: &mut Lcg) -> Shape {
     let share = |rng: &mut Lcg| {
         let cores = match rng.below(2) {
@@ -164,13 +199,45 @@ fn shape(rng: &mut Lcg) -> Shape {
         [1 + rng.below(4), cores, 0]
     };
     let named = |n: &str, w| (n.to_owned(), w);
-    match rng.below(10) {
+    Shape::Plugin(match rng.below(10) {
         0 | 1 => vec![named("main", [0, 0, 1])],
         2 | 3 => vec![named("init-setup", share(rng)), named("main", share(rng))],
+        4 | 5 => return Shape::Claim(claim(rng)),
         _ => (0..1 + rng.below(3))
             .map(|c| (format!("c{c}"), share(rng)))
             .collect(),
+    })
+}
+
+/// A claim's ask: a whole GPU, or 1–4 GiB and 10–30 % of one.
+fn claim(rng: &mut Lcg) -> Option<(u64, u64)> {
+    match rng.below(4) {
+        0 => None,
+        _ => Some((1 + rng.below(4), 10 * (1 + rng.below(3)))),
     }
+}
+
+/// The ResourceClaimTemplate of a claim's ask.
+fn template(ask: Option<(u64, u64)>) -> String {
+    ask.map_or("claim-whole".to_owned(), |(m, c)| format!("claim-{m}g-{c}"))
+}
+
+/// Every template [`claim`] may name, in the test's namespace.
+fn templates() -> String {
+    let shares = (1..=4).flat_map(|m| (1..=3).map(move |c| Some((m, 10 * c))));
+    std::iter::once(None)
+        .chain(shares)
+        .map(|ask| {
+            let asks = ask.map(|(m, c)| [("memory", format!("{m}Gi")), ("cores", c.to_string())]);
+            let asks: Vec<(&str, &str)> = asks
+                .iter()
+                .flatten()
+                .map(|(k, v)| (*k, v.as_str()))
+                .collect();
+            claim_template(NS, &template(ask), DRIVER, &asks)
+        })
+        .collect::<Vec<_>>()
+        .join("---\n")
 }
 
 /// A TCP proxy in front of the API server; while any slow window is open,
@@ -219,6 +286,17 @@ impl SlowProxy {
         let text = text.replace(apiserver, &self.addr.to_string());
         std::fs::write(kubeconfig, text).unwrap();
     }
+
+    /// Puts `node`'s daemon and kubelet behind the proxy, each restarted
+    /// on its kubeconfig routed through it: every client of the API server
+    /// but the controller manager goes through it, so a slow window slows
+    /// each of them.
+    async fn behind(&self, apiserver: &str, node: &mut KubeNode) {
+        self.route(&node.kubeconfig, apiserver);
+        self.route(&node.kubelet_kubeconfig(), apiserver);
+        node.kill_daemon();
+        node.restart_kubelet().await;
+    }
 }
 
 impl Drop for SlowProxy {
@@ -250,6 +328,9 @@ struct Watch {
     last_fault: Option<Instant>,
     /// Live pods (not yet deleted): when each was created.
     created: HashMap<String, Instant>,
+    /// Pods the workload deleted or is deleting: a claim's CDI spec goes
+    /// once its pod stops, before the pod is gone.
+    deleting: HashSet<String>,
     /// When each pod was first seen Running.
     running: HashMap<String, Instant>,
     violations: Vec<String>,
@@ -447,15 +528,124 @@ fn check_running(
     }
 }
 
+/// A claim pod's ask, from its template's name ([`template`]).
+fn claim_ask(pod: &Pod) -> Option<Option<(u64, u64)>> {
+    let claims = pod.spec.as_ref()?.resource_claims.as_ref()?;
+    let template = claims.first()?.resource_claim_template_name.as_deref()?;
+    let rest = template.strip_prefix("claim-")?;
+    if rest == "whole" {
+        return Some(None);
+    }
+    let (m, c) = rest.split_once("g-")?;
+    Some(Some((m.parse().ok()?, c.parse().ok()?)))
+}
+
+/// Checks a Running claim pod against its claim: its container got the
+/// CDI device the kubelet prepared, whose envs name the GPU the claim's
+/// allocation names with the template's limits; what it holds per GPU
+/// is added to `held`. `allocated`: each claim's allocated devices.
+fn check_claim(
+    watch: &mut Watch,
+    pod: &Pod,
+    ask: Option<(u64, u64)>,
+    dirs: &[PathBuf],
+    allocated: &HashMap<String, Vec<String>>,
+    held: &mut BTreeMap<String, (u64, u64, usize, usize)>,
+) {
+    let name = pod.metadata.name.clone().unwrap();
+    if watch.deleting.contains(&name) {
+        return; // its claim may be unprepared already
+    }
+    let node = node_of(pod);
+    if node != format!("node-{NODES}") {
+        watch.violate(format!("{name} on a claim runs on {node:?}"));
+        return;
+    }
+    let claim = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.resource_claim_statuses.as_ref())
+        .and_then(|c| c.first())
+        .and_then(|c| c.resource_claim_name.clone())
+        .unwrap_or_default();
+    let devices = allocated.get(&claim).cloned().unwrap_or_default();
+    let gpus: Vec<String> = devices
+        .iter()
+        .filter_map(|d| d.strip_prefix("gpu-")?.parse().ok())
+        .map(|g| gpu_uuid(NODES, g))
+        .collect();
+    let ids = record_in(&dirs[NODES], NS, &name).map(|r| cdi_devices(&r, "main"));
+    let envs = match ids.as_deref() {
+        Some([id]) => cdi_envs_in(&dirs[NODES].join("cdi"), id).map(|(_, envs)| envs),
+        _ => None,
+    };
+    let Some(envs) = envs else {
+        watch.violate(format!(
+            "{name} Running on claim {claim:?} with no prepared CDI device: {ids:?}"
+        ));
+        return;
+    };
+    let visible = envs.get("NVIDIA_VISIBLE_DEVICES").cloned();
+    watch.check(gpus.len() == 1 && visible.as_ref() == gpus.first(), || {
+        format!("{name} sees {visible:?}, its claim {claim:?} is allocated {devices:?}")
+    });
+    let limits = (
+        envs.get("CUDA_DEVICE_MEMORY_LIMIT_0").cloned(),
+        envs.get("CUDA_DEVICE_SM_LIMIT").cloned(),
+    );
+    let want = ask.map_or((None, None), |(m, c)| {
+        (Some(format!("{}m", m * 1024)), Some(c.to_string()))
+    });
+    watch.check(limits == want, || {
+        format!("{name} asked {ask:?} of a GPU, got {limits:?}")
+    });
+    for gpu in gpus {
+        let h = held.entry(gpu).or_default();
+        match ask {
+            None => h.3 += 1,
+            Some((m, c)) => {
+                h.0 += m;
+                h.1 += c;
+                h.2 += 1;
+            }
+        }
+    }
+}
+
+/// Each claim's allocated devices, by the claim's name; `None` while the
+/// API server does not answer.
+async fn allocations(claims: &Api<ResourceClaim>) -> Option<HashMap<String, Vec<String>>> {
+    let list = claims.list(&ListParams::default()).await.ok()?;
+    Some(
+        list.items
+            .into_iter()
+            .map(|c| {
+                let devices = c
+                    .status
+                    .and_then(|s| s.allocation)
+                    .and_then(|a| a.devices)
+                    .map(|d| d.results.into_iter().flatten().map(|r| r.device).collect())
+                    .unwrap_or_default();
+                (c.metadata.name.unwrap_or_default(), devices)
+            })
+            .collect(),
+    )
+}
+
 /// One sample of every invariant that holds at any moment.
 async fn sample(
     watch: &Mutex<Watch>,
-    pods: &Api<Pod>,
+    client: &kube::Client,
     dirs: &[PathBuf],
     now_pending: &mut HashMap<String, Instant>,
 ) {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
     let Ok(list) = pods.list(&ListParams::default()).await else {
         return; // the API server is down: nothing to read
+    };
+    // Read after the pods: a Running pod's claim is allocated already.
+    let Some(allocated) = allocations(&Api::namespaced(client.clone(), NS)).await else {
+        return;
     };
     let mut w = watch.lock().unwrap();
     let now = Instant::now();
@@ -465,7 +655,10 @@ async fn sample(
         if phase(pod) == "Running" {
             w.running.entry(name.clone()).or_insert(now);
             now_pending.remove(&name);
-            check_running(&mut w, pod, dirs, &mut held);
+            match claim_ask(pod) {
+                Some(ask) => check_claim(&mut w, pod, ask, dirs, &allocated, &mut held),
+                None => check_running(&mut w, pod, dirs, &mut held),
+            }
         } else if pod.metadata.deletion_timestamp.is_none()
             && let Some(created) = w.created.get(&name).copied()
         {
@@ -569,8 +762,20 @@ fn pinned(mut pod: Pod, node: &str) -> Pod {
 }
 
 fn shaped(name: &str, shape: &Shape) -> Pod {
-    let containers: Vec<(&str, [u64; 3])> = shape.iter().map(|(n, w)| (n.as_str(), *w)).collect();
-    gpu_pod(NS, name, &containers)
+    match shape {
+        Shape::Plugin(containers) => {
+            let containers: Vec<(&str, [u64; 3])> =
+                containers.iter().map(|(n, w)| (n.as_str(), *w)).collect();
+            gpu_pod(NS, name, &containers)
+        }
+        Shape::Claim(ask) => {
+            let mut pod = claim_pod(NS, name, &template(*ask));
+            // The mutating policy sends pods asking the device plugin's
+            // resources to the GPU scheduler; a claim's pod names it.
+            pod.spec.as_mut().unwrap().scheduler_name = Some("doslab-gpu-scheduler".into());
+            pod
+        }
+    }
 }
 
 /// What a fault cost: when it struck, and the pod created next.
@@ -632,30 +837,33 @@ async fn run(seed: u64, pods: usize, faults: &[Fault]) -> Report {
     let proxy = SlowProxy::start(apiserver.clone()).await;
     proxy.route(&cp.scheduler, &apiserver);
 
+    // The base rights beside DRA mode's, which the DRA node applies.
+    device_plugin_rights_beside_dra(&cp);
     let health: Vec<tempfile::TempDir> = (0..NODES).map(|_| tempfile::tempdir().unwrap()).collect();
     // Per health file, the unhealthy windows open on it.
     let unhealthy: Arc<Mutex<HashMap<PathBuf, usize>>> = Arc::default();
     let mut nodes = Vec::new();
     for (n, health) in health.iter().enumerate() {
-        let gpus: Vec<(String, u64)> = (0..GPUS)
-            .map(|g| (gpu_uuid(n, g), GPU_GIB * 1024))
-            .collect();
+        let gpus = node_gpus(n);
         let gpus: Vec<(&str, u64)> = gpus.iter().map(|(u, m)| (u.as_str(), *m)).collect();
         let top = format!(
             "memory_unit_mib = 1024\n[health]\npoll_ms = 200\nrecovery_ms = 500\nmock_dir = {:?}\n",
             health.path().display().to_string()
         );
         let mut node = KubeNode::start(&cp, &format!("node-{n}"), &gpus, &top).await;
-        // Every client of the API server but the controller manager goes
-        // through the proxy, so a slow window slows each of them.
-        proxy.route(&node.kubeconfig, &apiserver);
-        proxy.route(&node.kubelet_kubeconfig(), &apiserver);
-        node.kill_daemon();
-        node.restart_kubelet().await;
+        proxy.behind(&apiserver, &mut node).await;
         node.wait_allocatable(&cp).await;
         nodes.push(node);
     }
+    let gpus = node_gpus(NODES);
+    let gpus: Vec<(&str, u64)> = gpus.iter().map(|(u, m)| (u.as_str(), *m)).collect();
+    let tables = "[enforcement]\nmode = \"none\"\n";
+    let mut dra = KubeNode::start_dra(&cp, &format!("node-{NODES}"), &gpus, tables).await;
+    proxy.behind(&apiserver, &mut dra).await;
+    dra.wait_sliced(&cp).await;
+    nodes.push(dra);
     namespace(&cp, NS);
+    cp.apply(&templates());
     let mut sched = Scheduler::start_unelected(&cp);
     let client = cp.admin_client().await;
     let api: Api<Pod> = Api::namespaced(client.clone(), NS);
@@ -670,13 +878,14 @@ async fn run(seed: u64, pods: usize, faults: &[Fault]) -> Report {
     let fds_start = support::fds_and_threads(soak_pid).0;
     let stop = Arc::new(AtomicBool::new(false));
     let checker = {
-        let (watch, api, dirs, stop) = (watch.clone(), api.clone(), dirs.clone(), stop.clone());
+        let (watch, client, dirs, stop) =
+            (watch.clone(), client.clone(), dirs.clone(), stop.clone());
         tokio::spawn(async move {
             let mut pending = HashMap::new();
             let mut every = tokio::time::interval(Duration::from_millis(250));
             while !stop.load(Ordering::Relaxed) {
                 every.tick().await;
-                sample(&watch, &api, &dirs, &mut pending).await;
+                sample(&watch, &client, &dirs, &mut pending).await;
             }
         })
     };
@@ -706,7 +915,11 @@ async fn run(seed: u64, pods: usize, faults: &[Fault]) -> Report {
                 }
                 let name = format!("p{i}");
                 let mut pod = shaped(&name, shape);
-                if !early && let Some(n) = pin.take() {
+                // A claim runs on the DRA node alone: the next plugin pod is pinned.
+                if !early
+                    && matches!(shape, Shape::Plugin(_))
+                    && let Some(n) = pin.take()
+                {
                     pod = pinned(pod, &nodes[n].name);
                 }
                 let made = retry(async || api.create(&PostParams::default(), &pod).await).await;
@@ -744,7 +957,7 @@ async fn run(seed: u64, pods: usize, faults: &[Fault]) -> Report {
                 let at = Instant::now();
                 let n = &mut nodes[*node];
                 match fault {
-                    Fault::DaemonKill => {
+                    Fault::DaemonKill | Fault::PrepareKill => {
                         ended.push((format!("{}-daemon-{i}.log", n.name), n.daemon.log_text()));
                         n.kill_daemon();
                         watch.lock().unwrap().daemons[*node] = n.daemon.child.id();
@@ -794,7 +1007,7 @@ async fn run(seed: u64, pods: usize, faults: &[Fault]) -> Report {
                     w.last_fault = Some(at);
                     w.strikes.push((*fault, *node, gpu_uuid(*node, *gpu), at));
                 }
-                if fault.on_node() {
+                if fault.on_node() && *node < NODES {
                     pin = Some(*node);
                 }
                 struck.push(Struck {
@@ -816,6 +1029,15 @@ async fn run(seed: u64, pods: usize, faults: &[Fault]) -> Report {
     for name in &deleted {
         wait_deleted(&api, &watch, name).await;
     }
+    // What the API server holds before the drain deletes it: a pod that
+    // never ran, its claim.
+    let held = support::poll_within(Instant::now() + PENDING, async || {
+        let pods = api.list(&ListParams::default()).await.ok()?;
+        let claims = Api::<ResourceClaim>::namespaced(client.clone(), NS);
+        let claims = claims.list(&ListParams::default()).await.ok()?;
+        serde_json::to_string_pretty(&(pods.items, claims.items)).ok()
+    })
+    .await;
     stop.store(true, Ordering::Relaxed);
     checker.await.unwrap();
     for name in &live {
@@ -883,14 +1105,17 @@ async fn run(seed: u64, pods: usize, faults: &[Fault]) -> Report {
         );
     }
     if let Ok(dir) = std::env::var("CHAOS_ARTIFACTS") {
+        let held = held.unwrap_or_default();
+        ended.push(("pods-and-claims-before-the-drain.json".into(), held));
         artifacts(Path::new(&dir), &cp, &nodes, &sched, ended);
     }
     report
 }
 
-/// Every log of the run under `dir`: the control plane's, each
-/// kube-scheduler's and kubelet's, the daemons' and the extender's, those
-/// a fault ended (`ended`) among them.
+/// Every log of the run under `dir`: the control plane's (the controller
+/// manager's too), each kube-scheduler's and kubelet's, the daemons' and
+/// the extender's; and `ended`: those a fault ended, and the API server's
+/// pods and claims before the drain.
 fn artifacts(
     dir: &Path,
     cp: &ControlPlane,
@@ -907,8 +1132,12 @@ fn artifacts(
     for (name, text) in ended {
         std::fs::write(dir.join(name), text).unwrap();
     }
-    let logs = nodes.iter().map(|n| (n.dir.path(), format!("{}-", n.name)));
-    for (from, prefix) in logs.chain([(cp.dir.path(), String::new())]) {
+    let logs = nodes
+        .iter()
+        .map(|n| (n.dir.path().to_owned(), format!("{}-", n.name)));
+    // The control plane's own folder holds the controller manager's log.
+    let control = [cp.dir.path().to_owned(), cp.dir.path().join("state")];
+    for (from, prefix) in logs.chain(control.map(|d| (d, String::new()))) {
         for entry in std::fs::read_dir(from).unwrap().flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
             if name.ends_with(".log") {
@@ -970,6 +1199,7 @@ async fn wait_running(watch: &Mutex<Watch>, name: &str) {
 }
 
 async fn delete(api: &Api<Pod>, watch: &Mutex<Watch>, name: &str) {
+    watch.lock().unwrap().deleting.insert(name.to_owned());
     let done = retry(async || api.delete(name, &DeleteParams::default()).await).await;
     let mut w = watch.lock().unwrap();
     w.created.remove(name);
@@ -1001,7 +1231,8 @@ async fn wait_deleted(api: &Api<Pod>, watch: &Mutex<Watch>, name: &str) {
 /// daemons and the kubelets' device accounting all see every GPU free.
 async fn leaks(watch: &Mutex<Watch>, client: &kube::Client, nodes: &[KubeNode]) {
     let api = &Api::<Pod>::namespaced(client.clone(), NS);
-    for node in nodes {
+    let (plugin, dra) = nodes.split_at(NODES);
+    for node in plugin {
         let addr = support::http_addr(&node.daemon);
         let deadline = Instant::now() + PENDING;
         let held = || {
@@ -1035,7 +1266,9 @@ async fn leaks(watch: &Mutex<Watch>, client: &kube::Client, nodes: &[KubeNode]) 
             format!("{} holds after the drain: {:?}", node.name, held())
         });
     }
-    let whole: Vec<Pod> = nodes
+    dra_leaks(watch, client, &dra[0]).await;
+    let whole_claims = (0..GPUS).map(|g| shaped(&format!("all-dra-{g}"), &Shape::Claim(None)));
+    let whole: Vec<Pod> = plugin
         .iter()
         .map(|n| {
             pinned(
@@ -1047,6 +1280,7 @@ async fn leaks(watch: &Mutex<Watch>, client: &kube::Client, nodes: &[KubeNode]) 
                 &n.name,
             )
         })
+        .chain(whole_claims)
         .collect();
     let full: Vec<Pod> = (0..NODES * GPUS)
         .map(|i| gpu_pod(NS, &format!("full-{i}"), &[("main", [GPU_GIB, 100, 0])]))
@@ -1082,6 +1316,53 @@ async fn leaks(watch: &Mutex<Watch>, client: &kube::Client, nodes: &[KubeNode]) 
             wait_deleted(api, watch, pod.metadata.name.as_deref().unwrap()).await;
         }
     }
+}
+
+/// The DRA node after the drain: no claim is left, and the daemon holds
+/// no CDI spec and no prepared claim in its checkpoint.
+async fn dra_leaks(watch: &Mutex<Watch>, client: &kube::Client, node: &KubeNode) {
+    let deadline = Instant::now() + PENDING;
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), NS);
+    let left = async || {
+        let list = claims.list(&ListParams::default()).await.ok()?;
+        Some(
+            list.items
+                .into_iter()
+                .filter_map(|c| c.metadata.name)
+                .collect::<Vec<_>>(),
+        )
+    };
+    let gone = support::poll_within(deadline, async || left().await.filter(|l| l.is_empty())).await;
+    let left = left().await;
+    watch.lock().unwrap().check(gone.is_some(), || {
+        format!("claims left after the drain: {left:?}")
+    });
+    let specs = || -> Vec<String> {
+        std::fs::read_dir(node.cdi_dir())
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|f| f.starts_with(DRIVER))
+            .collect()
+    };
+    let prepared = || -> serde_json::Value {
+        std::fs::read(node.dir.path().join("dra/checkpoint.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+            .map_or(serde_json::Value::Null, |c| c["claims"].clone())
+    };
+    let empty = support::poll_sync(deadline, || {
+        specs().is_empty() && prepared().as_object().is_some_and(|c| c.is_empty())
+    });
+    watch.lock().unwrap().check(empty, || {
+        format!(
+            "{} holds after the drain: CDI specs {:?}, prepared {}",
+            node.name,
+            specs(),
+            prepared()
+        )
+    });
 }
 
 fn print(r: &Report) {
@@ -1143,8 +1424,9 @@ fn assert_flat(r: &Report) {
 /// sorted by creation time, which the daemon, matching in the order the
 /// pods were bound, cannot know of: two pods of the same ask may then get
 /// each other's grants (open: issue 35's closing note).
-const IN_ORDER: [Fault; 6] = [
+const IN_ORDER: [Fault; 7] = [
     Fault::DaemonKill,
+    Fault::PrepareKill,
     Fault::ExtenderKill,
     Fault::SchedulerKill,
     Fault::DaemonReload,

@@ -271,35 +271,11 @@ fn template(name: &str, capacity: Option<(&str, &str)>) -> String {
     claim_template(NS, name, GPU_DRIVER, asks.as_ref().map_or(&[], |a| a))
 }
 
-/// The CDI spec file in `node`'s CDI directory holding device `id`
-/// (`<kind>=<name>`), and the envs that device's edits and the spec's give
-/// a container, as the runtime applies them.
+/// The CDI spec file in `node`'s CDI directory holding device `id` and
+/// the envs it gives a container ([`cdi_envs_in`]).
 fn cdi_envs(node: &KubeNode, id: &str) -> (std::path::PathBuf, BTreeMap<String, String>) {
-    let (kind, name) = id.split_once('=').unwrap();
-    for entry in std::fs::read_dir(node.cdi_dir()).unwrap() {
-        let path = entry.unwrap().path();
-        let Ok(spec) = serde_json::from_slice::<Value>(&std::fs::read(&path).unwrap()) else {
-            continue;
-        };
-        let Some(device) = spec["devices"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .find(|d| spec["kind"] == kind && d["name"] == name)
-        else {
-            continue;
-        };
-        let envs = [&spec["containerEdits"], &device["containerEdits"]]
-            .into_iter()
-            .flat_map(|e| e["env"].as_array().cloned().unwrap_or_default())
-            .filter_map(|kv| {
-                let (k, v) = kv.as_str()?.split_once('=')?;
-                Some((k.to_owned(), v.to_owned()))
-            })
-            .collect();
-        return (path, envs);
-    }
-    panic!("no CDI spec holds {id} in {}", node.cdi_dir().display());
+    cdi_envs_in(&node.cdi_dir(), id)
+        .unwrap_or_else(|| panic!("no CDI spec holds {id} in {}", node.cdi_dir().display()))
 }
 
 /// Waits until `name` runs; its node's CDI device for `main` and that
@@ -828,23 +804,7 @@ async fn pods_per_second_through_dra_and_through_the_extender() {
         let tables = "[enforcement]\nmode = \"none\"\n";
         nodes.push(KubeNode::start_dra(&cp, &format!("dra-{n}"), &ids, tables).await);
     }
-    // DRA mode's rights replaced the daemon's (start_dra applies the
-    // kustomize Component); the device-plugin nodes need the base's too,
-    // as the chart grants both sets when a cluster runs both: the base
-    // ClusterRole and its binding under another name.
-    let base = |file: &str| {
-        std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(file))
-            .unwrap()
-            .replace(
-                "\n  name: gpu-device-plugin\n",
-                "\n  name: gpu-device-plugin-dp\n",
-            )
-    };
-    cp.apply(&format!(
-        "{}\n---\n{}",
-        base("deploy/clusterrole.yaml"),
-        base("deploy/clusterrolebinding.yaml")
-    ));
+    device_plugin_rights_beside_dra(&cp);
     for n in 0..2 {
         let ids = gpus(n + 2);
         let ids: Vec<(&str, u64)> = ids.iter().map(|(u, m)| (u.as_str(), *m)).collect();

@@ -7,6 +7,7 @@
 //! as its own identity: the daemon with a token bound to its pod on its
 //! node, the scheduler and the extender as `doslab-gpu-scheduler`.
 
+use std::collections::BTreeMap;
 use std::collections::hash_map::DefaultHasher;
 use std::hash::Hasher;
 use std::path::{Path, PathBuf};
@@ -1114,6 +1115,58 @@ pub fn cdi_devices(record: &Value, container: &str) -> Vec<String> {
         .flatten()
         .map(|id| id.as_str().unwrap().to_owned())
         .collect()
+}
+
+/// The CDI spec file in CDI directory `dir` holding device `id`
+/// (`<kind>=<name>`), and the envs that device's edits and the spec's give
+/// a container, as the runtime applies them; `None` if no spec holds it.
+pub fn cdi_envs_in(dir: &Path, id: &str) -> Option<(PathBuf, BTreeMap<String, String>)> {
+    let (kind, name) = id.split_once('=')?;
+    for entry in std::fs::read_dir(dir).ok()?.flatten() {
+        let path = entry.path();
+        let Ok(spec) = serde_json::from_slice::<Value>(&std::fs::read(&path).unwrap_or_default())
+        else {
+            continue;
+        };
+        let Some(device) = spec["devices"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|d| spec["kind"] == kind && d["name"] == name)
+        else {
+            continue;
+        };
+        let envs = [&spec["containerEdits"], &device["containerEdits"]]
+            .into_iter()
+            .flat_map(|e| e["env"].as_array().cloned().unwrap_or_default())
+            .filter_map(|kv| {
+                let (k, v) = kv.as_str()?.split_once('=')?;
+                Some((k.to_owned(), v.to_owned()))
+            })
+            .collect();
+        return Some((path, envs));
+    }
+    None
+}
+
+/// The device-plugin daemon's rights beside DRA mode's: [`KubeNode::start_dra`]
+/// applies DRA mode's kustomize Component, whose ClusterRole replaces the
+/// base's; a cluster running both keeps the base ClusterRole and its binding
+/// too, under another name, as the chart grants both sets.
+pub fn device_plugin_rights_beside_dra(cp: &ControlPlane) {
+    let base = |file: &str| {
+        std::fs::read_to_string(Path::new(ROOT).join(file))
+            .unwrap()
+            .replace(
+                "\n  name: gpu-device-plugin\n",
+                "\n  name: gpu-device-plugin-dp\n",
+            )
+    };
+    cp.apply(&format!(
+        "{}\n---\n{}",
+        base("deploy/clusterrole.yaml"),
+        base("deploy/clusterrolebinding.yaml")
+    ));
 }
 
 pub fn phase(pod: &Pod) -> &str {
