@@ -195,8 +195,10 @@ impl MatcherState {
     /// yet; the pods deleted while Pending in place of what it holds of
     /// them.
     fn views(&mut self) -> Vec<PodView> {
-        for (since, pod) in self.cache.take_deleted() {
-            self.bury(self.view(&pod), since);
+        for (since, pod, arrival) in self.cache.take_deleted() {
+            let mut view = self.view(&pod);
+            view.arrival = arrival;
+            self.bury(view, since);
         }
         let wait = self.args.wait;
         self.deleted.retain(|_, d| d.since.elapsed() < wait);
@@ -207,6 +209,7 @@ impl MatcherState {
             if self.deleted.contains_key(&view.uid) {
                 continue;
             }
+            view.arrival = self.cache.arrival(&view.uid);
             if let Some(void) = self.void.get_mut(&view.uid) {
                 // Void until the cache shows what we wrote since.
                 let written = self.written.get(&view.uid);
@@ -261,6 +264,11 @@ impl MatcherState {
             );
             self.deleted.clear();
         }
+        // Its first list hands it every pod at once, those it has yet to
+        // admit among them, which it admits by creation time.
+        let views = self.views();
+        let admitting = views.iter().filter(|v| v.admitting);
+        self.cache.rebatch(admitting.map(|v| v.uid.as_str()));
         let kept = match checkpoint::read(&self.args.kubelet_checkpoint).await {
             Ok(kept) => kept,
             Err(e) => {

@@ -400,3 +400,94 @@ async fn a_grant_the_restarted_kubelet_did_not_checkpoint_is_served_again() {
     let second = allocate(handle, wait, ["b0", "b1", "b2", "b3"], ok).await;
     assert_eq!(second.as_deref(), Ok("second"));
 }
+
+/// A matcher over pod `zero`, Running (no candidate), once its pod cache
+/// has listed: the pods a test adds next arrive after that first list.
+async fn listed() -> (ApiServerSim, tempfile::TempDir, MatcherHandle, Duration) {
+    let api = ApiServerSim::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    api.add_pod("default", "zero", NODE, &[app(4)], &[]);
+    api.set_phase("default", "zero", "Running");
+    let (handle, wait) = matcher(&api, dir.path()).await;
+    cached(&handle, &["zero"]).await;
+    (api, dir, handle, wait)
+}
+
+/// Pod `name` asking 4 gpu-memory devices, stamped with `assume` as the
+/// extender stamps the pods it binds.
+fn assumed(api: &ApiServerSim, name: &str, node: &str, assume: &str) {
+    let at = [("doslab.io/gpu-assume-time", assume)];
+    match node {
+        "" => api.add_unscheduled_pod("default", name, "doslab-gpu-scheduler", &[app(4)]),
+        node => api.add_pod("default", name, node, &[app(4)], &at),
+    }
+}
+
+/// Found by the chaos test: the pods bound while the API server restarted
+/// reach the kubelet in the list after its watch broke, which it admits
+/// by creation time, not in the order they were bound; the node's own
+/// watch broke too, and its list brings the same pods.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pods_a_list_brings_after_a_broken_watch_are_admitted_by_creation_time() {
+    let (api, _dir, handle, wait) = listed().await;
+    api.outage(true);
+    // Bound in the other order than created.
+    assumed(&api, "older", NODE, "2");
+    assumed(&api, "newer", NODE, "1");
+    api.outage(false);
+    cached(&handle, &["newer", "older", "zero"]).await;
+
+    let ok = ready();
+    let first = allocate(handle.clone(), wait, ["a0", "a1", "a2", "a3"], ok.clone()).await;
+    assert_eq!(first.as_deref(), Ok("older"));
+    let second = allocate(handle.clone(), wait, ["b0", "b1", "b2", "b3"], ok).await;
+    assert_eq!(second.as_deref(), Ok("newer"));
+}
+
+/// Bound one at a time, pods reach the kubelet in the order they were
+/// bound; a restarted kubelet lists them all at once and admits those
+/// still Pending by creation time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_kubelet_admits_its_pending_pods_by_creation_time() {
+    for restarted in [false, true] {
+        let (api, dir, handle, wait) = listed().await;
+        // Created first, bound second.
+        assumed(&api, "older", "", "");
+        assumed(&api, "newer", NODE, "1");
+        cached(&handle, &["newer", "zero"]).await;
+        let kubeconfig = dir.path().join("kubeconfig");
+        let client = kube::Client::try_from(
+            kube::Config::from_custom_kubeconfig(
+                kube::config::Kubeconfig::read_from(&kubeconfig).unwrap(),
+                &Default::default(),
+            )
+            .await
+            .unwrap(),
+        )
+        .unwrap();
+        let binding = serde_json::json!({
+            "apiVersion": "v1", "kind": "Binding",
+            "metadata": {"name": "older", "annotations": {"doslab.io/gpu-assume-time": "2"}},
+            "target": {"kind": "Node", "name": NODE},
+        });
+        kube::Api::<k8s_openapi::api::core::v1::Pod>::namespaced(client, "default")
+            .create_subresource::<_, serde_json::Value>(
+                "binding",
+                "older",
+                &Default::default(),
+                &binding,
+            )
+            .await
+            .unwrap();
+        cached(&handle, &["newer", "older", "zero"]).await;
+        if restarted {
+            handle.kubelet_restarted((1, 0, 0));
+        }
+
+        let ok = ready();
+        let ids = ["a0", "a1", "a2", "a3"];
+        let first = allocate(handle.clone(), wait, ids, ok).await;
+        let want = if restarted { "older" } else { "newer" };
+        assert_eq!(first.as_deref(), Ok(want), "restarted: {restarted}");
+    }
+}

@@ -13,9 +13,12 @@
 //! container fields besides name, limits and restart policy.
 //!
 //! It also remembers, for the matcher, the pods deleted while still
-//! Pending ([`PodCache::take_deleted`]): the kubelet may be admitting them.
+//! Pending ([`PodCache::take_deleted`]): the kubelet may be admitting them;
+//! and how each pod reached the node ([`Arrival`]): the kubelet admits pods
+//! in the order its watch brings them, and a list after its watch broke
+//! (an API server restart breaks this watch too) by creation time.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -31,6 +34,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::net::kube_client::{relisting, status_code};
+use crate::rules::matching::pods::Arrival;
 use crate::rules::usage::{finished, pending};
 
 /// What the cache says before its first list is in.
@@ -40,8 +44,64 @@ const UNLISTED: &str = "the first list of this node's pods has not arrived";
 /// sees on one node.
 const DELETIONS_KEPT: usize = 512;
 
-/// Pending pods the watch saw deleted, with when, oldest first.
-type Deletions = Arc<Mutex<VecDeque<(Instant, Arc<Pod>)>>>;
+/// Pending pods the watch saw deleted, with when and how each had
+/// arrived, oldest first.
+type Deletions = Arc<Mutex<VecDeque<(Instant, Arc<Pod>, Arrival)>>>;
+
+/// How each cached pod arrived, by UID.
+#[derive(Default)]
+struct Arrivals {
+    by_uid: HashMap<String, Arrival>,
+    /// The last delivery's number.
+    seq: u64,
+    /// The list being read: its delivery, and the UIDs it holds.
+    listing: Option<(Arrival, HashSet<String>)>,
+    /// The first list is in: a list after it is a batch. The first one's
+    /// pods came to the kubelet, already running, one at a time.
+    listed: bool,
+}
+
+impl Arrivals {
+    fn next(&mut self, batch: bool) -> Arrival {
+        self.seq += 1;
+        Arrival {
+            seq: self.seq,
+            batch,
+        }
+    }
+
+    /// Notes `event`; a deleted pod's arrival.
+    fn note(&mut self, event: &watcher::Event<Pod>) -> Option<Arrival> {
+        use watcher::Event::{Apply, Delete, Init, InitApply, InitDone};
+        let uid = |p: &Pod| p.metadata.uid.clone().unwrap_or_default();
+        match event {
+            Init => {
+                let batch = self.next(self.listed);
+                self.listing = Some((batch, HashSet::new()));
+            }
+            InitApply(p) => {
+                if let Some((batch, uids)) = &mut self.listing {
+                    self.by_uid.entry(uid(p)).or_insert(*batch);
+                    uids.insert(uid(p));
+                }
+            }
+            InitDone => {
+                if let Some((_, uids)) = self.listing.take() {
+                    self.by_uid.retain(|u, _| uids.contains(u));
+                }
+                self.listed = true;
+            }
+            Apply(p) => {
+                if !self.by_uid.contains_key(&uid(p)) {
+                    let one = self.next(false);
+                    self.by_uid.insert(uid(p), one);
+                }
+            }
+            Delete(p) => return self.by_uid.remove(&uid(p)),
+        }
+        None
+    }
+}
 
 pub(crate) struct PodCache {
     store: Store<Pod>,
@@ -52,6 +112,7 @@ pub(crate) struct PodCache {
     /// follows the API server.
     stale: watch::Receiver<Option<String>>,
     deleted: Deletions,
+    arrivals: Arc<Mutex<Arrivals>>,
     task: JoinHandle<()>,
 }
 
@@ -65,12 +126,15 @@ impl PodCache {
         let events = relisting(api, config).filter_map(|e| std::future::ready(kept(e)));
         let deleted = Deletions::default();
         let deletions = deleted.clone();
+        let arrivals: Arc<Mutex<Arrivals>> = Arc::default();
+        let arrived = arrivals.clone();
         let task = tokio::spawn(async move {
             futures::pin_mut!(events);
             while let Some(event) = events.next().await {
                 use watcher::Event::{Apply, Delete, InitDone};
                 match event {
                     Ok(event) => {
+                        let arrival = arrived.lock().expect("arrivals").note(&event);
                         if let Delete(pod) = &event
                             && pending(pod)
                         {
@@ -78,7 +142,8 @@ impl PodCache {
                             if list.len() == DELETIONS_KEPT {
                                 list.pop_front();
                             }
-                            list.push_back((Instant::now(), Arc::new(pod.clone())));
+                            let arrival = arrival.unwrap_or_default();
+                            list.push_back((Instant::now(), Arc::new(pod.clone()), arrival));
                         }
                         writer.apply_watcher_event(&event);
                         if let InitDone = event
@@ -103,14 +168,34 @@ impl PodCache {
             changes,
             stale,
             deleted,
+            arrivals,
             task,
         }
     }
 
     /// The Pending pods the watch saw deleted since the last call, with
-    /// when, oldest first (at most the last [`DELETIONS_KEPT`]).
-    pub(crate) fn take_deleted(&self) -> Vec<(Instant, Arc<Pod>)> {
+    /// when and how each had arrived, oldest first (at most the last
+    /// [`DELETIONS_KEPT`]).
+    pub(crate) fn take_deleted(&self) -> Vec<(Instant, Arc<Pod>, Arrival)> {
         self.deleted.lock().expect("deletions").drain(..).collect()
+    }
+
+    /// How the pod of `uid` reached the node.
+    pub(crate) fn arrival(&self, uid: &str) -> Arrival {
+        let arrivals = self.arrivals.lock().expect("arrivals");
+        arrivals.by_uid.get(uid).copied().unwrap_or_default()
+    }
+
+    /// The pods of `uids` as one batch after those before: a restarted
+    /// kubelet's first list hands it every pod at once.
+    pub(crate) fn rebatch<'a>(&self, uids: impl IntoIterator<Item = &'a str>) {
+        let mut arrivals = self.arrivals.lock().expect("arrivals");
+        let batch = arrivals.next(true);
+        for uid in uids {
+            if let Some(a) = arrivals.by_uid.get_mut(uid) {
+                *a = batch;
+            }
+        }
     }
 
     pub(crate) fn pods(&self) -> Vec<Arc<Pod>> {

@@ -188,7 +188,7 @@ fn samples(inv: &Inventory, usage: &NodeUsage) -> Vec<GpuSample> {
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
-    use crate::rules::matching::pods::PodKey;
+    use crate::rules::matching::pods::{Arrival, PodKey};
     use crate::rules::matching::tests::gpus_of_1000_mib;
     use crate::rules::usage::{Assignment, ContainerAsk, Ledger};
 
@@ -221,6 +221,7 @@ pub(super) mod tests {
             live,
             deleting: false,
             assume_time: None,
+            arrival: Arrival::default(),
             created: 0,
             gpu_uuid: None,
             assignment: Assignment::default(),

@@ -153,18 +153,21 @@ pub(crate) fn deleting(view: &mut PodView) {
     }
 }
 
-/// Candidates in the order they are served: pods the scheduler stamped
-/// with an assume-time first, earliest first; then by creation time; then
-/// by namespace/name.
+/// Candidates in the order the kubelet admits them: by arrival; within a
+/// batch by creation time; otherwise pods the scheduler stamped with an
+/// assume-time first, earliest first, then by creation time; then by
+/// namespace/name.
 fn ordered(pods: &[PodView]) -> Vec<&PodView> {
     let mut v: Vec<&PodView> = pods.iter().filter(|p| p.admitting).collect();
-    v.sort_by(|a, b| {
-        (a.assume_time.is_none(), a.assume_time, a.created, &a.key).cmp(&(
-            b.assume_time.is_none(),
-            b.assume_time,
-            b.created,
-            &b.key,
-        ))
+    v.sort_by_key(|p| {
+        (
+            p.arrival.seq,
+            p.arrival.batch.then_some(p.created),
+            p.assume_time.is_none(),
+            p.assume_time,
+            p.created,
+            &p.key,
+        )
     });
     v
 }

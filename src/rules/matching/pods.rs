@@ -20,6 +20,21 @@ impl std::fmt::Display for PodKey {
     }
 }
 
+/// How a pod reached this node, as the kubelet's pod config hands pods
+/// to admission: one at a time as its watch brings each, in that order,
+/// or in a batch (a list after its watch broke, a restarted kubelet's
+/// first list) that it admits by creation time. The node's own watch sees
+/// the same: its events in the same order, its lists when the API server
+/// broke both watches.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Arrival {
+    /// Which delivery: the pods of a later one are admitted after.
+    pub seq: u64,
+    /// A batch, whose pods are admitted by creation time; the pods of any
+    /// other delivery by assume-time.
+    pub batch: bool,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PodView {
     pub key: PodKey,
@@ -36,6 +51,9 @@ pub struct PodView {
     pub(crate) deleting: bool,
     /// `<domain>/gpu-assume-time`, when present and a decimal number.
     pub(crate) assume_time: Option<u128>,
+    /// How it reached the node; the default, one delivery for every pod,
+    /// leaves the order to assume-time.
+    pub(crate) arrival: Arrival,
     /// creationTimestamp, nanoseconds since the epoch.
     pub(crate) created: i128,
     /// `<domain>/gpu-uuid`, set by a scheduler extender.
@@ -100,6 +118,7 @@ impl PodView {
             live: !finished(pod),
             deleting: meta.deletion_timestamp.is_some(),
             assume_time,
+            arrival: Arrival::default(),
             created: meta
                 .creation_timestamp
                 .as_ref()

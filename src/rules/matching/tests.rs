@@ -5,7 +5,7 @@ use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, PodStatus, ResourceReq
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::api::ObjectMeta;
 
-use super::pods::{PodKey, PodView, PodWarning};
+use super::pods::{Arrival, PodKey, PodView, PodWarning};
 use super::{Ask, Decision, MatchError, decide, record};
 use crate::rules::device::Resource::{self, GpuCore, GpuCount, GpuMemory};
 use crate::rules::device::{Gpu, Offer, PerResource, Units};
@@ -62,6 +62,7 @@ fn pod(name: &str, created: i128, containers: Vec<ContainerAsk>) -> PodView {
         live: true,
         deleting: false,
         assume_time: None,
+        arrival: Arrival::default(),
         created,
         gpu_uuid: None,
         assignment: Assignment::default(),
@@ -92,6 +93,32 @@ fn serve(pods: &mut [PodView], a: &Ask) -> Result<Decision, MatchError> {
 
 fn who(d: &Decision) -> (String, String, Vec<usize>) {
     (d.pod.name.clone(), d.container.clone(), d.gpus.clone())
+}
+
+/// As the kubelet admits: by arrival; a batch (a list) by creation time,
+/// whatever its pods' assume-times.
+#[test]
+fn order_is_arrival_then_creation_in_a_batch_then_assume_time() {
+    let mut pods = vec![
+        pod("later", 1, vec![container("c", 10, 0, 0)]),
+        pod("batch-new", 8, vec![container("c", 10, 0, 0)]),
+        pod("batch-old", 7, vec![container("c", 10, 0, 0)]),
+        pod("one-b", 9, vec![container("c", 10, 0, 0)]),
+        pod("one-a", 9, vec![container("c", 10, 0, 0)]),
+    ];
+    let arrivals = [(3, false), (2, true), (2, true), (1, false), (1, false)];
+    for (p, (seq, batch)) in pods.iter_mut().zip(arrivals) {
+        p.arrival = Arrival { seq, batch };
+    }
+    pods[1].assume_time = Some(1);
+    pods[2].assume_time = Some(2);
+    pods[3].assume_time = Some(1);
+    pods[4].assume_time = Some(2);
+    let order: Vec<&str> = super::ordered(&pods)
+        .iter()
+        .map(|p| p.key.name.as_str())
+        .collect();
+    assert_eq!(order, ["one-b", "one-a", "batch-old", "batch-new", "later"]);
 }
 
 #[test]
