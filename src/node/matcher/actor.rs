@@ -36,7 +36,7 @@ use crate::rules::matching::pods::{PodKey, PodView, runtime_ids};
 use crate::rules::matching::{
     Ask, Decision, MatchError, decide, decide_with, deleting, record, usage,
 };
-use crate::rules::usage::{Inventory, Keys, Ledger};
+use crate::rules::usage::{Inventory, Keys, Ledger, pending};
 
 pub(crate) struct PodMatcher;
 
@@ -266,9 +266,10 @@ impl MatcherState {
         }
         // Its first list hands it every pod at once, those it has yet to
         // admit among them, which it admits by creation time.
-        let views = self.views();
-        let admitting = views.iter().filter(|v| v.admitting);
-        self.cache.rebatch(admitting.map(|v| v.uid.as_str()));
+        let pods = self.cache.pods();
+        let admitting = pods.iter().filter(|p| pending(p));
+        self.cache
+            .rebatch(admitting.filter_map(|p| p.metadata.uid.as_deref()));
         let kept = match checkpoint::read(&self.args.kubelet_checkpoint).await {
             Ok(kept) => kept,
             Err(e) => {

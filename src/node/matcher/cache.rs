@@ -81,8 +81,9 @@ impl Arrivals {
             }
             InitApply(p) => {
                 if let Some((batch, uids)) = &mut self.listing {
-                    self.by_uid.entry(uid(p)).or_insert(*batch);
-                    uids.insert(uid(p));
+                    let uid = uid(p);
+                    self.by_uid.entry(uid.clone()).or_insert(*batch);
+                    uids.insert(uid);
                 }
             }
             InitDone => {

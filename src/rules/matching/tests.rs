@@ -72,6 +72,14 @@ fn pod(name: &str, created: i128, containers: Vec<ContainerAsk>) -> PodView {
     }
 }
 
+/// Pods of (name, creation time), each one container `c` asking 10
+/// gpu-memory devices: candidates told apart by their order alone.
+fn tens(pods: &[(&str, i128)]) -> Vec<PodView> {
+    pods.iter()
+        .map(|&(name, created)| pod(name, created, vec![container("c", 10, 0, 0)]))
+        .collect()
+}
+
 fn ask(resource: Resource, devices: u64, gpus: &[usize], ids: &[&str]) -> Ask {
     Ask {
         resource,
@@ -99,13 +107,13 @@ fn who(d: &Decision) -> (String, String, Vec<usize>) {
 /// whatever its pods' assume-times.
 #[test]
 fn order_is_arrival_then_creation_in_a_batch_then_assume_time() {
-    let mut pods = vec![
-        pod("later", 1, vec![container("c", 10, 0, 0)]),
-        pod("batch-new", 8, vec![container("c", 10, 0, 0)]),
-        pod("batch-old", 7, vec![container("c", 10, 0, 0)]),
-        pod("one-b", 9, vec![container("c", 10, 0, 0)]),
-        pod("one-a", 9, vec![container("c", 10, 0, 0)]),
-    ];
+    let mut pods = tens(&[
+        ("later", 1),
+        ("batch-new", 8),
+        ("batch-old", 7),
+        ("one-b", 9),
+        ("one-a", 9),
+    ]);
     let arrivals = [(3, false), (2, true), (2, true), (1, false), (1, false)];
     for (p, (seq, batch)) in pods.iter_mut().zip(arrivals) {
         p.arrival = Arrival { seq, batch };
@@ -123,13 +131,13 @@ fn order_is_arrival_then_creation_in_a_batch_then_assume_time() {
 
 #[test]
 fn order_is_assume_time_then_creation_then_name() {
-    let mut pods = vec![
-        pod("late", 1, vec![container("c", 10, 0, 0)]),
-        pod("b", 5, vec![container("c", 10, 0, 0)]),
-        pod("a", 5, vec![container("c", 10, 0, 0)]),
-        pod("assumed-2", 9, vec![container("c", 10, 0, 0)]),
-        pod("assumed-1", 9, vec![container("c", 10, 0, 0)]),
-    ];
+    let mut pods = tens(&[
+        ("late", 1),
+        ("b", 5),
+        ("a", 5),
+        ("assumed-2", 9),
+        ("assumed-1", 9),
+    ]);
     pods[3].assume_time = Some(200);
     pods[4].assume_time = Some(100);
     let order: Vec<String> = (0..5)
@@ -272,10 +280,7 @@ fn scheduler_annotation_wins_and_an_unknown_gpu_is_refused() {
 
 #[test]
 fn a_pod_no_longer_pending_is_no_candidate() {
-    let mut pods = vec![
-        pod("gone", 1, vec![container("c", 10, 0, 0)]),
-        pod("next", 2, vec![container("c", 10, 0, 0)]),
-    ];
+    let mut pods = tens(&[("gone", 1), ("next", 2)]);
     pods[0].admitting = false; // no longer Pending: rejected, or it ran
     let d = serve(&mut pods, &ask(GpuMemory, 10, &[0], &["i"])).unwrap();
     assert_eq!(d.pod.name, "next");
@@ -287,10 +292,7 @@ fn a_pod_no_longer_pending_is_no_candidate() {
 /// ask, which then gets its own.
 #[test]
 fn a_victim_admitted_while_being_deleted_keeps_its_own_allocate() {
-    let mut pods = vec![
-        pod("victim", 1, vec![container("c", 10, 0, 0)]),
-        pod("preemptor", 2, vec![container("c", 10, 0, 0)]),
-    ];
+    let mut pods = tens(&[("victim", 1), ("preemptor", 2)]);
     let (view, _) = PodView::from_pod(&Keys::new("doslab.io"), &api_pod(&[], "Pending", true));
     pods[0].admitting = view.admitting;
     let first = serve(&mut pods, &ask(GpuMemory, 10, &[0], &["a"])).unwrap();
@@ -304,10 +306,7 @@ fn a_victim_admitted_while_being_deleted_keeps_its_own_allocate() {
 
 #[test]
 fn a_repeated_allocate_gets_the_same_answer_and_records_nothing() {
-    let mut pods = vec![
-        pod("p", 1, vec![container("c", 10, 0, 0)]),
-        pod("q", 2, vec![container("c", 10, 0, 0)]),
-    ];
+    let mut pods = tens(&[("p", 1), ("q", 2)]);
     let first = serve(&mut pods, &ask(GpuMemory, 10, &[1], &["a", "b"])).unwrap();
     let again = serve(&mut pods, &ask(GpuMemory, 10, &[1], &["b", "a"])).unwrap();
     assert!(again.repeat);
@@ -739,10 +738,7 @@ fn pods_are_read_from_the_api_with_bad_annotations_named() {
 
 #[test]
 fn the_ids_of_a_pod_being_deleted_go_to_the_next_container() {
-    let mut pods = vec![
-        pod("old", 1, vec![container("c", 10, 0, 0)]),
-        pod("new", 2, vec![container("c", 10, 0, 0)]),
-    ];
+    let mut pods = tens(&[("old", 1), ("new", 2)]);
     let first = serve(&mut pods, &ask(GpuMemory, 10, &[1], &["a", "b"])).unwrap();
     assert_eq!(first.pod.name, "old");
     // Being deleted, its devices freed: the kubelet gives the same IDs to
