@@ -428,6 +428,10 @@ impl Watch {
     }
 }
 
+/// What the Running pods hold per GPU: memory GiB, cores, shares, whole
+/// holders.
+type Held = BTreeMap<String, (u64, u64, usize, usize)>;
+
 /// A pod's GPU asks by container (init containers too): (memory GiB,
 /// cores, whole GPUs).
 fn asks(pod: &Pod) -> Vec<(String, bool, [u64; 3])> {
@@ -451,12 +455,7 @@ fn asks(pod: &Pod) -> Vec<(String, bool, [u64; 3])> {
 /// Checks a Running pod's grants against its spec and assignment, from
 /// its node's kubelet record; what its app containers hold per GPU
 /// (memory GiB, cores, whole) is added to `held`.
-fn check_running(
-    watch: &mut Watch,
-    pod: &Pod,
-    dirs: &[PathBuf],
-    held: &mut BTreeMap<String, (u64, u64, usize, usize)>,
-) {
+fn check_running(watch: &mut Watch, pod: &Pod, dirs: &[PathBuf], held: &mut Held) {
     let name = pod.metadata.name.clone().unwrap();
     let node = node_of(pod);
     let Some(dir) = node
@@ -516,14 +515,7 @@ fn check_running(
             continue;
         }
         for gpu in visible {
-            let h = held.entry(gpu).or_default();
-            if whole > 0 {
-                h.3 += 1;
-            } else {
-                h.0 += mem;
-                h.1 += cores;
-                h.2 += 1;
-            }
+            hold(held, gpu, (whole == 0).then_some((mem, cores)));
         }
     }
 }
@@ -550,7 +542,7 @@ fn check_claim(
     ask: Option<(u64, u64)>,
     dirs: &[PathBuf],
     allocated: &HashMap<String, Vec<String>>,
-    held: &mut BTreeMap<String, (u64, u64, usize, usize)>,
+    held: &mut Held,
 ) {
     let name = pod.metadata.name.clone().unwrap();
     if watch.deleting.contains(&name) {
@@ -600,14 +592,20 @@ fn check_claim(
         format!("{name} asked {ask:?} of a GPU, got {limits:?}")
     });
     for gpu in gpus {
-        let h = held.entry(gpu).or_default();
-        match ask {
-            None => h.3 += 1,
-            Some((m, c)) => {
-                h.0 += m;
-                h.1 += c;
-                h.2 += 1;
-            }
+        hold(held, gpu, ask);
+    }
+}
+
+/// Counts on `gpu` a container's share of it (memory GiB, cores), or the
+/// whole GPU (`None`).
+fn hold(held: &mut Held, gpu: String, share: Option<(u64, u64)>) {
+    let h = held.entry(gpu).or_default();
+    match share {
+        None => h.3 += 1,
+        Some((memory, cores)) => {
+            h.0 += memory;
+            h.1 += cores;
+            h.2 += 1;
         }
     }
 }
