@@ -569,15 +569,31 @@ func (k *kubeletPeer) finishDeletion(ctx context.Context, pod *v1.Pod) {
 	case <-ctx.Done():
 		return
 	}
+	k.deleteUntilGone(ctx, pod)
+}
+
+// deleteUntilGone deletes the pod at each of the status manager's syncs
+// until the pod config no longer holds it (the API server removed it),
+// whatever one delete answered: the status manager tries again at its next
+// sync for as long as it keeps the pod.
+func (k *kubeletPeer) deleteUntilGone(ctx context.Context, pod *v1.Pod) {
 	zero := int64(0)
-	k.retry(ctx, "final delete", pod, func() (bool, error) {
-		err := k.client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{
-			GracePeriodSeconds: &zero,
-			Preconditions:      metav1.NewUIDPreconditions(string(pod.UID)),
+	for !k.dropped(pod) {
+		k.retry(ctx, "final delete", pod, func() (bool, error) {
+			err := k.client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{
+				GracePeriodSeconds: &zero,
+				Preconditions:      metav1.NewUIDPreconditions(string(pod.UID)),
+			})
+			// A conflict: another pod of the same name (this one gone)
+			// or one the pod config has yet to show; the next sync tells.
+			return err == nil || apierrors.IsConflict(err), err
 		})
-		// A conflict is another pod of the same name: this one is gone.
-		return err == nil || apierrors.IsConflict(err), err
-	})
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(wait.Jitter(k.flags.syncBackoff, 0.5)):
+		}
+	}
 }
 
 // admitLoop admits pods one at a time. The pods found at start form one

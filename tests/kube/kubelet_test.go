@@ -9,8 +9,11 @@ import (
 	v1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
 	"k8s.io/client-go/tools/cache"
 	kubetypes "k8s.io/kubernetes/pkg/kubelet/types"
 )
@@ -137,6 +140,39 @@ func TestARelistsPodsAreAdmittedInCreationOrder(t *testing.T) {
 	}
 	if _, held, _ := k.pods.GetByKey("ns/p100"); !held {
 		t.Fatal("the pod config's pods are not held")
+	}
+}
+
+// The status manager deletes a finished pod again at each sync for as long
+// as it has the pod; the peer took a delete answered 409 Conflict for done,
+// so a pod whose delete was so answered as the API server restarted stayed
+// Terminating for good (found by the chaos run: seed 4, p774). It deletes
+// again until the pod config no longer holds the pod.
+func TestAFinalDeleteIsTriedAgainUntilThePodIsGone(t *testing.T) {
+	pod := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "p", UID: "a"}}
+	k := newKubeletPeer(kubeletFlags{node: "node-0", syncBackoff: time.Millisecond})
+	client := fake.NewClientset(pod)
+	deletes := 0
+	client.PrependReactor("delete", "pods", func(k8stesting.Action) (bool, runtime.Object, error) {
+		deletes++
+		if deletes == 1 {
+			return true, nil, apierrors.NewConflict(schema.GroupResource{Resource: "pods"}, "p",
+				errFor("the object has been modified"))
+		}
+		// Removed: the pod config drops it.
+		_ = k.pods.Delete(pod)
+		return false, nil, nil
+	})
+	k.client = client
+	if err := k.pods.Add(pod); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	k.deleteUntilGone(ctx, pod)
+	_, err := client.CoreV1().Pods("ns").Get(context.Background(), "p", metav1.GetOptions{})
+	if !apierrors.IsNotFound(err) || deletes != 2 {
+		t.Fatalf("after %d deletes the pod is still there (get: %v)", deletes, err)
 	}
 }
 
