@@ -25,10 +25,10 @@ use super::api::{
     Steer, UNSEEN_POD_WAIT,
 };
 use super::cache::PodCache;
-use super::checkpoint::{self, Void};
+use super::checkpoint::{self, Checkpointed, Crossing, Void};
 use super::events::{Events, Why};
 use super::report::Withdrawn;
-use super::write::{self, Landed, WriteError};
+use super::write::{self, Landed, Moved, Side, SwapError, Swapped, WriteError};
 use crate::config::enforcement::Compute;
 use crate::node::metrics::Metrics;
 use crate::node::readiness::{Child, Hold, Readiness};
@@ -156,7 +156,18 @@ pub(crate) struct MatcherState {
     void: Void,
     /// The kubelet whose restart was last handled.
     kubelet: Option<KubeletId>,
+    /// While a grant may have gone to another pod than the one it is
+    /// recorded on: until when the kubelet's checkpoint is read, and the
+    /// task reading it.
+    crossings: Option<(watch::Sender<Instant>, tokio::task::JoinHandle<()>)>,
 }
+
+/// How long the kubelet's checkpoint is read after a grant that may have
+/// gone to another pod is recorded: the kubelet writes it once the
+/// container's every resource is allocated, moments after.
+const CROSSINGS_WATCHED: Duration = Duration::from_secs(3);
+/// How often it is read meanwhile.
+const CHECKPOINT_READ: Duration = Duration::from_millis(100);
 
 /// A pod deleted while the kubelet may be admitting it.
 struct Deleted {
@@ -182,6 +193,9 @@ type DecideReply = RpcReplyPort<Result<Reserved, MatcherError>>;
 
 #[derive(Default)]
 struct Written {
+    /// The pod's GPU records as our last swap wrote them: what a cached
+    /// pod still at a version in `before` carries instead of its own.
+    swapped: Option<write::Records>,
     ledger: Ledger,
     /// The resourceVersions our patches replaced, and the one the last one
     /// made: a cached pod still at an older one is really at `after`, so the
@@ -205,7 +219,10 @@ impl MatcherState {
         let pods = self.cache.pods();
         let mut views = Vec::with_capacity(pods.len() + self.deleted.len());
         for pod in pods {
-            let mut view = self.view(&pod);
+            let mut view = match self.as_swapped(&pod) {
+                Some(pod) => self.view(&pod),
+                None => self.view(&pod),
+            };
             if self.deleted.contains_key(&view.uid) {
                 continue;
             }
@@ -279,7 +296,7 @@ impl MatcherState {
         };
         self.void.clear();
         let views = self.views();
-        let void = checkpoint::void(&views, &self.args.keys, &kept);
+        let void = checkpoint::void(&views, &self.args.keys, &checkpoint::kept(&kept));
         for (uid, grants) in &void {
             for (c, r) in grants {
                 tracing::info!(%uid, container = %c, resource = %r,
@@ -290,6 +307,24 @@ impl MatcherState {
             }
         }
         self.void = void;
+    }
+
+    /// `pod` carrying the records our last swap wrote, if the cache shows
+    /// it from before that.
+    fn as_swapped(&self, pod: &Pod) -> Option<Pod> {
+        let meta = &pod.metadata;
+        let w = self.written.get(meta.uid.as_deref()?)?;
+        let records = w.swapped.as_ref()?;
+        if !w.before.contains(meta.resource_version.as_deref()?) {
+            return None;
+        }
+        let mut pod = pod.clone();
+        let annotations = pod.metadata.annotations.get_or_insert_default();
+        for key in self.args.keys.pod_records() {
+            annotations.remove(key);
+        }
+        annotations.extend(records.clone());
+        Some(pod)
     }
 
     fn view(&self, pod: &Pod) -> PodView {
@@ -500,6 +535,7 @@ impl MatcherState {
                 w.before.insert(landed.replaced);
                 w.after = landed.resource_version;
                 self.log(&r.ask, &r.decision);
+                self.watch_crossings(myself, &uid);
                 Ok(Recorded::Done)
             }
             Err(WriteError::Gone) => {
@@ -522,13 +558,19 @@ impl MatcherState {
             tracing::warn!(error = %e, "not recorded");
         }
         let _ = reply.send(answer);
-        while let Some((next, reply)) = self.writing.get_mut(&uid).and_then(VecDeque::pop_front) {
+        self.next_write(myself, &uid);
+    }
+
+    /// Starts the next write waiting on pod `uid`, if any; else the pod has
+    /// none in flight, and the lookups deferred until then are made again.
+    fn next_write(&mut self, myself: &ActorRef<MatcherMsg>, uid: &str) {
+        while let Some((next, reply)) = self.writing.get_mut(uid).and_then(VecDeque::pop_front) {
             if self.start_write(myself, next, reply) {
                 return;
             }
         }
-        self.writing.remove(&uid);
-        for (ask, deadline, reply) in self.deferred.remove(&uid).unwrap_or_default() {
+        self.writing.remove(uid);
+        for (ask, deadline, reply) in self.deferred.remove(uid).unwrap_or_default() {
             let decide = MatcherMsg::Decide {
                 ask,
                 deadline,
@@ -536,6 +578,124 @@ impl MatcherState {
             };
             let _ = myself.send_message(decide);
         }
+    }
+
+    /// After a grant recorded on pod `uid`: if the kubelet may have been
+    /// admitting another pod of the same asks in its place (either came in
+    /// a batch, which the kubelet and the matcher may not order alike),
+    /// reads the kubelet's checkpoint for a while, each read sent back as
+    /// [`MatcherMsg::Checkpoint`].
+    fn watch_crossings(&mut self, myself: &ActorRef<MatcherMsg>, uid: &str) {
+        let views = self.views();
+        let Some(pod) = views.iter().find(|v| v.uid == uid) else {
+            return;
+        };
+        let uncertain = views.iter().any(|o| {
+            o.uid != pod.uid
+                && o.admitting
+                && !o.deleting
+                && (o.arrival.batch || pod.arrival.batch)
+                && o.containers == pod.containers
+        });
+        if !uncertain {
+            return;
+        }
+        let until = Instant::now() + CROSSINGS_WATCHED;
+        if let Some((watched, task)) = &self.crossings
+            && !task.is_finished()
+        {
+            watched.send_replace(until);
+            return;
+        }
+        let (watched, until) = watch::channel(until);
+        let path = self.args.kubelet_checkpoint.clone();
+        let task = tokio::spawn(read_checkpoints(path, until, myself.clone()));
+        self.crossings = Some((watched, task));
+    }
+
+    /// Swaps the GPU records of each pair of pods `held` shows crossed
+    /// (neither with a write in flight: the next read judges those).
+    fn checkpointed(&mut self, myself: &ActorRef<MatcherMsg>, held: &[Checkpointed]) {
+        let views = self.views();
+        for crossing in checkpoint::crossings(&views, &self.args.keys, held) {
+            let uids = [&crossing.admitted, &crossing.recorded];
+            if uids
+                .iter()
+                .any(|u| self.writing.contains_key(*u) || self.deleted.contains_key(*u))
+            {
+                continue;
+            }
+            let find = |uid: &str| views.iter().find(|v| v.uid == uid).cloned();
+            let (Some(admitted), Some(recorded)) =
+                (find(&crossing.admitted), find(&crossing.recorded))
+            else {
+                continue;
+            };
+            tracing::warn!(admitted = %admitted.key, recorded = %recorded.key,
+                "the kubelet admitted one of two pods asking the same in the other's place; swapping their GPU records");
+            for uid in uids {
+                self.writing.insert(uid.clone(), VecDeque::new());
+            }
+            let deadline = Instant::now() + self.args.wait;
+            let (args, myself) = (Arc::clone(&self.args), myself.clone());
+            let (a, r) = (
+                self.pods(&admitted.key.namespace),
+                self.pods(&recorded.key.namespace),
+            );
+            tokio::spawn(async move {
+                let admitted = Side {
+                    api: a,
+                    view: &admitted,
+                };
+                let recorded = Side {
+                    api: r,
+                    view: &recorded,
+                };
+                let swapped = write::swap(&args, admitted, recorded, deadline).await;
+                let _ = myself.cast(MatcherMsg::Swapped { crossing, swapped });
+            });
+        }
+    }
+
+    /// The end of the swap of `crossing`'s records: keeps what was written
+    /// until the watch shows it, and starts the writes waiting on them.
+    fn swap_ended(
+        &mut self,
+        myself: &ActorRef<MatcherMsg>,
+        crossing: Crossing,
+        swapped: Result<Swapped, SwapError>,
+    ) {
+        match swapped {
+            Ok(Swapped { admitted, recorded }) => {
+                self.moved(&crossing.admitted, admitted);
+                match recorded {
+                    Ok(moved) => self.moved(&crossing.recorded, moved),
+                    // Both carry its records: its grant counts twice
+                    // (never past a GPU's room), and its own Allocates
+                    // find nothing left to serve.
+                    Err(e) => tracing::error!(pod = %crossing.recorded, error = ?e,
+                        "half of a records swap did not land"),
+                }
+            }
+            Err(e) => tracing::info!(admitted = %crossing.admitted, recorded = %crossing.recorded,
+                error = ?e, "records not swapped"),
+        }
+        self.next_write(myself, &crossing.admitted);
+        self.next_write(myself, &crossing.recorded);
+    }
+
+    /// Keeps the records a swap wrote on pod `uid`.
+    fn moved(&mut self, uid: &str, moved: Moved) {
+        let ledger = moved
+            .records
+            .get(&self.args.keys.ledger)
+            .and_then(|text| serde_json::from_str(text).ok())
+            .unwrap_or_default();
+        let w = self.written.entry(uid.to_owned()).or_default();
+        w.ledger = ledger;
+        w.swapped = Some(moved.records);
+        w.before.insert(moved.replaced);
+        w.after = moved.resource_version;
     }
 
     /// Says what an Allocate was matched to.
@@ -658,6 +818,7 @@ impl Actor for PodMatcher {
             deleted: HashMap::new(),
             void: Void::new(),
             kubelet: None,
+            crossings: None,
         })
     }
 
@@ -734,6 +895,10 @@ impl Actor for PodMatcher {
             MatcherMsg::Live { reply } => {
                 let _ = reply.send(state.live().await);
             }
+            MatcherMsg::Checkpoint { held } => state.checkpointed(&myself, &held),
+            MatcherMsg::Swapped { crossing, swapped } => {
+                state.swap_ended(&myself, crossing, swapped);
+            }
         }
         Ok(())
     }
@@ -745,6 +910,9 @@ impl Actor for PodMatcher {
     ) -> Result<(), ActorProcessingErr> {
         // A successor's cache is not ours: this one must not mark it synced.
         state.synced.abort();
+        if let Some((_, task)) = &state.crossings {
+            task.abort();
+        }
         // Without a matcher there is no usage to show, rather than a stale one.
         state.report.abort();
         state.args.metrics.set_gpus(Vec::new());
@@ -755,5 +923,25 @@ impl Actor for PodMatcher {
             super::report::publish(tx, Withdrawn::default());
         }
         Ok(())
+    }
+}
+
+/// Reads the kubelet's checkpoint at `path` every [`CHECKPOINT_READ`] until
+/// `until`, each read sent to `matcher`.
+async fn read_checkpoints(
+    path: PathBuf,
+    until: watch::Receiver<Instant>,
+    matcher: ActorRef<MatcherMsg>,
+) {
+    while Instant::now() < *until.borrow() {
+        match checkpoint::read(&path).await {
+            Ok(held) => {
+                if matcher.cast(MatcherMsg::Checkpoint { held }).is_err() {
+                    return;
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, "cannot read the kubelet's checkpoint"),
+        }
+        tokio::time::sleep(CHECKPOINT_READ).await;
     }
 }

@@ -35,12 +35,25 @@ async fn matcher_with(
     dir: &std::path::Path,
     keys: &str,
 ) -> (MatcherHandle, Duration) {
+    matcher_of(api, dir, keys, &["GPU-a"]).await
+}
+
+/// [`matcher_with`] over mock GPUs of 1024 MiB named `gpus`.
+async fn matcher_of(
+    api: &ApiServerSim,
+    dir: &std::path::Path,
+    keys: &str,
+    gpus: &[&str],
+) -> (MatcherHandle, Duration) {
     let kubeconfig = dir.join("kubeconfig");
     api.write_kubeconfig(&kubeconfig).unwrap();
+    let gpus: String = gpus
+        .iter()
+        .map(|uuid| format!("[[devices.mock]]\nuuid = {uuid:?}\nmemory_mib = 1024\n"))
+        .collect();
     let toml = format!(
         "pod_matching = true\nhttp_listen = \"\"\ndevice_plugin_dir = {:?}\n[matcher]\n\
-         kubeconfig = {:?}\n{keys}\n\
-         [devices]\nbackend = \"mock\"\n[[devices.mock]]\nuuid = \"GPU-a\"\nmemory_mib = 1024\n",
+         kubeconfig = {:?}\n{keys}\n[devices]\nbackend = \"mock\"\n{gpus}",
         dir.display().to_string(),
         kubeconfig.display().to_string()
     );
@@ -98,7 +111,12 @@ type Prepare =
 /// The lookup of an Allocate of 4 gpu-memory devices on the GPU named
 /// `ids`, and its caller's deadline.
 fn four_devices(ids: [&str; 4], wait: Duration) -> (Ask, Instant) {
-    let devices: Vec<DeviceRef> = (0..4).map(|unit| DeviceRef { gpu: 0, unit }).collect();
+    four_devices_on(0, ids, wait)
+}
+
+/// [`four_devices`] on GPU `gpu`.
+fn four_devices_on(gpu: usize, ids: [&str; 4], wait: Duration) -> (Ask, Instant) {
+    let devices: Vec<DeviceRef> = (0..4).map(|unit| DeviceRef { gpu, unit }).collect();
     allocate_ask(Resource::GpuMemory, &devices, ids.into_iter(), wait)
 }
 
@@ -110,7 +128,18 @@ async fn allocate(
     ids: [&'static str; 4],
     prepare: Prepare,
 ) -> Result<String, String> {
-    let (ask, deadline) = four_devices(ids, wait);
+    allocate_on(handle, wait, 0, ids, prepare).await
+}
+
+/// [`allocate`] of devices on GPU `gpu`.
+async fn allocate_on(
+    handle: MatcherHandle,
+    wait: Duration,
+    gpu: usize,
+    ids: [&'static str; 4],
+    prepare: Prepare,
+) -> Result<String, String> {
+    let (ask, deadline) = four_devices_on(gpu, ids, wait);
     loop {
         let reserved = handle
             .reserve(&ask, deadline)
@@ -490,4 +519,81 @@ async fn a_restarted_kubelet_admits_its_pending_pods_by_creation_time() {
         let want = if restarted { "older" } else { "newer" };
         assert_eq!(first.as_deref(), Ok(want), "restarted: {restarted}");
     }
+}
+
+/// The annotation `key` of pod `name`.
+fn annotation(api: &ApiServerSim, name: &str, key: &str) -> Option<String> {
+    let pod = api.pod("default", name).unwrap();
+    pod["metadata"]["annotations"][key]
+        .as_str()
+        .map(str::to_owned)
+}
+
+/// Found by the chaos test: two pods asking the same that reach the
+/// kubelet in a batch (a restarted kubelet's first list, or a list after a
+/// broken watch) may be admitted in another order than the matcher's (the
+/// kubelet sorts a batch by creation time, in seconds, ties in no set
+/// order; after a broken watch its list and the node's may hold different
+/// pods), and each runs on the GPUs assigned to the other, its grant
+/// recorded on the other. The kubelet's checkpoint says whose devices are
+/// whose: the matcher swaps the two pods' GPU records to match, and the
+/// next Allocate is served from the records swapped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_the_kubelet_gave_the_other_pod_of_a_batch_moves_with_its_records() {
+    let api = ApiServerSim::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    api.add_pod("default", "zero", NODE, &[app(4)], &[]);
+    api.set_phase("default", "zero", "Running");
+    let (handle, wait) = matcher_of(&api, dir.path(), "", &["GPU-a", "GPU-b"]).await;
+    cached(&handle, &["zero"]).await;
+    for (name, gpu) in [("p", "GPU-a"), ("q", "GPU-b")] {
+        let assignment = format!(r#"{{"app":["{gpu}"]}}"#);
+        let at = [
+            ("doslab.io/gpu-assignment", assignment.as_str()),
+            ("doslab.io/gpu-uuid", gpu),
+            ("doslab.io/gpu-assume-time", "1"),
+        ];
+        api.add_pod("default", name, NODE, &[app(4)], &at);
+    }
+    cached(&handle, &["p", "q", "zero"]).await;
+    handle.kubelet_restarted((1, 0, 0));
+
+    // The matcher takes the older, p, for the first Allocate; the kubelet
+    // was admitting q, and says so in its checkpoint.
+    let ok = ready();
+    let ids = ["a0", "a1", "a2", "a3"];
+    let first = allocate_on(handle.clone(), wait, 0, ids, ok.clone()).await;
+    assert_eq!(first.as_deref(), Ok("p"));
+    let granted = ledger(&api, "p").unwrap();
+    let uid = api.pod("default", "q").unwrap()["metadata"]["uid"].clone();
+    let entry = serde_json::json!({
+        "PodUID": uid, "ContainerName": "app", "ResourceName": "doslab.io/gpu-memory",
+        "DeviceIDs": {"-1": ids}, "AllocResp": "CgA=",
+    });
+    let checkpoint = serde_json::json!({
+        "Data": {"PodDeviceEntries": [entry], "RegisteredDevices": {}}, "Checksum": 1,
+    });
+    std::fs::write(
+        dir.path().join("kubelet_internal_checkpoint"),
+        checkpoint.to_string(),
+    )
+    .unwrap();
+
+    let deadline = Instant::now() + ANSWER;
+    while ledger(&api, "q").is_none() {
+        assert!(Instant::now() < deadline, "the records were not swapped");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(ledger(&api, "q"), Some(granted));
+    assert_eq!(ledger(&api, "p"), None);
+    let uuid = "doslab.io/gpu-uuid";
+    assert_eq!(annotation(&api, "q", uuid).as_deref(), Some("GPU-a"));
+    assert_eq!(annotation(&api, "p", uuid).as_deref(), Some("GPU-b"));
+
+    // The kubelet admits p next, on the GPU now assigned to it.
+    let ids = ["b0", "b1", "b2", "b3"];
+    let second = allocate_on(handle, wait, 1, ids, ok).await;
+    assert_eq!(second.as_deref(), Ok("p"));
+    let recorded = ledger(&api, "p").unwrap().to_string();
+    assert!(recorded.contains("GPU-b"), "{recorded}");
 }

@@ -8,8 +8,9 @@ use std::time::{Duration, Instant};
 use ractor::{ActorRef, RactorErr, RpcReplyPort, call_t};
 use tokio::sync::watch;
 
+use super::checkpoint::{Checkpointed, Crossing};
 use super::report::Withdrawn;
-use super::write::{Landed, WriteError};
+use super::write::{Landed, SwapError, Swapped, WriteError};
 use crate::node::health::GpuFault;
 use crate::rules::device::{DeviceRef, Resource};
 use crate::rules::matching::pods::PodKey;
@@ -124,6 +125,15 @@ pub(crate) enum MatcherMsg {
     /// gone).
     Live {
         reply: RpcReplyPort<Option<Vec<LiveContainer>>>,
+    },
+    /// The kubelet's checkpoint as last read, while a grant may have gone
+    /// to another pod than the one recorded: swap the records of each pair
+    /// it shows crossed.
+    Checkpoint { held: Vec<Checkpointed> },
+    /// The swap of the records of `crossing` ended with `swapped`.
+    Swapped {
+        crossing: Crossing,
+        swapped: Result<Swapped, SwapError>,
     },
 }
 

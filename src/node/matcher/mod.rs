@@ -7,7 +7,9 @@
 //! `actor` does the I/O (pod cache, ledger patches through `write`, each in
 //! a task of its own) behind the handle in `api` (reserve, commit), and
 //! hands its Events to `events`, whose task posts them; `faults` says which
-//! pods a GPU fault reaches.
+//! pods a GPU fault reaches; `checkpoint` reads the kubelet's record of
+//! whose devices are whose (the grants a restarted kubelet lost, the pairs
+//! whose grants it gave each other's pod, whose records `write` swaps).
 
 mod actor;
 mod api;

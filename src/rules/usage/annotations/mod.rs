@@ -63,6 +63,18 @@ impl Keys {
             resources: PerResource::from_fn(|r: Resource| format!("{domain}/{}", r.name())),
         }
     }
+
+    /// The keys of a pod's own GPU records: what the extender assigned it
+    /// and the node recorded of it.
+    pub(crate) fn pod_records(&self) -> [&String; 5] {
+        [
+            &self.assignment,
+            &self.gpu_uuid,
+            &self.assume_time,
+            &self.assigned,
+            &self.ledger,
+        ]
+    }
 }
 
 /// An accounting annotation of a pod that is there but cannot be read.
