@@ -238,13 +238,19 @@ pub(crate) fn decide_with(
     // comes before the candidate order among fresh ones.
     let part_served = |p: &PodView, c: &ContainerAsk| p.ledger.0.contains_key(&c.name);
     let started = |p: &PodView| p.containers.iter().any(|c| part_served(p, c));
+    // It allocates a pod's containers in order, init containers first: a
+    // pod not started yet is asked for its first container asking devices.
+    let first = |p: &PodView, c: &ContainerAsk| {
+        let asking = |c: &&ContainerAsk| Resource::ALL.into_iter().any(|r| c.wants(r) > 0);
+        p.containers.iter().find(asking).map(|f| &f.name) == Some(&c.name)
+    };
     for tier in 0..3 {
         for pod in &candidates {
             let mut fits = unserved(pod, r).filter(|c| c.wants(r) == ask.devices);
             let in_tier = |c: &&ContainerAsk| match tier {
                 0 => part_served(pod, c),
                 1 => started(pod),
-                _ => true,
+                _ => first(pod, c),
             };
             if let Some(c) = fits.find(in_tier) {
                 return place(inv, usage, pod, c, ask, Ids::Chosen);

@@ -195,6 +195,42 @@ fn init_containers_then_app_containers_in_spec_order() {
     assert!(pods[0].complete());
 }
 
+/// The kubelet allocates a pod's containers in order, init containers
+/// first: an Allocate its init container cannot be is never a pod's first.
+/// Found by the chaos test: after a kubelet restart, p194 (an init
+/// container of 2 GiB, an app container of 4 GiB) and p195 (4 GiB),
+/// created in one second, came in the other order; p195's Allocate went to
+/// p194's app container, and p194's own was refused.
+#[test]
+fn a_pod_not_started_is_asked_for_its_first_container_asking_devices() {
+    let mut pods = vec![
+        pod(
+            "older",
+            1,
+            vec![
+                container("nothing", 0, 0, 0),
+                ContainerAsk {
+                    init: true,
+                    ..container("init", 20, 0, 0)
+                },
+                container("app", 40, 0, 0),
+            ],
+        ),
+        pod("newer", 2, vec![container("c0", 40, 0, 0)]),
+    ];
+    let first = serve(&mut pods, &ask(GpuMemory, 40, &[0], &["x"])).unwrap();
+    assert_eq!(who(&first).0, "newer");
+    let next: Vec<String> = [(20, "y"), (40, "z")]
+        .iter()
+        .map(|(devices, id)| {
+            serve(&mut pods, &ask(GpuMemory, *devices, &[0], &[id]))
+                .unwrap()
+                .container
+        })
+        .collect();
+    assert_eq!(next, ["init", "app"]);
+}
+
 #[test]
 fn the_three_resources_in_every_order_land_on_one_gpu() {
     let orders = [
