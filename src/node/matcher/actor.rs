@@ -581,21 +581,18 @@ impl MatcherState {
     }
 
     /// After a grant recorded on pod `uid`: if the kubelet may have been
-    /// admitting another pod of the same asks in its place (either came in
-    /// a batch, which the kubelet and the matcher may not order alike),
-    /// reads the kubelet's checkpoint for a while, each read sent back as
-    /// [`MatcherMsg::Checkpoint`].
+    /// admitting another pod of the same asks in its place (another Pending
+    /// one: a batch, which the kubelet orders as it may, or pods the node's
+    /// watch brought one at a time and the kubelet's list after a broken
+    /// watch all at once), reads the kubelet's checkpoint for a while, each
+    /// read sent back as [`MatcherMsg::Checkpoint`].
     fn watch_crossings(&mut self, myself: &ActorRef<MatcherMsg>, uid: &str) {
         let views = self.views();
         let Some(pod) = views.iter().find(|v| v.uid == uid) else {
             return;
         };
         let uncertain = views.iter().any(|o| {
-            o.uid != pod.uid
-                && o.admitting
-                && !o.deleting
-                && (o.arrival.batch || pod.arrival.batch)
-                && o.containers == pod.containers
+            o.uid != pod.uid && o.admitting && !o.deleting && o.containers == pod.containers
         });
         if !uncertain {
             return;
