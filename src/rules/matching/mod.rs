@@ -190,6 +190,7 @@ pub(crate) fn decide_with(
     ask: &Ask,
 ) -> Result<Decision, MatchError> {
     let r = ask.resource;
+    let candidates = ordered(pods);
     if let Some(digest) = &ask.digest {
         let served = pods.iter().filter(|p| p.live).find_map(|p| {
             p.ledger
@@ -215,6 +216,16 @@ pub(crate) fn decide_with(
                     return place(inv, usage, pod, c, ask, ids);
                 }
                 _ => {
+                    // The kubelet gives a pod's devices to another only
+                    // once the pod stopped: a pod waiting for them is
+                    // handed the devices of one stopped before this node
+                    // saw it deleted (deleted as it was admitted), not
+                    // asked for again.
+                    if let Some(placed) = in_order(inv, usage, &candidates, ask)
+                        && placed.as_ref().is_ok_and(|d| d.uid != pod.uid)
+                    {
+                        return placed;
+                    }
                     let whole = pod
                         .containers
                         .iter()
@@ -232,30 +243,8 @@ pub(crate) fn decide_with(
             }
         }
     }
-    let candidates = ordered(pods);
-    // The kubelet admits one pod at a time and serves a container's
-    // resources back to back: a container, then a pod, already part-served
-    // comes before the candidate order among fresh ones.
-    let part_served = |p: &PodView, c: &ContainerAsk| p.ledger.0.contains_key(&c.name);
-    let started = |p: &PodView| p.containers.iter().any(|c| part_served(p, c));
-    // It allocates a pod's containers in order, init containers first: a
-    // pod not started yet is asked for its first container asking devices.
-    let first = |p: &PodView, c: &ContainerAsk| {
-        let asking = |c: &&ContainerAsk| Resource::ALL.into_iter().any(|r| c.wants(r) > 0);
-        p.containers.iter().find(asking).map(|f| &f.name) == Some(&c.name)
-    };
-    for tier in 0..3 {
-        for pod in &candidates {
-            let mut fits = unserved(pod, r).filter(|c| c.wants(r) == ask.devices);
-            let in_tier = |c: &&ContainerAsk| match tier {
-                0 => part_served(pod, c),
-                1 => started(pod),
-                _ => first(pod, c),
-            };
-            if let Some(c) = fits.find(in_tier) {
-                return place(inv, usage, pod, c, ask, Ids::Chosen);
-            }
-        }
+    if let Some(placed) = in_order(inv, usage, &candidates, ask) {
+        return placed;
     }
     Err(MatchError::NoCandidate {
         resource: r,
@@ -265,6 +254,41 @@ pub(crate) fn decide_with(
             .find(|p| unserved(p, r).next().is_some())
             .map(|p| p.key.clone()),
     })
+}
+
+/// The first of `candidates`' containers waiting for `ask`, placed: the
+/// kubelet admits one pod at a time and serves a container's resources
+/// back to back, so a container, then a pod, already part-served comes
+/// before the candidate order among fresh ones; and it allocates a pod's
+/// containers in order, init containers first, so a pod not started yet
+/// is asked for its first container asking devices.
+fn in_order(
+    inv: &Inventory,
+    usage: &NodeUsage,
+    candidates: &[&PodView],
+    ask: &Ask,
+) -> Option<Result<Decision, MatchError>> {
+    let r = ask.resource;
+    let part_served = |p: &PodView, c: &ContainerAsk| p.ledger.0.contains_key(&c.name);
+    let started = |p: &PodView| p.containers.iter().any(|c| part_served(p, c));
+    let first = |p: &PodView, c: &ContainerAsk| {
+        let asking = |c: &&ContainerAsk| Resource::ALL.into_iter().any(|r| c.wants(r) > 0);
+        p.containers.iter().find(asking).map(|f| &f.name) == Some(&c.name)
+    };
+    for tier in 0..3 {
+        for pod in candidates {
+            let mut fits = unserved(pod, r).filter(|c| c.wants(r) == ask.devices);
+            let in_tier = |c: &&ContainerAsk| match tier {
+                0 => part_served(pod, c),
+                1 => started(pod),
+                _ => first(pod, c),
+            };
+            if let Some(c) = fits.find(in_tier) {
+                return Some(place(inv, usage, pod, c, ask, Ids::Chosen));
+            }
+        }
+    }
+    None
 }
 
 /// Where an Allocate's device IDs came from.

@@ -343,6 +343,7 @@ fn a_victim_admitted_while_being_deleted_keeps_its_own_allocate() {
 #[test]
 fn a_repeated_allocate_gets_the_same_answer_and_records_nothing() {
     let mut pods = tens(&[("p", 1), ("q", 2)]);
+    pods[1].admitting = false;
     let first = serve(&mut pods, &ask(GpuMemory, 10, &[1], &["a", "b"])).unwrap();
     let again = serve(&mut pods, &ask(GpuMemory, 10, &[1], &["b", "a"])).unwrap();
     assert!(again.repeat);
@@ -354,6 +355,20 @@ fn a_repeated_allocate_gets_the_same_answer_and_records_nothing() {
         who(&first)
     );
     assert!(!pods[1].ledger.served("c", GpuMemory));
+}
+
+/// The kubelet gives a pod's devices to another only once the pod stopped.
+/// Found by the chaos test: p583, deleted as it was admitted, stopped
+/// before the node saw it deleted; its devices went to p584, whose
+/// Allocate the matcher took for p583's asked again, and p584's next
+/// container then took p585's grant.
+#[test]
+fn the_devices_of_a_pod_stopped_unseen_go_to_the_pod_waiting_for_them() {
+    let mut pods = tens(&[("p", 1), ("q", 2)]);
+    serve(&mut pods, &ask(GpuMemory, 10, &[1], &["a", "b"])).unwrap();
+    let reused = serve(&mut pods, &ask(GpuMemory, 10, &[1], &["b", "a"])).unwrap();
+    assert_eq!((reused.pod.name.as_str(), reused.repeat), ("q", false));
+    assert!(pods[1].ledger.served("c", GpuMemory));
 }
 
 #[test]
