@@ -648,8 +648,14 @@ impl MatcherState {
                     api: r,
                     view: &recorded,
                 };
+                let pods = [admitted.view.key.clone(), recorded.view.key.clone()];
                 let swapped = write::swap(&args, admitted, recorded, deadline).await;
-                let _ = myself.cast(MatcherMsg::Swapped { crossing, swapped });
+                let swapped = MatcherMsg::Swapped {
+                    crossing,
+                    pods,
+                    swapped,
+                };
+                let _ = myself.cast(swapped);
             });
         }
     }
@@ -660,13 +666,27 @@ impl MatcherState {
         &mut self,
         myself: &ActorRef<MatcherMsg>,
         crossing: Crossing,
+        [admitted_pod, recorded_pod]: [PodKey; 2],
         swapped: Result<Swapped, SwapError>,
     ) {
         match swapped {
             Ok(Swapped { admitted, recorded }) => {
                 self.moved(&crossing.admitted, admitted);
                 match recorded {
-                    Ok(moved) => self.moved(&crossing.recorded, moved),
+                    Ok(moved) => {
+                        self.moved(&crossing.recorded, moved);
+                        for (pod, other) in [
+                            (&admitted_pod, &recorded_pod),
+                            (&recorded_pod, &admitted_pod),
+                        ] {
+                            let note = format!(
+                                "the kubelet admitted {admitted_pod} in the place of {recorded_pod}, \
+                                 which asks the same: the GPU records of this pod and {other} \
+                                 (assignment, ledger) were swapped to match what each got"
+                            );
+                            self.events.warn(pod, Why::RecordsSwapped, &note);
+                        }
+                    }
                     // Both carry its records: its grant counts twice
                     // (never past a GPU's room), and its own Allocates
                     // find nothing left to serve.
@@ -893,9 +913,11 @@ impl Actor for PodMatcher {
                 let _ = reply.send(state.live().await);
             }
             MatcherMsg::Checkpoint { held } => state.checkpointed(&myself, &held),
-            MatcherMsg::Swapped { crossing, swapped } => {
-                state.swap_ended(&myself, crossing, swapped);
-            }
+            MatcherMsg::Swapped {
+                crossing,
+                pods,
+                swapped,
+            } => state.swap_ended(&myself, crossing, pods, swapped),
         }
         Ok(())
     }

@@ -589,6 +589,14 @@ async fn a_grant_the_kubelet_gave_the_other_pod_of_a_batch_moves_with_its_record
     let uuid = "doslab.io/gpu-uuid";
     assert_eq!(annotation(&api, "q", uuid).as_deref(), Some("GPU-a"));
     assert_eq!(annotation(&api, "p", uuid).as_deref(), Some("GPU-b"));
+    // Each pod says so.
+    let events = api.wait_for_events(2, ANSWER).await;
+    let told: Vec<&str> = events.iter().filter_map(|e| e["note"].as_str()).collect();
+    assert!(
+        told.iter()
+            .all(|n| n.contains("admitted default/q in the place of default/p")),
+        "{events:?}"
+    );
 
     // The kubelet admits p next, on the GPU now assigned to it.
     let ids = ["b0", "b1", "b2", "b3"];

@@ -130,9 +130,11 @@ pub(crate) enum MatcherMsg {
     /// to another pod than the one recorded: swap the records of each pair
     /// it shows crossed.
     Checkpoint { held: Vec<Checkpointed> },
-    /// The swap of the records of `crossing` ended with `swapped`.
+    /// The swap of the records of `crossing` (its admitted pod, then its
+    /// recorded one, in `pods`) ended with `swapped`.
     Swapped {
         crossing: Crossing,
+        pods: [PodKey; 2],
         swapped: Result<Swapped, SwapError>,
     },
 }

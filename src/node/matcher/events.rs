@@ -1,5 +1,6 @@
 //! Warning Events on the pods the matcher could not place, so `kubectl
-//! describe pod` says why, and on the pods of a GPU that had a fault. They
+//! describe pod` says why, on the pods of a GPU that had a fault, and on
+//! two pods whose GPU records it swapped. They
 //! go through kube-runtime's [`Recorder`]
 //! (`events.k8s.io/v1`; a repeat on the same pod within minutes patches the
 //! first one's series instead of adding another Event), posted by a task
@@ -41,6 +42,9 @@ pub(super) enum Why {
     FaultOnSharedServer,
     /// An XID on a GPU the pod uses otherwise (whole, or HAMi-core shares).
     Fault,
+    /// The kubelet admitted the pod in the place of another of the same
+    /// asks: their GPU records were swapped to match.
+    RecordsSwapped,
 }
 
 impl Why {
@@ -49,12 +53,13 @@ impl Why {
             Why::AllocateFailed => "GpuAllocateFailed",
             Why::FaultOnSharedServer => "GpuFaultOnSharedServer",
             Why::Fault => "GpuFault",
+            Why::RecordsSwapped => "GpuRecordsSwapped",
         }
     }
 
     fn action(self) -> &'static str {
         match self {
-            Why::AllocateFailed => "Allocate",
+            Why::AllocateFailed | Why::RecordsSwapped => "Allocate",
             Why::FaultOnSharedServer | Why::Fault => "WatchGpuHealth",
         }
     }
