@@ -184,6 +184,9 @@ struct Reservation {
     /// Its ledger write is in flight: it holds its place until the write's
     /// answer, whatever the deadline (the write may land).
     writing: bool,
+    /// When its write started, another Pending pod asked the same of every
+    /// container: the kubelet may have been admitting that one instead.
+    crossable: bool,
 }
 
 /// Where a record's answer goes.
@@ -219,10 +222,7 @@ impl MatcherState {
         let pods = self.cache.pods();
         let mut views = Vec::with_capacity(pods.len() + self.deleted.len());
         for pod in pods {
-            let mut view = match self.as_swapped(&pod) {
-                Some(pod) => self.view(&pod),
-                None => self.view(&pod),
-            };
+            let mut view = self.view(self.as_swapped(&pod).as_ref().unwrap_or(&pod));
             if self.deleted.contains_key(&view.uid) {
                 continue;
             }
@@ -404,6 +404,7 @@ impl MatcherState {
                         decision: decision.clone(),
                         expires: caller,
                         writing: false,
+                        crossable: false,
                     };
                     self.reserved.insert(self.ticket, reservation);
                     return Ok(Reserved {
@@ -468,17 +469,21 @@ impl MatcherState {
             let _ = reply.send(Ok(Recorded::Again));
             return false;
         }
-        let recorded = self.views();
+        let mut recorded = self.views();
         let deciding = self.reserving(recorded.clone());
         if decide(&self.args.node, &deciding, &r.ask).as_ref() != Ok(&r.decision) {
             tracing::info!(pod = %r.decision.pod, "decision moved while being readied; deciding again");
             let _ = reply.send(Ok(Recorded::Again));
             return false;
         }
-        let view = recorded
-            .into_iter()
-            .find(|v| v.uid == r.decision.uid)
+        let at = recorded
+            .iter()
+            .position(|v| v.uid == r.decision.uid)
             .expect("decided on it");
+        let view = recorded.swap_remove(at);
+        r.crossable = recorded
+            .iter()
+            .any(|o| o.admitting && !o.deleting && o.containers == view.containers);
         if self.deleted.contains_key(&view.uid) {
             // Nothing to write to: its grant is recorded here alone.
             let mut ledger = view.ledger;
@@ -535,7 +540,9 @@ impl MatcherState {
                 w.before.insert(landed.replaced);
                 w.after = landed.resource_version;
                 self.log(&r.ask, &r.decision);
-                self.watch_crossings(myself, &uid);
+                if r.crossable {
+                    self.watch_crossings(myself);
+                }
                 Ok(Recorded::Done)
             }
             Err(WriteError::Gone) => {
@@ -580,23 +587,13 @@ impl MatcherState {
         }
     }
 
-    /// After a grant recorded on pod `uid`: if the kubelet may have been
-    /// admitting another pod of the same asks in its place (another Pending
-    /// one: a batch, which the kubelet orders as it may, or pods the node's
+    /// After a grant recorded on a pod the kubelet may have been admitting
+    /// another of the same asks in the place of ([`Reservation::crossable`]:
+    /// a batch, which the kubelet orders as it may, or pods the node's
     /// watch brought one at a time and the kubelet's list after a broken
-    /// watch all at once), reads the kubelet's checkpoint for a while, each
+    /// watch all at once): reads the kubelet's checkpoint for a while, each
     /// read sent back as [`MatcherMsg::Checkpoint`].
-    fn watch_crossings(&mut self, myself: &ActorRef<MatcherMsg>, uid: &str) {
-        let views = self.views();
-        let Some(pod) = views.iter().find(|v| v.uid == uid) else {
-            return;
-        };
-        let uncertain = views.iter().any(|o| {
-            o.uid != pod.uid && o.admitting && !o.deleting && o.containers == pod.containers
-        });
-        if !uncertain {
-            return;
-        }
+    fn watch_crossings(&mut self, myself: &ActorRef<MatcherMsg>) {
         let until = Instant::now() + CROSSINGS_WATCHED;
         if let Some((watched, task)) = &self.crossings
             && !task.is_finished()

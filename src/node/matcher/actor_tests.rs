@@ -120,25 +120,30 @@ fn four_devices_on(gpu: usize, ids: [&str; 4], wait: Duration) -> (Ask, Instant)
     allocate_ask(Resource::GpuMemory, &devices, ids.into_iter(), wait)
 }
 
+/// Four device IDs, on GPU 0 unless a GPU is named with them.
+struct OnGpu(usize, [&'static str; 4]);
+
+impl From<[&'static str; 4]> for OnGpu {
+    fn from(ids: [&'static str; 4]) -> Self {
+        OnGpu(0, ids)
+    }
+}
+
+impl From<(usize, [&'static str; 4])> for OnGpu {
+    fn from((gpu, ids): (usize, [&'static str; 4])) -> Self {
+        OnGpu(gpu, ids)
+    }
+}
+
 /// An Allocate of 4 gpu-memory devices named `ids`, readied by `prepare`
 /// between its reservation and its record.
 async fn allocate(
     handle: MatcherHandle,
     wait: Duration,
-    ids: [&'static str; 4],
+    ids: impl Into<OnGpu>,
     prepare: Prepare,
 ) -> Result<String, String> {
-    allocate_on(handle, wait, 0, ids, prepare).await
-}
-
-/// [`allocate`] of devices on GPU `gpu`.
-async fn allocate_on(
-    handle: MatcherHandle,
-    wait: Duration,
-    gpu: usize,
-    ids: [&'static str; 4],
-    prepare: Prepare,
-) -> Result<String, String> {
+    let OnGpu(gpu, ids) = ids.into();
     let (ask, deadline) = four_devices_on(gpu, ids, wait);
     loop {
         let reserved = handle
@@ -562,7 +567,7 @@ async fn a_grant_the_kubelet_gave_the_other_pod_of_a_batch_moves_with_its_record
     // kubelet was admitting q, and says so in its checkpoint.
     let ok = ready();
     let ids = ["a0", "a1", "a2", "a3"];
-    let first = allocate_on(handle.clone(), wait, 0, ids, ok.clone()).await;
+    let first = allocate(handle.clone(), wait, ids, ok.clone()).await;
     assert_eq!(first.as_deref(), Ok("p"));
     let granted = ledger(&api, "p").unwrap();
     let uid = api.pod("default", "q").unwrap()["metadata"]["uid"].clone();
@@ -600,7 +605,7 @@ async fn a_grant_the_kubelet_gave_the_other_pod_of_a_batch_moves_with_its_record
 
     // The kubelet admits p next, on the GPU now assigned to it.
     let ids = ["b0", "b1", "b2", "b3"];
-    let second = allocate_on(handle, wait, 1, ids, ok).await;
+    let second = allocate(handle, wait, (1, ids), ok).await;
     assert_eq!(second.as_deref(), Ok("p"));
     let recorded = ledger(&api, "p").unwrap().to_string();
     assert!(recorded.contains("GPU-b"), "{recorded}");

@@ -146,6 +146,16 @@ pub(crate) enum SwapError {
     Unreachable(String),
 }
 
+/// [`within`]'s deadline, passed.
+impl From<WriteError> for SwapError {
+    fn from(e: WriteError) -> Self {
+        match e {
+            WriteError::Gone => SwapError::Gone,
+            WriteError::Unreachable(e) => SwapError::Unreachable(e),
+        }
+    }
+}
+
 /// A pod's records as a swap wrote them.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct Moved {
@@ -161,7 +171,7 @@ pub(crate) struct Swapped {
     pub(super) recorded: Result<Moved, SwapError>,
 }
 
-/// One side of a swap: a pod, where it is, and the records it must carry.
+/// One side of a swap: where its pod is, and the pod as the matcher saw it.
 pub(super) struct Side<'a> {
     pub(super) api: Api<Pod>,
     pub(super) view: &'a PodView,
@@ -207,10 +217,7 @@ async fn read(
     deadline: Instant,
 ) -> Result<(PodView, Records), SwapError> {
     loop {
-        let got = tokio::time::timeout_at(deadline.into(), side.api.get(&side.view.key.name))
-            .await
-            .map_err(|_| SwapError::Unreachable("no answer before the deadline".into()))?;
-        match got {
+        match within(deadline, side.api.get(&side.view.key.name)).await? {
             Ok(pod) => {
                 args.metrics.count_api_request("get");
                 let (view, _) = PodView::from_pod(&args.keys, &pod);
@@ -255,9 +262,7 @@ async fn put(
         });
         let (params, patch) = (PatchParams::default(), Patch::Merge(&patch));
         let patching = side.api.patch(&side.view.key.name, &params, &patch);
-        let result = tokio::time::timeout_at(deadline.into(), patching)
-            .await
-            .map_err(|_| SwapError::Unreachable("no answer before the deadline".into()))?;
+        let result = within(deadline, patching).await?;
         args.metrics.count_api_request("patch");
         match result {
             Ok(pod) => {
